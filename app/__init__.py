@@ -1,0 +1,1 @@
+"""HTTP layer: FastAPI app, API dialect routers, schemas, SSE, auth and the CLI."""

@@ -1,0 +1,179 @@
+"""`kvwarm serve` / `kvwarm prepare`: the composition root.
+
+This is the one place the HTTP layer meets the engine: it preloads OpenBLAS
+before anything imports mlx, validates --model, and hands the app a factory
+that builds the engine thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+from app.settings import Settings
+
+log = logging.getLogger("kvwarm")
+
+_FLAGS: dict[str, dict[str, Any]] = {
+    "model": {"metavar": "PATH"},
+    "host": {},
+    "port": {"type": int},
+    "batch": {"type": int, "metavar": "N"},
+    "memory_budget": {"metavar": "SIZE"},
+    "max_queue": {"type": int, "metavar": "N"},
+    "max_tokens": {"type": int, "metavar": "N"},
+    "prefill_step_size": {"type": int, "metavar": "N"},
+    "log_level": {"choices": ["debug", "info", "warning", "error"]},
+    "api_key": {"metavar": "KEY"},
+    "max_body_bytes": {"metavar": "SIZE"},
+}
+
+
+def _add_settings_flags(parser: argparse.ArgumentParser, names: list[str]) -> None:
+    for name in names:
+        field = Settings.model_fields[name]
+        flag = "--" + name.replace("_", "-")
+        default = "none" if field.default is None else field.default
+        help_text = (
+            f"{field.description} [default: {default}; env KVWARM_{name.upper()}]"
+        ).replace("%%", "%%")
+        parser.add_argument(flag, dest=name, default=None, help=help_text, **_FLAGS[name])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvwarm",
+        description="KV-cache-aware OpenAI-compatible inference server on MLX. "
+        "Every flag can also be set as a KVWARM_* environment variable or in a .env file; "
+        "flags win over the environment.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser(
+        "serve",
+        help="start the HTTP server",
+        description="Serve one model over the OpenAI chat-completions API.",
+    )
+    _add_settings_flags(serve, list(_FLAGS))
+    prepare = sub.add_parser(
+        "prepare",
+        help="convert/load-check the model once and exit (used by `make serve`)",
+        description="Convert a GGUF model (the default one included) into the MLX cache dir.",
+    )
+    _add_settings_flags(prepare, ["model", "log_level"])
+    return parser
+
+
+def load_settings(args: argparse.Namespace) -> Settings:
+    overrides = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+    return Settings(**overrides)
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"kvwarm: error: {message}", file=sys.stderr)
+    return code
+
+
+def _prepare_runtime(settings: Settings):
+    """Logging, BLAS and model resolution; must run before any mlx import."""
+    from engine.blas import preload_openblas
+    from engine.model_source import resolve_model
+    from observability.logging_setup import setup_logging
+
+    setup_logging(settings.log_level)
+    blas = preload_openblas()
+    log.info("BLAS for MLX: %s", blas.describe())
+    return blas, resolve_model(settings.model)
+
+
+def cmd_prepare(settings: Settings) -> int:
+    from engine.model_errors import UnsupportedModelError
+
+    try:
+        _, source = _prepare_runtime(settings)
+        from engine.loader import prepare_model_dir
+
+        path = prepare_model_dir(source)
+    except UnsupportedModelError as exc:
+        return _fail(str(exc))
+    print(path)
+    return 0
+
+
+def cmd_serve(settings: Settings) -> int:
+    import uvicorn
+
+    from app.server import create_app
+    from engine.engine_thread import EngineConfig, EngineThread
+    from engine.model_errors import UnsupportedModelError
+
+    try:
+        blas, source = _prepare_runtime(settings)
+    except UnsupportedModelError as exc:
+        return _fail(str(exc))
+
+    config = EngineConfig(
+        source=source,
+        max_batch=settings.batch,
+        prefill_step_size=settings.prefill_step_size,
+        memory_budget_bytes=settings.memory_budget_bytes,
+        blas=blas.describe(),
+    )
+    server: uvicorn.Server | None = None
+    load_failure: list[str] = []
+
+    def on_load_failure(reason: str) -> None:
+        load_failure.append(reason)
+        if server is not None:
+            server.should_exit = True
+
+    def engine_factory(scheduler, router):
+        return EngineThread(config, scheduler, router, on_load_failure=on_load_failure)
+
+    app = create_app(settings, engine_factory)
+    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
+        log.warning("binding %s without --api-key: anyone who can reach it can use it", settings.host)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_config=None,
+            log_level=settings.log_level,
+            timeout_graceful_shutdown=5,
+        )
+    )
+    log.info(
+        "kvwarm serving on http://%s:%d (batch %d, queue %d, model %s)",
+        settings.host,
+        settings.port,
+        settings.batch,
+        settings.max_queue,
+        source.path,
+    )
+    server.run()
+    if load_failure:
+        return _fail(load_failure[0], code=1)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings(args)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        return _fail(f"invalid settings: {problems}")
+    if args.command == "prepare":
+        return cmd_prepare(settings)
+    return cmd_serve(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Every error leaves as {"error": {"message", "type", "code"}} with the right status."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from scheduler.admission import AdmissionError, QueueFull
+
+log = logging.getLogger("kvwarm.http")
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        error_type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.error_type = error_type
+        self.code = code
+        self.param = param
+        self.headers = headers
+
+
+def error_body(message: str, error_type: str, code: str | None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "code": code, "param": param}}
+
+
+def error_response(
+    status: int,
+    message: str,
+    error_type: str,
+    code: str | None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    return JSONResponse(error_body(message, error_type, code, param), status, headers=headers)
+
+
+def from_admission(exc: AdmissionError) -> APIError:
+    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFull) else None
+    return APIError(exc.status, exc.message, exc.error_type, exc.code, headers=headers)
+
+
+def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "Invalid request body.", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"Request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(), None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    where = f" at '{param}'" if param else ""
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    return f"Invalid request{where}: {first.get('msg', 'invalid value')}{more}", param
+
+
+_STATUS_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+}
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(
+            exc.status, exc.message, exc.error_type, exc.code, exc.param, exc.headers
+        )
+
+    @app.exception_handler(AdmissionError)
+    async def _admission(_: Request, exc: AdmissionError) -> JSONResponse:
+        err = from_admission(exc)
+        return error_response(err.status, err.message, err.error_type, err.code, headers=err.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _describe_validation(exc)
+        return error_response(400, message, "invalid_request_error", "invalid_request", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(
+            exc.status_code,
+            str(exc.detail),
+            _STATUS_TYPES.get(exc.status_code, "invalid_request_error"),
+            None,
+            headers=getattr(exc, "headers", None),
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return error_response(500, f"Internal server error: {exc}", "server_error", "internal_error")

@@ -1,0 +1,58 @@
+"""Resolve what a request asks for into the neutral Request's settings.
+
+Precedence for sampling: explicit request value > the model's
+generation_config.json > OpenAI's documented defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from scheduler.admission import ContextLengthExceeded
+from scheduler.request import SamplingParams
+
+OPENAI_DEFAULTS: dict[str, Any] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+
+
+def resolve_sampling(requested: dict[str, Any], model_defaults: dict[str, Any]) -> SamplingParams:
+    values = {}
+    for name, fallback in OPENAI_DEFAULTS.items():
+        value = requested.get(name)
+        if value is None:
+            value = model_defaults.get(name, fallback)
+        values[name] = value
+    return SamplingParams(
+        temperature=float(values["temperature"]),
+        top_p=float(values["top_p"]),
+        top_k=int(values["top_k"]),
+        min_p=float(values["min_p"]),
+        repetition_penalty=float(values["repetition_penalty"]),
+        presence_penalty=float(values["presence_penalty"]),
+        frequency_penalty=float(values["frequency_penalty"]),
+        seed=requested.get("seed"),
+    )
+
+
+def resolve_max_tokens(
+    requested: int | None, prompt_tokens: int, context_length: int, server_default: int
+) -> int:
+    """An explicit limit is kept as asked (admission refuses it if it cannot fit);
+    an omitted one is the server default clipped to the room left in the context."""
+    if requested is not None:
+        return requested
+    room = context_length - prompt_tokens
+    if room < 1:
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {context_length} tokens. However, "
+            f"your messages resulted in {prompt_tokens} tokens. Please reduce the length "
+            f"of the messages."
+        )
+    return min(server_default, room)

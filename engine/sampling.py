@@ -1,0 +1,79 @@
+"""Per-request samplers and logits processors built from mlx-lm's sample_utils."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    greedy_sampler,
+    make_logits_processors,
+    make_sampler,
+)
+
+from scheduler.request import SamplingParams
+
+Sampler = Callable[[mx.array], mx.array]
+
+
+class SamplerFactory:
+    """Builds one sampler per request.
+
+    mlx-lm's GenerationBatch samples the whole batch in one call when every row
+    holds the *same* sampler object, so identical unseeded settings share one
+    instance. A seeded request gets its own PRNG key chain, which makes its
+    tokens independent of what else is in the batch.
+    """
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+        self._shared: dict[tuple, Sampler] = {}
+
+    def _top_k(self, params: SamplingParams) -> int:
+        return params.top_k if 0 < params.top_k < self.vocab_size else 0
+
+    def sampler(self, params: SamplingParams) -> Sampler:
+        if params.greedy:
+            return greedy_sampler
+        top_k = self._top_k(params)
+        if params.seed is None:
+            key = (params.temperature, params.top_p, params.min_p, top_k)
+            if key not in self._shared:
+                self._shared[key] = make_sampler(
+                    params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=top_k
+                )
+            return self._shared[key]
+        return _seeded_sampler(params, top_k)
+
+    @staticmethod
+    def logits_processors(params: SamplingParams) -> list:
+        return make_logits_processors(
+            repetition_penalty=(
+                None if params.repetition_penalty == 1.0 else params.repetition_penalty
+            ),
+            presence_penalty=params.presence_penalty or None,
+            frequency_penalty=params.frequency_penalty or None,
+        )
+
+
+def _seeded_sampler(params: SamplingParams, top_k: int) -> Sampler:
+    filters: list[Callable[[mx.array], mx.array]] = []
+    if 0 < params.top_p < 1.0:
+        filters.append(lambda x: apply_top_p(x, params.top_p))
+    if params.min_p > 0.0:
+        filters.append(lambda x: apply_min_p(x, params.min_p))
+    if top_k > 0:
+        filters.append(lambda x: apply_top_k(x, top_k))
+    key = [mx.random.key(params.seed)]
+    inv_temp = 1.0 / params.temperature
+
+    def sampler(logprobs: mx.array) -> mx.array:
+        for f in filters:
+            logprobs = f(logprobs)
+        key[0], sub = mx.random.split(key[0])
+        return mx.random.categorical(logprobs * inv_temp, key=sub)
+
+    return sampler

@@ -1,0 +1,54 @@
+"""Stop strings matched on decoded text, never leaking a partial match.
+
+Pure Python (no mlx) so it is unit- and property-testable on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class StopMatcher:
+    """Feed decoded text; get back what is safe to emit and whether a stop hit.
+
+    Text that could be the beginning of a stop string is held back until it is
+    either completed (stop: the held text is dropped along with everything after)
+    or disproved (released on a later feed or by ``flush``).
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(s for s in stops if s)
+        self._held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        if not self.stops:
+            return text
+        buffer = self._held + text
+        first = min(
+            (pos for pos in (buffer.find(s) for s in self.stops) if pos >= 0), default=-1
+        )
+        if first >= 0:
+            self.stopped = True
+            self._held = ""
+            return buffer[:first]
+        keep = self._partial_suffix(buffer)
+        self._held = buffer[len(buffer) - keep :] if keep else ""
+        return buffer[: len(buffer) - keep]
+
+    def flush(self) -> str:
+        """Release held text at the end of generation (no stop can complete now)."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held
+
+    def _partial_suffix(self, buffer: str) -> int:
+        """Length of the longest suffix of ``buffer`` that is a proper prefix of a stop."""
+        best = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(buffer)), best, -1):
+                if buffer.endswith(stop[:n]):
+                    best = n
+                    break
+        return best

@@ -1,0 +1,32 @@
+"""Per-request token -> text: mlx-lm's streaming detokenizer plus stop strings."""
+
+from __future__ import annotations
+
+from engine.stop_matcher import StopMatcher
+
+
+class TextOutput:
+    """Turns one request's generated tokens into safe-to-stream text deltas.
+
+    The streaming detokenizer holds back incomplete UTF-8 sequences, so a
+    multi-byte character is never split across deltas; the stop matcher holds
+    back anything that may begin a stop string.
+    """
+
+    def __init__(self, detokenizer, stops: tuple[str, ...]):
+        self._detok = detokenizer
+        self._stop = StopMatcher(stops)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.stopped
+
+    def add_token(self, token: int) -> str:
+        self._detok.add_token(token)
+        return self._stop.feed(self._detok.last_segment)
+
+    def finish(self) -> str:
+        """Flush everything still held (call once, when generation ends)."""
+        self._detok.finalize()
+        text = self._stop.feed(self._detok.last_segment)
+        return text + self._stop.flush()

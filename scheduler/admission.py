@@ -1,0 +1,179 @@
+"""Memory-budget admission: only admit KV that fits, refuse what never can.
+
+The engine decodes admitted sequences in one left-padded batch cache (mlx-lm's
+``BatchKVCache``): every row is as wide as the widest, and buffers grow in
+256-position steps. The KV a running set S can ever occupy is therefore
+
+    |S| * round_up(max over S of (prompt + max_tokens), 256) * kv_bytes_per_token
+
+Admitting only sets whose bound fits the KV budget makes an out-of-memory in the
+KV cache impossible by construction; transients (attention scores of a prefill
+chunk, concatenations when a row joins) are covered by a separate reserve.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+KV_ALLOCATION_STEP = 256  # mlx-lm's KVCache / BatchKVCache growth step
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str) -> int | None:
+    """Parse '8GB', '512MiB', '1.5g' or a plain byte count; 'auto' -> None."""
+    value = text.strip().lower()
+    if value == "auto":
+        return None
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)", value)
+    if not match or match.group(2) not in _SIZE_UNITS:
+        raise ValueError(f"invalid size {text!r}: use e.g. 8GB, 512MiB, 1073741824 or auto")
+    size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
+    if size <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return size
+
+
+def format_size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(nbytes) < 1024:
+            return f"{nbytes:.1f} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.1f} TiB"
+
+
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
+) -> int:
+    """Keys and values for one position across all layers."""
+    return num_layers * num_kv_heads * head_dim * 2 * dtype_bytes
+
+
+def round_up(n: int, step: int = KV_ALLOCATION_STEP) -> int:
+    return -(-n // step) * step
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """How the memory budget splits into weights, a transient reserve and KV."""
+
+    total_bytes: int
+    weights_bytes: int
+    reserve_bytes: int
+    kv_bytes_per_token: int
+    source: str = "configured"  # where total_bytes came from (flag, Metal, CUDA, RAM)
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return max(0, self.total_bytes - self.weights_bytes - self.reserve_bytes)
+
+    @property
+    def ceiling_tokens(self) -> int:
+        """The most KV positions a single request can ever reserve."""
+        positions = self.kv_budget_bytes // max(1, self.kv_bytes_per_token)
+        return positions - positions % KV_ALLOCATION_STEP
+
+
+def transient_reserve(
+    total_bytes: int,
+    prefill_rows: int,
+    prefill_step: int,
+    context_length: int,
+    num_heads: int,
+) -> int:
+    """Headroom for what is not KV: attention scores of one prefill chunk against
+    a full context (float32), plus a floor for allocator slack and small arrays."""
+    scores = prefill_rows * num_heads * prefill_step * context_length * 4
+    return scores + max(256 * 2**20, total_bytes // 20)
+
+
+class AdmissionError(Exception):
+    """A request refused at the door; maps to an HTTP status and error code."""
+
+    status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_request"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class ContextLengthExceeded(AdmissionError):
+    code = "context_length_exceeded"
+
+
+class OverBudget(AdmissionError):
+    error_type = "memory_admission"
+    code = "context_over_budget"
+
+
+class QueueFull(AdmissionError):
+    status = 429
+    error_type = "rate_limit_error"
+    code = "queue_full"
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineUnavailable(AdmissionError):
+    status = 503
+    error_type = "server_error"
+    code = "engine_unavailable"
+
+
+class AdmissionController:
+    """Decides whether a request can ever run, and whether it can run now."""
+
+    def __init__(self, budget: MemoryBudget, context_length: int):
+        self.budget = budget
+        self.context_length = context_length
+
+    def footprint(self, reserved_tokens: Iterable[int]) -> int:
+        """Upper bound on KV bytes of a batch whose rows reserve these many tokens."""
+        sizes = list(reserved_tokens)
+        if not sizes:
+            return 0
+        return len(sizes) * round_up(max(sizes)) * self.budget.kv_bytes_per_token
+
+    def check_ever_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        total = prompt_tokens + max_tokens
+        if total > self.context_length:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self.context_length} tokens. "
+                f"However, you requested {total} tokens ({prompt_tokens} in the messages, "
+                f"{max_tokens} in the completion). Please reduce the length of the "
+                f"messages or completion."
+            )
+        if self.footprint([total]) > self.budget.kv_budget_bytes:
+            raise OverBudget(
+                f"Request needs {total} KV positions ({prompt_tokens} prompt + {max_tokens} "
+                f"max_tokens) but the memory budget admits at most "
+                f"{self.budget.ceiling_tokens} per request "
+                f"(KV budget {format_size(self.budget.kv_budget_bytes)} of "
+                f"{format_size(self.budget.total_bytes)} total, "
+                f"{self.budget.kv_bytes_per_token} bytes per token). "
+                f"Lower max_tokens or shorten the prompt."
+            )
+
+    def fits_with(self, running: Iterable[int], candidate: int) -> bool:
+        """Would the running set plus ``candidate`` stay within the KV budget?"""
+        return self.footprint([*running, candidate]) <= self.budget.kv_budget_bytes

@@ -1,0 +1,64 @@
+"""Typed boundaries between the HTTP layer, the scheduler and the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from scheduler.admission import MemoryBudget
+
+
+class PromptFormatter(Protocol):
+    """Turns chat messages / text into the token ids the model sees."""
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], **template_kwargs: Any) -> list[int]:
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        ...
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the rest of the server needs to know about the loaded model."""
+
+    model_id: str
+    path: str
+    context_length: int
+    kv_bytes_per_token: int
+    weights_bytes: int
+    budget: MemoryBudget
+    # sampling defaults from generation_config.json (only the fields it sets)
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    formatter: PromptFormatter | None = None
+    blas: str = ""
+    device: str = ""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters the engine thread keeps (read without locks; ints are atomic)."""
+
+    steps: int
+    active_rows: int
+    prefill_tokens: int
+    generated_tokens: int
+
+
+class EngineHandle(Protocol):
+    """The engine as the HTTP layer sees it (implemented by engine.EngineThread)."""
+
+    @property
+    def ready(self) -> bool: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def failure(self) -> str | None: ...
+
+    @property
+    def model_info(self) -> ModelInfo | None: ...
+
+    def engine_stats(self) -> EngineStats: ...

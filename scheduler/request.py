@@ -1,0 +1,85 @@
+"""The neutral request every API dialect is translated into, and its lifecycle."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+_ids = itertools.count(1)
+
+
+def next_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{next(_ids)}-{int(time.time() * 1000) % 10**9}"
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # client went away
+    ERROR = "error"  # the engine failed
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Fully resolved sampling settings (request values over model defaults)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Request:
+    """One generation job. ``prompt_tokens`` are exactly what the model sees."""
+
+    prompt_tokens: list[int]
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    request_id: str = field(default_factory=next_request_id)
+    arrival_time: float = field(default_factory=time.monotonic)
+    state: RequestState = RequestState.WAITING
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV positions this request may ever occupy."""
+        return len(self.prompt_tokens) + self.max_tokens
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one engine step produced for one request (a delta, not a total)."""
+
+    request_id: str
+    text: str = ""
+    token_ids: tuple[int, ...] = ()
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+    # seconds from arrival to the first generated token; set on the output carrying it
+    ttft: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,174 @@
+"""FIFO waiting queue + running set, shared by HTTP handlers and the engine thread.
+
+Handlers call ``add`` / ``abort``; the engine thread calls ``schedule`` once per
+step and ``finish`` when a sequence leaves the batch. One lock guards the state;
+nothing here blocks on the model.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler.admission import AdmissionController, EngineUnavailable, QueueFull
+from scheduler.request import Request, RequestState
+
+
+@dataclass
+class StepPlan:
+    """What the engine must change in its batch before the next step."""
+
+    admit: list[Request] = field(default_factory=list)
+    abort: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.admit or self.abort)
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    waiting: int
+    running: int
+    max_running: int
+    max_queue: int
+    reserved_kv_bytes: int
+    admitted_total: int
+    finished_total: int
+    aborted_total: int
+    rejected_total: int
+
+
+class Scheduler:
+    """Batch policy: at most ``max_running`` sequences decode together (1 = serial),
+    admitted strictly in arrival order while the memory bound allows."""
+
+    def __init__(
+        self, admission: AdmissionController | None, max_running: int, max_queue: int
+    ):
+        if max_running < 1:
+            raise ValueError("max_running must be >= 1")
+        if max_queue < 1:
+            raise ValueError("max_queue must be >= 1")
+        self.admission = admission
+        self.max_running = max_running
+        self.max_queue = max_queue
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._waiting: deque[Request] = deque()
+        self._running: dict[str, Request] = {}
+        self._pending_aborts: set[str] = set()
+        self._admitted = self._finished = self._aborted = self._rejected = 0
+        self._closed: str | None = None  # set once the engine is gone for good
+
+    # -- handler side -------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a request or raise an AdmissionError (400 / 429 / 503)."""
+        if self.admission is None:
+            raise EngineUnavailable("The model is still loading; retry shortly.")
+        try:
+            self.admission.check_ever_fits(len(request.prompt_tokens), request.max_tokens)
+        except Exception:
+            with self._lock:
+                self._rejected += 1
+            raise
+        with self._lock:
+            if self._closed is not None:
+                raise EngineUnavailable(f"The inference engine is not running: {self._closed}")
+            if len(self._waiting) >= self.max_queue:
+                self._rejected += 1
+                raise QueueFull(
+                    f"The server is busy: {len(self._waiting)} requests are already "
+                    f"waiting (--max-queue {self.max_queue}). Retry later.",
+                    retry_after=1 + len(self._waiting) // self.max_running,
+                )
+            request.state = RequestState.WAITING
+            self._waiting.append(request)
+        self._wake.set()
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; a running one leaves the batch at the next step."""
+        with self._lock:
+            for req in self._waiting:
+                if req.request_id == request_id:
+                    self._waiting.remove(req)
+                    req.state = RequestState.ABORTED
+                    self._aborted += 1
+                    return
+            if request_id in self._running:
+                self._pending_aborts.add(request_id)
+        self._wake.set()
+
+    # -- engine side --------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        with self._lock:
+            plan.abort = sorted(self._pending_aborts)
+            self._pending_aborts.clear()
+            for request_id in plan.abort:
+                req = self._running.pop(request_id, None)
+                if req is not None:
+                    req.state = RequestState.ABORTED
+                    self._aborted += 1
+            reserved = [r.reserved_tokens for r in self._running.values()]
+            while self._waiting and len(self._running) < self.max_running:
+                head = self._waiting[0]
+                if not self.admission.fits_with(reserved, head.reserved_tokens):
+                    break  # FIFO: the head waits for memory; nobody overtakes it
+                self._waiting.popleft()
+                head.state = RequestState.RUNNING
+                self._running[head.request_id] = head
+                reserved.append(head.reserved_tokens)
+                plan.admit.append(head)
+                self._admitted += 1
+        return plan
+
+    def finish(self, request_id: str) -> None:
+        with self._lock:
+            req = self._running.pop(request_id, None)
+            self._pending_aborts.discard(request_id)
+            if req is not None:
+                req.state = RequestState.FINISHED
+                self._finished += 1
+
+    def fail_all(self, reason: str) -> list[Request]:
+        """Drop every waiting and running request and refuse new ones (the engine died)."""
+        with self._lock:
+            self._closed = reason
+            dropped = [*self._running.values(), *self._waiting]
+            self._running.clear()
+            self._waiting.clear()
+            self._pending_aborts.clear()
+            for req in dropped:
+                req.state = RequestState.ABORTED
+        return dropped
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return bool(self._waiting or self._running or self._pending_aborts)
+
+    def wait_for_work(self, timeout: float) -> None:
+        """Block the engine thread until a handler adds or aborts something."""
+        if self._wake.wait(timeout):
+            self._wake.clear()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stats(self) -> SchedulerStats:
+        with self._lock:
+            return SchedulerStats(
+                waiting=len(self._waiting),
+                running=len(self._running),
+                max_running=self.max_running,
+                max_queue=self.max_queue,
+                reserved_kv_bytes=self.admission.footprint(
+                    r.reserved_tokens for r in self._running.values()
+                )
+                if self.admission
+                else 0,
+                admitted_total=self._admitted,
+                finished_total=self._finished,
+                aborted_total=self._aborted,
+                rejected_total=self._rejected,
+            )

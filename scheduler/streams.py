@@ -1,0 +1,42 @@
+"""Per-request async streams fed from the engine thread, one hop per step."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+from scheduler.request import RequestOutput
+
+
+class OutputRouter:
+    """Owns one asyncio.Queue per in-flight request.
+
+    The engine thread calls ``publish`` with everything one step produced; that is
+    a single ``call_soon_threadsafe`` into the event loop, however many tokens.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop = loop
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+
+    def open(self, request_id: str) -> asyncio.Queue[RequestOutput]:
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request_id] = queue
+        return queue
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def publish(self, outputs: Iterable[RequestOutput]) -> None:
+        batch = list(outputs)
+        if batch and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._dispatch, batch)
+
+    def _dispatch(self, batch: list[RequestOutput]) -> None:
+        for output in batch:
+            queue = self._queues.get(output.request_id)
+            if queue is not None:  # None: the client already left
+                queue.put_nowait(output)
+
+    def __len__(self) -> int:
+        return len(self._queues)
