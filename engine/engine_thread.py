@@ -47,7 +47,7 @@ class EngineThread(threading.Thread):
         self.router = router
         self._on_load_failure = on_load_failure
         self._ready = threading.Event()
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
         self._failure: str | None = None
         self._model_info: ModelInfo | None = None
         self._runner = None
@@ -61,7 +61,7 @@ class EngineThread(threading.Thread):
 
     @property
     def alive(self) -> bool:
-        return self._failure is None and not self._stop.is_set()
+        return self._failure is None and not self._stopping.is_set()
 
     @property
     def failure(self) -> str | None:
@@ -85,7 +85,7 @@ class EngineThread(threading.Thread):
         return self.ready
 
     def stop(self) -> None:
-        self._stop.set()
+        self._stopping.set()
         self.scheduler.wake()
 
     def inject_fault(self, exc: BaseException) -> None:
@@ -179,7 +179,7 @@ class EngineThread(threading.Thread):
     def _loop(self) -> None:
         runner = self._runner
         scheduler = self.scheduler
-        while not self._stop.is_set():
+        while not self._stopping.is_set():
             if self._fault is not None:
                 raise self._fault
             plan = scheduler.schedule()

@@ -1,0 +1,77 @@
+# kvwarm: `make serve` and `make test` work on a fresh machine.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+HOST ?= 127.0.0.1
+PORT ?= 8080
+
+UNAME := $(shell uname -s)
+ifeq ($(UNAME),Linux)
+MLX_EXTRA ?= cpu        # override with MLX_EXTRA=cuda on NVIDIA machines
+else
+MLX_EXTRA ?=
+endif
+MLX_EXTRA := $(strip $(MLX_EXTRA))
+OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
+
+.PHONY: install install-dev system-deps serve test test-fast bench lint clean help
+
+help:
+	@echo "make serve   install, prepare the default model, serve on $(HOST):$(PORT)"
+	@echo "make test    install dev tools and run the whole suite"
+	@echo "make bench   throughput/TTFT benchmark vs mlx_lm.server"
+	@echo "make install create $(VENV) and install kvwarm (idempotent)"
+
+# OpenBLAS makes MLX's Linux CPU backend ~50x faster at matmul (see DESIGN.md).
+system-deps:
+	@if [ "$(UNAME)" = Linux ] && [ ! -e "$(OPENBLAS)" ] && command -v apt-get >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=skip; fi; \
+	  if [ "$$SUDO" = skip ]; then \
+	    echo "note: not root; install libopenblas0-pthread for fast CPU inference"; \
+	  else \
+	    echo "installing libopenblas0-pthread (fast BLAS for MLX on CPU)"; \
+	    $$SUDO apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 || \
+	    { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q libopenblas0-pthread >/dev/null; } || \
+	    echo "warning: could not install libopenblas0-pthread; MLX will use its slow reference BLAS"; \
+	  fi; \
+	fi
+
+$(VENV)/.installed: pyproject.toml deploy/pip_requirements.py Makefile
+	@$(MAKE) --no-print-directory system-deps
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools
+	$(PIP) install -q --no-deps -e .
+	$(PY) deploy/pip_requirements.py $(MLX_EXTRA) > $(VENV)/requirements.txt
+	$(PIP) install -q -r $(VENV)/requirements.txt
+	$(PIP) install -q --no-deps $$($(PY) deploy/pip_requirements.py --no-deps-only)
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PY) deploy/pip_requirements.py $(MLX_EXTRA) dev > $(VENV)/requirements-dev.txt
+	$(PIP) install -q -r $(VENV)/requirements-dev.txt
+	touch $@
+
+install: $(VENV)/.installed
+
+install-dev: $(VENV)/.installed-dev
+
+serve: install
+	$(VENV)/bin/kvwarm prepare
+	$(VENV)/bin/kvwarm serve --host $(HOST) --port $(PORT)
+
+test: install-dev
+	$(VENV)/bin/pytest
+
+test-fast: install-dev
+	$(VENV)/bin/pytest -m "not e2e"
+
+bench: install-dev
+	$(PY) bench/bench_serving.py
+
+lint: install-dev
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,143 @@
+"""The engine thread behind the scheduler, on a tiny random llama."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from engine.engine_thread import EngineConfig, EngineThread
+from engine.model_source import ModelSource
+from scheduler.admission import EngineUnavailable
+from scheduler.request import FinishReason, Request, SamplingParams
+from scheduler.scheduler import Scheduler
+from scheduler.service import GenerationService
+from scheduler.streams import OutputRouter
+
+
+class Harness:
+    def __init__(self, model_dir, batch=4, budget=None):
+        self.model_dir = model_dir
+        self.batch = batch
+        self.budget = budget
+
+    async def __aenter__(self):
+        router = OutputRouter(asyncio.get_running_loop())
+        self.scheduler = Scheduler(None, max_running=self.batch, max_queue=16)
+        config = EngineConfig(
+            source=ModelSource("mlx", self.model_dir, "tiny"),
+            max_batch=self.batch,
+            prefill_step_size=32,
+            memory_budget_bytes=self.budget,
+        )
+        self.engine = EngineThread(config, self.scheduler, router)
+        self.engine.start()
+        while not self.engine.ready and self.engine.alive:
+            await asyncio.sleep(0.02)
+        assert self.engine.ready, self.engine.failure
+        self.service = GenerationService(self.scheduler, router, self.engine)
+        self.formatter = self.engine.model_info.formatter
+        return self
+
+    async def __aexit__(self, *exc):
+        self.engine.stop()
+        self.engine.join(10)
+
+    def request(self, text, max_tokens=16, **kw) -> Request:
+        kw.setdefault("sampling", SamplingParams(temperature=0.0))
+        return Request(self.formatter.render_chat([{"role": "user", "content": text}]), max_tokens, **kw)
+
+    async def run(self, req: Request):
+        outs = [o async for o in self.service.submit(req)]
+        return "".join(o.text for o in outs), [t for o in outs for t in o.token_ids], outs[-1]
+
+
+async def test_greedy_generation_is_deterministic_and_stops_at_length(tiny_llama_dir):
+    async with Harness(tiny_llama_dir) as h:
+        a = await h.run(h.request("hello", max_tokens=12, ignore_eos=True))
+        b = await h.run(h.request("hello", max_tokens=12, ignore_eos=True))
+    assert a[1] == b[1] and len(a[1]) == 12
+    assert a[2].finish_reason == FinishReason.LENGTH
+    assert a[2].completion_tokens == 12 and a[2].prompt_tokens > 0
+
+
+async def test_stop_string_ends_generation_and_is_excluded(tiny_llama_dir):
+    async with Harness(tiny_llama_dir) as h:
+        text, _, _ = await h.run(h.request("abc", max_tokens=30, ignore_eos=True))
+        assert len(text) >= 6
+        stop = text[3:5]
+        cut, tokens, last = await h.run(h.request("abc", max_tokens=30, ignore_eos=True, stop=(stop,)))
+    assert cut == text[: text.find(stop)]
+    assert last.finish_reason == FinishReason.STOP
+    assert len(tokens) < 30
+
+
+async def test_seeded_sampling_is_reproducible_and_seed_sensitive(tiny_llama_dir):
+    def params(seed):
+        return SamplingParams(temperature=1.0, top_p=0.9, seed=seed)
+
+    async with Harness(tiny_llama_dir) as h:
+        runs = await asyncio.gather(
+            *(h.run(h.request("x", 24, sampling=params(s), ignore_eos=True)) for s in (1, 1, 2))
+        )
+    assert runs[0][1] == runs[1][1]
+    assert runs[0][1] != runs[2][1]
+
+
+async def test_abort_frees_the_batch_slot_within_a_step(tiny_llama_dir):
+    async with Harness(tiny_llama_dir, batch=1) as h:
+        long = h.request("long", max_tokens=5000, ignore_eos=True)
+        stream = h.service.submit(long)
+        await stream.__anext__()  # generating now
+        assert h.engine.engine_stats().active_rows == 1
+        steps_before = h.engine.engine_stats().steps
+        await stream.aclose()  # the client went away
+        deadline = time.monotonic() + 5
+        while h.engine.engine_stats().active_rows and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        assert h.engine.engine_stats().active_rows == 0
+        assert h.engine.engine_stats().steps - steps_before <= 2
+        assert h.scheduler.stats().aborted_total == 1
+        # the single slot serves the next request
+        _, tokens, last = await h.run(h.request("next", 4, ignore_eos=True))
+        assert len(tokens) == 4 and last.finish_reason == FinishReason.LENGTH
+
+
+async def test_engine_death_fails_in_flight_requests_and_refuses_new_ones(tiny_llama_dir):
+    async with Harness(tiny_llama_dir, batch=1) as h:
+        running = h.service.submit(h.request("a", 5000, ignore_eos=True))
+        waiting = h.service.submit(h.request("b", 10, ignore_eos=True))
+        await running.__anext__()
+        h.engine.inject_fault(RuntimeError("simulated Metal failure"))
+        async def last(stream):
+            return [o async for o in stream][-1]
+
+        tails = await asyncio.wait_for(asyncio.gather(last(running), last(waiting)), 5)
+        assert all(t.finish_reason == FinishReason.ERROR for t in tails)
+        assert all("simulated Metal failure" in t.error for t in tails)
+        assert not h.engine.alive and not h.engine.ready
+        with pytest.raises(EngineUnavailable):
+            h.service.submit(h.request("c", 4))
+
+
+async def test_memory_budget_holds_back_requests_that_do_not_fit_together(tiny_llama_dir):
+    async with Harness(tiny_llama_dir, batch=4) as h:
+        budget = h.engine.model_info.budget
+        per_token = budget.kv_bytes_per_token
+        # shrink the KV budget to exactly one 512-position row
+        h.scheduler.admission.budget = type(budget)(
+            total_bytes=budget.weights_bytes + budget.reserve_bytes + 512 * per_token,
+            weights_bytes=budget.weights_bytes,
+            reserve_bytes=budget.reserve_bytes,
+            kv_bytes_per_token=per_token,
+        )
+        first = h.service.submit(h.request("one", 400, ignore_eos=True))
+        second = h.service.submit(h.request("two", 400, ignore_eos=True))
+        await first.__anext__()
+        await asyncio.sleep(0.2)
+        stats = h.scheduler.stats()
+        assert (stats.running, stats.waiting) == (1, 1)  # waits for memory, not a batch slot
+        await first.aclose()
+        out = [o async for o in second]
+        assert out[-1].finish_reason == FinishReason.LENGTH

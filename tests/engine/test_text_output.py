@@ -1,0 +1,51 @@
+"""Token -> text streaming on a byte-level tokenizer: every UTF-8 byte is its
+own token, so multi-byte characters really do arrive in pieces."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.text_output import TextOutput
+
+TEXT = st.text(
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\r"),
+    max_size=60,
+)
+
+
+def _stream(tokenizer, text: str, stops: tuple[str, ...] = ()) -> list[str]:
+    out = TextOutput(tokenizer.detokenizer, stops)
+    chunks = []
+    for tok in tokenizer.encode(text, add_special_tokens=False):
+        chunks.append(out.add_token(tok))
+        if out.stopped:
+            break
+    chunks.append(out.finish())
+    return chunks
+
+
+def test_multibyte_characters_are_never_split(byte_tokenizer):
+    text = "héllo 世界 🙂 ok"
+    chunks = _stream(byte_tokenizer, text)
+    assert "".join(chunks) == text
+    assert all("\ufffd" not in c for c in chunks)
+    # the emoji's four bytes were four tokens but arrive as one piece
+    assert any("🙂" in c for c in chunks)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=TEXT)
+def test_stream_reassembles_any_text_without_replacement_chars(byte_tokenizer, text):
+    chunks = _stream(byte_tokenizer, text.lstrip(" "))
+    assert "".join(chunks) == text.lstrip(" ")
+    assert all("\ufffd" not in c for c in chunks)
+
+
+@settings(max_examples=60, deadline=None)
+@given(text=TEXT, stop=st.text(min_size=1, max_size=4))
+def test_stop_string_cuts_output_exactly(byte_tokenizer, text, stop):
+    text = text.lstrip(" ")
+    chunks = _stream(byte_tokenizer, text, (stop,))
+    expected = text[: text.find(stop)] if stop in text else text
+    assert "".join(chunks) == expected

@@ -1,0 +1,119 @@
+"""A model-free engine for HTTP-contract tests: same scheduler, same streams,
+tokens are words "w0 w1 ..." produced at a controlled pace."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from scheduler.admission import AdmissionController, MemoryBudget
+from scheduler.contracts import EngineStats, ModelInfo
+from scheduler.request import FinishReason, RequestOutput
+from scheduler.scheduler import Scheduler
+from scheduler.streams import OutputRouter
+
+
+class CharFormatter:
+    """One token per character of the rendered transcript."""
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], **_: Any) -> list[int]:
+        text = "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages) + "<assistant>"
+        return self.encode(text)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) % 256 for c in text]
+
+
+class FakeEngine(threading.Thread):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        router: OutputRouter,
+        context_length: int = 2048,
+        kv_budget_tokens: int = 4096,
+        step_delay: float = 0.005,
+        eos_after: int | None = None,
+    ):
+        super().__init__(daemon=True, name="fake-engine")
+        self.scheduler = scheduler
+        self.router = router
+        self.step_delay = step_delay
+        self.eos_after = eos_after
+        budget = MemoryBudget(
+            total_bytes=1000 + 500 + kv_budget_tokens * 10,
+            weights_bytes=1000,
+            reserve_bytes=500,
+            kv_bytes_per_token=10,
+        )
+        self.info = ModelInfo(
+            model_id="fake-model",
+            path="/fake",
+            context_length=context_length,
+            kv_bytes_per_token=10,
+            weights_bytes=1000,
+            budget=budget,
+            formatter=CharFormatter(),
+        )
+        scheduler.admission = AdmissionController(budget, context_length)
+        self._active: dict[str, list] = {}
+        self._halt = threading.Event()
+        self._failure: str | None = None
+        self._fault: BaseException | None = None
+        self.steps = 0
+
+    ready = property(lambda self: self.alive)
+    alive = property(lambda self: self._failure is None and not self._halt.is_set())
+    failure = property(lambda self: self._failure)
+    model_info = property(lambda self: self.info)
+
+    def engine_stats(self) -> EngineStats:
+        return EngineStats(self.steps, len(self._active), 0, 0)
+
+    def inject_fault(self, exc: BaseException) -> None:
+        self._fault = exc
+        self.scheduler.wake()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.scheduler.wake()
+
+    def run(self) -> None:
+        try:
+            while not self._halt.is_set():
+                if self._fault is not None:
+                    raise self._fault
+                plan = self.scheduler.schedule()
+                for rid in plan.abort:
+                    self._active.pop(rid, None)
+                for req in plan.admit:
+                    self._active[req.request_id] = [req, 0]
+                if not self._active:
+                    self.scheduler.wait_for_work(0.05)
+                    continue
+                outputs = []
+                for rid, entry in list(self._active.items()):
+                    req, n = entry
+                    entry[1] = n = n + 1
+                    finish = None
+                    if self.eos_after is not None and n >= self.eos_after and not req.ignore_eos:
+                        finish = FinishReason.STOP
+                    elif n >= req.max_tokens:
+                        finish = FinishReason.LENGTH
+                    outputs.append(
+                        RequestOutput(rid, f"w{n - 1} ", (n,), finish, len(req.prompt_tokens), n)
+                    )
+                    if finish:
+                        del self._active[rid]
+                        self.scheduler.finish(rid)
+                self.steps += 1
+                self.router.publish(outputs)
+                time.sleep(self.step_delay)
+        except BaseException as exc:  # noqa: BLE001
+            self._failure = f"engine step failed: {exc}"
+            dropped = self.scheduler.fail_all(self._failure)
+            self.router.publish(
+                RequestOutput(r.request_id, finish_reason=FinishReason.ERROR, error=self._failure)
+                for r in dropped
+            )

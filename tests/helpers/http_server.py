@@ -1,0 +1,45 @@
+"""Run a kvwarm FastAPI app on a real socket in a background thread."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import uvicorn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_app(app, wait_ready: bool = True, timeout: float = 60) -> Iterator[str]:
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            status = httpx.get(f"{base}/health", timeout=2).status_code
+            if status == 200 or (not wait_ready and status == 503):
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"server on {base} did not become ready")
+        time.sleep(0.05)
+    try:
+        yield base
+    finally:
+        server.should_exit = True
+        thread.join(15)

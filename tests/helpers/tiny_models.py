@@ -1,0 +1,108 @@
+"""Tiny models and a byte-level tokenizer for engine tests (no downloads)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
+
+EOS = "<|eos|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+SPECIALS = [EOS, "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"]
+BYTE_VOCAB = 256
+VOCAB_SIZE = BYTE_VOCAB + len(SPECIALS)
+
+
+def write_byte_tokenizer(path: Path) -> None:
+    """One token per UTF-8 byte: multi-byte characters span several tokens,
+    which is exactly what streaming detokenisation must cope with."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_text(tok.to_str())
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS,
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 4096,
+                "clean_up_tokenization_spaces": False,
+            }
+        )
+    )
+
+
+def write_tiny_llama(path: Path, seed: int = 0, context: int = 8192, generation: dict | None = None) -> Path:
+    """A random-weight llama (hidden 64, 2 layers) saved as an mlx-lm directory."""
+    config = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": context,
+        "tie_word_embeddings": True,
+        "rope_theta": 10000.0,
+    }
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    if generation is not None:
+        (path / "generation_config.json").write_text(json.dumps(generation))
+    write_byte_tokenizer(path)
+    return path
+
+
+class KVSumModel(nn.Module):
+    """Next token = f(sum, count) of the tokens in *its own* KV cache row.
+
+    Keys are zeros and values are the token ids; the model reads the cache
+    through the mask mlx-lm builds (causal, left padding of batch rows), so any
+    cross-talk between rows, a wrong mask or a stale/padded position changes
+    the sum or the count and therefore the token, exactly and deterministically.
+    """
+
+    vocab_size = VOCAB_SIZE
+
+    def __init__(self):
+        super().__init__()
+        self.layers = [None]  # one cache layer
+
+    def make_cache(self):
+        return [KVCache()]
+
+    def __call__(self, inputs: mx.array, cache=None, **_) -> mx.array:
+        B, L = inputs.shape
+        c = cache[0]
+        mask = c.make_mask(L, return_array=True)
+        vals = inputs.astype(mx.float32).reshape(B, 1, L, 1)
+        _, values = c.update_and_fetch(mx.zeros((B, 1, L, 1)), vals)
+        S = values.shape[2]
+        if mask is None:
+            mask = mx.ones((L, S), dtype=mx.bool_)
+        mask = mx.broadcast_to(mask.reshape(-1, 1, L, S) if mask.ndim == 4 else mask, (B, 1, L, S))
+        row = values.reshape(B, 1, 1, S)
+        total = mx.sum(mx.where(mask, row, 0.0), axis=-1).reshape(B, L)
+        count = mx.sum(mask.astype(mx.float32), axis=-1).reshape(B, L)
+        nxt = (total * 7 + count * 3).astype(mx.int32) % BYTE_VOCAB
+        return mx.where(mx.arange(self.vocab_size) == nxt[..., None], 10.0, -10.0)

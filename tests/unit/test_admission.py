@@ -1,0 +1,94 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from scheduler.admission import (
+    AdmissionController,
+    ContextLengthExceeded,
+    MemoryBudget,
+    OverBudget,
+    kv_bytes_per_token,
+    parse_size,
+    round_up,
+)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("8GB", 8 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5g", int(1.5 * 10**9)),
+        ("1024", 1024),
+        ("2 GiB", 2 * 2**30),
+        ("auto", None),
+        ("AUTO", None),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1GB", "0", "12XB", "GB"])
+def test_parse_size_rejects_garbage(text):
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def test_kv_bytes_per_token_smollm2_float32():
+    # 30 layers x 3 kv heads x 64 dims x (k and v) x 4 bytes
+    assert kv_bytes_per_token(30, 3, 64, 4) == 46080
+
+
+def budget(kv_tokens: int, per_token: int = 100) -> MemoryBudget:
+    return MemoryBudget(
+        total_bytes=10_000 + 1_000 + kv_tokens * per_token,
+        weights_bytes=10_000,
+        reserve_bytes=1_000,
+        kv_bytes_per_token=per_token,
+    )
+
+
+def test_budget_split_and_ceiling():
+    b = budget(1000)
+    assert b.kv_budget_bytes == 100_000
+    assert b.ceiling_tokens == 768  # whole 256-position allocation steps only
+
+
+def test_never_fits_is_over_budget_and_names_the_ceiling():
+    ctl = AdmissionController(budget(1024), context_length=100_000)
+    ctl.check_ever_fits(24, 1000)
+    with pytest.raises(OverBudget) as exc:
+        ctl.check_ever_fits(24, 1001)
+    assert exc.value.code == "context_over_budget" and exc.value.error_type == "memory_admission"
+    assert "1024" in exc.value.message
+
+
+def test_context_limit_checked_before_memory():
+    ctl = AdmissionController(budget(10), context_length=2048)
+    with pytest.raises(ContextLengthExceeded) as exc:
+        ctl.check_ever_fits(2000, 49)
+    assert exc.value.code == "context_length_exceeded"
+    ctl_big = AdmissionController(budget(4096), context_length=2048)
+    ctl_big.check_ever_fits(2000, 48)
+
+
+def test_footprint_is_the_padded_rectangle():
+    ctl = AdmissionController(budget(4096, per_token=1), context_length=10**6)
+    # a long row makes every row as wide as it is
+    assert ctl.footprint([1000, 10, 10]) == 3 * 1024
+    assert ctl.fits_with([1000, 10, 10], 10)  # 4 rows x 1024 = 4096: exactly fits
+    assert not ctl.fits_with([1000, 10, 10, 10], 10)  # 5 x 1024 does not
+    # the same five short rows alone are cheap: only width counts, not the sum
+    assert ctl.fits_with([10, 10, 10, 10], 10)
+    assert ctl.footprint([]) == 0
+
+
+@given(st.lists(st.integers(1, 5000), min_size=1, max_size=16), st.integers(1, 5000))
+def test_admitted_sets_never_exceed_budget(running, candidate):
+    ctl = AdmissionController(budget(20_000, per_token=3), context_length=10**6)
+    if ctl.fits_with(running, candidate):
+        assert ctl.footprint([*running, candidate]) <= ctl.budget.kv_budget_bytes
+    assert round_up(candidate) >= candidate

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+import pytest
+
+from app.generation_params import resolve_max_tokens, resolve_sampling
+from scheduler.admission import ContextLengthExceeded
+
+
+def test_request_beats_model_defaults_beats_openai_defaults():
+    model = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    p = resolve_sampling({"temperature": 0.0, "seed": 7}, model)
+    assert p.temperature == 0.0 and p.greedy  # explicit 0 is not "missing"
+    assert p.top_p == 0.95 and p.top_k == 20  # from generation_config.json
+    assert p.min_p == 0.0 and p.repetition_penalty == 1.0  # OpenAI defaults
+    assert p.seed == 7
+
+
+def test_no_defaults_anywhere_means_openai_sampling():
+    p = resolve_sampling({}, {})
+    assert (p.temperature, p.top_p, p.seed) == (1.0, 1.0, None)
+
+
+def test_max_tokens_default_is_clipped_to_the_room_left():
+    assert resolve_max_tokens(None, 100, 1000, 2048) == 900
+    assert resolve_max_tokens(None, 100, 10_000, 2048) == 2048
+    assert resolve_max_tokens(5000, 100, 1000, 2048) == 5000  # explicit: admission decides
+    with pytest.raises(ContextLengthExceeded):
+        resolve_max_tokens(None, 1000, 1000, 2048)

@@ -1,0 +1,284 @@
+"""HTTP contract over a real socket with a model-free engine: status codes,
+error bodies, SSE framing, auth, limits, disconnects and engine death."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from app.server import create_app
+from app.settings import Settings
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.http_server import serve_app
+
+CHAT = "/v1/chat/completions"
+
+
+def make_app(settings: Settings | None = None, **engine_kw):
+    settings = settings or Settings(_env_file=None)
+    return create_app(settings, lambda s, r: FakeEngine(s, r, **engine_kw))
+
+
+def msgs(text="hi"):
+    return [{"role": "user", "content": text}]
+
+
+def assert_error(resp: httpx.Response, status: int, code: str | None = None, type_: str | None = None):
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) >= {"message", "type", "code"} and err["message"]
+    if code:
+        assert err["code"] == code
+    if type_:
+        assert err["type"] == type_
+    return err
+
+
+@pytest.fixture(scope="module")
+def base():
+    with serve_app(make_app(eos_after=5)) as url:
+        yield url
+
+
+def test_non_streaming_completion_shape(base):
+    r = httpx.post(base + CHAT, json={"model": "gpt-4o", "messages": msgs(), "max_tokens": 3})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["model"] == "fake-model"  # whatever the client asked for
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "w0 w1 w2 "}
+    assert choice["finish_reason"] == "length"
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 3
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 3
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_eos_finishes_with_stop(base):
+    r = httpx.post(base + CHAT, json={"messages": msgs(), "max_tokens": 50})
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_max_completion_tokens_wins_over_max_tokens(base):
+    r = httpx.post(base + CHAT, json={"messages": msgs(), "max_tokens": 1, "max_completion_tokens": 2})
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_text_parts_and_all_roles_are_accepted(base):
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    assert httpx.post(base + CHAT, json={"messages": messages, "max_tokens": 1}).status_code == 200
+
+
+def sse_events(resp: httpx.Response) -> list:
+    events = []
+    for line in resp.iter_lines():
+        if line.startswith("data: "):
+            data = line[6:]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_streaming_framing_and_usage(base):
+    body = {"messages": msgs(), "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", base + CHAT, json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert text == "w0 w1 w2 "
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [f["choices"][0]["finish_reason"] for f in finals] == ["length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_streaming_without_usage_has_no_usage_field(base):
+    with httpx.stream("POST", base + CHAT, json={"messages": msgs(), "max_tokens": 2, "stream": True}) as r:
+        events = sse_events(r)
+    assert all("usage" not in e for e in events[:-1])
+
+
+@pytest.mark.parametrize(
+    "content, payload",
+    [
+        ("application/json", b'{"messages": [{"role": "user", "content": "x"}'),  # truncated JSON
+        ("application/json", b"[1, 2]"),
+        ("application/json", b'{"messages": []}'),
+        ("application/json", b'{"messages": "hello"}'),
+        ("application/json", b'{"messages": [{"role": "wizard", "content": "x"}]}'),
+        ("application/json", b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}'),
+        ("application/json", b'{"messages": [{"role": "user", "content": "x"}], "n": 2}'),
+        ("application/json", b'{"messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}'),
+        ("application/json", b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}'),
+        ("text/plain", b"not json"),
+    ],
+)
+def test_malformed_requests_get_400_in_openai_shape(base, content, payload):
+    r = httpx.post(base + CHAT, content=payload, headers={"content-type": content})
+    assert_error(r, 400, type_="invalid_request_error")
+    assert "detail" not in r.json()
+
+
+def test_over_context_is_400_context_length_exceeded(base):
+    r = httpx.post(base + CHAT, json={"messages": msgs(), "max_tokens": 2040})
+    err = assert_error(r, 400, "context_length_exceeded")
+    assert "2048" in err["message"]
+
+
+def test_prompt_longer_than_context_without_max_tokens_is_400(base):
+    r = httpx.post(base + CHAT, json={"messages": msgs("x" * 3000)})
+    assert_error(r, 400, "context_length_exceeded")
+
+
+def test_over_budget_is_400_memory_admission_naming_the_ceiling():
+    with serve_app(make_app(context_length=8192, kv_budget_tokens=1024)) as url:
+        r = httpx.post(url + CHAT, json={"messages": msgs(), "max_tokens": 2000})
+        err = assert_error(r, 400, "context_over_budget", "memory_admission")
+        assert "1024" in err["message"]  # the ceiling
+        ok = httpx.post(url + CHAT, json={"messages": msgs(), "max_tokens": 100})
+        assert ok.status_code == 200
+
+
+def test_unknown_route_and_method_use_the_error_shape(base):
+    assert_error(httpx.get(base + "/v1/nope"), 404)
+    assert_error(httpx.get(base + CHAT), 405)
+
+
+def test_models_health_and_stats(base):
+    models = httpx.get(base + "/v1/models").json()
+    assert models["data"][0]["id"] == "fake-model"
+    assert models["data"][0]["context_length"] == 2048
+    assert httpx.get(base + "/health").json() == {"status": "ok"}
+    stats = httpx.get(base + "/stats").json()
+    assert stats["model"] == "fake-model"
+    assert stats["admission"]["ceiling_tokens"] == 4096
+    assert stats["admission"]["budget_bytes"] > 0
+    assert stats["batch"]["configured"] == 8
+    assert "active_rows" in stats["batch"] and stats["queue"]["depth"] == 0
+
+
+def _wait(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_full_queue_is_429_with_retry_after():
+    settings = Settings(_env_file=None, batch=1, max_queue=1)
+    with serve_app(make_app(settings, step_delay=0.01)) as url:
+        body = {"messages": msgs(), "max_tokens": 100000 // 100, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + CHAT, json=body) as running:
+            running_lines = running.iter_lines()  # keep a reference: closing it disconnects
+            next(running_lines)
+            with httpx.Client(timeout=30) as c:
+                stats = lambda: c.get(url + "/stats").json()  # noqa: E731
+                with c.stream("POST", url + CHAT, json=body) as queued:
+                    _wait(lambda: stats()["queue"]["depth"] == 1)
+                    r = c.post(url + CHAT, json={"messages": msgs(), "max_tokens": 5})
+                    err = assert_error(r, 429, "queue_full")
+                    assert int(r.headers["retry-after"]) >= 1
+                    assert "--max-queue 1" in err["message"]
+                    assert queued.status_code == 200
+            assert running.status_code == 200
+
+
+def test_client_disconnect_aborts_and_frees_the_slot():
+    settings = Settings(_env_file=None, batch=1)
+    app = make_app(settings, step_delay=0.01)
+    with serve_app(app) as url:
+        engine = app.state.kvwarm.engine
+        body = {"messages": msgs(), "max_tokens": 1000, "stream": True}
+        with httpx.stream("POST", url + CHAT, json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            next(lines)
+            assert engine.engine_stats().active_rows == 1
+        _wait(lambda: engine.engine_stats().active_rows == 0)
+        stats = httpx.get(url + "/stats").json()
+        assert stats["requests"]["aborted"] == 1 and stats["batch"]["running_requests"] == 0
+        # the freed slot serves the next request straight away
+        r = httpx.post(url + CHAT, json={"messages": msgs(), "max_tokens": 2}, timeout=5)
+        assert r.status_code == 200
+
+
+def test_non_streaming_disconnect_aborts_too():
+    app = make_app(Settings(_env_file=None, batch=1), step_delay=0.01)
+    with serve_app(app) as url:
+        engine = app.state.kvwarm.engine
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + CHAT, json={"messages": msgs(), "max_tokens": 1000}, timeout=0.3)
+        _wait(lambda: app.state.kvwarm.service.scheduler.stats().aborted_total == 1)
+        _wait(lambda: engine.engine_stats().active_rows == 0)
+
+
+def test_engine_death_ends_streams_with_an_error_and_health_turns_503():
+    app = make_app(step_delay=0.01)
+    with serve_app(app) as url:
+        engine = app.state.kvwarm.engine
+        body = {"messages": msgs(), "max_tokens": 1000, "stream": True}
+        with httpx.stream("POST", url + CHAT, json=body, timeout=10) as r:
+            lines = r.iter_lines()
+            next(lines)
+            engine.inject_fault(RuntimeError("GPU fell over"))
+            events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "engine_error"
+        assert "GPU fell over" in events[-1]["error"]["message"]
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "error"
+        assert_error(httpx.post(url + CHAT, json={"messages": msgs()}), 503, "engine_unavailable")
+        assert_error(httpx.get(url + "/v1/models"), 503, "engine_unavailable")
+
+
+@pytest.fixture(scope="module")
+def secured():
+    settings = Settings(_env_file=None, api_key="sekrit", max_body_bytes="2KiB")
+    with serve_app(make_app(settings)) as url:
+        yield url
+
+
+class TestAuthAndLimits:
+    @pytest.fixture
+    def url(self, secured):
+        return secured
+
+    def test_missing_or_wrong_key_is_401(self, url):
+        assert_error(httpx.post(url + CHAT, json={"messages": msgs()}), 401, "invalid_api_key")
+        r = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"})
+        assert_error(r, 401, type_="authentication_error")
+        assert_error(httpx.get(url + "/stats"), 401)
+
+    def test_bearer_or_x_api_key_pass(self, url):
+        r = httpx.post(url + CHAT, json={"messages": msgs(), "max_tokens": 1}, headers={"Authorization": "Bearer sekrit"})
+        assert r.status_code == 200
+        assert httpx.get(url + "/v1/models", headers={"x-api-key": "sekrit"}).status_code == 200
+
+    def test_health_needs_no_key(self, url):
+        assert httpx.get(url + "/health").status_code == 200
+
+    def test_oversized_body_is_413(self, url):
+        big = {"messages": msgs("x" * 5000)}
+        r = httpx.post(url + CHAT, json=big, headers={"x-api-key": "sekrit"})
+        assert_error(r, 413, "body_too_large")
+
+    def test_oversized_chunked_body_is_413(self, url):
+        def gen():
+            yield b'{"messages": [{"role": "user", "content": "'
+            for _ in range(10):
+                yield b"x" * 1000
+            yield b'"}]}'
+
+        r = httpx.post(url + CHAT, content=gen(), headers={"x-api-key": "sekrit", "content-type": "application/json"})
+        assert_error(r, 413)

