@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.errors import APIError
 from scheduler.admission import ContextLengthExceeded
 from scheduler.request import SamplingParams
 
@@ -22,7 +23,24 @@ OPENAI_DEFAULTS: dict[str, Any] = {
 }
 
 
-def resolve_sampling(requested: dict[str, Any], model_defaults: dict[str, Any]) -> SamplingParams:
+def resolve_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    if not bias:
+        return ()
+    out = []
+    for key, value in bias.items():
+        token = int(key)
+        if not 0 <= token < vocab_size:
+            raise APIError(
+                400, f"logit_bias token id {token} is outside the vocabulary (0..{vocab_size - 1})",
+                param="logit_bias",
+            )
+        out.append((token, float(value)))
+    return tuple(sorted(out))
+
+
+def resolve_sampling(
+    requested: dict[str, Any], model_defaults: dict[str, Any], vocab_size: int = 0
+) -> SamplingParams:
     values = {}
     for name, fallback in OPENAI_DEFAULTS.items():
         value = requested.get(name)
@@ -38,6 +56,7 @@ def resolve_sampling(requested: dict[str, Any], model_defaults: dict[str, Any]) 
         presence_penalty=float(values["presence_penalty"]),
         frequency_penalty=float(values["frequency_penalty"]),
         seed=requested.get("seed"),
+        logit_bias=resolve_logit_bias(requested.get("logit_bias"), vocab_size),
     )
 
 

@@ -86,7 +86,7 @@ def build_request(body: ChatCompletionRequest, state: AppState) -> Request:
     return Request(
         prompt_tokens=prompt,
         max_tokens=max_tokens,
-        sampling=resolve_sampling(body.model_dump(), info.generation_defaults),
+        sampling=resolve_sampling(body.model_dump(), info.generation_defaults, info.vocab_size),
         stop=tuple(body.stop or ()),
         ignore_eos=body.ignore_eos,
     )

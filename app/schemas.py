@@ -62,6 +62,7 @@ class ChatCompletionRequest(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     seed: int | None = None
+    logit_bias: dict[str, float] | None = None
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
@@ -78,6 +79,18 @@ class ChatCompletionRequest(BaseModel):
         if len(stops) > 4:
             raise ValueError("at most 4 stop sequences are allowed")
         return [s for s in stops if s]
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is None:
+            return None
+        for key, bias in value.items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError("logit_bias values must be between -100 and 100")
+        return value
 
     @field_validator("n")
     @classmethod

@@ -41,20 +41,25 @@ class BatchRunner:
         prefill_batch: int,
     ):
         self.tokenizer = tokenizer
+        # prompt tokens one step may prefill, shared by all rows joining at once
+        self.prefill_budget = prefill_step_size
+        self._prefill_rows = min(prefill_batch, max_batch)
         self._samplers = SamplerFactory(vocab_size=len(tokenizer))
         eos = sorted(tokenizer.eos_token_ids)
         self._generator = BatchGenerator(
             model,
             stop_tokens=[[t] for t in eos],
             completion_batch_size=max_batch,
-            prefill_batch_size=min(prefill_batch, max_batch),
+            prefill_batch_size=self._prefill_rows,
             prefill_step_size=prefill_step_size,
         )
         self._no_stop = StopSequences()
         self._rows: dict[int, _Row] = {}
         self._uids: dict[str, int] = {}
+        self._prefilled: dict[int, int] = {}  # uid -> prompt tokens processed so far
         self.prefill_tokens = 0
         self.generated_tokens = 0
+        self.last_step_prefill = 0
 
     @property
     def active(self) -> int:
@@ -71,17 +76,39 @@ class BatchRunner:
         )
         self._rows[uid] = _Row(request, TextOutput(self.tokenizer.detokenizer, request.stop))
         self._uids[request.request_id] = uid
-        self.prefill_tokens += len(request.prompt_tokens)
+        self._prefilled[uid] = 0
 
     def remove(self, request_id: str) -> None:
         uid = self._uids.pop(request_id, None)
         if uid is not None:
             self._rows.pop(uid, None)
+            self._prefilled.pop(uid, None)
             self._generator.remove([uid])
+
+    def _chunk_per_row(self) -> int:
+        """Split the step's prefill budget over the rows still prefilling, so a
+        burst of joiners (or one long prompt) stalls running decoders for at most
+        ``prefill_budget`` tokens of compute per step, not rows x budget."""
+        prefilling = min(len(self._prefilled), self._prefill_rows) or 1
+        return max(16, self.prefill_budget // prefilling)
+
+    def _account_prefill(self, prompt_responses) -> None:
+        self.last_step_prefill = 0
+        for resp in prompt_responses:
+            if resp.uid not in self._prefilled:
+                continue
+            done = resp.progress[0]
+            self.last_step_prefill += done - self._prefilled[resp.uid]
+            self._prefilled[resp.uid] = done
+            if resp.end_of_prompt:
+                del self._prefilled[resp.uid]
+        self.prefill_tokens += self.last_step_prefill
 
     def step(self) -> list[RequestOutput]:
         """One decode step for running rows plus one prefill chunk for joiners."""
-        _, responses = self._generator.next()
+        self._generator.prefill_step_size = self._chunk_per_row()
+        prompt_responses, responses = self._generator.next()
+        self._account_prefill(prompt_responses)
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         stopped_by_text: list[int] = []

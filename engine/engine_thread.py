@@ -152,6 +152,7 @@ class EngineThread(threading.Thread):
             budget=budget,
             generation_defaults=loaded.generation_defaults,
             formatter=ChatFormatter(loaded.tokenizer),
+            vocab_size=len(loaded.tokenizer),
             blas=cfg.blas,
             device=device,
         )

@@ -56,6 +56,7 @@ class SamplerFactory:
             ),
             presence_penalty=params.presence_penalty or None,
             frequency_penalty=params.frequency_penalty or None,
+            logit_bias=dict(params.logit_bias) or None,
         )
 
 

@@ -32,6 +32,7 @@ class ModelInfo:
     # sampling defaults from generation_config.json (only the fields it sets)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     formatter: PromptFormatter | None = None
+    vocab_size: int = 0
     blas: str = ""
     device: str = ""
 

@@ -85,3 +85,23 @@ def test_fixture_detects_cross_talk(byte_tokenizer):
     a, _ = _run(byte_tokenizer, prompts, max_batch=1, max_tokens=[20, 20])
     b, _ = _run(byte_tokenizer, [prompts[0], prompts[0] + [5]], max_batch=1, max_tokens=[20, 20])
     assert a["r1"] != b["r1"]
+
+
+def test_joining_rows_share_one_prefill_budget_per_step(byte_tokenizer):
+    """Four long prompts arriving together must not prefill 4 x budget tokens in
+    one step: running decoders would stall for all of it."""
+    runner = BatchRunner(KVSumModel(), byte_tokenizer, max_batch=8, prefill_step_size=64, prefill_batch=8)
+    runner.add(Request([7] * 10, max_tokens=400, sampling=GREEDY, ignore_eos=True, request_id="decoder"))
+    while not any(o.token_ids for o in runner.step()):
+        pass
+    for i in range(4):
+        runner.add(Request([i + 1] * 300, max_tokens=5, sampling=GREEDY, ignore_eos=True, request_id=f"p{i}"))
+    per_step, decoder_tokens = [], 0
+    for _ in range(40):
+        outs = runner.step()
+        per_step.append(runner.last_step_prefill)
+        decoder_tokens += sum(len(o.token_ids) for o in outs if o.request_id == "decoder")
+    assert sum(per_step) >= 4 * 299  # every prompt got prefilled...
+    assert max(per_step) <= 64  # ...never more than the budget in one step
+    assert decoder_tokens == 40  # and the running row produced a token every step
+    runner.close()

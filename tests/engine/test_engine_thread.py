@@ -141,3 +141,12 @@ async def test_memory_budget_holds_back_requests_that_do_not_fit_together(tiny_l
         await first.aclose()
         out = [o async for o in second]
         assert out[-1].finish_reason == FinishReason.LENGTH
+
+
+async def test_logit_bias_bans_a_token(tiny_llama_dir):
+    async with Harness(tiny_llama_dir) as h:
+        _, tokens, _ = await h.run(h.request("q", 12, ignore_eos=True))
+        banned = tokens[0]
+        biased = SamplingParams(temperature=0.0, logit_bias=((banned, -100.0),))
+        _, again, _ = await h.run(h.request("q", 12, ignore_eos=True, sampling=biased))
+    assert banned not in again

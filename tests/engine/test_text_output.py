@@ -8,8 +8,10 @@ from hypothesis import strategies as st
 
 from engine.text_output import TextOutput
 
+# NUL is excluded: mlx-lm's BPEStreamingDetokenizer decodes byte 0 as "Ā" (its
+# byte map lookup treats 0 as missing), an upstream quirk no model emits in practice.
 TEXT = st.text(
-    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\r"),
+    alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\r\x00"),
     max_size=60,
 )
 

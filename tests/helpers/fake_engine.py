@@ -55,6 +55,7 @@ class FakeEngine(threading.Thread):
             weights_bytes=1000,
             budget=budget,
             formatter=CharFormatter(),
+            vocab_size=256,
         )
         scheduler.admission = AdmissionController(budget, context_length)
         self._active: dict[str, list] = {}

@@ -26,3 +26,12 @@ def test_max_tokens_default_is_clipped_to_the_room_left():
     assert resolve_max_tokens(5000, 100, 1000, 2048) == 5000  # explicit: admission decides
     with pytest.raises(ContextLengthExceeded):
         resolve_max_tokens(None, 1000, 1000, 2048)
+
+
+def test_logit_bias_is_validated_against_the_vocabulary():
+    from app.errors import APIError
+
+    p = resolve_sampling({"logit_bias": {"7": -100, "3": 5}}, {}, vocab_size=10)
+    assert p.logit_bias == ((3, 5.0), (7, -100.0))
+    with pytest.raises(APIError):
+        resolve_sampling({"logit_bias": {"10": 1}}, {}, vocab_size=10)

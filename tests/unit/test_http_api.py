@@ -122,6 +122,8 @@ def test_streaming_without_usage_has_no_usage_field(base):
         ("application/json", b'{"messages": [{"role": "user", "content": "x"}], "n": 2}'),
         ("application/json", b'{"messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}'),
         ("application/json", b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}'),
+        ("application/json", b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"999": 1}}'),
+        ("application/json", b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}}'),
         ("text/plain", b"not json"),
     ],
 )
