@@ -130,7 +130,11 @@ class EngineThread(threading.Thread):
             total_bytes=total,
             weights_bytes=loaded.weights_bytes,
             reserve_bytes=transient_reserve(
-                total, prefill_rows, cfg.prefill_step_size, loaded.context_length, loaded.num_heads
+                total,
+                # the runner never prefills more than this per step (16-token floor per row)
+                max(cfg.prefill_step_size, 16 * prefill_rows),
+                loaded.context_length,
+                loaded.num_heads,
             ),
             kv_bytes_per_token=loaded.kv_bytes_per_token,
             source="--memory-budget" if measured is None else measured.source,

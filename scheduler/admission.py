@@ -91,15 +91,11 @@ class MemoryBudget:
 
 
 def transient_reserve(
-    total_bytes: int,
-    prefill_rows: int,
-    prefill_step: int,
-    context_length: int,
-    num_heads: int,
+    total_bytes: int, prefill_tokens: int, context_length: int, num_heads: int
 ) -> int:
-    """Headroom for what is not KV: attention scores of one prefill chunk against
-    a full context (float32), plus a floor for allocator slack and small arrays."""
-    scores = prefill_rows * num_heads * prefill_step * context_length * 4
+    """Headroom for what is not KV: attention scores of one step's prefill tokens
+    against a full context (float32), plus a floor for allocator slack."""
+    scores = num_heads * prefill_tokens * context_length * 4
     return scores + max(256 * 2**20, total_bytes // 20)
 
 
