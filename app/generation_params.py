@@ -55,7 +55,8 @@ def resolve_sampling(
         repetition_penalty=float(values["repetition_penalty"]),
         presence_penalty=float(values["presence_penalty"]),
         frequency_penalty=float(values["frequency_penalty"]),
-        seed=requested.get("seed"),
+        # any int is a valid OpenAI seed; MLX keys take an unsigned 64-bit one
+        seed=None if requested.get("seed") is None else requested["seed"] % 2**64,
         logit_bias=resolve_logit_bias(requested.get("logit_bias"), vocab_size),
     )
 

@@ -109,6 +109,11 @@ class EngineThread(threading.Thread):
         finally:
             if self._runner is not None:
                 self._runner.close()
+        if self._stopping.is_set():  # orderly shutdown: end every open stream
+            self.router.publish(
+                RequestOutput(r.request_id, finish_reason=FinishReason.ERROR, error="server is shutting down")
+                for r in self.scheduler.fail_all("server is shutting down")
+            )
 
     def _load(self) -> None:
         import mlx.core as mx
@@ -190,8 +195,21 @@ class EngineThread(threading.Thread):
             plan = scheduler.schedule()
             for request_id in plan.abort:
                 runner.remove(request_id)
+            failed = []
             for request in plan.admit:
-                runner.add(request)
+                try:
+                    runner.add(request)
+                except Exception as exc:  # one bad request must not take the engine down
+                    log.exception("%s: could not start", request.request_id)
+                    scheduler.finish(request.request_id)
+                    failed.append(
+                        RequestOutput(
+                            request.request_id,
+                            finish_reason=FinishReason.ERROR,
+                            error=f"{type(exc).__name__}: {exc}",
+                        )
+                    )
+            self.router.publish(failed)
             if runner.active == 0:
                 scheduler.wait_for_work(timeout=0.5)
                 continue

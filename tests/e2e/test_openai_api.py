@@ -184,3 +184,16 @@ def test_unknown_model_path_exits_nonzero(tmp_path):
     )
     assert proc.returncode != 0
     assert str(tmp_path / "missing") in proc.stderr and "does not exist" in proc.stderr
+
+
+def test_model_that_fails_to_load_exits_nonzero(tmp_path):
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "no_such_architecture"}')
+    (bad / "model.safetensors").write_bytes(b"\0" * 16)
+    proc = subprocess.run(
+        [KVWARM, "serve", "--model", str(bad), "--port", "0"],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )
+    assert proc.returncode == 1
+    assert "model load failed" in proc.stderr and "no_such_architecture" in proc.stderr

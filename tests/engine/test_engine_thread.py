@@ -150,3 +150,23 @@ async def test_logit_bias_bans_a_token(tiny_llama_dir):
         biased = SamplingParams(temperature=0.0, logit_bias=((banned, -100.0),))
         _, again, _ = await h.run(h.request("q", 12, ignore_eos=True, sampling=biased))
     assert banned not in again
+
+
+async def test_a_request_that_fails_to_start_fails_alone(tiny_llama_dir):
+    async with Harness(tiny_llama_dir) as h:
+        bad = h.request("x", 4, sampling=SamplingParams(temperature=1.0, seed=-5))  # not a uint64
+        outs = [o async for o in h.service.submit(bad)]
+        assert outs[-1].finish_reason == FinishReason.ERROR and "TypeError" in outs[-1].error
+        assert h.engine.alive
+        _, tokens, _ = await h.run(h.request("y", 3, ignore_eos=True))
+        assert len(tokens) == 3
+
+
+async def test_shutdown_ends_open_streams(tiny_llama_dir):
+    h = Harness(tiny_llama_dir, batch=1)
+    await h.__aenter__()
+    stream = h.service.submit(h.request("a", 5000, ignore_eos=True))
+    await stream.__anext__()
+    await h.__aexit__(None, None, None)
+    tail = [o async for o in stream][-1]
+    assert tail.finish_reason == FinishReason.ERROR and "shutting down" in tail.error

@@ -35,3 +35,8 @@ def test_logit_bias_is_validated_against_the_vocabulary():
     assert p.logit_bias == ((3, 5.0), (7, -100.0))
     with pytest.raises(APIError):
         resolve_sampling({"logit_bias": {"10": 1}}, {}, vocab_size=10)
+
+
+def test_any_integer_seed_maps_into_mlx_key_range():
+    assert resolve_sampling({"seed": -1}, {}).seed == 2**64 - 1
+    assert resolve_sampling({"seed": 2**70 + 5}, {}).seed == 5

@@ -197,6 +197,14 @@ def test_full_queue_is_429_with_retry_after():
             assert running.status_code == 200
 
 
+def read_until_content(lines) -> None:
+    """Consume SSE lines until the first generated token has arrived."""
+    for line in lines:
+        if line.startswith("data: {") and '"content":"w' in line:
+            return
+    raise AssertionError("stream ended before any content")
+
+
 def test_client_disconnect_aborts_and_frees_the_slot():
     settings = Settings(_env_file=None, batch=1)
     app = make_app(settings, step_delay=0.01)
@@ -205,8 +213,7 @@ def test_client_disconnect_aborts_and_frees_the_slot():
         body = {"messages": msgs(), "max_tokens": 1000, "stream": True}
         with httpx.stream("POST", url + CHAT, json=body) as r:
             lines = r.iter_lines()
-            next(lines)
-            next(lines)
+            read_until_content(lines)
             assert engine.engine_stats().active_rows == 1
         _wait(lambda: engine.engine_stats().active_rows == 0)
         stats = httpx.get(url + "/stats").json()
@@ -284,3 +291,25 @@ class TestAuthAndLimits:
 
         r = httpx.post(url + CHAT, content=gen(), headers={"x-api-key": "sekrit", "content-type": "application/json"})
         assert_error(r, 413)
+
+
+class LoadingEngine(FakeEngine):
+    """Ready only once the test says the model has loaded."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.loaded = __import__("threading").Event()
+
+    ready = property(lambda self: self.loaded.is_set() and self.alive)
+
+
+def test_health_is_503_while_loading_then_200():
+    app = create_app(Settings(_env_file=None), lambda s, r: LoadingEngine(s, r))
+    with serve_app(app, wait_ready=False) as url:
+        r = httpx.get(url + "/health")
+        assert r.status_code == 503 and r.json() == {"status": "loading"}
+        assert_error(httpx.post(url + CHAT, json={"messages": msgs()}), 503, "engine_unavailable")
+        assert httpx.get(url + "/stats").json()["status"] == "loading"
+        app.state.kvwarm.engine.loaded.set()
+        assert httpx.get(url + "/health").status_code == 200
+        assert httpx.post(url + CHAT, json={"messages": msgs(), "max_tokens": 1}).status_code == 200
