@@ -135,7 +135,9 @@ def cmd_serve(settings: Settings) -> int:
 
     app = create_app(settings, engine_factory)
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
-        log.warning("binding %s without --api-key: anyone who can reach it can use it", settings.host)
+        log.warning(
+            "binding %s without --api-key: anyone who can reach it can use it", settings.host
+        )
     server = uvicorn.Server(
         uvicorn.Config(
             app,

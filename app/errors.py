@@ -59,7 +59,10 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
         return "Invalid request body.", None
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return f"Request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(), None
+        return (
+            f"Request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
+            None,
+        )
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     where = f" at '{param}'" if param else ""
@@ -85,7 +88,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(AdmissionError)
     async def _admission(_: Request, exc: AdmissionError) -> JSONResponse:
         err = from_admission(exc)
-        return error_response(err.status, err.message, err.error_type, err.code, headers=err.headers)
+        return error_response(
+            err.status, err.message, err.error_type, err.code, headers=err.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -105,4 +110,6 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return error_response(500, f"Internal server error: {exc}", "server_error", "internal_error")
+        return error_response(
+            500, f"Internal server error: {exc}", "server_error", "internal_error"
+        )

@@ -23,7 +23,9 @@ OPENAI_DEFAULTS: dict[str, Any] = {
 }
 
 
-def resolve_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[tuple[int, float], ...]:
+def resolve_logit_bias(
+    bias: dict[str, float] | None, vocab_size: int
+) -> tuple[tuple[int, float], ...]:
     if not bias:
         return ()
     out = []
@@ -31,7 +33,8 @@ def resolve_logit_bias(bias: dict[str, float] | None, vocab_size: int) -> tuple[
         token = int(key)
         if not 0 <= token < vocab_size:
             raise APIError(
-                400, f"logit_bias token id {token} is outside the vocabulary (0..{vocab_size - 1})",
+                400,
+                f"logit_bias token id {token} is outside the vocabulary (0..{vocab_size - 1})",
                 param="logit_bias",
             )
         out.append((token, float(value)))

@@ -36,9 +36,7 @@ class ChatMessage(BaseModel):
             return self.content
         unsupported = [p.type for p in self.content if not isinstance(p, TextPart)]
         if unsupported:
-            raise ValueError(
-                f"content part type {unsupported[0]!r} is not supported by this model"
-            )
+            raise ValueError(f"content part type {unsupported[0]!r} is not supported by this model")
         return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
 
 

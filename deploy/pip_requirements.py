@@ -31,7 +31,9 @@ def select(requirements: list[str], extras: set[str]) -> list[str]:
         if extra:
             if extra.group(1) not in extras:
                 continue
-            marker = re.sub(r"""(and\s+)?extra\s*==\s*['"][^'"]+['"](\s+and)?""", "", marker).strip()
+            marker = re.sub(
+                r"""(and\s+)?extra\s*==\s*['"][^'"]+['"](\s+and)?""", "", marker
+            ).strip()
         marker = marker.strip()
         chosen.append(f"{spec.strip()}; {marker}" if marker else spec.strip())
     return chosen

@@ -38,9 +38,7 @@ def preload_openblas(candidates: tuple[str, ...] = OPENBLAS_CANDIDATES) -> BlasC
     if os.environ.get("KVWARM_NO_OPENBLAS"):
         return BlasChoice("reference BLAS", None, "KVWARM_NO_OPENBLAS is set")
     if "mlx.core" in sys.modules:
-        return BlasChoice(
-            "unknown", None, "mlx was imported before the OpenBLAS preload could run"
-        )
+        return BlasChoice("unknown", None, "mlx was imported before the OpenBLAS preload could run")
     for path in candidates:
         if os.path.exists(path):
             try:

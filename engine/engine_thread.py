@@ -111,7 +111,9 @@ class EngineThread(threading.Thread):
                 self._runner.close()
         if self._stopping.is_set():  # orderly shutdown: end every open stream
             self.router.publish(
-                RequestOutput(r.request_id, finish_reason=FinishReason.ERROR, error="server is shutting down")
+                RequestOutput(
+                    r.request_id, finish_reason=FinishReason.ERROR, error="server is shutting down"
+                )
                 for r in self.scheduler.fail_all("server is shutting down")
             )
 
@@ -126,7 +128,9 @@ class EngineThread(threading.Thread):
         device = str(mx.default_device())
         measured = auto_budget() if self.config.memory_budget_bytes is None else None
         started = time.monotonic()
-        log.info("loading model %s (%s) on %s", self.config.source.path, self.config.source.kind, device)
+        log.info(
+            "loading model %s (%s) on %s", self.config.source.path, self.config.source.kind, device
+        )
         loaded = load_model(self.config.source)
         cfg = self.config
         total = cfg.memory_budget_bytes or measured.total_bytes

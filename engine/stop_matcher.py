@@ -27,9 +27,7 @@ class StopMatcher:
         if not self.stops:
             return text
         buffer = self._held + text
-        first = min(
-            (pos for pos in (buffer.find(s) for s in self.stops) if pos >= 0), default=-1
-        )
+        first = min((pos for pos in (buffer.find(s) for s in self.stops) if pos >= 0), default=-1)
         if first >= 0:
             self.stopped = True
             self._held = ""

@@ -58,9 +58,7 @@ def format_size(nbytes: float) -> str:
     return f"{nbytes:.1f} TiB"
 
 
-def kv_bytes_per_token(
-    num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int
-) -> int:
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
     """Keys and values for one position across all layers."""
     return num_layers * num_kv_heads * head_dim * 2 * dtype_bytes
 

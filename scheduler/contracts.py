@@ -12,11 +12,11 @@ from scheduler.admission import MemoryBudget
 class PromptFormatter(Protocol):
     """Turns chat messages / text into the token ids the model sees."""
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        ...
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], **template_kwargs: Any
+    ) -> list[int]: ...
 
-    def encode(self, text: str) -> list[int]:
-        ...
+    def encode(self, text: str) -> list[int]: ...
 
 
 @dataclass(frozen=True)

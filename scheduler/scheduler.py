@@ -43,9 +43,7 @@ class Scheduler:
     """Batch policy: at most ``max_running`` sequences decode together (1 = serial),
     admitted strictly in arrival order while the memory bound allows."""
 
-    def __init__(
-        self, admission: AdmissionController | None, max_running: int, max_queue: int
-    ):
+    def __init__(self, admission: AdmissionController | None, max_running: int, max_queue: int):
         if max_running < 1:
             raise ValueError("max_running must be >= 1")
         if max_queue < 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import struct
 import subprocess
 import time
 
@@ -11,6 +12,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import KVWARM
+from tests.helpers.http_server import free_port
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -21,7 +23,9 @@ def client(server):
 
 
 def test_chat_completion(client):
-    r = client.chat.completions.create(model="gpt-4o", messages=QUESTION, temperature=0, max_tokens=24)
+    r = client.chat.completions.create(
+        model="gpt-4o", messages=QUESTION, temperature=0, max_tokens=24
+    )
     assert r.model == "SmolLM2-135M-Instruct"
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
@@ -32,10 +36,14 @@ def test_chat_completion(client):
 def test_streaming_equals_non_streaming(client):
     kw = dict(model="x", messages=QUESTION, temperature=0, max_tokens=24)
     whole = client.chat.completions.create(**kw).choices[0].message.content
-    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole
-    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ] == ["stop"]
     assert chunks[-1].usage.completion_tokens > 0
 
 
@@ -44,13 +52,19 @@ def test_stop_sequence_is_excluded_and_never_streamed(client):
     r = client.chat.completions.create(**kw)
     assert r.choices[0].message.content == "The capital of France is "
     assert r.choices[0].finish_reason == "stop"
-    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(**kw, stream=True)
+        if c.choices
+    ]
     assert "".join(pieces) == "The capital of France is "
     assert not any("P" in p for p in pieces)
 
 
 def test_length_finish(client):
-    r = client.chat.completions.create(model="x", messages=QUESTION, max_completion_tokens=3, temperature=0)
+    r = client.chat.completions.create(
+        model="x", messages=QUESTION, max_completion_tokens=3, temperature=0
+    )
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
 
 
@@ -58,7 +72,11 @@ def test_non_ascii_output_streams_whole_characters(client):
     messages = [{"role": "user", "content": "Repeat exactly: café, naïve, 東京, 🙂🙂"}]
     kw = dict(model="x", messages=messages, temperature=0, max_tokens=40)
     whole = client.chat.completions.create(**kw).choices[0].message.content
-    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw, stream=True) if c.choices]
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(**kw, stream=True)
+        if c.choices
+    ]
     assert "".join(pieces) == whole
     assert any(ord(ch) > 127 for ch in whole)
     assert not any("\ufffd" in p for p in pieces)
@@ -126,6 +144,7 @@ def test_batch8_concurrent_matches_batch1_on_the_real_model(server, small_server
 
 # --- the small server: batch 1, queue 1, 1 GB budget, API key -----------------
 
+
 @pytest.fixture
 def small(small_server):
     return openai.OpenAI(base_url=small_server + "/v1", api_key="sekrit", max_retries=0)
@@ -139,7 +158,9 @@ def test_api_key_required(small_server):
 
 
 def test_over_budget_is_refused_at_once(small, small_server):
-    ceiling = httpx.get(small_server + "/stats", headers={"x-api-key": "sekrit"}).json()["admission"]["ceiling_tokens"]
+    ceiling = httpx.get(small_server + "/stats", headers={"x-api-key": "sekrit"}).json()[
+        "admission"
+    ]["ceiling_tokens"]
     assert 0 < ceiling < 8000
     with pytest.raises(openai.BadRequestError) as exc:
         small.chat.completions.create(model="x", messages=QUESTION, max_tokens=ceiling)
@@ -164,7 +185,9 @@ def test_malformed_json_is_400(small_server):
 
 
 def test_full_queue_is_429(small, small_server):
-    body = dict(model="x", messages=QUESTION, max_tokens=600, stream=True, extra_body={"ignore_eos": True})
+    body = dict(
+        model="x", messages=QUESTION, max_tokens=600, stream=True, extra_body={"ignore_eos": True}
+    )
     running = small.chat.completions.create(**body)
     next(iter(running))
     queued = small.chat.completions.create(**body)  # waits in the single queue slot
@@ -180,7 +203,10 @@ def test_full_queue_is_429(small, small_server):
 
 def test_unknown_model_path_exits_nonzero(tmp_path):
     proc = subprocess.run(
-        [KVWARM, "serve", "--model", str(tmp_path / "missing")], capture_output=True, text=True, timeout=120
+        [KVWARM, "serve", "--model", str(tmp_path / "missing")],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode != 0
     assert str(tmp_path / "missing") in proc.stderr and "does not exist" in proc.stderr
@@ -190,10 +216,13 @@ def test_model_that_fails_to_load_exits_nonzero(tmp_path):
     bad = tmp_path / "bad-model"
     bad.mkdir()
     (bad / "config.json").write_text('{"model_type": "no_such_architecture"}')
-    (bad / "model.safetensors").write_bytes(b"\0" * 16)
+    (bad / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")  # valid, empty
     proc = subprocess.run(
-        [KVWARM, "serve", "--model", str(bad), "--port", "0"],
-        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+        [KVWARM, "serve", "--model", str(bad), "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
     )
     assert proc.returncode == 1
     assert "model load failed" in proc.stderr and "no_such_architecture" in proc.stderr

@@ -20,16 +20,25 @@ GREEDY = SamplingParams(temperature=0.0)
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     # very different lengths so rows carry different left padding
-    return [[rng.randrange(1, 200) for _ in range(rng.choice([1, 3, 17, 40, 130, 300]))] for _ in range(n)]
+    return [
+        [rng.randrange(1, 200) for _ in range(rng.choice([1, 3, 17, 40, 130, 300]))]
+        for _ in range(n)
+    ]
 
 
 def _run(tokenizer, prompts, max_batch, max_tokens, join_every=0, prefill_step=64):
     """Drive a BatchRunner; requests join one at a time every ``join_every`` steps."""
     runner = BatchRunner(
-        KVSumModel(), tokenizer, max_batch=max_batch, prefill_step_size=prefill_step, prefill_batch=max_batch
+        KVSumModel(),
+        tokenizer,
+        max_batch=max_batch,
+        prefill_step_size=prefill_step,
+        prefill_batch=max_batch,
     )
     reqs = [
-        Request(list(p), max_tokens=max_tokens[i], sampling=GREEDY, ignore_eos=True, request_id=f"r{i}")
+        Request(
+            list(p), max_tokens=max_tokens[i], sampling=GREEDY, ignore_eos=True, request_id=f"r{i}"
+        )
         for i, p in enumerate(prompts)
     ]
     pending = list(reqs)
@@ -67,7 +76,9 @@ def test_rows_joining_mid_decode_and_leaving_early_match(byte_tokenizer, join_ev
     prompts = _prompts(8, seed=join_every)
     max_tokens = [5, 50, 9, 30, 2, 44, 17, 26]
     alone, _ = _run(byte_tokenizer, prompts, max_batch=1, max_tokens=max_tokens)
-    staggered, _ = _run(byte_tokenizer, prompts, max_batch=8, max_tokens=max_tokens, join_every=join_every)
+    staggered, _ = _run(
+        byte_tokenizer, prompts, max_batch=8, max_tokens=max_tokens, join_every=join_every
+    )
     assert staggered == alone
 
 
@@ -90,12 +101,20 @@ def test_fixture_detects_cross_talk(byte_tokenizer):
 def test_joining_rows_share_one_prefill_budget_per_step(byte_tokenizer):
     """Four long prompts arriving together must not prefill 4 x budget tokens in
     one step: running decoders would stall for all of it."""
-    runner = BatchRunner(KVSumModel(), byte_tokenizer, max_batch=8, prefill_step_size=64, prefill_batch=8)
-    runner.add(Request([7] * 10, max_tokens=400, sampling=GREEDY, ignore_eos=True, request_id="decoder"))
+    runner = BatchRunner(
+        KVSumModel(), byte_tokenizer, max_batch=8, prefill_step_size=64, prefill_batch=8
+    )
+    runner.add(
+        Request([7] * 10, max_tokens=400, sampling=GREEDY, ignore_eos=True, request_id="decoder")
+    )
     while not any(o.token_ids for o in runner.step()):
         pass
     for i in range(4):
-        runner.add(Request([i + 1] * 300, max_tokens=5, sampling=GREEDY, ignore_eos=True, request_id=f"p{i}"))
+        runner.add(
+            Request(
+                [i + 1] * 300, max_tokens=5, sampling=GREEDY, ignore_eos=True, request_id=f"p{i}"
+            )
+        )
     per_step, decoder_tokens = [], 0
     for _ in range(40):
         outs = runner.step()

@@ -46,7 +46,9 @@ class Harness:
 
     def request(self, text, max_tokens=16, **kw) -> Request:
         kw.setdefault("sampling", SamplingParams(temperature=0.0))
-        return Request(self.formatter.render_chat([{"role": "user", "content": text}]), max_tokens, **kw)
+        return Request(
+            self.formatter.render_chat([{"role": "user", "content": text}]), max_tokens, **kw
+        )
 
     async def run(self, req: Request):
         outs = [o async for o in self.service.submit(req)]
@@ -67,7 +69,9 @@ async def test_stop_string_ends_generation_and_is_excluded(tiny_llama_dir):
         text, _, _ = await h.run(h.request("abc", max_tokens=30, ignore_eos=True))
         assert len(text) >= 6
         stop = text[3:5]
-        cut, tokens, last = await h.run(h.request("abc", max_tokens=30, ignore_eos=True, stop=(stop,)))
+        cut, tokens, last = await h.run(
+            h.request("abc", max_tokens=30, ignore_eos=True, stop=(stop,))
+        )
     assert cut == text[: text.find(stop)]
     assert last.finish_reason == FinishReason.STOP
     assert len(tokens) < 30
@@ -110,6 +114,7 @@ async def test_engine_death_fails_in_flight_requests_and_refuses_new_ones(tiny_l
         waiting = h.service.submit(h.request("b", 10, ignore_eos=True))
         await running.__anext__()
         h.engine.inject_fault(RuntimeError("simulated Metal failure"))
+
         async def last(stream):
             return [o async for o in stream][-1]
 

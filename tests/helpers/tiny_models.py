@@ -47,7 +47,9 @@ def write_byte_tokenizer(path: Path) -> None:
     )
 
 
-def write_tiny_llama(path: Path, seed: int = 0, context: int = 8192, generation: dict | None = None) -> Path:
+def write_tiny_llama(
+    path: Path, seed: int = 0, context: int = 8192, generation: dict | None = None
+) -> Path:
     """A random-weight llama (hidden 64, 2 layers) saved as an mlx-lm directory."""
     config = {
         "model_type": "llama",

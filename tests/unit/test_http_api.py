@@ -26,7 +26,9 @@ def msgs(text="hi"):
     return [{"role": "user", "content": text}]
 
 
-def assert_error(resp: httpx.Response, status: int, code: str | None = None, type_: str | None = None):
+def assert_error(
+    resp: httpx.Response, status: int, code: str | None = None, type_: str | None = None
+):
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]
     assert set(err) >= {"message", "type", "code"} and err["message"]
@@ -64,7 +66,9 @@ def test_eos_finishes_with_stop(base):
 
 
 def test_max_completion_tokens_wins_over_max_tokens(base):
-    r = httpx.post(base + CHAT, json={"messages": msgs(), "max_tokens": 1, "max_completion_tokens": 2})
+    r = httpx.post(
+        base + CHAT, json={"messages": msgs(), "max_tokens": 1, "max_completion_tokens": 2}
+    )
     assert r.json()["usage"]["completion_tokens"] == 2
 
 
@@ -72,7 +76,13 @@ def test_text_parts_and_all_roles_are_accepted(base):
     messages = [
         {"role": "system", "content": [{"type": "text", "text": "be brief"}]},
         {"role": "user", "content": "q"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "42"},
     ]
     assert httpx.post(base + CHAT, json={"messages": messages, "max_tokens": 1}).status_code == 200
@@ -88,7 +98,12 @@ def sse_events(resp: httpx.Response) -> list:
 
 
 def test_streaming_framing_and_usage(base):
-    body = {"messages": msgs(), "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "messages": msgs(),
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", base + CHAT, json=body) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -105,7 +120,9 @@ def test_streaming_framing_and_usage(base):
 
 
 def test_streaming_without_usage_has_no_usage_field(base):
-    with httpx.stream("POST", base + CHAT, json={"messages": msgs(), "max_tokens": 2, "stream": True}) as r:
+    with httpx.stream(
+        "POST", base + CHAT, json={"messages": msgs(), "max_tokens": 2, "stream": True}
+    ) as r:
         events = sse_events(r)
     assert all("usage" not in e for e in events[:-1])
 
@@ -118,12 +135,27 @@ def test_streaming_without_usage_has_no_usage_field(base):
         ("application/json", b'{"messages": []}'),
         ("application/json", b'{"messages": "hello"}'),
         ("application/json", b'{"messages": [{"role": "wizard", "content": "x"}]}'),
-        ("application/json", b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}'),
+        (
+            "application/json",
+            b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}',
+        ),
         ("application/json", b'{"messages": [{"role": "user", "content": "x"}], "n": 2}'),
-        ("application/json", b'{"messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}'),
-        ("application/json", b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}'),
-        ("application/json", b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"999": 1}}'),
-        ("application/json", b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}}'),
+        (
+            "application/json",
+            b'{"messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}',
+        ),
+        (
+            "application/json",
+            b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}',
+        ),
+        (
+            "application/json",
+            b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"999": 1}}',
+        ),
+        (
+            "application/json",
+            b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"a": 1}}',
+        ),
         ("text/plain", b"not json"),
     ],
 )
@@ -270,7 +302,11 @@ class TestAuthAndLimits:
         assert_error(httpx.get(url + "/stats"), 401)
 
     def test_bearer_or_x_api_key_pass(self, url):
-        r = httpx.post(url + CHAT, json={"messages": msgs(), "max_tokens": 1}, headers={"Authorization": "Bearer sekrit"})
+        r = httpx.post(
+            url + CHAT,
+            json={"messages": msgs(), "max_tokens": 1},
+            headers={"Authorization": "Bearer sekrit"},
+        )
         assert r.status_code == 200
         assert httpx.get(url + "/v1/models", headers={"x-api-key": "sekrit"}).status_code == 200
 
@@ -289,7 +325,11 @@ class TestAuthAndLimits:
                 yield b"x" * 1000
             yield b'"}]}'
 
-        r = httpx.post(url + CHAT, content=gen(), headers={"x-api-key": "sekrit", "content-type": "application/json"})
+        r = httpx.post(
+            url + CHAT,
+            content=gen(),
+            headers={"x-api-key": "sekrit", "content-type": "application/json"},
+        )
         assert_error(r, 413)
 
 

@@ -4,7 +4,13 @@ import threading
 
 import pytest
 
-from scheduler.admission import AdmissionController, EngineUnavailable, MemoryBudget, OverBudget, QueueFull
+from scheduler.admission import (
+    AdmissionController,
+    EngineUnavailable,
+    MemoryBudget,
+    OverBudget,
+    QueueFull,
+)
 from scheduler.request import Request, RequestState
 from scheduler.scheduler import Scheduler
 
