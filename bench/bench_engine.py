@@ -1,0 +1,157 @@
+"""Engine overhead benchmark: kvwarm's BatchRunner vs mlx-lm's bare BatchGenerator.
+
+Same random-weight model, same prompts, same batch sizes, in one process:
+prints decode tokens/s for each and their ratio (what kvwarm's per-step work
+costs: text deltas, stop matching, prefill budgeting, bookkeeping).
+
+    python bench/bench_engine.py --shape smollm2 --batches 1 8      # CPU
+    python bench/bench_engine.py --shape qwen3-8b --dtype bfloat16 --batches 1 8 64   # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from engine.blas import preload_openblas  # noqa: E402
+
+BLAS = preload_openblas()
+
+import mlx.core as mx  # noqa: E402
+from mlx_lm.generate import BatchGenerator, StopSequences  # noqa: E402
+from mlx_lm.models import llama, qwen3  # noqa: E402
+from mlx_lm.tokenizer_utils import load as load_tokenizer  # noqa: E402
+
+from engine.batch_runner import BatchRunner  # noqa: E402
+from scheduler.request import Request, SamplingParams  # noqa: E402
+from tests.helpers.tiny_models import write_byte_tokenizer  # noqa: E402
+
+SHAPES = {
+    "smollm2": (
+        llama,
+        dict(
+            model_type="llama",
+            hidden_size=576,
+            num_hidden_layers=30,
+            intermediate_size=1536,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            rms_norm_eps=1e-5,
+            vocab_size=49152,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-8b": (
+        qwen3,
+        dict(
+            model_type="qwen3",
+            hidden_size=4096,
+            num_hidden_layers=36,
+            intermediate_size=12288,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            rms_norm_eps=1e-6,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+}
+
+
+def build(shape: str, dtype: str):
+    module, cfg = SHAPES[shape]
+    model = module.Model(module.ModelArgs.from_dict(cfg))
+    model.set_dtype(getattr(mx, dtype))
+    mx.eval(model.parameters())
+    return model
+
+
+def prompts(batch: int, length: int) -> list[list[int]]:
+    return [[(7 * i + j) % 250 + 1 for j in range(length)] for i in range(batch)]
+
+
+def bare(model, batch: int, length: int, tokens: int) -> float:
+    gen = BatchGenerator(
+        model, completion_batch_size=batch, prefill_batch_size=batch, prefill_step_size=2048
+    )
+    gen.insert(
+        prompts(batch, length),
+        max_tokens=[tokens] * batch,
+        stop_sequences=[StopSequences()] * batch,
+    )
+    produced, first = 0, None
+    while produced < batch * tokens:
+        _, responses = gen.next()
+        if responses and first is None:
+            first, produced = time.perf_counter(), len(responses)
+            continue
+        produced += len(responses)
+    elapsed = time.perf_counter() - first
+    gen.close()
+    return (produced - batch) / elapsed
+
+
+def kvwarm(model, tokenizer, batch: int, length: int, tokens: int) -> float:
+    runner = BatchRunner(
+        model, tokenizer, max_batch=batch, prefill_step_size=2048 * batch, prefill_batch=batch
+    )
+    for i, p in enumerate(prompts(batch, length)):
+        runner.add(
+            Request(p, tokens, SamplingParams(temperature=0.0), ignore_eos=True, request_id=f"r{i}")
+        )
+    produced, first = 0, None
+    while runner.active:
+        outs = runner.step()
+        if outs and first is None:
+            first, produced = time.perf_counter(), len(outs)
+            continue
+        produced += len(outs)
+    elapsed = time.perf_counter() - first
+    runner.close()
+    return (produced - batch) / elapsed
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    print(
+        f"device {mx.default_device()}  BLAS {BLAS.name}  shape {args.shape} {args.dtype}",
+        flush=True,
+    )
+    model = build(args.shape, args.dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_byte_tokenizer(Path(tmp))
+        tokenizer = load_tokenizer(Path(tmp))
+    bare(model, 1, 16, 4)  # warm-up (kernels, allocator)
+    print(f"{'batch':>5} {'mlx-lm BatchGenerator':>22} {'kvwarm BatchRunner':>20} {'ratio':>7}")
+    for batch in args.batches:
+        a, b = [], []
+        for _ in range(args.repeats):  # interleaved so drift hits both equally
+            a.append(bare(model, batch, args.prompt, args.tokens))
+            b.append(kvwarm(model, tokenizer, batch, args.prompt, args.tokens))
+        ma, mb = statistics.median(a), statistics.median(b)
+        print(f"{batch:>5} {ma:>18.1f} t/s {mb:>16.1f} t/s {mb / ma:>6.2f}x", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
