@@ -27,7 +27,7 @@ class StopMatcher:
         if not self.stops:
             return text
         buffer = self._held + text
-        first = min((pos for pos in (buffer.find(s) for s in self.stops) if pos >= 0), default=-1)
+        first = self._first_match(buffer)
         if first >= 0:
             self.stopped = True
             self._held = ""
@@ -40,6 +40,17 @@ class StopMatcher:
         """Release held text at the end of generation (no stop can complete now)."""
         held, self._held = self._held, ""
         return "" if self.stopped else held
+
+    def _first_match(self, buffer: str) -> int:
+        """Start of the match that *completes* first (generation halts the moment
+        any stop string is complete); on a tie, the longest one. Deciding by end
+        position makes the result independent of how the text was chunked."""
+        best: tuple[int, int] | None = None  # (end, start)
+        for stop in self.stops:
+            pos = buffer.find(stop)
+            if pos >= 0 and (best is None or (pos + len(stop), pos) < best):
+                best = (pos + len(stop), pos)
+        return -1 if best is None else best[1]
 
     def _partial_suffix(self, buffer: str) -> int:
         """Length of the longest suffix of ``buffer`` that is a proper prefix of a stop."""

@@ -34,13 +34,21 @@ def test_earliest_of_several_stops_wins():
     assert "".join(out) == "one "
 
 
+def test_first_completed_stop_wins_whatever_the_chunking():
+    # "<" completes at the second character, before "><<" can
+    assert "".join(run(["><", "<"], ["<", "><<"])[0]) == ">"
+    assert "".join(run([">", "<", "<"], ["<", "><<"])[0]) == ">"
+    assert "".join(run(["><<"], ["<", "><<"])[0]) == ">"
+
+
 def test_no_stops_passes_through():
     assert run(["a", "b"], [])[0] == ["a", "b", ""]
 
 
 def _reference(text: str, stops: list[str]) -> str:
-    hits = [text.find(s) for s in stops if s and s in text]
-    return text[: min(hits)] if hits else text
+    """Whole-text definition: cut at the start of the stop that completes first."""
+    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s and s in text]
+    return text[: min(hits)[1]] if hits else text
 
 
 @settings(max_examples=300)
