@@ -80,6 +80,18 @@ def prompts(batch: int, length: int) -> list[list[int]]:
     return [[(7 * i + j) % 250 + 1 for j in range(length)] for i in range(batch)]
 
 
+def decode_rate(step, finished) -> float:
+    """Tokens/s from the first generated token on (prefill excluded)."""
+    produced, first = 0, None
+    while not finished(produced):
+        n = len(step())
+        if n and first is None:
+            first = time.perf_counter()  # the first token of each row is not timed
+        elif first is not None:
+            produced += n
+    return produced / (time.perf_counter() - first)
+
+
 def bare(model, batch: int, length: int, tokens: int) -> float:
     gen = BatchGenerator(
         model, completion_batch_size=batch, prefill_batch_size=batch, prefill_step_size=2048
@@ -89,16 +101,9 @@ def bare(model, batch: int, length: int, tokens: int) -> float:
         max_tokens=[tokens] * batch,
         stop_sequences=[StopSequences()] * batch,
     )
-    produced, first = 0, None
-    while produced < batch * tokens:
-        _, responses = gen.next()
-        if responses and first is None:
-            first, produced = time.perf_counter(), len(responses)
-            continue
-        produced += len(responses)
-    elapsed = time.perf_counter() - first
+    rate = decode_rate(lambda: gen.next()[1], lambda n: n >= batch * (tokens - 1))
     gen.close()
-    return (produced - batch) / elapsed
+    return rate
 
 
 def kvwarm(model, tokenizer, batch: int, length: int, tokens: int) -> float:
@@ -109,16 +114,9 @@ def kvwarm(model, tokenizer, batch: int, length: int, tokens: int) -> float:
         runner.add(
             Request(p, tokens, SamplingParams(temperature=0.0), ignore_eos=True, request_id=f"r{i}")
         )
-    produced, first = 0, None
-    while runner.active:
-        outs = runner.step()
-        if outs and first is None:
-            first, produced = time.perf_counter(), len(outs)
-            continue
-        produced += len(outs)
-    elapsed = time.perf_counter() - first
+    rate = decode_rate(runner.step, lambda _: runner.active == 0)
     runner.close()
-    return (produced - batch) / elapsed
+    return rate
 
 
 def main() -> int:
