@@ -160,8 +160,6 @@ class EngineThread(threading.Thread):
             model_id=loaded.model_id,
             path=str(loaded.model_dir),
             context_length=loaded.context_length,
-            kv_bytes_per_token=loaded.kv_bytes_per_token,
-            weights_bytes=loaded.weights_bytes,
             budget=budget,
             generation_defaults=loaded.generation_defaults,
             formatter=ChatFormatter(loaded.tokenizer),

@@ -26,9 +26,7 @@ class ModelInfo:
     model_id: str
     path: str
     context_length: int
-    kv_bytes_per_token: int
-    weights_bytes: int
-    budget: MemoryBudget
+    budget: MemoryBudget  # also holds the weights and KV-per-token sizes
     # sampling defaults from generation_config.json (only the fields it sets)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     formatter: PromptFormatter | None = None

@@ -51,8 +51,6 @@ class FakeEngine(threading.Thread):
             model_id="fake-model",
             path="/fake",
             context_length=context_length,
-            kv_bytes_per_token=10,
-            weights_bytes=1000,
             budget=budget,
             formatter=CharFormatter(),
             vocab_size=256,
