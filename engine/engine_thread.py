@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from engine.model_source import ModelSource
 from scheduler.admission import AdmissionController, MemoryBudget, transient_reserve
 from scheduler.contracts import EngineStats, ModelInfo
-from scheduler.request import FinishReason, RequestOutput
+from scheduler.request import RequestOutput
 from scheduler.scheduler import Scheduler
 from scheduler.streams import OutputRouter
 
@@ -110,12 +110,7 @@ class EngineThread(threading.Thread):
             if self._runner is not None:
                 self._runner.close()
         if self._stopping.is_set():  # orderly shutdown: end every open stream
-            self.router.publish(
-                RequestOutput(
-                    r.request_id, finish_reason=FinishReason.ERROR, error="server is shutting down"
-                )
-                for r in self.scheduler.fail_all("server is shutting down")
-            )
+            self._fail_open_requests("server is shutting down")
 
     def _load(self) -> None:
         import mlx.core as mx
@@ -205,11 +200,7 @@ class EngineThread(threading.Thread):
                     log.exception("%s: could not start", request.request_id)
                     scheduler.finish(request.request_id)
                     failed.append(
-                        RequestOutput(
-                            request.request_id,
-                            finish_reason=FinishReason.ERROR,
-                            error=f"{type(exc).__name__}: {exc}",
-                        )
+                        RequestOutput.failure(request.request_id, f"{type(exc).__name__}: {exc}")
                     )
             self.router.publish(failed)
             if runner.active == 0:
@@ -225,9 +216,11 @@ class EngineThread(threading.Thread):
     def _die(self, reason: str, exc: BaseException) -> None:
         log.error("%s", reason, exc_info=exc)
         self._failure = reason
-        dropped = self.scheduler.fail_all(reason)
-        self.router.publish(
-            RequestOutput(r.request_id, finish_reason=FinishReason.ERROR, error=reason)
-            for r in dropped
-        )
+        self._fail_open_requests(reason)
         self._ready.set()  # unblock anyone waiting for readiness
+
+    def _fail_open_requests(self, reason: str) -> None:
+        """End every waiting and running request with ``reason``; refuse new ones."""
+        self.router.publish(
+            RequestOutput.failure(r.request_id, reason) for r in self.scheduler.fail_all(reason)
+        )

@@ -82,6 +82,11 @@ class RequestOutput:
     # seconds from arrival to the first generated token; set on the output carrying it
     ttft: float | None = None
 
+    @classmethod
+    def failure(cls, request_id: str, error: str) -> RequestOutput:
+        """The final output of a request the engine could not finish."""
+        return cls(request_id, finish_reason=FinishReason.ERROR, error=error)
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -112,7 +112,4 @@ class FakeEngine(threading.Thread):
         except BaseException as exc:  # noqa: BLE001
             self._failure = f"engine step failed: {exc}"
             dropped = self.scheduler.fail_all(self._failure)
-            self.router.publish(
-                RequestOutput(r.request_id, finish_reason=FinishReason.ERROR, error=self._failure)
-                for r in dropped
-            )
+            self.router.publish(RequestOutput.failure(r.request_id, self._failure) for r in dropped)
