@@ -30,6 +30,10 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "log_level": {"choices": ["debug", "info", "warning", "error"]},
     "api_key": {"metavar": "KEY"},
     "max_body_bytes": {"metavar": "SIZE"},
+    "prompt_cache_bytes": {"metavar": "SIZE"},
+    "prompt_cache_ttl": {"type": float, "metavar": "SECONDS"},
+    "cache_block_size": {"type": int, "metavar": "N"},
+    "volatile_policy": {"choices": ["reuse", "strict", "relocate"]},
 }
 
 
@@ -37,7 +41,9 @@ def _add_settings_flags(parser: argparse.ArgumentParser, names: list[str]) -> No
     for name in names:
         field = Settings.model_fields[name]
         flag = "--" + name.replace("_", "-")
-        default = "none" if field.default is None else field.default
+        default = (
+            "none" if field.default is None else getattr(field.default, "value", field.default)
+        )
         help_text = (
             f"{field.description} [default: {default}; env KVWARM_{name.upper()}]"
         ).replace("%%", "%%")
@@ -121,6 +127,7 @@ def cmd_serve(settings: Settings) -> int:
         prefill_step_size=settings.prefill_step_size,
         memory_budget_bytes=settings.memory_budget_bytes,
         blas=blas.describe(),
+        prompt_cache=settings.prompt_cache,
     )
     server: uvicorn.Server | None = None
     load_failure: list[str] = []

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,9 +17,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from app.errors import APIError, error_body
 from app.generation_params import resolve_max_tokens, resolve_sampling
 from app.schemas import ChatCompletionRequest, ChatMessage
+from app.session_id import session_id_from
 from app.sse import SSE_DONE, SSE_HEADERS, sse_data
 from app.state import AppState
-from scheduler.request import FinishReason, Request, RequestOutput
+from scheduler.prefix_index import VolatilePolicy
+from scheduler.request import CacheHints, FinishReason, Request, RequestOutput
+from scheduler.sessions import fallback_session_id
 
 log = logging.getLogger("kvwarm.http.chat")
 router = APIRouter()
@@ -73,23 +76,35 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def build_request(body: ChatCompletionRequest, state: AppState) -> Request:
+def build_request(
+    body: ChatCompletionRequest, state: AppState, headers: Mapping[str, str] | None = None
+) -> Request:
     info = state.model_info()
-    messages = [_template_message(m) for m in body.messages]
+    messages = [state.healing.heal(_template_message(m)) for m in body.messages]
+    relocate = state.settings.volatile_policy is VolatilePolicy.RELOCATE
     try:
-        prompt = info.formatter.render_chat(messages)
+        rendered = info.formatter.render_chat(messages, relocate_volatile=relocate)
     except Exception as exc:  # jinja errors of the model's own template
         raise APIError(400, f"The chat template rejected these messages: {exc}") from exc
+    prompt = rendered.tokens
     max_tokens = resolve_max_tokens(
         body.completion_limit, len(prompt), info.context_length, state.settings.max_tokens
     )
+    session = session_id_from(body.model_dump(), headers or {}) or fallback_session_id(prompt)
     return Request(
         prompt_tokens=prompt,
         max_tokens=max_tokens,
         sampling=resolve_sampling(body.model_dump(), info.generation_defaults, info.vocab_size),
         stop=tuple(body.stop or ()),
         ignore_eos=body.ignore_eos,
+        cache=CacheHints(rendered.key, session, rendered.message_hashes),
     )
+
+
+def _finish(state: AppState, req: Request, done: Completion, started: float) -> None:
+    if done.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+        state.healing.remember(done.text)
+    _log_done(req, done, started)
 
 
 def _log_done(req: Request, done: Completion, started: float) -> None:
@@ -111,7 +126,7 @@ def _log_done(req: Request, done: Completion, started: float) -> None:
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
-    req = build_request(body, state)
+    req = build_request(body, state, http.headers)
     stream = state.service.submit(req)  # admission errors raise here, before any byte is sent
     meta = {
         "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
@@ -170,7 +185,7 @@ async def _collect(
     finally:
         if done.finish_reason is None:
             state.service.cancel(req.request_id)
-        _log_done(req, done, started)
+        _finish(state, req, done, started)
     return done
 
 
@@ -214,4 +229,4 @@ async def _stream_chunks(
         if done.finish_reason is None:
             log.info("%s: stream closed early, aborting", req.request_id)
             state.service.cancel(req.request_id)
-        _log_done(req, done, started)
+        _finish(state, req, done, started)

@@ -130,4 +130,6 @@ def _add_admin_routes(app: FastAPI) -> None:
                 "prefill_tokens": eng.prefill_tokens,
                 "generated_tokens": eng.generated_tokens,
             },
+            "prompt_cache": eng.prompt_cache,
+            "healing": {"entries": len(state.healing), "healed": state.healing.healed},
         }

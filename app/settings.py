@@ -6,6 +6,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from scheduler.admission import parse_size
+from scheduler.prefix_index import PromptCacheConfig, VolatilePolicy
 
 
 class Settings(BaseSettings):
@@ -50,11 +51,36 @@ class Settings(BaseSettings):
         description="require this key (Authorization: Bearer / x-api-key) on all routes but /health",
     )
     max_body_bytes: str = Field("32MiB", description="largest request body accepted (413 above)")
+    prompt_cache_bytes: str = Field(
+        "auto",
+        description="memory kept for cached prompt KV (prefix reuse), carved out of the memory "
+        "budget; 0 disables the prefix cache; auto = a quarter of what weights leave",
+    )
+    prompt_cache_ttl: float = Field(
+        0.0, ge=0.0, description="seconds an unused cached prefix is kept; 0 = until evicted"
+    )
+    cache_block_size: int = Field(
+        16, ge=1, le=4096, description="tokens per hashed block of the prefix-cache index"
+    )
+    volatile_policy: VolatilePolicy = Field(
+        VolatilePolicy.REUSE,
+        description="volatile prompt bytes (timestamps, nonces, message ids, reminders): "
+        "reuse = reuse KV past them (the model keeps the values the cached turn saw), "
+        "strict = reuse exact token prefixes only, relocate = move volatile lines to the "
+        "prompt's end so the prefix stays stable and the model reads current values",
+    )
 
     @field_validator("memory_budget")
     @classmethod
     def _valid_budget(cls, value: str) -> str:
         parse_size(value)
+        return value
+
+    @field_validator("prompt_cache_bytes")
+    @classmethod
+    def _valid_cache_size(cls, value: str) -> str:
+        if value.strip() != "0":
+            parse_size(value)
         return value
 
     @field_validator("max_body_bytes")
@@ -74,6 +100,17 @@ class Settings(BaseSettings):
     @property
     def memory_budget_bytes(self) -> int | None:
         return parse_size(self.memory_budget)
+
+    @property
+    def prompt_cache(self) -> PromptCacheConfig | None:
+        if self.prompt_cache_bytes.strip() == "0":
+            return None
+        return PromptCacheConfig(
+            max_bytes=parse_size(self.prompt_cache_bytes),
+            block_size=self.cache_block_size,
+            ttl_s=self.prompt_cache_ttl,
+            policy=self.volatile_policy,
+        )
 
     @property
     def max_body_size(self) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from app.errors import APIError
 from app.settings import Settings
 from scheduler.contracts import EngineHandle, ModelInfo
+from scheduler.healing import HealingStore
 from scheduler.service import GenerationService
 
 
@@ -16,6 +17,7 @@ class AppState:
     settings: Settings
     engine: EngineHandle
     service: GenerationService
+    healing: HealingStore = field(default_factory=HealingStore)
     started_at: float = field(default_factory=time.time)
 
     def model_info(self) -> ModelInfo:

@@ -18,8 +18,10 @@ from dataclasses import dataclass
 
 from mlx_lm.generate import BatchGenerator, StopSequences
 
+from engine.prefix_cache import PrefixCache
 from engine.sampling import SamplerFactory
 from engine.text_output import TextOutput
+from scheduler.prompt_key import PromptKey
 from scheduler.request import FinishReason, Request, RequestOutput
 
 
@@ -29,6 +31,12 @@ class _Row:
     text: TextOutput
     generated: int = 0
     first_token_at: float | None = None
+    cached: int = 0  # prompt tokens served from the prefix cache
+    kv_offset: int = 0  # KV positions the reused cache holds (differs from ``cached``
+    # when a volatile span of another length was stepped over)
+    kv_key: PromptKey | None = None  # what this row's KV holds before generation
+    entry_id: int | None = None  # prefix-cache entry read (released after prefill)
+    checkpoint_at: int = 0  # prefill progress at which to store the stable prefix
 
 
 class BatchRunner:
@@ -39,8 +47,10 @@ class BatchRunner:
         max_batch: int,
         prefill_step_size: int,
         prefill_batch: int,
+        prefix_cache: PrefixCache | None = None,
     ):
         self.tokenizer = tokenizer
+        self.prefix_cache = prefix_cache
         # prompt tokens one step may prefill, shared by all rows joining at once
         self.prefill_budget = prefill_step_size
         self._prefill_rows = min(prefill_batch, max_batch)
@@ -67,23 +77,75 @@ class BatchRunner:
 
     def add(self, request: Request) -> None:
         params = request.sampling
-        (uid,) = self._generator.insert(
-            [request.prompt_tokens],
-            max_tokens=[request.max_tokens],
-            samplers=[self._samplers.sampler(params)],
-            logits_processors=[self._samplers.logits_processors(params)],
-            stop_sequences=[self._no_stop] if request.ignore_eos else None,
-        )
-        self._rows[uid] = _Row(request, TextOutput(self.tokenizer.detokenizer, request.stop))
+        row = _Row(request, TextOutput(self.tokenizer.detokenizer, request.stop))
+        prompt = request.prompt_tokens
+        cache, cached_tokens = None, None
+        hints = request.cache if self.prefix_cache is not None else None
+        if hints is not None:
+            reuse = self.prefix_cache.lookup(request.request_id, hints)
+            row.kv_key = hints.key
+            if reuse is not None:
+                row.cached, row.kv_offset = reuse.request_depth, reuse.kv_depth
+                row.kv_key, row.entry_id = reuse.kv_key, reuse.entry_id
+                cache = reuse.caches
+                cached_tokens = list(reuse.kv_key.model_tokens[: reuse.kv_depth])
+        segments = [prompt[row.cached :]]
+        if hints is not None:
+            # checkpoint the shared system prompt + tools mid-prefill, so an agent
+            # arriving while this one still generates reuses it
+            stable = hints.key.stable_prefix_end - row.cached
+            if self.prefix_cache.config.block_size <= stable < len(segments[0]) - 1:
+                segments = [segments[0][:stable], segments[0][stable:]]
+                row.checkpoint_at = stable
+        try:
+            (uid,) = self._generator.insert_segments(
+                [segments],
+                max_tokens=[request.max_tokens],
+                caches=[cache] if cache is not None else None,
+                all_tokens=[cached_tokens] if cached_tokens is not None else None,
+                samplers=[self._samplers.sampler(params)],
+                logits_processors=[self._samplers.logits_processors(params)],
+                stop_sequences=[self._no_stop] if request.ignore_eos else None,
+            )
+        except Exception:
+            self._release(row)
+            raise
+        self._rows[uid] = row
         self._uids[request.request_id] = uid
         self._prefilled[uid] = 0
 
     def remove(self, request_id: str) -> None:
         uid = self._uids.pop(request_id, None)
         if uid is not None:
-            self._rows.pop(uid, None)
+            row = self._rows.pop(uid, None)
+            if row is not None:
+                self._release(row)
             self._prefilled.pop(uid, None)
             self._generator.remove([uid])
+
+    def _release(self, row: _Row) -> None:
+        if row.entry_id is not None:
+            self.prefix_cache.release(row.entry_id)
+            row.entry_id = None
+
+    def _checkpoint(self, uid: int, row: _Row) -> None:
+        """Store the KV of the stable prefix the moment prefill reaches it."""
+        ((caches, _tokens),) = self._generator.extract_cache([uid]).values()
+        key = row.kv_key.truncated(row.kv_offset + row.checkpoint_at)
+        self.prefix_cache.store(key, caches, row.request.cache.session_id)
+        row.checkpoint_at = 0
+
+    def _store_final(self, row: _Row, caches, all_tokens) -> None:
+        """Keep prompt + reply KV: the next turn of this conversation starts with it."""
+        if row.kv_key is None or not caches:
+            return
+        base = row.kv_key.model_tokens
+        if tuple(all_tokens[: len(base)]) != base:
+            return  # should not happen; never store KV under the wrong tokens
+        key = row.kv_key.extended(all_tokens[len(base) :])
+        hints = row.request.cache
+        entry_id = self.prefix_cache.store(key, caches, hints.session_id)
+        self.prefix_cache.record_turn(hints, entry_id)
 
     def _chunk_per_row(self) -> int:
         """Split the step's prefill budget over the rows still prefilling, so a
@@ -100,8 +162,12 @@ class BatchRunner:
             done = resp.progress[0]
             self.last_step_prefill += done - self._prefilled[resp.uid]
             self._prefilled[resp.uid] = done
+            row = self._rows[resp.uid]
+            if row.checkpoint_at and done == row.checkpoint_at and resp.end_of_segment:
+                self._checkpoint(resp.uid, row)
             if resp.end_of_prompt:
                 del self._prefilled[resp.uid]
+                self._release(row)
         self.prefill_tokens += self.last_step_prefill
 
     def step(self) -> list[RequestOutput]:
@@ -111,7 +177,7 @@ class BatchRunner:
         self._account_prefill(prompt_responses)
         now = time.monotonic()
         outputs: list[RequestOutput] = []
-        stopped_by_text: list[int] = []
+        stopped_by_text: dict[int, _Row] = {}
         for resp in responses:
             row = self._rows.get(resp.uid)
             if row is None:
@@ -127,8 +193,6 @@ class BatchRunner:
             finish = None
             if row.text.stopped:
                 finish = FinishReason.STOP
-                if resp.finish_reason is None:
-                    stopped_by_text.append(resp.uid)
             elif resp.finish_reason is not None:
                 text += row.text.finish()
                 finish = FinishReason.STOP if eos else FinishReason.LENGTH
@@ -140,14 +204,24 @@ class BatchRunner:
                     finish_reason=finish,
                     prompt_tokens=len(row.request.prompt_tokens),
                     completion_tokens=row.generated,
+                    cached_tokens=row.cached,
                     ttft=ttft,
                 )
             )
             if finish is not None:
                 self._uids.pop(row.request.request_id, None)
                 del self._rows[resp.uid]
+                self._release(row)
+                if resp.finish_reason is not None:
+                    self._store_final(row, resp.prompt_cache, resp.all_tokens)
+                else:
+                    stopped_by_text[resp.uid] = row
         if stopped_by_text:
-            self._generator.remove(stopped_by_text)
+            caches = self._generator.remove(
+                list(stopped_by_text), return_prompt_caches=self.prefix_cache is not None
+            )
+            for uid, (cache, tokens) in caches.items():
+                self._store_final(stopped_by_text[uid], cache, tokens)
         return outputs
 
     def close(self) -> None:

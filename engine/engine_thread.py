@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from engine.model_source import ModelSource
 from scheduler.admission import AdmissionController, MemoryBudget, transient_reserve
 from scheduler.contracts import EngineStats, ModelInfo
+from scheduler.prefix_index import PromptCacheConfig
 from scheduler.request import RequestOutput
 from scheduler.scheduler import Scheduler
 from scheduler.streams import OutputRouter
@@ -31,6 +32,7 @@ class EngineConfig:
     prefill_step_size: int = 512
     memory_budget_bytes: int | None = None  # None: auto
     blas: str = ""
+    prompt_cache: PromptCacheConfig | None = None  # None: no prefix cache
 
 
 class EngineThread(threading.Thread):
@@ -78,6 +80,7 @@ class EngineThread(threading.Thread):
             active_rows=runner.active if runner else 0,
             prefill_tokens=runner.prefill_tokens if runner else 0,
             generated_tokens=runner.generated_tokens if runner else 0,
+            prompt_cache=runner.prefix_cache.stats() if runner and runner.prefix_cache else None,
         )
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -118,6 +121,7 @@ class EngineThread(threading.Thread):
         from engine.batch_runner import BatchRunner
         from engine.device_memory import auto_budget
         from engine.loader import load_model
+        from engine.prefix_cache import PrefixCache
         from engine.prompt_format import ChatFormatter
 
         device = str(mx.default_device())
@@ -130,26 +134,38 @@ class EngineThread(threading.Thread):
         cfg = self.config
         total = cfg.memory_budget_bytes or measured.total_bytes
         prefill_rows = min(cfg.max_batch, 8)
+        reserve = transient_reserve(
+            total,
+            # the runner never prefills more than this per step (16-token floor per row)
+            max(cfg.prefill_step_size, 16 * prefill_rows),
+            loaded.context_length,
+            loaded.num_heads,
+        )
+        pc = cfg.prompt_cache
+        cache_bytes = pc.resolve_bytes(total - loaded.weights_bytes - reserve) if pc else 0
         budget = MemoryBudget(
             total_bytes=total,
             weights_bytes=loaded.weights_bytes,
-            reserve_bytes=transient_reserve(
-                total,
-                # the runner never prefills more than this per step (16-token floor per row)
-                max(cfg.prefill_step_size, 16 * prefill_rows),
-                loaded.context_length,
-                loaded.num_heads,
-            ),
+            reserve_bytes=reserve,
             kv_bytes_per_token=loaded.kv_bytes_per_token,
             source="--memory-budget" if measured is None else measured.source,
+            prompt_cache_bytes=cache_bytes,
         )
         self.scheduler.admission = AdmissionController(budget, loaded.context_length)
+        prefix_cache = None
+        if pc is not None and cache_bytes > 0:
+            prefix_cache = PrefixCache(
+                pc,
+                cache_bytes,
+                namespace=f"{loaded.model_id}|{loaded.model_dir}",
+            )
         self._runner = BatchRunner(
             loaded.model,
             loaded.tokenizer,
             max_batch=cfg.max_batch,
             prefill_step_size=cfg.prefill_step_size,
             prefill_batch=prefill_rows,
+            prefix_cache=prefix_cache,
         )
         self._model_info = ModelInfo(
             model_id=loaded.model_id,
@@ -164,7 +180,8 @@ class EngineThread(threading.Thread):
         )
         log.info(
             "model %s ready in %.1fs: context %d, weights %.0f MiB, KV %d B/token, "
-            "budget %.0f MiB (%s), KV ceiling %d tokens/request, batch %d",
+            "budget %.0f MiB (%s), KV ceiling %d tokens/request, batch %d, "
+            "prompt cache %.0f MiB (%s)",
             loaded.model_id,
             time.monotonic() - started,
             loaded.context_length,
@@ -174,6 +191,8 @@ class EngineThread(threading.Thread):
             budget.source,
             budget.ceiling_tokens,
             cfg.max_batch,
+            cache_bytes / 2**20,
+            f"policy {pc.policy.value}, blocks of {pc.block_size}" if prefix_cache else "off",
         )
         if budget.kv_budget_bytes <= 0:
             raise MemoryError(

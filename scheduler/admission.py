@@ -76,10 +76,14 @@ class MemoryBudget:
     reserve_bytes: int
     kv_bytes_per_token: int
     source: str = "configured"  # where total_bytes came from (flag, Metal, CUDA, RAM)
+    prompt_cache_bytes: int = 0  # held by the prefix cache, never by running requests
 
     @property
     def kv_budget_bytes(self) -> int:
-        return max(0, self.total_bytes - self.weights_bytes - self.reserve_bytes)
+        return max(
+            0,
+            self.total_bytes - self.weights_bytes - self.reserve_bytes - self.prompt_cache_bytes,
+        )
 
     @property
     def ceiling_tokens(self) -> int:

@@ -7,14 +7,18 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from scheduler.admission import MemoryBudget
+from scheduler.prompt_key import RenderedPrompt
 
 
 class PromptFormatter(Protocol):
-    """Turns chat messages / text into the token ids the model sees."""
+    """Turns chat messages into the model tokens plus their cache-key view."""
 
     def render_chat(
-        self, messages: Sequence[dict[str, Any]], **template_kwargs: Any
-    ) -> list[int]: ...
+        self,
+        messages: Sequence[dict[str, Any]],
+        relocate_volatile: bool = False,
+        **template_kwargs: Any,
+    ) -> RenderedPrompt: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -43,6 +47,7 @@ class EngineStats:
     active_rows: int
     prefill_tokens: int
     generated_tokens: int
+    prompt_cache: dict[str, Any] | None = None  # PrefixCache.stats(); None when disabled
 
 
 class EngineHandle(Protocol):

@@ -7,6 +7,8 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from scheduler.prompt_key import PromptKey
+
 _ids = itertools.count(1)
 
 
@@ -48,6 +50,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass(frozen=True)
+class CacheHints:
+    """What the prefix cache needs to find and store this request's KV."""
+
+    key: PromptKey  # model tokens (== Request.prompt_tokens) + volatile spans + cache key
+    session_id: str
+    message_hashes: tuple[str, ...] = ()  # canonical hash per message (session layer)
+
+
 @dataclass
 class Request:
     """One generation job. ``prompt_tokens`` are exactly what the model sees."""
@@ -57,6 +68,7 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    cache: CacheHints | None = None  # None: this request neither reads nor feeds the cache
     request_id: str = field(default_factory=next_request_id)
     arrival_time: float = field(default_factory=time.monotonic)
     state: RequestState = RequestState.WAITING

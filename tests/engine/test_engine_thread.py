@@ -47,7 +47,7 @@ class Harness:
     def request(self, text, max_tokens=16, **kw) -> Request:
         kw.setdefault("sampling", SamplingParams(temperature=0.0))
         return Request(
-            self.formatter.render_chat([{"role": "user", "content": text}]), max_tokens, **kw
+            self.formatter.render_chat([{"role": "user", "content": text}]).tokens, max_tokens, **kw
         )
 
     async def run(self, req: Request):

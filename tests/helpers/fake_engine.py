@@ -10,6 +10,7 @@ from typing import Any
 
 from scheduler.admission import AdmissionController, MemoryBudget
 from scheduler.contracts import EngineStats, ModelInfo
+from scheduler.prompt_key import PromptKey, RenderedPrompt
 from scheduler.request import FinishReason, RequestOutput
 from scheduler.scheduler import Scheduler
 from scheduler.streams import OutputRouter
@@ -18,9 +19,9 @@ from scheduler.streams import OutputRouter
 class CharFormatter:
     """One token per character of the rendered transcript."""
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], **_: Any) -> list[int]:
+    def render_chat(self, messages: Sequence[dict[str, Any]], **_: Any) -> RenderedPrompt:
         text = "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages) + "<assistant>"
-        return self.encode(text)
+        return RenderedPrompt(PromptKey.build(self.encode(text)))
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) % 256 for c in text]

@@ -1,0 +1,107 @@
+"""Healing: give the model back what it really wrote.
+
+Clients strip ``<think>`` blocks from assistant turns (and re-serialise tool-call
+arguments) before sending the history back, so the echoed turn no longer matches
+the tokens the server generated: the model would read a history it did not
+write, and the KV of that turn could not be reused. This bounded store maps a
+hash of the client-visible form of each reply to the original, and the request
+builder swaps the original back in before rendering.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_OPEN_THINK = re.compile(r"^.*?</think>", re.DOTALL)  # templates that pre-open <think>
+
+
+def visible_form(content: str) -> str:
+    """What a client typically echoes: think blocks removed, outer whitespace trimmed."""
+    text = _THINK.sub("", content)
+    if "</think>" in text:
+        text = _OPEN_THINK.sub("", text, count=1)
+    return text.strip()
+
+
+def canonical_tool_calls(tool_calls: Sequence[dict[str, Any]] | None) -> str:
+    """Tool calls independent of argument whitespace/key order and of call ids."""
+    out = []
+    for call in tool_calls or ():
+        fn = call.get("function") or {}
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass
+        out.append([fn.get("name"), args])
+    return json.dumps(out, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def _key(content: str, tool_calls: Sequence[dict[str, Any]] | None) -> str:
+    raw = visible_form(content) + "\x00" + canonical_tool_calls(tool_calls)
+    return hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class Original:
+    content: str
+    tool_calls: tuple[dict[str, Any], ...] | None = None
+
+
+class HealingStore:
+    def __init__(self, max_entries: int = 1024, max_bytes: int = 16 * 2**20):
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[str, Original] = OrderedDict()
+        self.nbytes = 0
+        self.healed = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @staticmethod
+    def _size(item: Original) -> int:
+        return len(item.content.encode()) + len(json.dumps(item.tool_calls or []))
+
+    def remember(self, content: str, tool_calls: Sequence[dict[str, Any]] | None = None) -> None:
+        """Record a reply exactly as generated."""
+        item = Original(content, tuple(tool_calls) if tool_calls else None)
+        size = self._size(item)
+        if size > self.max_bytes:
+            return
+        key = _key(content, tool_calls)
+        old = self._items.pop(key, None)
+        if old is not None:
+            self.nbytes -= self._size(old)
+        self._items[key] = item
+        self.nbytes += size
+        while len(self._items) > self.max_entries or self.nbytes > self.max_bytes:
+            _, dropped = self._items.popitem(last=False)
+            self.nbytes -= self._size(dropped)
+
+    def heal(self, message: dict[str, Any]) -> dict[str, Any]:
+        """The assistant message as generated, if this is an echo of a known reply."""
+        if message.get("role") != "assistant":
+            return message
+        content = message.get("content") or ""
+        key = _key(content, message.get("tool_calls"))
+        item = self._items.get(key)
+        if item is None:
+            return message
+        self._items.move_to_end(key)
+        same_calls = item.tool_calls is None or list(item.tool_calls) == message.get("tool_calls")
+        if item.content == content and same_calls:
+            return message
+        healed = dict(message, content=item.content)
+        if item.tool_calls is not None:
+            healed["tool_calls"] = list(item.tool_calls)
+        self.healed += 1
+        return healed

@@ -1,0 +1,187 @@
+"""Which bytes of a rendered prompt are volatile (change every turn without meaning
+anything for the cache): one table of rules, each tested on its own.
+
+Rules run inside one message's rendered text at a time, so no pattern can span
+two messages, and only on system and user messages: tool results, file
+contents, assistant replies (think blocks) and images always reach the model
+and the cache key intact. Most rules are line-scoped; the two block rules are
+bounded by their own closing marker inside the message.
+
+A rule's ``canonical`` form says what the cache key holds in the span's place:
+``SENTINEL`` (one placeholder token: present-with-any-value vs absent differ) or
+``DROP`` (nothing: present and absent canonicalise the same).
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+class Canonical(enum.Enum):
+    SENTINEL = "sentinel"
+    DROP = "drop"
+
+
+@dataclass(frozen=True)
+class VolatileRule:
+    name: str
+    pattern: re.Pattern[str]
+    canonical: Canonical
+    group: int = 0  # which group of the match is volatile (0: the whole match)
+
+
+def _line(regex: str) -> re.Pattern[str]:
+    return re.compile(regex, re.IGNORECASE | re.MULTILINE)
+
+
+RULES: tuple[VolatileRule, ...] = (
+    # Claude Code's first system line: carries a per-request cch nonce
+    VolatileRule(
+        "billing_header", _line(r"^x-anthropic-billing-header:[^\n]*$"), Canonical.SENTINEL
+    ),
+    VolatileRule("cch_nonce", _line(r"\bcch=[0-9a-f]+;"), Canonical.SENTINEL),
+    # "Current time is 10:42", "Current date: 2026-11-26", "Today's date is ..."
+    VolatileRule(
+        "timestamp",
+        _line(
+            r"\b(?:the )?(?:current (?:date and time|date|time)|today's date|today is)"
+            r"(?: is)?:?[ \t]*([^\n]+)$"
+        ),
+        Canonical.SENTINEL,
+        group=1,
+    ),
+    # Channel envelopes: "[message_id: 8812]", "message_id=abc", "\"message_id\": \"x\""
+    VolatileRule(
+        "message_id",
+        _line(r"\bmessage[_ ]id[\"']?\s*[:=]\s*[\"']?([\w.:-]+)[\"']?"),
+        Canonical.SENTINEL,
+        group=1,
+    ),
+    # OpenClaw's per-message metadata block: a header line, then a fenced JSON
+    # block or text up to the next blank line
+    VolatileRule(
+        "inbound_context",
+        re.compile(
+            r"^[#* \t]*Inbound Context\b[^\n]*\n(?:[ \t]*```[^\n]*\n.*?```[^\n]*(?:\n|$)"
+            r"|(?:[^\n]+(?:\n|$))*)",
+            re.IGNORECASE | re.MULTILINE | re.DOTALL,
+        ),
+        Canonical.DROP,
+    ),
+    # sub-agent completion announcements: "Stats: runtime 42s • tokens 1.2k ..."
+    VolatileRule("subagent_stats", _line(r"^[ \t]*Stats: runtime\b[^\n]*(?:\n|$)"), Canonical.DROP),
+    VolatileRule(
+        "system_reminder",
+        re.compile(r"<system-reminder>.*?</system-reminder>\n?", re.DOTALL),
+        Canonical.DROP,
+    ),
+)
+
+VOLATILE_ROLES = frozenset({"system", "developer", "user"})
+RULE_INDEX = {rule.name: i for i, rule in enumerate(RULES)}
+
+
+@dataclass(frozen=True)
+class CharSpan:
+    """A volatile character range ``[start, end)`` of some text and the rule that found it."""
+
+    start: int
+    end: int
+    rule: int  # index into RULES
+
+
+def find_in_text(
+    text: str, offset: int = 0, rules: Sequence[VolatileRule] = RULES
+) -> list[CharSpan]:
+    """Volatile spans of one message's text, merged where rules overlap."""
+    found: list[CharSpan] = []
+    for rule in rules:
+        for m in rule.pattern.finditer(text):
+            start, end = m.span(rule.group)
+            if end > start:
+                found.append(CharSpan(offset + start, offset + end, RULE_INDEX[rule.name]))
+    return merge_spans(found)
+
+
+def merge_spans(spans: Iterable[CharSpan]) -> list[CharSpan]:
+    """Union of overlapping spans; the earliest-starting rule names the union."""
+    merged: list[CharSpan] = []
+    for span in sorted(spans, key=lambda s: (s.start, -s.end)):
+        if merged and span.start < merged[-1].end:
+            last = merged[-1]
+            merged[-1] = CharSpan(last.start, max(last.end, span.end), last.rule)
+        else:
+            merged.append(span)
+    return merged
+
+
+def relocate_volatile_lines(contents: list[str | None], roles: list[str]) -> list[str | None]:
+    """``--volatile-policy relocate``: move every line holding a volatile span out
+    of system/user messages to the end of the last message, so the prefix stays
+    stable and the model still reads every current value."""
+    moved: list[str] = []
+    out: list[str | None] = []
+    for content, role in zip(contents, roles):
+        if not content or role not in VOLATILE_ROLES:
+            out.append(content)
+            continue
+        spans = find_in_text(content)
+        if not spans:
+            out.append(content)
+            continue
+        keep_from = 0
+        kept: list[str] = []
+        for span in spans:
+            line_start = content.rfind("\n", 0, span.start) + 1
+            line_end = content.find("\n", max(span.end - 1, line_start))
+            line_end = len(content) if line_end < 0 else line_end + 1
+            if line_start < keep_from:  # same line as the previous span
+                line_start = keep_from
+            kept.append(content[keep_from:line_start])
+            moved.append(content[line_start:line_end].rstrip("\n"))
+            keep_from = max(keep_from, line_end)
+        kept.append(content[keep_from:])
+        out.append("".join(kept))
+    if moved and out:
+        last = out[-1] or ""
+        out[-1] = last + ("\n\n" if last else "") + "\n".join(m for m in moved if m)
+    return out
+
+
+@dataclass(frozen=True)
+class MessageSlice:
+    """Where one message sits in the rendered prompt text."""
+
+    start: int
+    end: int
+    role: str
+
+
+def prompt_spans(text: str, messages: Sequence[MessageSlice]) -> list[CharSpan]:
+    """Volatile spans of a rendered prompt, found message by message."""
+    spans: list[CharSpan] = []
+    for m in messages:
+        if m.role in VOLATILE_ROLES:
+            spans.extend(find_in_text(text[m.start : m.end], offset=m.start))
+    return spans
+
+
+def canonical_text(
+    text: str, spans: Sequence[CharSpan], start: int = 0, end: int | None = None
+) -> str:
+    """``text[start:end]`` with each volatile span replaced by its canonical form."""
+    end = len(text) if end is None else end
+    out: list[str] = []
+    pos = start
+    for span in spans:
+        if span.end <= start or span.start >= end:
+            continue
+        out.append(text[pos : span.start])
+        if RULES[span.rule].canonical is Canonical.SENTINEL:
+            out.append(f"\x00{RULES[span.rule].name}\x00")
+        pos = span.end
+    out.append(text[pos:end])
+    return "".join(out)
