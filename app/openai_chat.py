@@ -90,7 +90,9 @@ def build_request(
     max_tokens = resolve_max_tokens(
         body.completion_limit, len(prompt), info.context_length, state.settings.max_tokens
     )
-    session = session_id_from(body.model_dump(), headers or {}) or fallback_session_id(prompt)
+    session = session_id_from(body.model_dump(), headers or {}) or fallback_session_id(
+        rendered.key.canonical
+    )
     return Request(
         prompt_tokens=prompt,
         max_tokens=max_tokens,

@@ -22,9 +22,10 @@ MAX_ANCHORS = 8
 FALLBACK_PREFIX_TOKENS = 128
 
 
-def fallback_session_id(model_tokens: Sequence[int]) -> str:
-    """Requests without an explicit session id group by their first 128 tokens."""
-    head = model_tokens[:FALLBACK_PREFIX_TOKENS]
+def fallback_session_id(canonical_tokens: Sequence[int]) -> str:
+    """Requests without an explicit session id group by their first 128 cache-key
+    tokens (canonical: a per-request nonce in line one must not split sessions)."""
+    head = canonical_tokens[:FALLBACK_PREFIX_TOKENS]
     digest = hashlib.blake2b(struct.pack(f"<{len(head)}q", *head), digest_size=8).hexdigest()
     return f"auto-{digest}"
 

@@ -124,8 +124,9 @@ def relocate_volatile_lines(contents: list[str | None], roles: list[str]) -> lis
     stable and the model still reads every current value."""
     moved: list[str] = []
     out: list[str | None] = []
-    for content, role in zip(contents, roles):
-        if not content or role not in VOLATILE_ROLES:
+    last = len(contents) - 1
+    for i, (content, role) in enumerate(zip(contents, roles)):
+        if not content or role not in VOLATILE_ROLES or i == last:  # the last one is the end
             out.append(content)
             continue
         spans = find_in_text(content)

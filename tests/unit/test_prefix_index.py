@@ -1,0 +1,174 @@
+"""The block-hash index against a brute-force reference (hypothesis state machine)."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from scheduler.prefix_index import MAX_CANDIDATES, PrefixIndex, VolatilePolicy
+from scheduler.prompt_key import PromptKey, TokenSpan, align, chain_hashes
+from scheduler.volatile_rules import RULE_INDEX
+from tests.unit.test_prompt_key import outside_spans
+
+TS = RULE_INDEX["timestamp"]
+BLOCK = 2
+
+
+@st.composite
+def keys(draw):
+    """Prompts built from a few shared stems so that prefixes collide often."""
+    stem = draw(st.sampled_from([[1, 2, 3, 4], [1, 2, 5, 6], [8, 8, 8, 8]]))
+    tokens = list(stem)
+    spans = []
+    if draw(st.booleans()):
+        value = draw(st.lists(st.integers(20, 22), min_size=1, max_size=3))
+        spans.append(TokenSpan(len(tokens), len(tokens) + len(value), TS))
+        tokens += value
+    tokens += draw(st.lists(st.integers(0, 3), min_size=1, max_size=8))
+    return PromptKey.build(tokens, spans)
+
+
+class IndexMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.now = 0.0
+        self.removed: list[int] = []
+        self.index = PrefixIndex(
+            max_bytes=60,
+            max_entries=6,
+            block_size=BLOCK,
+            ttl_s=50.0,
+            namespace="m",
+            policy=VolatilePolicy.REUSE,
+            on_remove=self.removed.append,
+            clock=lambda: self.now,
+        )
+        self.in_use: dict[int, int] = {}  # entry id -> acquired count
+
+    @rule(key=keys(), trimmable=st.booleans())
+    def insert(self, key, trimmable):
+        self.index.insert(key, nbytes=len(key.model_tokens), trimmable=trimmable)
+
+    @rule(key=keys())
+    def lookup(self, key):
+        candidates = [
+            e
+            for e in self.index.entries()
+            if chain_hashes(e.key.canonical, BLOCK, "m")[:1]
+            and chain_hashes(e.key.canonical, BLOCK, "m")[0]
+            == (chain_hashes(key.canonical, BLOCK, "m") or [None])[0]
+        ]
+        result = self.index.lookup(key)
+        # reference: the deepest acceptable alignment among entries sharing a block
+        best = 0
+        for e in candidates:
+            al = align(e.key, key, skip_volatile=True)
+            if not e.trimmable and al.entry_depth != e.length:
+                continue
+            best = max(best, al.request_depth)
+        if result.hit is None:
+            assert best == 0 or len(candidates) > MAX_CANDIDATES
+            return
+        al = result.hit.alignment
+        entry = result.hit.entry
+        # never a wrong hit: equal outside volatile spans up to the reuse point
+        assert outside_spans(entry.key, al.entry_depth) == outside_spans(key, al.request_depth)
+        assert al.request_depth <= len(key.model_tokens) - 1
+        if not entry.trimmable:
+            assert al.entry_depth == entry.length
+        if len(candidates) <= MAX_CANDIDATES:
+            assert al.request_depth == best  # the deepest entry wins
+        self.in_use[entry.entry_id] = self.in_use.get(entry.entry_id, 0) + 1
+
+    @precondition(lambda self: self.in_use)
+    @rule(data=st.data())
+    def release(self, data):
+        entry_id = data.draw(st.sampled_from(sorted(self.in_use)))
+        self.index.release(entry_id)
+        self.in_use[entry_id] -= 1
+        if not self.in_use[entry_id]:
+            del self.in_use[entry_id]
+
+    @rule(dt=st.floats(0, 30))
+    def tick(self, dt):
+        self.now += dt
+        self.index.expire()
+
+    @invariant()
+    def byte_budget_holds(self):
+        assert self.index.nbytes <= self.index.max_bytes
+        assert self.index.nbytes == sum(e.nbytes for e in self.index.entries())
+        assert len(self.index) <= self.index.max_entries
+
+    @invariant()
+    def entries_in_use_are_never_evicted(self):
+        for entry_id in self.in_use:
+            assert entry_id in self.index
+
+    @invariant()
+    def no_entry_is_a_strict_prefix_of_a_trimmable_one(self):
+        entries = self.index.entries()
+        for short in entries:
+            if short.refs or not short.trimmable:
+                continue
+            for long in entries:
+                if long.trimmable and long.length > short.length:
+                    assert long.key.model_tokens[: short.length] != short.key.model_tokens
+
+
+IndexMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestIndexMachine = IndexMachine.TestCase
+
+
+def _key(tokens, spans=()):
+    return PromptKey.build(tokens, spans)
+
+
+def test_short_entry_never_shadows_a_long_one():
+    index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m")
+    base = list(range(100, 140))
+    index.insert(_key(base[:8]), 8, True)
+    index.insert(_key(base[:8] + [1, 2, 3, 4]), 12, True)  # a branch: not a prefix of the next
+    long_id = index.insert(_key(base[:36]), 36, True)
+    hit = index.lookup(_key(base + [5])).hit
+    assert hit.entry.entry_id == long_id and hit.reused == 36
+
+
+def test_untrimmable_entries_only_hit_whole_and_count_misses():
+    index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m")
+    tokens = list(range(100, 120))
+    index.insert(_key(tokens), 20, trimmable=False)
+    assert index.lookup(_key(tokens + [1, 2])).hit.reused == 20
+    assert index.counters.hybrid_trim_miss == 0
+    assert index.lookup(_key(tokens[:12] + [9, 9, 9, 9, 9])).hit is None
+    assert index.counters.hybrid_trim_miss == 1
+
+
+def test_eviction_prefers_short_cold_entries_and_ttl_expires():
+    now = [0.0]
+    index = PrefixIndex(max_bytes=100, block_size=4, namespace="m", ttl_s=100, clock=lambda: now[0])
+    long_id = index.insert(_key(list(range(200, 260))), 60, True)
+    for _ in range(3):
+        now[0] += 1
+        index.lookup(_key(list(range(200, 260)) + [1]), acquire=False)
+    now[0] += 5
+    short_id = index.insert(_key(list(range(300, 320))), 20, True)
+    now[0] += 5
+    index.insert(_key(list(range(400, 430))), 30, True)  # needs room: the short cold one goes
+    assert long_id in index and short_id not in index
+    now[0] += 200
+    index.expire()
+    assert len(index) == 0 and index.counters.expired == 2
+
+
+def test_canonical_key_disagreement_is_counted():
+    """Equal cache keys but different model tokens outside spans would be a rule bug."""
+    index = PrefixIndex(max_bytes=10**6, block_size=2, namespace="m")
+    # fabricate keys whose canonical forms agree while the model tokens do not
+    a = PromptKey(tuple([1, 2, 3, 4, 5]), (), (), 0, (1, 2, 3, 4, 5))
+    b = PromptKey(tuple([1, 2, 9, 4, 5, 6]), (), (), 0, (1, 2, 3, 4, 5, 6))
+    index.insert(a, 5, True)
+    result = index.lookup(b)
+    assert result.hit.reused == 2
+    assert index.counters.exact_key_rejected_by_model_lcp == 1

@@ -1,0 +1,101 @@
+"""Session records, session-id extraction and healing of stripped replies."""
+
+from __future__ import annotations
+
+from app.session_id import session_id_from
+from scheduler.healing import HealingStore, visible_form
+from scheduler.sessions import ANCHOR_TOKENS, SessionStore, fallback_session_id
+
+
+def test_turn_records_are_written_only_on_strict_appends():
+    store = SessionStore()
+    assert store.record_turn("s", ["sys", "u1"], [100, 120], entry_id=1)
+    assert store.record_turn("s", ["sys", "u1", "a1", "u2"], [100, 120, 150, 170], entry_id=2)
+    # a sub-agent branch from the same system prompt must not clobber the record
+    assert not store.record_turn("s", ["sys", "sub"], [100, 130], entry_id=3)
+    # nor does a mid-history edit
+    assert not store.record_turn("s", ["sys", "u1-edited", "a1", "u2"], [100, 121, 151, 171], 4)
+    assert store.get("s").entry_id == 2 and store.rejected_writes == 2
+    assert store.candidates("s")[0] == 2
+
+
+def test_promised_tokens_end_at_the_change_point():
+    store = SessionStore()
+    store.record_turn("s", ["sys", "u1", "a1", "tool1", "a2"], [100, 120, 150, 400, 420], 7)
+    # the tool result (message 4) was edited: everything before it is promised
+    promised = store.promised_tokens(
+        "s", ["sys", "u1", "a1", "tool1*", "a2", "u3"], [100, 120, 150, 390, 410, 430]
+    )
+    assert promised == 150
+    assert store.promised_tokens("other", ["sys"], [100]) == 0
+
+
+def test_lineage_keeps_anchors_as_the_conversation_grows():
+    store = SessionStore()
+    ends = []
+    messages = []
+    for turn in range(6):
+        messages.append(f"m{turn}")
+        ends.append((turn + 1) * ANCHOR_TOKENS)
+        store.record_turn("s", messages, ends, entry_id=turn + 1)
+    ids = store.candidates("s")
+    assert ids[0] == 6 and len(ids) > 2 and set(ids) <= set(range(1, 7))
+
+
+def test_fallback_session_groups_by_the_head_of_the_cache_key():
+    head = list(range(128))
+    assert fallback_session_id(head + [1]) == fallback_session_id(head + [2])
+    assert fallback_session_id([5] + head) != fallback_session_id(head)
+
+
+def test_session_id_sources():
+    assert session_id_from({"session_id": "a"}, {}) == "a"
+    assert session_id_from({"metadata": {"conversation_id": "b"}}, {}) == "b"
+    assert session_id_from({"extra_body": {"thread_id": 7}}, {}) == "7"
+    assert session_id_from({"metadata": {"chat_id": " c "}}, {}) == "c"
+    assert session_id_from({}, {"x-session-id": "d"}) == "d"
+    assert session_id_from({"metadata": {"user": "x"}}, {}) is None
+
+
+def test_healing_restores_stripped_think_blocks_and_tool_call_arguments():
+    store = HealingStore()
+    original = "<think>\nthe user wants 4\n</think>\n\nThe answer is 4."
+    store.remember(original)
+    echoed = {"role": "assistant", "content": "The answer is 4."}
+    assert store.heal(echoed)["content"] == original
+    assert store.healed == 1
+    # verbatim echoes and unknown replies pass through
+    assert store.heal({"role": "assistant", "content": original})["content"] == original
+    assert (
+        store.heal({"role": "assistant", "content": "something else"})["content"]
+        == "something else"
+    )
+    assert (
+        store.heal({"role": "user", "content": "The answer is 4."})["content"] == "The answer is 4."
+    )
+
+    calls = [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1, "b": 2}'}}
+    ]
+    store.remember("", calls)
+    reserialised = [
+        {"id": "x9", "type": "function", "function": {"name": "f", "arguments": '{"b":2,"a":1}'}}
+    ]
+    healed = store.heal({"role": "assistant", "content": None, "tool_calls": reserialised})
+    assert healed["tool_calls"] == calls
+
+
+def test_healing_store_is_bounded():
+    store = HealingStore(max_entries=3, max_bytes=10**6)
+    for i in range(10):
+        store.remember(f"reply {i}")
+    assert len(store) == 3
+    small = HealingStore(max_entries=100, max_bytes=50)
+    for i in range(10):
+        small.remember(f"a longer reply number {i}")
+    assert small.nbytes <= 50
+
+
+def test_visible_form():
+    assert visible_form("<think>x</think>  hi ") == "hi"
+    assert visible_form("pre-opened reasoning</think>answer") == "answer"

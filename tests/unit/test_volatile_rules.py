@@ -1,0 +1,128 @@
+"""Each volatile rule, on its own: what it marks, and what it must leave alone."""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler.volatile_rules import (
+    RULE_INDEX,
+    RULES,
+    MessageSlice,
+    canonical_text,
+    find_in_text,
+    prompt_spans,
+    relocate_volatile_lines,
+)
+
+
+def marked(text: str) -> list[tuple[str, str]]:
+    return [(RULES[s.rule].name, text[s.start : s.end]) for s in find_in_text(text)]
+
+
+@pytest.mark.parametrize(
+    "text, rule, span",
+    [
+        (
+            "x-anthropic-billing-header: cc_version=2.0.14; cch=9f3a1;\nYou are Claude Code.",
+            "billing_header",
+            "x-anthropic-billing-header: cc_version=2.0.14; cch=9f3a1;",
+        ),
+        ("session cch=00ff12; more", "cch_nonce", "cch=00ff12;"),
+        (
+            "Intro.\nCurrent time is 2026-11-26 10:42:01 UTC\nRules.",
+            "timestamp",
+            "2026-11-26 10:42:01 UTC",
+        ),
+        ("Current date: Thursday, November 26", "timestamp", "Thursday, November 26"),
+        ("Today's date is 2026-11-26.", "timestamp", "2026-11-26."),
+        ("Fix it [message_id: 8812]", "message_id", "8812"),
+        ('{"message_id": "abc-12"}', "message_id", "abc-12"),
+        (
+            'Hello\n## Inbound Context (trusted metadata)\n```json\n{"chat": 5}\n```\nBye',
+            "inbound_context",
+            '## Inbound Context (trusted metadata)\n```json\n{"chat": 5}\n```\n',
+        ),
+        (
+            "Done.\nStats: runtime 42s • tokens 1.2k\nResult: ok",
+            "subagent_stats",
+            "Stats: runtime 42s • tokens 1.2k\n",
+        ),
+        (
+            "<system-reminder>\nTodo list is empty\n</system-reminder>\nfix the test",
+            "system_reminder",
+            "<system-reminder>\nTodo list is empty\n</system-reminder>\n",
+        ),
+    ],
+)
+def test_rule_marks_exactly_its_span(text, rule, span):
+    assert (rule, span) in marked(text)
+    # nothing else in these texts is volatile
+    assert all(name == rule or name in ("cch_nonce", "billing_header") for name, _ in marked(text))
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The current implementation is fine.",  # 'current' without a date/time label
+        "def cch(x): return x",
+        "timestamps like 2026-11-26 in code are content",
+        "message ids are described in the docs",
+        "Inbound requests are handled by the router.",
+    ],
+)
+def test_ordinary_text_is_not_volatile(text):
+    assert marked(text) == []
+
+
+def test_every_rule_is_exercised():
+    assert set(RULE_INDEX) == {r.name for r in RULES}
+
+
+def test_rules_never_cross_a_message_boundary():
+    a = "<|system|>Current time is 10:00"
+    b = "<|user|><system-reminder>x"
+    c = "</system-reminder>"  # the closing tag sits in the next message
+    text = a + b + c
+    slices = [
+        MessageSlice(0, len(a), "system"),
+        MessageSlice(len(a), len(a) + len(b), "user"),
+        MessageSlice(len(a) + len(b), len(text), "user"),
+    ]
+    spans = prompt_spans(text, slices)
+    assert [(RULES[s.rule].name, text[s.start : s.end]) for s in spans] == [("timestamp", "10:00")]
+
+
+def test_tool_and_assistant_messages_are_never_volatile():
+    text = "Current time is 10:00"
+    for role in ("tool", "assistant"):
+        assert prompt_spans(text, [MessageSlice(0, len(text), role)]) == []
+    assert prompt_spans(text, [MessageSlice(0, len(text), "user")])
+
+
+def test_canonical_text_hides_values_and_drops_droppable_blocks():
+    a = "Now.\nCurrent time is 10:00\n<system-reminder>a</system-reminder>\nGo"
+    b = "Now.\nCurrent time is 11:59:59\nGo"
+    ca = canonical_text(a, find_in_text(a))
+    cb = canonical_text(b, find_in_text(b))
+    assert ca == cb
+    assert "10:00" not in ca
+
+
+def test_relocate_moves_volatile_lines_to_the_last_message():
+    contents = [
+        "System rules.\nCurrent time is 10:00\nMore rules.",
+        "hi",
+        "question [message_id: 7]",
+    ]
+    roles = ["system", "assistant", "user"]
+    out = relocate_volatile_lines(contents, roles)
+    assert out == [
+        "System rules.\nMore rules.",
+        "hi",
+        "question [message_id: 7]\n\nCurrent time is 10:00",
+    ]
+
+
+def test_relocate_keeps_tool_results_untouched():
+    contents = ["Current time is 10:00", "go"]
+    assert relocate_volatile_lines(contents, ["tool", "user"]) == contents
