@@ -1,0 +1,190 @@
+"""Prefix reuse on a real (tiny, random-weight) llama through BatchRunner.
+
+Greedy decoding makes the output a function of the KV the model reads, so:
+strict reuse must give exactly the cache-less output, and volatile reuse must
+give exactly the output of a fresh prefill of the prompt the reused KV stands
+for (the old volatile values, at the positions they were cached at).
+"""
+
+from __future__ import annotations
+
+import pytest
+from mlx_lm import load
+
+from engine.batch_runner import BatchRunner
+from engine.prefix_cache import PrefixCache
+from engine.prompt_format import ChatFormatter
+from scheduler.prefix_index import PromptCacheConfig, VolatilePolicy
+from scheduler.request import CacheHints, Request, SamplingParams
+from tests.helpers.tiny_models import KVSumModel
+
+GREEDY = SamplingParams(temperature=0.0)
+SYSTEM = "You are a careful agent. " * 12 + "\nCurrent time is {time}\nAlways answer briefly."
+
+
+@pytest.fixture(scope="module", params=["kvsum", "llama"])
+def tiny(request, tiny_llama_dir, byte_tokenizer):
+    """KVSumModel's next token is an exact function of every token in its KV row
+    (an off-by-one cut or a wrong token changes it); the random llama adds real
+    attention with RoPE positions."""
+    if request.param == "kvsum":
+        return KVSumModel(), byte_tokenizer
+    model, tokenizer = load(str(tiny_llama_dir))
+    return model, tokenizer
+
+
+class Harness:
+    def __init__(self, tiny, policy=VolatilePolicy.REUSE, cache=True, prefill_step=64):
+        model, tokenizer = tiny
+        self.formatter = ChatFormatter(tokenizer)
+        self.policy = policy
+        self.cache = (
+            PrefixCache(PromptCacheConfig(block_size=8, policy=policy), 64 * 2**20, "tiny")
+            if cache
+            else None
+        )
+        self.runner = BatchRunner(
+            model,
+            tokenizer,
+            max_batch=4,
+            prefill_step_size=prefill_step,
+            prefill_batch=4,
+            prefix_cache=self.cache,
+        )
+        self._n = 0
+
+    def request(self, messages, max_tokens=12, session="s1"):
+        rendered = self.formatter.render_chat(
+            messages, relocate_volatile=self.policy is VolatilePolicy.RELOCATE
+        )
+        self._n += 1
+        return Request(
+            rendered.tokens,
+            max_tokens,
+            sampling=GREEDY,
+            ignore_eos=True,
+            request_id=f"r{self._n}",
+            cache=CacheHints(rendered.key, session, rendered.message_hashes),
+        )
+
+    def run(self, *requests, stagger=0):
+        """Run requests to completion; with ``stagger`` each joins that many steps later."""
+        tokens = {r.request_id: [] for r in requests}
+        cached = {}
+        pending = list(requests)
+        step = 0
+        while pending or self.runner.active:
+            if pending and (stagger == 0 or step % stagger == 0):
+                for r in pending if stagger == 0 else pending[:1]:
+                    self.runner.add(r)
+                pending = [] if stagger == 0 else pending[1:]
+            for out in self.runner.step():
+                tokens[out.request_id].extend(out.token_ids)
+                cached[out.request_id] = out.cached_tokens
+            step += 1
+            assert step < 5000
+        return [(tokens[r.request_id], cached[r.request_id]) for r in requests]
+
+
+def conversation(time="10:00", turns=1, reply="ok."):
+    msgs = [{"role": "system", "content": SYSTEM.format(time=time)}]
+    for t in range(turns):
+        msgs.append({"role": "user", "content": f"question number {t}: what now?"})
+        if t < turns - 1:
+            msgs.append({"role": "assistant", "content": reply})
+    return msgs
+
+
+def decode(h, tokens):
+    return h.formatter._tokenizer.decode(tokens)
+
+
+def test_strict_hit_gives_exactly_the_cacheless_output(tiny):
+    h = Harness(tiny, VolatilePolicy.STRICT)
+    ((first, cached0),) = h.run(h.request(conversation(turns=1)))
+    assert cached0 == 0
+    turn2 = conversation(turns=1) + [
+        {"role": "assistant", "content": decode(h, first)},
+        {"role": "user", "content": "and then?"},
+    ]
+    ((warm, cached),) = h.run(h.request(turn2))
+    assert cached > len(h.request(conversation(turns=1)).prompt_tokens)  # prompt + reply reused
+    cold_h = Harness(tiny, VolatilePolicy.STRICT, cache=False)
+    ((cold, _),) = cold_h.run(cold_h.request(turn2))
+    assert warm == cold
+    stats = h.cache.stats()
+    assert stats["hits"] == 1 and stats["exact_key_rejected_by_model_lcp"] == 0
+
+
+def test_strict_policy_does_not_reuse_past_a_changed_timestamp(tiny):
+    h = Harness(tiny, VolatilePolicy.STRICT)
+    old = h.request(conversation("10:00"))
+    h.run(old)
+    req = h.request(conversation("11:30"))
+    ((_, cached),) = h.run(req)
+    first_diff = next(
+        i for i, (a, b) in enumerate(zip(old.prompt_tokens, req.prompt_tokens)) if a != b
+    )
+    assert req.cache.key.spans[0].start <= first_diff  # inside the timestamp
+    assert cached == first_diff
+
+
+def test_volatile_reuse_equals_a_fresh_prefill_of_what_the_kv_stands_for(tiny):
+    h = Harness(tiny, VolatilePolicy.REUSE)
+    h.run(h.request(conversation("10:00", turns=1)))
+    new = h.request(conversation("23:59:59", turns=1))
+    ((warm, cached),) = h.run(new)
+    spans = new.cache.key.spans
+    assert cached == len(new.prompt_tokens) - 1  # everything but the last token
+    stats = h.cache.stats()
+    assert stats["stale_volatile_reuse"] > 0 and stats["exact_key_rejected_by_model_lcp"] == 0
+    # the KV holds the old timestamp: a fresh prefill of that prompt must agree exactly
+    cold_h = Harness(tiny, cache=False)
+    stands_for = cold_h.request(conversation("10:00", turns=1))
+    ((cold, _),) = cold_h.run(stands_for)
+    assert warm == cold
+    assert spans and new.prompt_tokens != stands_for.prompt_tokens
+
+
+def test_a_difference_outside_volatile_spans_ends_reuse(tiny):
+    h = Harness(tiny)
+    h.run(h.request(conversation(turns=1)))
+    changed = conversation(turns=1)
+    changed[0]["content"] = changed[0]["content"].replace("careful", "reckless")
+    req = h.request(changed)
+    ((_, cached),) = h.run(req)
+    first_diff = next(
+        i
+        for i, (a, b) in enumerate(zip(req.prompt_tokens, h.request(conversation()).prompt_tokens))
+        if a != b
+    )
+    assert cached <= first_diff
+
+
+def test_second_agent_reuses_the_system_prompt_checkpoint_while_the_first_generates(tiny):
+    h = Harness(tiny, prefill_step=32)
+    a = h.request(conversation(turns=1), max_tokens=40, session="agent-a")
+    b_msgs = conversation(turns=1)
+    b_msgs[1]["content"] = "a completely different task for the second agent"
+    b = h.request(b_msgs, max_tokens=8, session="agent-b")
+    results = h.run(a, b, stagger=12)  # b joins while a is still decoding
+    stable = b.cache.key.stable_prefix_end
+    assert results[1][1] >= stable - 1 and stable > 0
+    # and it still decodes exactly what it decodes alone
+    cold_h = Harness(tiny, cache=False)
+    ((alone, _),) = cold_h.run(cold_h.request(b_msgs, max_tokens=8))
+    assert results[1][0] == alone
+
+
+def test_cache_stays_inside_its_byte_budget(tiny):
+    h = Harness(tiny)
+    budget = None
+    for i in range(8):
+        msgs = conversation(turns=1)
+        msgs[0]["content"] = f"agent {i} " + msgs[0]["content"]
+        h.run(h.request(msgs, session=f"s{i}"))
+        if budget is None:  # room for one conversation and a bit
+            budget = h.cache.index.max_bytes = int(h.cache.index.nbytes * 1.25)
+        assert h.cache.index.nbytes <= budget
+    assert h.cache.stats()["evictions"] > 0
+    assert set(h.cache._payloads) == {e.entry_id for e in h.cache.index.entries()}
