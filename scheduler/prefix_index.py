@@ -53,6 +53,7 @@ class CacheEntry:
     last_used: float = 0.0
     hits: int = 0
     refs: int = 0  # requests currently reading this entry's KV
+    superseded: bool = False  # a longer entry covers it; removed once no longer read
 
     @property
     def length(self) -> int:
@@ -239,6 +240,9 @@ class PrefixIndex:
         entry = self._entries.get(entry_id)
         if entry is not None and entry.refs > 0:
             entry.refs -= 1
+            if entry.refs == 0 and entry.superseded:
+                self.counters.superseded += 1
+                self.remove(entry_id)
 
     # -- updates -------------------------------------------------------------
     def insert(
@@ -249,10 +253,16 @@ class PrefixIndex:
         self.expire()
         if len(key.model_tokens) < self.block_size or nbytes > self.max_bytes:
             return None
+        n = len(key.model_tokens)
         for entry in self._entries.values():
-            if entry.key.model_tokens == key.model_tokens:
+            if entry.key.model_tokens == key.model_tokens or (
+                trimmable
+                and entry.trimmable
+                and entry.length > n
+                and entry.key.model_tokens[:n] == key.model_tokens
+            ):
                 entry.last_used = self._clock()
-                return None  # already cached
+                return None  # already cached, or served by a longer entry
         hashes = self.hashes(key)
         if trimmable:
             self._remove_prefixes_of(key, hashes)
@@ -276,11 +286,13 @@ class PrefixIndex:
         for entry_id in list(self._by_hash.get(hashes[0], ())):
             entry = self._entries[entry_id]
             if (
-                entry.refs == 0
-                and entry.trimmable
+                entry.trimmable
                 and entry.length < len(key.model_tokens)
                 and key.model_tokens[: entry.length] == entry.key.model_tokens
             ):
+                if entry.refs:  # being read right now: goes when released
+                    entry.superseded = True
+                    continue
                 self.counters.superseded += 1
                 self.remove(entry_id)
 

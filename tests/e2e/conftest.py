@@ -84,3 +84,12 @@ def small_server(model_cache, tmp_path_factory) -> Iterator[str]:
     args += ("--prompt-cache-bytes", "0")
     with kvwarm_server(model_cache, *args, log=log) as base:
         yield base
+
+
+@pytest.fixture(scope="session")
+def strict_server(model_cache, tmp_path_factory) -> Iterator[str]:
+    """--batch 4 with --volatile-policy strict: only exact token prefixes are reused."""
+    log = tmp_path_factory.mktemp("serve-strict") / "kvwarm.log"
+    args = ("--batch", "4", "--volatile-policy", "strict", "--cache-block-size", "8")
+    with kvwarm_server(model_cache, *args, log=log) as base:
+        yield base

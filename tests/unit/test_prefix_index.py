@@ -110,7 +110,7 @@ class IndexMachine(RuleBasedStateMachine):
     def no_entry_is_a_strict_prefix_of_a_trimmable_one(self):
         entries = self.index.entries()
         for short in entries:
-            if short.refs or not short.trimmable:
+            if short.refs or not short.trimmable:  # in use: removed on release
                 continue
             for long in entries:
                 if long.trimmable and long.length > short.length:
