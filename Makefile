@@ -16,12 +16,13 @@ endif
 MLX_EXTRA := $(strip $(MLX_EXTRA))
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 
-.PHONY: install install-dev system-deps serve test test-fast bench lint clean help
+.PHONY: install install-dev system-deps serve test test-fast bench bench-agents lint clean help
 
 help:
 	@echo "make serve   install, prepare the default model, serve on $(HOST):$(PORT)"
 	@echo "make test    install dev tools and run the whole suite"
 	@echo "make bench   throughput/TTFT benchmark vs mlx_lm.server"
+	@echo "make bench-agents  prompt-cache reuse on simulated agent traffic vs mlx_lm.server"
 	@echo "make install create $(VENV) and install kvwarm (idempotent)"
 
 # OpenBLAS makes MLX's Linux CPU backend ~50x faster at matmul (see DESIGN.md).
@@ -69,6 +70,9 @@ test-fast: install-dev
 
 bench: install-dev
 	$(PY) bench/bench_serving.py
+
+bench-agents: install-dev
+	$(PY) bench/bench_agents.py
 
 lint: install-dev
 	$(VENV)/bin/ruff check .

@@ -14,18 +14,13 @@ import argparse
 import asyncio
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import httpx
+from _common import BIN, RESULTS, mlx_lm_server_cmd, pct, prepare_model, server_env, start, stop
 
-ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
-OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 TOPICS = ["a dragon", "the sea", "a robot", "a city", "winter", "a library", "a comet", "a garden"]
 EOS_ID = 2  # SmolLM2's <|im_end|>
 
@@ -39,13 +34,6 @@ class Scenario:
     tok_per_s: float
     ttft_p50: float
     ttft_p95: float
-
-
-def pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
 async def one_stream(client: httpx.AsyncClient, url: str, topic: str, max_tokens: int):
@@ -109,31 +97,6 @@ def measure(name: str, url: str, tokens: int, rounds_single: int) -> list[Scenar
     return out
 
 
-def start(cmd: list[str], port: int, log: Path, env: dict[str, str]) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[0]} exited; see {log}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"{cmd} did not start; see {log}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -144,20 +107,9 @@ def main() -> int:
     ap.add_argument("--skip-mlx-lm", action="store_true")
     args = ap.parse_args()
 
-    results_dir = ROOT / "bench" / "results"
+    results_dir = RESULTS
     results_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    model_dir = (
-        subprocess.run(
-            [str(BIN / "kvwarm"), "prepare", "--log-level", "warning"],
-            check=True,
-            capture_output=True,
-            text=True,
-            env=env,
-        )
-        .stdout.strip()
-        .splitlines()[-1]
-    )
+    model_dir = prepare_model()
     print(f"model: {model_dir}\nmachine: {os.cpu_count()} CPUs, {sys.platform}\n", flush=True)
 
     servers = [
@@ -168,26 +120,15 @@ def main() -> int:
         servers.append(
             (
                 "mlx_lm.server --decode-conc 8",
-                [
-                    sys.executable,
-                    "-m",
-                    "mlx_lm",
-                    "server",
-                    "--model",
-                    model_dir,
-                    "--decode-concurrency",
-                    "8",
-                    "--max-tokens",
-                    str(args.tokens),
-                ],
+                mlx_lm_server_cmd(
+                    model_dir, "--decode-concurrency", "8", "--max-tokens", str(args.tokens)
+                ),
             )
         )
     scenarios: list[Scenario] = []
     for name, cmd in servers:
         port = args.port
-        run_env = dict(env, KVWARM_LOG_LEVEL="warning")
-        if "mlx_lm" in name and os.path.exists(OPENBLAS):
-            run_env["LD_PRELOAD"] = OPENBLAS  # the same BLAS kvwarm preloads itself
+        run_env = server_env(for_mlx_lm="mlx_lm" in name)
         log = results_dir / (name.split()[0] + name.split()[-1] + ".log")
         proc = start([*cmd, "--port", str(port)], port, log, run_env)
         try:

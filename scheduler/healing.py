@@ -92,6 +92,10 @@ class HealingStore:
         if message.get("role") != "assistant":
             return message
         content = message.get("content") or ""
+        if "<think>" in content or "</think>" in content:
+            # the client kept the reasoning (or wrote it: few-shot examples): not a
+            # stripped echo, and swapping it could rewrite history the client owns
+            return message
         key = _key(content, message.get("tool_calls"))
         item = self._items.get(key)
         if item is None:

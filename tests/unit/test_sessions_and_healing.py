@@ -85,6 +85,18 @@ def test_healing_restores_stripped_think_blocks_and_tool_call_arguments():
     assert healed["tool_calls"] == calls
 
 
+def test_messages_that_still_carry_reasoning_are_never_swapped():
+    """A client-written few-shot answer whose visible text equals a generated reply
+    keeps its own think block."""
+    store = HealingStore()
+    store.remember("<think>\nmodel reasoning\n</think>\nIt lists files.")
+    shot = {
+        "role": "assistant",
+        "content": "<think>\nfew-shot reasoning\n</think>\nIt lists files.",
+    }
+    assert store.heal(shot) == shot and store.healed == 0
+
+
 def test_healing_store_is_bounded():
     store = HealingStore(max_entries=3, max_bytes=10**6)
     for i in range(10):
