@@ -14,13 +14,15 @@ text deltas, stop *strings*, aborts, and per-request bookkeeping.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from engine.prefix_cache import PrefixCache
 from engine.sampling import SamplerFactory
 from engine.text_output import TextOutput
+from scheduler.admission import round_up
 from scheduler.prompt_key import PromptKey
 from scheduler.request import FinishReason, Request, RequestOutput
 
@@ -36,7 +38,8 @@ class _Row:
     # when a volatile span of another length was stepped over)
     kv_key: PromptKey | None = None  # what this row's KV holds before generation
     entry_id: int | None = None  # prefix-cache entry read (released after prefill)
-    checkpoint_at: int = 0  # prefill progress at which to store the stable prefix
+    # prefill progress values (prompt tokens after ``cached``) at which to store KV
+    checkpoints: list[int] = field(default_factory=list)
 
 
 class BatchRunner:
@@ -51,6 +54,7 @@ class BatchRunner:
     ):
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
+        self._trimmable = can_trim_prompt_cache(make_prompt_cache(model))
         # prompt tokens one step may prefill, shared by all rows joining at once
         self.prefill_budget = prefill_step_size
         self._prefill_rows = min(prefill_batch, max_batch)
@@ -82,21 +86,20 @@ class BatchRunner:
         cache, cached_tokens = None, None
         hints = request.cache if self.prefix_cache is not None else None
         if hints is not None:
-            reuse = self.prefix_cache.lookup(request.request_id, hints)
+            # KV positions the admission reservation (rounded up) has to spare
+            slack = round_up(request.reserved_tokens) - request.reserved_tokens
+            reuse = self.prefix_cache.lookup(request.request_id, hints, max_growth=slack)
             row.kv_key = hints.key
             if reuse is not None:
                 row.cached, row.kv_offset = reuse.request_depth, reuse.kv_depth
                 row.kv_key, row.entry_id = reuse.kv_key, reuse.entry_id
                 cache = reuse.caches
                 cached_tokens = list(reuse.kv_key.model_tokens[: reuse.kv_depth])
-        segments = [prompt[row.cached :]]
+        rest = prompt[row.cached :]
         if hints is not None:
-            # checkpoint the shared system prompt + tools mid-prefill, so an agent
-            # arriving while this one still generates reuses it
-            stable = hints.key.stable_prefix_end - row.cached
-            if self.prefix_cache.config.block_size <= stable < len(segments[0]) - 1:
-                segments = [segments[0][:stable], segments[0][stable:]]
-                row.checkpoint_at = stable
+            row.checkpoints = self._checkpoints(hints, row.cached, len(rest))
+        bounds = [0, *row.checkpoints, len(rest)]
+        segments = [rest[a:b] for a, b in zip(bounds, bounds[1:])]
         try:
             (uid,) = self._generator.insert_segments(
                 [segments],
@@ -128,12 +131,25 @@ class BatchRunner:
             self.prefix_cache.release(row.entry_id)
             row.entry_id = None
 
+    def _checkpoints(self, hints, cached: int, remaining: int) -> list[int]:
+        """Where prefill pauses to store KV (as progress after ``cached``).
+
+        Always the end of the system prompt + tools: an agent arriving while
+        this one still generates (a sub-agent) reuses it at once. For caches
+        that cannot be cut back (recurrent layers) also the end of the last
+        message, which the next turn shares even if the reply re-tokenises
+        differently, since such an entry only ever hits whole."""
+        points = {hints.key.stable_prefix_end}
+        if not self._trimmable and hints.key.message_ends:
+            points.add(hints.key.message_ends[-1])
+        min_gain = self.prefix_cache.config.block_size
+        return sorted(p - cached for p in points if min_gain <= p - cached < remaining)
+
     def _checkpoint(self, uid: int, row: _Row) -> None:
-        """Store the KV of the stable prefix the moment prefill reaches it."""
+        """Store the KV of the prompt so far, the moment prefill reaches a checkpoint."""
         ((caches, _tokens),) = self._generator.extract_cache([uid]).values()
-        key = row.kv_key.truncated(row.kv_offset + row.checkpoint_at)
+        key = row.kv_key.truncated(row.kv_offset + row.checkpoints.pop(0))
         self.prefix_cache.store(key, caches, row.request.cache.session_id)
-        row.checkpoint_at = 0
 
     def _store_final(self, row: _Row, caches, all_tokens) -> None:
         """Keep prompt + reply KV: the next turn of this conversation starts with it."""
@@ -163,7 +179,7 @@ class BatchRunner:
             self.last_step_prefill += done - self._prefilled[resp.uid]
             self._prefilled[resp.uid] = done
             row = self._rows[resp.uid]
-            if row.checkpoint_at and done == row.checkpoint_at and resp.end_of_segment:
+            if row.checkpoints and done == row.checkpoints[0] and resp.end_of_segment:
                 self._checkpoint(resp.uid, row)
             if resp.end_of_prompt:
                 del self._prefilled[resp.uid]

@@ -88,12 +88,14 @@ class PrefixCache:
             mx.clear_cache()  # give freed KV buffers back to the OS
             self._freed = False
 
-    def lookup(self, request_id: str, hints: CacheHints) -> Reuse | None:
+    def lookup(self, request_id: str, hints: CacheHints, max_growth: int) -> Reuse | None:
         key = hints.key
         promised = self.sessions.promised_tokens(
             hints.session_id, hints.message_hashes, key.message_ends
         )
-        result = self.index.lookup(key, self.sessions.candidates(hints.session_id), promised)
+        result = self.index.lookup(
+            key, self.sessions.candidates(hints.session_id), promised, max_growth=max_growth
+        )
         self._return_memory()
         for reason in result.rejected:
             log.info("%s: prefix cache rejected %s", request_id, reason)

@@ -163,19 +163,23 @@ class PrefixIndex:
         session_candidates: Iterable[int] = (),
         promised: int = 0,
         acquire: bool = True,
+        max_growth: int | None = None,
     ) -> Lookup:
         """The deepest reusable entry for ``key``. The block-hash chain is searched
         first; when it reuses less than ``promised`` tokens (what the session
         layer says the unchanged messages cover), the session's own entries are
-        tried too. An acquired hit must be ``release``d."""
+        tried too. ``max_growth`` bounds how many more KV positions than prompt
+        tokens a hit may hold (stale volatile values longer than the current
+        ones): the request's admitted KV reservation must still cover it. An
+        acquired hit must be ``release``d."""
         self.expire()
         self.counters.lookups += 1
         result = Lookup()
-        best = self._best(self._candidates(self.hashes(key)), key, result)
+        best = self._best(self._candidates(self.hashes(key)), key, result, max_growth)
         reused = best.alignment.request_depth if best else 0
         if reused < min(promised, len(key.model_tokens) - 1):
             extra = [(0, e) for e in session_candidates if e in self._entries]
-            deeper = self._best(extra, key, result)
+            deeper = self._best(extra, key, result, max_growth)
             if deeper is not None and deeper.alignment.request_depth > reused:
                 best = deeper
                 result.layer = "session"
@@ -196,7 +200,11 @@ class PrefixIndex:
         return result
 
     def _best(
-        self, candidates: list[tuple[int, int]], key: PromptKey, result: Lookup
+        self,
+        candidates: list[tuple[int, int]],
+        key: PromptKey,
+        result: Lookup,
+        max_growth: int | None,
     ) -> CacheHit | None:
         skip = self.policy is VolatilePolicy.REUSE
         best: CacheHit | None = None
@@ -206,6 +214,10 @@ class PrefixIndex:
             al = align(entry.key, key, skip_volatile=skip)
             if skip and blocks:
                 self._check_key_agreement(entry, key, al, blocks, result)
+            growth = al.entry_depth - al.request_depth
+            if max_growth is not None and growth > max_growth:
+                result.rejected.append(f"entry {entry_id}: stale values {growth} tokens longer")
+                al = align(entry.key, key, skip_volatile=False)
             if not entry.trimmable and al.entry_depth != entry.length:
                 # recurrent / hybrid layers cannot be cut back: whole entries only
                 self.counters.hybrid_trim_miss += 1

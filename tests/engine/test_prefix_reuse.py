@@ -15,8 +15,9 @@ from engine.batch_runner import BatchRunner
 from engine.prefix_cache import PrefixCache
 from engine.prompt_format import ChatFormatter
 from scheduler.prefix_index import PromptCacheConfig, VolatilePolicy
+from scheduler.prompt_key import PromptKey
 from scheduler.request import CacheHints, Request, SamplingParams
-from tests.helpers.tiny_models import KVSumModel
+from tests.helpers.tiny_models import KVSumModel, RecurrentSumModel
 
 GREEDY = SamplingParams(temperature=0.0)
 SYSTEM = "You are a careful agent. " * 12 + "\nCurrent time is {time}\nAlways answer briefly."
@@ -146,6 +147,22 @@ def test_volatile_reuse_equals_a_fresh_prefill_of_what_the_kv_stands_for(tiny):
     assert spans and new.prompt_tokens != stands_for.prompt_tokens
 
 
+def test_relocate_keeps_the_prefix_stable_and_the_values_current(tiny):
+    h = Harness(tiny, VolatilePolicy.RELOCATE)
+    old = h.request(conversation("10:00"))
+    h.run(old)
+    req = h.request(conversation("23:59"))
+    text = decode(h, req.prompt_tokens)
+    assert "23:59" in text and "10:00" not in text  # the model reads the current value
+    assert text.index("Current time is 23:59") > text.index("question number 0")
+    ((_, cached),) = h.run(req)
+    first_diff = next(
+        i for i, (a, b) in enumerate(zip(old.prompt_tokens, req.prompt_tokens)) if a != b
+    )
+    assert cached == first_diff > req.cache.key.stable_prefix_end  # system prompt and question
+    assert h.cache.stats()["stale_volatile_reuse"] == 0
+
+
 def test_a_difference_outside_volatile_spans_ends_reuse(tiny):
     h = Harness(tiny)
     h.run(h.request(conversation(turns=1)))
@@ -188,3 +205,52 @@ def test_cache_stays_inside_its_byte_budget(tiny):
         assert h.cache.index.nbytes <= budget
     assert h.cache.stats()["evictions"] > 0
     assert set(h.cache._payloads) == {e.entry_id for e in h.cache.index.entries()}
+
+
+# -- caches that cannot be cut back (recurrent / hybrid layers) ----------------
+def _raw_request(tokens, ends, stable, rid, max_tokens=10):
+    key = PromptKey.build(tokens, (), ends, stable)
+    return Request(
+        list(tokens),
+        max_tokens,
+        sampling=GREEDY,
+        ignore_eos=True,
+        request_id=rid,
+        cache=CacheHints(key, "s"),
+    )
+
+
+def _recurrent_harness(byte_tokenizer, cache=True):
+    h = Harness((RecurrentSumModel(), byte_tokenizer), cache=cache)
+    assert not h.runner._trimmable
+    return h
+
+
+def test_recurrent_cache_reuses_whole_entries(byte_tokenizer):
+    h = _recurrent_harness(byte_tokenizer)
+    system, user = list(range(1, 41)), list(range(50, 70))
+    first = system + user + [200]
+    ((gen, _),) = h.run(_raw_request(first, (40, 60), 40, "a"))
+    second = first + gen + [201, 202, 203]
+    ((warm, cached),) = h.run(_raw_request(second, (40, 60, 60 + len(gen) + 1), 40, "b"))
+    assert cached == len(first) + len(gen)
+    cold = _recurrent_harness(byte_tokenizer, cache=False)
+    ((expected, _),) = cold.run(_raw_request(second, (), 0, "c"))
+    assert warm == expected
+    assert h.cache.stats()["hybrid_trim_miss"] == 0
+
+
+def test_recurrent_cache_falls_back_to_a_message_boundary_checkpoint(byte_tokenizer):
+    """The reply came back edited: the whole-turn entry would need cutting, which a
+    recurrent state cannot do; the checkpoint at the last message's end still hits."""
+    h = _recurrent_harness(byte_tokenizer)
+    system, user = list(range(1, 41)), list(range(50, 70))
+    first = system + user + [200]
+    h.run(_raw_request(first, (40, 60), 40, "a"))
+    second = first + [99, 98, 97] + [201, 202]
+    ((warm, cached),) = h.run(_raw_request(second, (40, 60, 64), 40, "b"))
+    assert cached == 60  # end of the user message: the checkpoint taken mid-prefill
+    assert h.cache.stats()["hybrid_trim_miss"] >= 1
+    cold = _recurrent_harness(byte_tokenizer, cache=False)
+    ((expected, _),) = cold.run(_raw_request(second, (), 0, "c"))
+    assert warm == expected

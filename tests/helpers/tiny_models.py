@@ -9,7 +9,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import ArraysCache, KVCache
 
 EOS = "<|eos|>"
 CHAT_TEMPLATE = (
@@ -106,5 +106,37 @@ class KVSumModel(nn.Module):
         row = values.reshape(B, 1, 1, S)
         total = mx.sum(mx.where(mask, row, 0.0), axis=-1).reshape(B, L)
         count = mx.sum(mask.astype(mx.float32), axis=-1).reshape(B, L)
+        nxt = (total * 7 + count * 3).astype(mx.int32) % BYTE_VOCAB
+        return mx.where(mx.arange(self.vocab_size) == nxt[..., None], 10.0, -10.0)
+
+
+class RecurrentSumModel(nn.Module):
+    """KVSumModel's rule on a *recurrent* state: the cache is an ArraysCache of
+    (sum, count), which cannot be cut back to an earlier position, like the
+    recurrent layers of hybrid models (can_trim_prompt_cache is False)."""
+
+    vocab_size = VOCAB_SIZE
+
+    def __init__(self):
+        super().__init__()
+        self.layers = [None]
+
+    def make_cache(self):
+        return [ArraysCache(1)]
+
+    def __call__(self, inputs: mx.array, cache=None, **_) -> mx.array:
+        B, L = inputs.shape
+        c = cache[0]
+        mask = c.make_mask(L)
+        vals = inputs.astype(mx.float32)
+        ones = mx.ones((B, L))
+        if mask is not None:
+            vals = mx.where(mask, vals, 0.0)
+            ones = mx.where(mask, ones, 0.0)
+        state = c[0] if c[0] is not None else mx.zeros((B, 2))
+        total = state[:, :1] + mx.cumsum(vals, axis=1)
+        count = state[:, 1:] + mx.cumsum(ones, axis=1)
+        c[0] = mx.stack([total[:, -1], count[:, -1]], axis=1)
+        c.advance(L)
         nxt = (total * 7 + count * 3).astype(mx.int32) % BYTE_VOCAB
         return mx.where(mx.arange(self.vocab_size) == nxt[..., None], 10.0, -10.0)

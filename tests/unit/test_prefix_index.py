@@ -172,3 +172,32 @@ def test_canonical_key_disagreement_is_counted():
     result = index.lookup(b)
     assert result.hit.reused == 2
     assert index.counters.exact_key_rejected_by_model_lcp == 1
+
+
+def test_session_layer_finds_what_the_chain_misses_up_to_the_promise():
+    """When the block chain reuses less than the session's unchanged messages
+    promise, the session's own entries are aligned directly."""
+    index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m")
+    tokens = list(range(100, 140))
+    # an entry whose cache key no longer chains with the request's (e.g. keyed
+    # under an older rule table) while its model tokens still agree
+    stale_key = PromptKey(tuple(tokens), (), (), 0, tuple(t + 1 for t in tokens))
+    entry_id = index.insert(stale_key, 40, True)
+    request = _key(tokens + [1, 2, 3])
+    assert index.lookup(request, acquire=False).hit is None  # the chain alone misses
+    result = index.lookup(request, session_candidates=[entry_id], promised=40, acquire=False)
+    assert result.layer == "session" and result.hit.reused == 40
+    assert index.counters.session_hits == 1
+    # without a promise the session layer is not consulted
+    assert index.lookup(request, session_candidates=[entry_id], promised=0).hit is None
+
+
+def test_stale_values_longer_than_the_reservation_allows_fall_back_to_exact_reuse():
+    ts = RULE_INDEX["timestamp"]
+    index = PrefixIndex(max_bytes=10**6, block_size=2, namespace="m")
+    old = PromptKey.build([1, 2, 50, 51, 52, 53, 3, 4, 5], [TokenSpan(2, 6, ts)])
+    new = PromptKey.build([1, 2, 60, 3, 4, 5, 6], [TokenSpan(2, 3, ts)])
+    index.insert(old, 9, True)
+    assert index.lookup(new, acquire=False).hit.alignment.entry_depth == 9  # 3 more positions
+    capped = index.lookup(new, acquire=False, max_growth=2)
+    assert capped.hit.alignment.entry_depth == capped.hit.reused == 2  # exact prefix only
