@@ -158,7 +158,12 @@ _THINK = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
 def strip_think(text: str) -> str:
-    return _THINK.sub("", text).strip()
+    """What clients echo: think blocks removed, including one whose opening tag
+    the model left out (templates that pre-open it), outer whitespace trimmed."""
+    text = _THINK.sub("", text)
+    if "</think>" in text:
+        text = text.split("</think>", 1)[1]
+    return text.strip()
 
 
 THINK_SYSTEM_NOTE = (

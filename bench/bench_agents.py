@@ -282,7 +282,7 @@ class PrefillTimer:
         self._memo: dict[tuple[int, int], float] = {}
 
     def __call__(self, cached: int, new: int) -> float:
-        key = (cached // 64, new // 16)  # nearby shapes cost the same
+        key = (cached // 256, new // 32)  # nearby shapes cost the same
         if key not in self._memo:
             self._memo[key] = self._time(cached, new)
         return self._memo[key]
