@@ -7,7 +7,7 @@ whose conversations grow turn by turn on top of a few shared system prompts,
 interleaved with one-off requests (a quick question, a title generation) that
 are never reused and only pollute the cache.
 
-    python bench/bench_eviction.py [--budget 40000] [--seeds 5]
+    python bench/bench_eviction.py [--budgets 10000,20000] [--seeds 5] [--noise 0.5,2]
 """
 
 from __future__ import annotations
@@ -66,18 +66,18 @@ def traffic(seed: int, agents: int = 8, turns: int = 10, noise: float = 0.5):
     order = [a for a in range(agents) for _ in range(turns)]
     rng.shuffle(order)
     for a in order:
-        if rng.random() < noise:  # a one-off request between agent turns
+        for _ in range(int(noise) + (rng.random() < noise % 1)):  # one-offs between turns
             yield [rng.randrange(1000, 30000) for _ in range(rng.randint(100, 600))], []
         reply = [rng.randrange(1000, 30000) for _ in range(rng.randint(20, 80))]
         yield list(convs[a]), reply
         convs[a] += reply + [rng.randrange(1000, 30000) for _ in range(rng.randint(100, 400))]
 
 
-def simulate(policy: type[PrefixIndex], budget: int, seed: int) -> float:
+def simulate(policy: type[PrefixIndex], budget: int, seed: int, noise: float) -> float:
     clock = [0.0]
     index = policy(max_bytes=budget, max_entries=10_000, block_size=16, clock=lambda: clock[0])
     reused = total = 0
-    for prompt, reply in traffic(seed):
+    for prompt, reply in traffic(seed, noise=noise):
         clock[0] += 1.0
         key = PromptKey.build(prompt)
         hit = index.lookup(key, acquire=False).hit
@@ -92,19 +92,24 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--budgets", default="20000,40000,80000", help="cache sizes in tokens")
+    ap.add_argument("--budgets", default="10000,15000,20000,30000", help="cache sizes in tokens")
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--noise", default="0.5,2.0", help="one-off requests per agent turn")
     args = ap.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
-    print("share of prompt tokens reused (median over seeds); 8 agents x 10 turns, 3 shared")
-    print("1.5k-token system prompts, a one-off request before half of the turns\n")
-    print(f"  {'policy':<14}" + "".join(f"{f'{b // 1000}k tokens':>14}" for b in budgets))
-    for name, policy in POLICIES.items():
-        cells = []
-        for budget in budgets:
-            shares = [simulate(policy, budget, seed) for seed in range(args.seeds)]
-            cells.append(f"{statistics.median(shares) * 100:13.1f}%")
-        print(f"  {name:<14}" + "".join(cells))
+    for noise in [float(n) for n in args.noise.split(",")]:
+        print(
+            f"share of prompt tokens reused (median of {args.seeds} seeds): 8 agents x 10 turns "
+            f"on 3 shared 1.5k-token system prompts, {noise} one-off requests per turn"
+        )
+        print(f"  {'policy':<14}" + "".join(f"{f'{b // 1000}k tokens':>12}" for b in budgets))
+        for name, policy in POLICIES.items():
+            cells = []
+            for budget in budgets:
+                shares = [simulate(policy, budget, seed, noise) for seed in range(args.seeds)]
+                cells.append(f"{statistics.median(shares) * 100:11.1f}%")
+            print(f"  {name:<14}" + "".join(cells))
+        print()
     return 0
 
 

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from typing import Any
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-_OPEN_THINK = re.compile(r"^.*?</think>", re.DOTALL)  # templates that pre-open <think>
+# a block whose opening tag the template supplied: the answer follows the last closing tag
+_OPEN_THINK = re.compile(r"^.*</think>", re.DOTALL)
 
 
 def visible_form(content: str) -> str:
@@ -92,7 +93,7 @@ class HealingStore:
         if message.get("role") != "assistant":
             return message
         content = message.get("content") or ""
-        if "<think>" in content or "</think>" in content:
+        if "<think>" in content:
             # the client kept the reasoning (or wrote it: few-shot examples): not a
             # stripped echo, and swapping it could rewrite history the client owns
             return message

@@ -111,3 +111,14 @@ def test_healing_store_is_bounded():
 def test_visible_form():
     assert visible_form("<think>x</think>  hi ") == "hi"
     assert visible_form("pre-opened reasoning</think>answer") == "answer"
+    # a client that cut at the first closing tag and one that cut at the last agree
+    twice = "reasoning</think>\ndraft</think>\nanswer"
+    assert visible_form(twice) == visible_form("draft</think>\nanswer") == "answer"
+
+
+def test_a_partly_stripped_echo_is_healed():
+    store = HealingStore()
+    original = "reasoning</think>\ndraft</think>\nanswer"
+    store.remember(original)
+    echoed = {"role": "assistant", "content": "draft</think>\nanswer"}
+    assert store.heal(echoed)["content"] == original
