@@ -52,6 +52,7 @@ class IndexMachine(RuleBasedStateMachine):
 
     @rule(key=keys())
     def lookup(self, key):
+        self.index.expire()  # lookup expires first: the reference must see the same entries
         candidates = [
             e
             for e in self.index.entries()
