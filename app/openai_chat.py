@@ -20,6 +20,7 @@ from app.schemas import ChatCompletionRequest, ChatMessage
 from app.session_id import session_id_from
 from app.sse import SSE_DONE, SSE_HEADERS, sse_data
 from app.state import AppState
+from scheduler.healing import context_of
 from scheduler.prefix_index import VolatilePolicy
 from scheduler.request import CacheHints, FinishReason, Request, RequestOutput
 from scheduler.sessions import fallback_session_id
@@ -80,7 +81,7 @@ def build_request(
     body: ChatCompletionRequest, state: AppState, headers: Mapping[str, str] | None = None
 ) -> Request:
     info = state.model_info()
-    messages = [state.healing.heal(_template_message(m)) for m in body.messages]
+    messages = state.healing.heal_all([_template_message(m) for m in body.messages])
     relocate = state.settings.volatile_policy is VolatilePolicy.RELOCATE
     try:
         rendered = info.formatter.render_chat(messages, relocate_volatile=relocate)
@@ -103,9 +104,10 @@ def build_request(
     )
 
 
-def _finish(state: AppState, req: Request, done: Completion, started: float) -> None:
+def _finish(state: AppState, req: Request, done: Completion, started: float, answered: str) -> None:
+    """``answered``: ``context_of`` the request's last message (the healing key)."""
     if done.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-        state.healing.remember(done.text)
+        state.healing.remember(done.text, context=answered)
     _log_done(req, done, started)
 
 
@@ -129,6 +131,7 @@ def _log_done(req: Request, done: Completion, started: float) -> None:
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
     req = build_request(body, state, http.headers)
+    answered = context_of(_template_message(body.messages[-1]))
     stream = state.service.submit(req)  # admission errors raise here, before any byte is sent
     meta = {
         "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
@@ -138,11 +141,11 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _stream_chunks(state, req, stream, meta, include_usage),
+            _stream_chunks(state, req, stream, meta, include_usage, answered),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
-    done = await _collect(state, req, stream, http)
+    done = await _collect(state, req, stream, http, answered)
     if done.finish_reason == FinishReason.ERROR:
         raise APIError(500, f"Generation failed: {done.error}", "server_error", "engine_error")
     return JSONResponse(
@@ -163,7 +166,11 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
 
 
 async def _collect(
-    state: AppState, req: Request, stream: AsyncIterator[RequestOutput], http: HTTPRequest
+    state: AppState,
+    req: Request,
+    stream: AsyncIterator[RequestOutput],
+    http: HTTPRequest,
+    answered: str,
 ) -> Completion:
     """Gather the whole completion, aborting if the client hangs up meanwhile."""
     done = Completion()
@@ -187,7 +194,7 @@ async def _collect(
     finally:
         if done.finish_reason is None:
             state.service.cancel(req.request_id)
-        _finish(state, req, done, started)
+        _finish(state, req, done, started, answered)
     return done
 
 
@@ -205,6 +212,7 @@ async def _stream_chunks(
     stream: AsyncIterator[RequestOutput],
     meta: dict[str, Any],
     include_usage: bool,
+    answered: str,
 ) -> AsyncIterator[str]:
     done = Completion()
     started = time.monotonic()
@@ -231,4 +239,4 @@ async def _stream_chunks(
         if done.finish_reason is None:
             log.info("%s: stream closed early, aborting", req.request_id)
             state.service.cancel(req.request_id)
-        _finish(state, req, done, started)
+        _finish(state, req, done, started, answered)

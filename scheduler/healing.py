@@ -46,8 +46,16 @@ def canonical_tool_calls(tool_calls: Sequence[dict[str, Any]] | None) -> str:
     return json.dumps(out, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def _key(content: str, tool_calls: Sequence[dict[str, Any]] | None) -> str:
-    raw = visible_form(content) + "\x00" + canonical_tool_calls(tool_calls)
+def context_of(message: dict[str, Any] | None) -> str:
+    """What a reply answered: the message before it. Part of the key, so two
+    replies with the same visible text ("Done.") in different places never swap."""
+    if message is None:
+        return ""
+    return f"{message.get('role')}\x00{visible_form(message.get('content') or '')}"
+
+
+def _key(content: str, tool_calls: Sequence[dict[str, Any]] | None, context: str) -> str:
+    raw = "\x00".join((visible_form(content), canonical_tool_calls(tool_calls), context))
     return hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
 
 
@@ -72,13 +80,19 @@ class HealingStore:
     def _size(item: Original) -> int:
         return len(item.content.encode()) + len(json.dumps(item.tool_calls or []))
 
-    def remember(self, content: str, tool_calls: Sequence[dict[str, Any]] | None = None) -> None:
-        """Record a reply exactly as generated."""
+    def remember(
+        self,
+        content: str,
+        tool_calls: Sequence[dict[str, Any]] | None = None,
+        context: str = "",
+    ) -> None:
+        """Record a reply exactly as generated; ``context`` is ``context_of`` the
+        request's last message."""
         item = Original(content, tuple(tool_calls) if tool_calls else None)
         size = self._size(item)
         if size > self.max_bytes:
             return
-        key = _key(content, tool_calls)
+        key = _key(content, tool_calls, context)
         old = self._items.pop(key, None)
         if old is not None:
             self.nbytes -= self._size(old)
@@ -88,7 +102,14 @@ class HealingStore:
             _, dropped = self._items.popitem(last=False)
             self.nbytes -= self._size(dropped)
 
-    def heal(self, message: dict[str, Any]) -> dict[str, Any]:
+    def heal_all(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Every echoed reply in a conversation, swapped for its original."""
+        out = []
+        for i, message in enumerate(messages):
+            out.append(self.heal(message, context_of(messages[i - 1]) if i else ""))
+        return out
+
+    def heal(self, message: dict[str, Any], context: str = "") -> dict[str, Any]:
         """The assistant message as generated, if this is an echo of a known reply."""
         if message.get("role") != "assistant":
             return message
@@ -97,7 +118,7 @@ class HealingStore:
             # the client kept the reasoning (or wrote it: few-shot examples): not a
             # stripped echo, and swapping it could rewrite history the client owns
             return message
-        key = _key(content, message.get("tool_calls"))
+        key = _key(content, message.get("tool_calls"), context)
         item = self._items.get(key)
         if item is None:
             return message

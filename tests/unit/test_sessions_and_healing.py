@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from app.session_id import session_id_from
-from scheduler.healing import HealingStore, visible_form
+from scheduler.healing import HealingStore, context_of, visible_form
 from scheduler.sessions import ANCHOR_TOKENS, SessionStore, fallback_session_id
 
 
@@ -95,6 +95,23 @@ def test_messages_that_still_carry_reasoning_are_never_swapped():
         "content": "<think>\nfew-shot reasoning\n</think>\nIt lists files.",
     }
     assert store.heal(shot) == shot and store.healed == 0
+
+
+def test_same_visible_text_in_different_places_heals_to_its_own_original():
+    store = HealingStore()
+    q1 = {"role": "user", "content": "first question"}
+    q2 = {"role": "tool", "content": "tool output"}
+    store.remember("reasoning one</think>Done.", context=context_of(q1))
+    store.remember("reasoning two</think>Done.", context=context_of(q2))
+    history = [
+        q1,
+        {"role": "assistant", "content": "Done."},
+        q2,
+        {"role": "assistant", "content": "Done."},
+    ]
+    healed = store.heal_all(history)
+    assert healed[1]["content"] == "reasoning one</think>Done."
+    assert healed[3]["content"] == "reasoning two</think>Done."
 
 
 def test_healing_store_is_bounded():
