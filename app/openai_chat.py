@@ -91,7 +91,8 @@ def build_request(
     max_tokens = resolve_max_tokens(
         body.completion_limit, len(prompt), info.context_length, state.settings.max_tokens
     )
-    session = session_id_from(body.model_dump(), headers or {}) or fallback_session_id(
+    # session fields are not in the schema: they arrive as extra fields
+    session = session_id_from(body.model_extra or {}, headers or {}) or fallback_session_id(
         rendered.key.canonical
     )
     return Request(

@@ -181,11 +181,17 @@ def run_turn(server: Server, scenario: str, agent: Agent, reusable: Reusable) ->
     return turn
 
 
+def tool_rounds(server, scenario, agent, reusable, rounds, lines=36):
+    """``rounds`` turns, each answered by a tool result."""
+    for _ in range(rounds):
+        run_turn(server, scenario, agent, reusable)
+        agent.tool(tool_output(agent.rng, lines=lines))
+
+
 def converse(server, scenario, agent, reusable, turns, rng_offset=0):
     agent.user(TASKS[(agent.turn + rng_offset) % len(TASKS)])
     for t in range(turns):
-        run_turn(server, scenario, agent, reusable)
-        agent.tool(tool_output(agent.rng))
+        tool_rounds(server, scenario, agent, reusable, 1)
         if t % 2 == 1:
             agent.user(FOLLOW_UPS[(t + rng_offset) % len(FOLLOW_UPS)])
 
@@ -210,9 +216,7 @@ def sc_edit(server, tok, turns):
     first_tool = next(i for i, m in enumerate(agent.msgs) if m.role == "tool")
     agent.msgs[first_tool] = Msg("tool", "[output truncated: 36 lines, see above]")
     agent.user("Continue with the fix.")
-    for _ in range(max(1, turns - 4)):
-        run_turn(server, "edit", agent, reusable)
-        agent.tool(tool_output(agent.rng))
+    tool_rounds(server, "edit", agent, reusable, max(1, turns - 4))
 
 
 def sc_subagents(server, tok, turns):
@@ -223,13 +227,9 @@ def sc_subagents(server, tok, turns):
         sub = Agent("orchestrator", 50 + i)  # same system prompt and tools
         sub.name = f"sub-agent-{i}"
         sub.user(f"Sub-task {i}: inspect module_{i}.py and report problems.")
-        for _ in range(2):
-            run_turn(server, "subagents", sub, reusable)
-            sub.tool(tool_output(sub.rng, lines=20))
+        tool_rounds(server, "subagents", sub, reusable, 2, lines=20)
     orch.user("Both sub-agents reported back: module_0 has a stale cache, module_1 is fine.")
-    for _ in range(max(1, turns - 3)):
-        run_turn(server, "subagents", orch, reusable)
-        orch.tool(tool_output(orch.rng))
+    tool_rounds(server, "subagents", orch, reusable, max(1, turns - 3))
 
 
 def sc_mixed(server, tok, turns):

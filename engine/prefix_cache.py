@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import can_trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from scheduler.prefix_index import PrefixIndex, PromptCacheConfig
 from scheduler.prompt_key import PromptKey
@@ -36,30 +36,12 @@ class Reuse:
     layer: str
 
 
-def splice(entry: PromptKey, entry_depth: int, request: PromptKey, request_depth: int) -> PromptKey:
-    """The prompt the KV of a hit stands for: the entry's first ``entry_depth``
-    tokens, then the request's tokens from ``request_depth`` on."""
-    shift = entry_depth - request_depth
-    spans = [s for s in entry.spans if s.end <= entry_depth]
-    spans += [
-        type(s)(s.start + shift, s.end + shift, s.rule)
-        for s in request.spans
-        if s.start >= request_depth
-    ]
-    ends = [e for e in entry.message_ends if e <= entry_depth]
-    ends += [e + shift for e in request.message_ends if e > request_depth]
-    stable = request.stable_prefix_end + (shift if request.stable_prefix_end > request_depth else 0)
-    return PromptKey.build(
-        entry.model_tokens[:entry_depth] + request.model_tokens[request_depth:], spans, ends, stable
-    )
-
-
 def _cut(caches: list, keep: int, length: int) -> list:
-    """Shallow copies of ``caches`` holding only the first ``keep`` positions."""
+    """Shallow copies of ``caches`` holding only the first ``keep`` positions
+    (trimming a copy moves its offset; the stored arrays are left alone)."""
     out = [copy.copy(c) for c in caches]
     if keep < length:
-        for c in out:
-            c.trim(length - keep)
+        trim_prompt_cache(out, length - keep)
     return out
 
 
@@ -123,7 +105,7 @@ class PrefixCache:
         return Reuse(
             entry.entry_id,
             _cut(self._payloads[entry.entry_id], al.entry_depth, entry.length),
-            splice(entry.key, al.entry_depth, key, al.request_depth),
+            entry.key.spliced(al.entry_depth, key, al.request_depth),
             al.entry_depth,
             al.request_depth,
             result.layer,

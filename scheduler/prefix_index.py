@@ -27,6 +27,12 @@ class VolatilePolicy(str, enum.Enum):
     RELOCATE = "relocate"  # volatile lines moved to the prompt's end; exact prefixes
 
 
+def _strict_prefix(short: PromptKey, long: PromptKey) -> bool:
+    """``short``'s model tokens are a strict prefix of ``long``'s."""
+    n = len(short.model_tokens)
+    return n < len(long.model_tokens) and long.model_tokens[:n] == short.model_tokens
+
+
 @dataclass(frozen=True)
 class PromptCacheConfig:
     """The prefix cache's knobs (``--prompt-cache-*``, ``--cache-block-size``, ``--volatile-policy``)."""
@@ -265,13 +271,9 @@ class PrefixIndex:
         self.expire()
         if len(key.model_tokens) < self.block_size or nbytes > self.max_bytes:
             return None
-        n = len(key.model_tokens)
         for entry in self._entries.values():
             if entry.key.model_tokens == key.model_tokens or (
-                trimmable
-                and entry.trimmable
-                and entry.length > n
-                and entry.key.model_tokens[:n] == key.model_tokens
+                trimmable and entry.trimmable and _strict_prefix(key, entry.key)
             ):
                 entry.last_used = self._clock()
                 return None  # already cached, or served by a longer entry
@@ -297,11 +299,7 @@ class PrefixIndex:
             return
         for entry_id in list(self._by_hash.get(hashes[0], ())):
             entry = self._entries[entry_id]
-            if (
-                entry.trimmable
-                and entry.length < len(key.model_tokens)
-                and key.model_tokens[: entry.length] == entry.key.model_tokens
-            ):
+            if entry.trimmable and _strict_prefix(entry.key, key):
                 if entry.refs:  # being read right now: goes when released
                     entry.superseded = True
                     continue

@@ -124,6 +124,26 @@ class PromptKey:
             min(self.stable_prefix_end, length),
         )
 
+    def spliced(self, depth: int, request: PromptKey, request_depth: int) -> PromptKey:
+        """What the KV of a hit stands for: this entry's first ``depth`` tokens,
+        then ``request``'s tokens from ``request_depth`` on (volatile spans of
+        another length shift what follows)."""
+        shift = depth - request_depth
+        spans = [s for s in self.spans if s.end <= depth]
+        spans += [
+            TokenSpan(s.start + shift, s.end + shift, s.rule)
+            for s in request.spans
+            if s.start >= request_depth
+        ]
+        ends = [e for e in self.message_ends if e <= depth]
+        ends += [e + shift for e in request.message_ends if e > request_depth]
+        stable = request.stable_prefix_end
+        if stable > request_depth:
+            stable += shift
+        return PromptKey.build(
+            self.model_tokens[:depth] + request.model_tokens[request_depth:], spans, ends, stable
+        )
+
     def canonical_position(self, model_pos: int) -> int:
         """Canonical index of model position ``model_pos`` (which is outside any span)."""
         shift = 0
