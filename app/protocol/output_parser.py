@@ -1,0 +1,255 @@
+"""Streaming classifier of generated text: reasoning, content, tool calls.
+
+Text arrives in arbitrary pieces (one engine step's detokenised delta). Every
+piece is routed to reasoning (inside ``<think>...</think>``, or from the start
+when the prompt already opened the block), to content, or to a withheld buffer
+once tool-call markup starts. Only a suffix that could still become a tag is
+held back, so content streams live, no tag fragment ever leaks, and the events
+for any chunking are the events for the whole text (merged) — which is what
+makes streamed and non-streamed responses agree byte for byte.
+
+``<think>`` opens reasoning only before any content (leading whitespace aside):
+a model explaining think tags in its answer is not reasoning.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from app.protocol.tool_formats import BARE_JSON, MARKED, Markup, ToolCall, ToolCallDecoder
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    text: str
+
+
+@dataclass(frozen=True)
+class Content:
+    text: str
+
+
+Event = Reasoning | Content | ToolCall
+
+
+@dataclass(frozen=True)
+class Syntax:
+    """How one model marks reasoning; derived once per request."""
+
+    think_start: str | None = "<think>"
+    think_end: str | None = "</think>"
+    # the prompt ends inside an opened think block (Qwen3/DeepSeek/GLM templates
+    # put the opening tag in the generation prompt): the output starts as reasoning
+    starts_in_reasoning: bool = False
+
+
+class _Mode(enum.Enum):
+    BOUNDARY = "boundary"  # nothing classified since the start / a closed block
+    CONTENT = "content"
+    REASONING = "reasoning"
+    TOOL = "tool"
+
+
+def _held_suffix(text: str, tags: Iterable[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a tag."""
+    longest = 0
+    for tag in tags:
+        for k in range(min(len(tag) - 1, len(text)), longest, -1):
+            if tag.startswith(text[-k:]):
+                longest = k
+                break
+    return longest
+
+
+@dataclass
+class OutputParser:
+    syntax: Syntax = field(default_factory=Syntax)
+    tools: ToolCallDecoder | None = None  # None: tool calls are not parsed
+
+    def __post_init__(self) -> None:
+        reasoning = bool(self.syntax.think_start and self.syntax.think_end)
+        self._mode = (
+            _Mode.REASONING if reasoning and self.syntax.starts_in_reasoning else _Mode.BOUNDARY
+        )
+        self._think = reasoning and self._mode is _Mode.BOUNDARY  # may <think> still open?
+        self._keep_ws = True  # leading whitespace is content unless a block/call follows
+        self._ws = ""
+        self._buf = ""
+        self._markups: tuple[Markup, ...] = MARKED if self.tools else ()
+        self._tool: Markup | None = None
+        self._tool_text = ""
+        self._scanned = 0
+        self._out: list[Event] = []
+        # the raw text minus tool-call markup that decoded: what the model wrote
+        # besides its calls, for healing the echoed turn
+        self._kept: list[str] = []
+        self.tool_calls: list[ToolCall] = []
+
+    # -- public ----------------------------------------------------------------
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        self._drain(final=False)
+        return self._flush()
+
+    def finish(self) -> list[Event]:
+        self._drain(final=True)
+        return self._flush()
+
+    def parse(self, text: str) -> list[Event]:
+        """The whole text at once (non-streaming)."""
+        return merge(self.feed(text) + self.finish())
+
+    @property
+    def kept_text(self) -> str:
+        return "".join(self._kept)
+
+    @property
+    def held(self) -> int:
+        """Characters received but not yet classified (tool buffers excluded)."""
+        return len(self._buf) + len(self._ws)
+
+    # -- state machine ---------------------------------------------------------
+    def _drain(self, final: bool) -> None:
+        step = {
+            _Mode.BOUNDARY: self._boundary,
+            _Mode.CONTENT: self._content,
+            _Mode.REASONING: self._reasoning,
+            _Mode.TOOL: self._tool_markup,
+        }
+        while step[self._mode](final):
+            pass
+
+    def _emit(self, kind: type[Reasoning] | type[Content], text: str) -> None:
+        if text:
+            self._out.append(kind(text))
+            self._kept.append(text)
+
+    def _flush(self) -> list[Event]:
+        out, self._out = merge(self._out), []
+        return out
+
+    def _boundary(self, final: bool) -> bool:
+        stripped = self._buf.lstrip()
+        self._ws += self._buf[: len(self._buf) - len(stripped)]
+        self._buf = stripped
+        if not stripped:
+            if final:
+                self._release_ws()
+            return False
+        think = self.syntax.think_start if self._think else None
+        if think and stripped.startswith(think):
+            self._drop_ws()
+            self._kept.append(think)
+            self._buf = stripped[len(think) :]
+            self._mode = _Mode.REASONING
+            return True
+        for markup in self._markups:
+            if stripped.startswith(markup.start):
+                self._drop_ws()
+                self._buf = stripped[len(markup.start) :]
+                self._start_tool(markup)
+                return True
+        if self.tools and stripped[0] == "{":
+            self._drop_ws()
+            self._start_tool(BARE_JSON)
+            return True
+        tags = [t for t in (think, *(m.start for m in self._markups)) if t]
+        if not final and any(t.startswith(stripped) for t in tags):
+            return False  # could still become a tag
+        self._release_ws()
+        self._mode = _Mode.CONTENT
+        return True
+
+    def _release_ws(self) -> None:
+        """Held whitespace before content: content at the very start, dropped after a block."""
+        if self._keep_ws:
+            self._emit(Content, self._ws)
+            self._ws = ""
+        else:
+            self._drop_ws()
+
+    def _drop_ws(self) -> None:
+        self._kept.append(self._ws)
+        self._ws = ""
+
+    def _content(self, final: bool) -> bool:
+        found = [(i, m) for m in self._markups if (i := self._buf.find(m.start)) >= 0]
+        if found:
+            i, markup = min(found, key=lambda f: f[0])
+            self._emit(Content, self._buf[:i])
+            self._buf = self._buf[i + len(markup.start) :]
+            self._start_tool(markup)
+            return True
+        hold = 0 if final else _held_suffix(self._buf, (m.start for m in self._markups))
+        self._emit(Content, self._buf[: len(self._buf) - hold])
+        self._buf = self._buf[len(self._buf) - hold :]
+        return False
+
+    def _reasoning(self, final: bool) -> bool:
+        end = self.syntax.think_end or ""
+        i = self._buf.find(end)
+        if i >= 0:
+            self._emit(Reasoning, self._buf[:i])
+            self._kept.append(end)
+            self._buf = self._buf[i + len(end) :]
+            self._to_boundary()
+            return True
+        hold = 0 if final else _held_suffix(self._buf, (end,))
+        self._emit(Reasoning, self._buf[: len(self._buf) - hold])
+        self._buf = self._buf[len(self._buf) - hold :]
+        return False
+
+    def _to_boundary(self) -> None:
+        self._mode = _Mode.BOUNDARY
+        self._think = False
+        self._keep_ws = False
+
+    def _start_tool(self, markup: Markup) -> None:
+        self._mode = _Mode.TOOL
+        self._tool = markup
+        self._tool_text = ""
+        self._scanned = 0
+
+    def _tool_markup(self, final: bool) -> bool:
+        markup = self._tool
+        assert markup is not None
+        self._tool_text += self._buf
+        self._buf = ""
+        if markup.end:
+            # search only what is new (plus an overlap for a split end tag): linear time
+            i = self._tool_text.find(markup.end, max(0, self._scanned - len(markup.end) + 1))
+            if i >= 0:
+                rest = self._tool_text[i + len(markup.end) :]
+                self._close_tool(markup, self._tool_text[:i], markup.end)
+                self._buf = rest
+                return True
+            self._scanned = len(self._tool_text)
+        if final:
+            self._close_tool(markup, self._tool_text, "")
+        return False
+
+    def _close_tool(self, markup: Markup, inner: str, end: str) -> None:
+        assert self.tools is not None
+        calls = self.tools.decode(markup, inner)
+        self._tool = None
+        if calls:
+            self._out.extend(calls)
+            self.tool_calls.extend(calls)
+            self._to_boundary()
+        else:  # not a call after all: the markup is what the model said
+            self._emit(Content, markup.start + inner + end)
+            self._mode = _Mode.CONTENT
+
+
+def merge(events: Iterable[Event]) -> list[Event]:
+    """Adjacent text events of one kind joined."""
+    out: list[Event] = []
+    for event in events:
+        prev = out[-1] if out else None
+        if isinstance(event, (Reasoning, Content)) and type(prev) is type(event):
+            out[-1] = type(event)(prev.text + event.text)  # type: ignore[union-attr]
+        else:
+            out.append(event)
+    return out

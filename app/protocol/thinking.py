@@ -1,0 +1,75 @@
+"""Every common way of asking for (or against) thinking, mapped onto one flag.
+
+Clients say it in many dialects: ``enable_thinking``, ``chat_template_kwargs``,
+``thinking`` (a bool, a level, or Anthropic's ``{"type": "enabled",
+"budget_tokens": N}``), ``reasoning_effort`` and Responses' ``reasoning:
+{"effort"}`` — at the top level or nested in ``metadata`` / ``extra_body``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+_OFF = {"off", "none", "false", "disabled", "disable", "no", "0", "minimal_off"}
+_ON = {
+    "on",
+    "true",
+    "enabled",
+    "enable",
+    "yes",
+    "1",
+    "minimal",
+    "low",
+    "medium",
+    "high",
+    "xhigh",
+    "auto",
+    "adaptive",
+}
+
+
+def _flag(value: Any) -> bool | None:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, float)):
+        return value != 0
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in _OFF:
+            return False
+        if word in _ON:
+            return True
+        return None
+    if isinstance(value, Mapping):  # Anthropic {"type": "enabled"|"disabled", ...}, {"effort": ...}
+        for key in ("type", "effort", "enabled"):
+            if key in value:
+                return _flag(value[key])
+    return None
+
+
+def _from_fields(fields: Mapping[str, Any]) -> bool | None:
+    kwargs = fields.get("chat_template_kwargs")
+    candidates = [
+        kwargs.get("enable_thinking") if isinstance(kwargs, Mapping) else None,
+        fields.get("enable_thinking"),
+        fields.get("thinking"),
+        fields.get("reasoning_effort"),
+        fields.get("reasoning"),
+    ]
+    for value in candidates:
+        flag = _flag(value)
+        if flag is not None:
+            return flag
+    return None
+
+
+def resolve_thinking(fields: Mapping[str, Any], default: bool) -> bool:
+    """The request's thinking switch; the most specific place that says wins:
+    top-level fields, then ``extra_body``, then ``metadata``, then the server default."""
+    for scope in (fields, fields.get("extra_body"), fields.get("metadata")):
+        if isinstance(scope, Mapping):
+            flag = _from_fields(scope)
+            if flag is not None:
+                return flag
+    return default

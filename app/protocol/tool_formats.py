@@ -1,0 +1,144 @@
+"""Tool-call markup models really emit, and decoding it into calls.
+
+Every format is recognised whatever the model family; the family only decides
+which parser is tried first where one markup carries several inner formats
+(``<tool_call>`` holds Qwen XML, GLM key/value pairs or Hermes JSON). The inner
+parsers are mlx-lm's (``mlx_lm.tool_parsers``), imported on first use so the
+HTTP layer does not import mlx before the engine has chosen its BLAS. Decoding
+never raises: markup that does not parse is returned to the caller as None and
+goes out as plain content.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from app.protocol.tool_schema import coerce_arguments, parameter_schemas
+
+log = logging.getLogger("kvwarm.tools")
+
+
+@dataclass(frozen=True)
+class Markup:
+    """Where a call starts and ends in the text; ``end`` "" = at the end of the output."""
+
+    kind: str
+    start: str
+    end: str
+
+
+TOOL_CALL_TAG = Markup("tool_call", "<tool_call>", "</tool_call>")  # Qwen, GLM, Hermes
+MINICPM = Markup("minicpm", "<function name=", "</function>")
+MISTRAL = Markup("mistral", "[TOOL_CALLS]", "")
+GEMMA4 = Markup("gemma4", "<|tool_call>", "<tool_call|>")
+PYTHON_TAG = Markup("llama3_json", "<|python_tag|>", "")  # Llama 3.x
+BARE_JSON = Markup("llama3_json", "", "")  # Llama 3.x JSON with no tag, at the start of a reply
+
+MARKED = (TOOL_CALL_TAG, MINICPM, MISTRAL, GEMMA4, PYTHON_TAG)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+    call_id: str | None = None  # when the model wrote one (Mistral)
+
+    def arguments_dict(self) -> dict[str, Any]:
+        return json.loads(self.arguments)
+
+
+@cache
+def _mlx_parser(name: str):
+    return importlib.import_module(f"mlx_lm.tool_parsers.{name}").parse_tool_call
+
+
+def _tool_call_tag_parsers(inner: str, family: str | None) -> list[str]:
+    found = []
+    if "<function=" in inner:
+        found.append("qwen3_coder")
+    if "<arg_key>" in inner:
+        found.append("glm47")
+    if inner.lstrip()[:1] in ("{", "["):
+        found.append("json_tools")
+    if family == "glm47" and "glm47" not in found:
+        found.append("glm47")  # GLM also writes bare names: <tool_call>get_time</tool_call>
+    return sorted(found, key=lambda name: name != family)
+
+
+def _llama3_json(inner: str) -> list[dict[str, Any]]:
+    """One or more ``{"name": ..., "parameters": {...}}`` objects, ``;``-separated."""
+    decoder = json.JSONDecoder()
+    calls, pos = [], 0
+    while True:
+        while pos < len(inner) and inner[pos] in " \t\r\n;":
+            pos += 1
+        if pos == len(inner):
+            return calls
+        obj, pos = decoder.raw_decode(inner, pos)
+        if not isinstance(obj, dict) or "name" not in obj:
+            raise ValueError("not a tool call")
+        args = obj.get("parameters", obj.get("arguments", {}))
+        calls.append({"name": obj["name"], "arguments": args})
+
+
+def _as_calls(parsed: Any) -> list[dict[str, Any]]:
+    items = parsed if isinstance(parsed, list) else [parsed]
+    calls = []
+    for item in items:
+        if not isinstance(item, Mapping):
+            raise ValueError("not a tool call")
+        name, args = item.get("name"), item.get("arguments", {})
+        if isinstance(args, str):
+            args = json.loads(args) if args.strip() else {}
+        if not isinstance(name, str) or not name.strip() or not isinstance(args, Mapping):
+            raise ValueError("not a tool call")
+        calls.append({"name": name.strip(), "arguments": dict(args), "id": item.get("id")})
+    if not calls:
+        raise ValueError("no tool call")
+    return calls
+
+
+class ToolCallDecoder:
+    """Decodes withheld markup into calls, against one request's tools."""
+
+    def __init__(self, tools: Sequence[Mapping[str, Any]], family: str | None = None):
+        self.tools = list(tools)
+        self.family = family
+        self._schemas = parameter_schemas(self.tools)
+
+    def decode(self, markup: Markup, inner: str) -> list[ToolCall] | None:
+        for parser in self._parsers(markup, inner):
+            try:
+                calls = _as_calls(parser(inner))
+            except Exception as exc:  # noqa: BLE001 - any model text must be survivable
+                log.debug("%s markup did not parse: %s", markup.kind, exc)
+                continue
+            if markup is BARE_JSON and any(c["name"] not in self._schemas for c in calls):
+                continue  # a JSON answer that merely looks like a call
+            return [self._finish(c) for c in calls]
+        return None
+
+    def _parsers(self, markup: Markup, inner: str):
+        if markup.kind == "llama3_json":
+            return [_llama3_json]
+        if markup is TOOL_CALL_TAG:
+            names = _tool_call_tag_parsers(inner, self.family)
+            # GLM's parser keeps declared string arguments as strings only when given the tools
+            return [
+                (lambda text, n=n: _mlx_parser(n)(text, self.tools if n == "glm47" else None))
+                for n in names
+            ]
+        if markup is MINICPM:
+            return [lambda text: _mlx_parser("minicpm5")(text.rstrip(), None)]
+        return [_mlx_parser(markup.kind)]
+
+    def _finish(self, call: dict[str, Any]) -> ToolCall:
+        args = coerce_arguments(call["arguments"], self._schemas.get(call["name"], {}))
+        call_id = call.get("id") if isinstance(call.get("id"), str) else None
+        return ToolCall(call["name"], json.dumps(args, ensure_ascii=False), call_id)

@@ -1,0 +1,133 @@
+"""Tools in the one internal shape (OpenAI function tools) and argument
+decoding against their JSON schemas."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+_INT = re.compile(r"[+-]?\d+")
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """``mode``: none, auto or required; ``name`` set when one function is forced."""
+
+    mode: str = "auto"
+    name: str | None = None
+
+    @property
+    def parses(self) -> bool:
+        return self.mode != "none"
+
+
+def function_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, Any]]:
+    """OpenAI chat tools, keeping only function tools (built-in tool types are ignored)."""
+    out = []
+    for tool in tools or ():
+        fn = tool.get("function")
+        if (
+            tool.get("type", "function") == "function"
+            and isinstance(fn, Mapping)
+            and fn.get("name")
+        ):
+            out.append({"type": "function", "function": dict(fn)})
+    return out
+
+
+def tools_for_template(tools: list[dict[str, Any]], choice: ToolChoice) -> list[dict[str, Any]]:
+    """The tools the model is shown: none under ``none``, only the forced one when named."""
+    if not choice.parses:
+        return []
+    if choice.name is not None:
+        return [t for t in tools if t["function"]["name"] == choice.name]
+    return tools
+
+
+def parameter_schemas(tools: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Function name -> its parameters' ``properties``."""
+    out: dict[str, dict[str, Any]] = {}
+    for tool in tools:
+        fn = tool.get("function") or {}
+        params = fn.get("parameters") or {}
+        props = params.get("properties") if isinstance(params, Mapping) else None
+        out[fn.get("name", "")] = dict(props) if isinstance(props, Mapping) else {}
+    return out
+
+
+def _types(schema: Any) -> set[str]:
+    if not isinstance(schema, Mapping):
+        return set()
+    typ = schema.get("type")
+    if isinstance(typ, str):
+        return {typ}
+    if isinstance(typ, list):
+        return {t for t in typ if isinstance(t, str)}
+    found: set[str] = set()
+    for key in ("anyOf", "oneOf"):
+        for sub in schema.get(key) or ():
+            found |= _types(sub)
+    enum = schema.get("enum")
+    if not found and isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+        found = {"string"}
+    return found
+
+
+def _number(text: str, integer_only: bool) -> int | float | None:
+    text = text.strip()
+    if _INT.fullmatch(text):
+        return int(text)
+    if integer_only:
+        try:
+            value = float(text)
+        except ValueError:
+            return None
+        return int(value) if math.isfinite(value) and value.is_integer() else None
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def coerce_value(value: Any, schema: Any) -> Any:
+    """One argument value decoded against its schema. Never raises: a value that
+    does not fit its declared type is passed on as the model wrote it."""
+    types = _types(schema)
+    if not types:
+        return value
+    if value is None and "null" in types:
+        return None
+    if "string" in types:
+        if isinstance(value, str):
+            return value
+        if len(types) == 1:
+            return value if value is None else json.dumps(value, ensure_ascii=False)
+    if not isinstance(value, str):
+        return value
+    if types & {"integer", "number"}:
+        number = _number(value, integer_only="number" not in types)
+        if number is not None:
+            return number
+    if "boolean" in types and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if types & {"object", "array"}:
+        try:
+            decoded = json.loads(value, strict=False)
+        except ValueError:
+            return value
+        if isinstance(decoded, dict) and "object" in types:
+            return decoded
+        if isinstance(decoded, list) and "array" in types:
+            return decoded
+    if "null" in types and value.strip().lower() in ("null", "none"):
+        return None
+    return value
+
+
+def coerce_arguments(arguments: Mapping[str, Any], properties: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: coerce_value(value, properties.get(key)) for key, value in arguments.items()}

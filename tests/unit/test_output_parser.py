@@ -1,0 +1,200 @@
+"""The streaming classifier: chunking invariance, no leaked tags, survivable markup."""
+
+from __future__ import annotations
+
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.protocol.output_parser import Content, OutputParser, Reasoning, Syntax, merge
+from app.protocol.tool_formats import MARKED, ToolCall, ToolCallDecoder
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            },
+        },
+    }
+]
+TAGS = ["<think>", "</think>", *(m.start for m in MARKED), *(m.end for m in MARKED if m.end)]
+LONGEST_TAG = max(len(t) for t in TAGS)
+
+FRAGMENTS = st.sampled_from(
+    TAGS
+    + [
+        "<function=get_weather>",
+        "<parameter=city>",
+        "</parameter>",
+        "</function>",
+        '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+        "{",
+        "}",
+        "<",
+        "</",
+        "<th",
+        "</thi",
+        "<tool",
+        "[TOOL",
+        "<|",
+        " ",
+        "\n",
+        "é",
+        "😀",
+        "call:get_weather{city:2}",
+        "hello",
+    ]
+)
+TEXTS = st.lists(st.one_of(FRAGMENTS, st.text(max_size=5)), max_size=25).map("".join)
+
+
+def _parser(with_tools: bool, in_reasoning: bool) -> OutputParser:
+    tools = ToolCallDecoder(TOOLS, "qwen3_coder") if with_tools else None
+    return OutputParser(Syntax(starts_in_reasoning=in_reasoning), tools)
+
+
+def _chunks(text: str, cuts: list[int]) -> list[str]:
+    points = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
+    return [text[a:b] for a, b in zip(points, points[1:])]
+
+
+def _text_of(events, kind) -> str:
+    return "".join(e.text for e in events if isinstance(e, kind))
+
+
+@settings(max_examples=400, deadline=None)
+@given(TEXTS, st.lists(st.integers(0, 200), max_size=30), st.booleans(), st.booleans())
+def test_any_chunking_gives_the_whole_text_result(text, cuts, with_tools, in_reasoning):
+    whole = _parser(with_tools, in_reasoning).parse(text)
+    parser = _parser(with_tools, in_reasoning)
+    streamed = []
+    for piece in _chunks(text, cuts):
+        streamed += parser.feed(piece)
+        if parser._tool is None:  # noqa: SLF001 - outside a withheld call only a tag's worth waits
+            assert parser.held <= LONGEST_TAG or not parser._buf.strip()  # noqa: SLF001
+    streamed += parser.finish()
+    assert merge(streamed) == whole
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.text(alphabet=st.characters(blacklist_characters="<"), max_size=30),
+    st.text(alphabet=st.characters(blacklist_characters="<"), max_size=30),
+    st.lists(st.integers(0, 80), max_size=20),
+)
+def test_think_tags_never_leak_into_either_channel(reasoning, answer, cuts):
+    text = f"<think>{reasoning}</think>{answer}"
+    parser = OutputParser(Syntax())
+    events = []
+    for piece in _chunks(text, cuts):
+        events += parser.feed(piece)
+    events += parser.finish()
+    assert _text_of(events, Reasoning) == reasoning
+    assert _text_of(events, Content) == answer.lstrip()
+    for event in events:
+        assert "<" not in event.text
+
+
+HOSTILE = st.lists(
+    st.one_of(st.text(max_size=4), st.sampled_from(["<", ">", "</tool_call>", '"', "\\", "]]>"])),
+    max_size=10,
+).map("".join)
+
+
+def _formats(value: str) -> list[str]:
+    jv = json.dumps(value, ensure_ascii=False)
+    return [
+        f"<tool_call>\n<function=get_weather>\n<parameter=city>\n{value}\n</parameter>\n</function>\n</tool_call>",
+        f"<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>{value}</arg_value>\n</tool_call>",
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": {jv}}}}}\n</tool_call>',
+        f'<function name="get_weather"><param name="city"><![CDATA[{value}]]></param></function>',
+        f'[TOOL_CALLS][{{"name": "get_weather", "arguments": {{"city": {jv}}}}}]',
+        f'<|tool_call>call:get_weather{{city:<|"|>{value}<|"|>}}<tool_call|>',
+        f'{{"name": "get_weather", "parameters": {{"city": {jv}}}}}',
+    ]
+
+
+@settings(max_examples=150, deadline=None)
+@given(HOSTILE, st.lists(st.integers(0, 200), max_size=10))
+def test_hostile_values_parse_or_fall_back_never_raise(value, cuts):
+    for text in _formats(value):
+        whole = OutputParser(Syntax(), ToolCallDecoder(TOOLS, None)).parse(text)
+        calls = [e for e in whole if isinstance(e, ToolCall)]
+        if not calls:  # fell back: the model's text is delivered as it was written
+            assert _text_of(whole, Content) + _text_of(whole, Reasoning) == text.lstrip()
+        for call in calls:
+            assert call.name == "get_weather"
+            assert isinstance(call.arguments_dict(), dict)
+        parser = OutputParser(Syntax(), ToolCallDecoder(TOOLS, None))
+        streamed = [e for p in _chunks(text, cuts) for e in parser.feed(p)] + parser.finish()
+        assert merge(streamed) == whole
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.text(
+        alphabet=st.characters(blacklist_characters="<>&\r", blacklist_categories=["Cs"]),
+        min_size=1,
+        max_size=30,
+    ).filter(lambda s: s.strip() == s and s.lower() != "null")
+)
+def test_json_safe_string_values_come_back_exactly(value):
+    for text in _formats(value):
+        events = OutputParser(Syntax(), ToolCallDecoder(TOOLS, None)).parse(text)
+        calls = [e for e in events if isinstance(e, ToolCall)]
+        assert len(calls) == 1, text
+        assert calls[0].arguments_dict() == {"city": value}, text
+
+
+def test_held_text_stays_bounded_on_long_streams():
+    parser = OutputParser(Syntax(), ToolCallDecoder(TOOLS, None))
+    for _ in range(5000):
+        parser.feed("a<")
+        assert parser.held <= LONGEST_TAG
+    parser.feed("<tool_call>")
+    for _ in range(5000):  # a long withheld argument is scanned once, not per piece
+        parser.feed("x</tool_cal")
+    assert parser._scanned == len(parser._tool_text)  # noqa: SLF001
+
+
+def test_text_around_calls_streams_and_whitespace_between_calls_is_dropped():
+    text = (
+        "I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n"
+        "</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n<parameter=days>\n2\n"
+        "</parameter>\n</function>\n</tool_call>"
+    )
+    parser = OutputParser(Syntax(), ToolCallDecoder(TOOLS, None))
+    first = parser.feed(text[:16])
+    assert first == [Content("I will look.\n")]
+    rest = parser.feed(text[16:]) + parser.finish()
+    assert rest == [
+        ToolCall("get_weather", '{"city": "Oslo"}'),
+        ToolCall("get_weather", '{"days": 2}'),
+    ]
+    assert parser.kept_text == "I will look.\n\n"
+
+
+def test_think_opens_only_before_content():
+    events = OutputParser(Syntax()).parse("Use <think>tags</think> like this")
+    assert events == [Content("Use <think>tags</think> like this")]
+
+
+def test_prompt_opened_block_and_glm_style_missing_open_tag():
+    events = OutputParser(Syntax(starts_in_reasoning=True)).parse("plan\n</think>\n\nAnswer.")
+    assert events == [Reasoning("plan\n"), Content("Answer.")]
+
+
+def test_no_tools_means_markup_is_content():
+    text = "<tool_call>{}</tool_call>"
+    assert OutputParser(Syntax()).parse(text) == [Content(text)]
+
+
+def test_unterminated_call_at_the_end_is_decoded_when_complete_enough():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+    events = OutputParser(Syntax(), ToolCallDecoder(TOOLS, None)).parse(text)
+    assert events == [ToolCall("get_weather", '{"city": "Oslo"}')]

@@ -1,0 +1,222 @@
+"""Each tool-call format, from transcripts written to the formats' specs; schema
+decoding of argument values; every thinking control."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.protocol.output_parser import Content, OutputParser, Reasoning, Syntax
+from app.protocol.thinking import resolve_thinking
+from app.protocol.tool_formats import ToolCall, ToolCallDecoder
+from app.protocol.tool_schema import ToolChoice, coerce_value, function_tools, tools_for_template
+
+TOOLS = function_tools(
+    [
+        {
+            "type": "function",
+            "function": {
+                "name": "read_file",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "path": {"type": "string"},
+                        "limit": {"type": "integer"},
+                        "offset": {"type": ["integer", "null"]},
+                    },
+                },
+            },
+        },
+        {
+            "type": "function",
+            "function": {
+                "name": "run",
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        "command": {"type": "string"},
+                        "env": {"type": "object"},
+                        "dry_run": {"type": "boolean"},
+                        "timeout": {"type": "number"},
+                    },
+                },
+            },
+        },
+        {"type": "web_search_preview"},  # a built-in tool type: ignored
+    ]
+)
+
+
+def parse(text: str, family: str | None = None, in_reasoning: bool = False):
+    return OutputParser(
+        Syntax(starts_in_reasoning=in_reasoning), ToolCallDecoder(TOOLS, family)
+    ).parse(text)
+
+
+def test_builtin_tool_types_are_dropped():
+    assert [t["function"]["name"] for t in TOOLS] == ["read_file", "run"]
+
+
+def test_qwen3_coder_xml_with_reasoning_and_two_calls():
+    text = (
+        "<think>\nThe user wants the README.\n</think>\n\n"
+        "<tool_call>\n<function=read_file>\n<parameter=path>\n007\n</parameter>\n"
+        "<parameter=limit>\n40\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=run>\n<parameter=command>\nls -la | grep '<x>'\n</parameter>\n"
+        '<parameter=env>\n{"A": "1"}\n</parameter>\n<parameter=dry_run>\nfalse\n</parameter>\n'
+        "</function>\n</tool_call>"
+    )
+    assert parse(text, "qwen3_coder") == [
+        Reasoning("\nThe user wants the README.\n"),
+        ToolCall("read_file", '{"path": "007", "limit": 40}'),
+        ToolCall(
+            "run", '{"command": "ls -la | grep \'<x>\'", "env": {"A": "1"}, "dry_run": false}'
+        ),
+    ]
+
+
+def test_qwen3_thinking_prompt_opened_block():
+    text = "Need to list files.\n</think>\n\n<tool_call>\n<function=run>\n<parameter=command>\nls\n</parameter>\n</function>\n</tool_call>"
+    assert parse(text, "qwen3_coder", in_reasoning=True) == [
+        Reasoning("Need to list files.\n"),
+        ToolCall("run", '{"command": "ls"}'),
+    ]
+
+
+def test_hermes_qwen25_json():
+    text = 'Sure.\n<tool_call>\n{"name": "read_file", "arguments": {"path": "a.py", "limit": "10"}}\n</tool_call>'
+    assert parse(text, "json_tools") == [
+        Content("Sure.\n"),
+        ToolCall("read_file", '{"path": "a.py", "limit": 10}'),
+    ]
+
+
+def test_glm47_key_values_keep_string_params_strings():
+    text = (
+        "<think>Check it.</think>"
+        "<tool_call>read_file\n<arg_key>path</arg_key>\n<arg_value>123</arg_value>\n"
+        "<arg_key>limit</arg_key>\n<arg_value>5</arg_value>\n</tool_call>"
+    )
+    assert parse(text, "glm47") == [
+        Reasoning("Check it."),
+        ToolCall("read_file", '{"path": "123", "limit": 5}'),
+    ]
+
+
+def test_glm_reasoning_without_opening_tag():
+    text = "The file is small.</think>Done."
+    assert parse(text, "glm47", in_reasoning=True) == [
+        Reasoning("The file is small."),
+        Content("Done."),
+    ]
+
+
+def test_minicpm_function_blocks_with_cdata():
+    text = (
+        'Running it.\n<function name="run"><param name="command"><![CDATA[echo "<b>" && exit 1]]></param>'
+        '<param name="timeout">2.5</param></function>'
+        '<function name="read_file"><param name="path">x.txt</param></function>'
+    )
+    assert parse(text, "minicpm5") == [
+        Content("Running it.\n"),
+        ToolCall("run", '{"command": "echo \\"<b>\\" && exit 1", "timeout": 2.5}'),
+        ToolCall("read_file", '{"path": "x.txt"}'),
+    ]
+
+
+def test_mistral_json_list_keeps_model_ids():
+    text = '[TOOL_CALLS][{"name": "read_file", "arguments": {"path": "a"}, "id": "Abc123xyZ"}, {"name": "run", "arguments": {"command": "ls"}, "id": "Q9w8e7r6T"}]'
+    assert parse(text, "mistral") == [
+        ToolCall("read_file", '{"path": "a"}', "Abc123xyZ"),
+        ToolCall("run", '{"command": "ls"}', "Q9w8e7r6T"),
+    ]
+
+
+def test_mistral_name_args_form():
+    text = 'Let me run it.[TOOL_CALLS]run[ARGS]{"command": "make test", "dry_run": true}'
+    assert parse(text, "mistral") == [
+        Content("Let me run it."),
+        ToolCall("run", '{"command": "make test", "dry_run": true}'),
+    ]
+
+
+def test_llama3_bare_json_and_python_tag():
+    assert parse('{"name": "read_file", "parameters": {"path": "/etc/hosts", "limit": 3}}') == [
+        ToolCall("read_file", '{"path": "/etc/hosts", "limit": 3}')
+    ]
+    assert parse('<|python_tag|>{"name": "run", "parameters": {"command": "pwd"}}') == [
+        ToolCall("run", '{"command": "pwd"}')
+    ]
+
+
+def test_llama3_json_answer_that_is_not_a_call_stays_content():
+    text = '{"name": "Alice", "parameters": {"age": 3}}'
+    assert parse(text) == [Content(text)]
+
+
+def test_gemma4_calls():
+    text = '<|tool_call>call:read_file{path:<|"|>src/a,b{c}.py<|"|>,limit:20}<tool_call|>'
+    assert parse(text, "gemma4") == [
+        ToolCall("read_file", '{"path": "src/a,b{c}.py", "limit": 20}')
+    ]
+
+
+def test_broken_markup_falls_back_to_content():
+    text = "<tool_call>\n{not json at all\n</tool_call> and more"
+    assert parse(text) == [Content(text)]
+
+
+@pytest.mark.parametrize(
+    ("value", "schema", "expected"),
+    [
+        ("42", {"type": "string"}, "42"),
+        (42, {"type": "string"}, "42"),
+        ("42", {"type": "integer"}, 42),
+        ("4.0", {"type": "integer"}, 4),
+        ("4.5", {"type": "integer"}, "4.5"),
+        ("4.5", {"type": "number"}, 4.5),
+        ("nan", {"type": "number"}, "nan"),
+        ("TRUE", {"type": "boolean"}, True),
+        ('{"a": [1]}', {"type": "object"}, {"a": [1]}),
+        ("[1, 2]", {"type": "array"}, [1, 2]),
+        ("[1, 2", {"type": "array"}, "[1, 2"),
+        ("null", {"type": ["integer", "null"]}, None),
+        ("7", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, 7),
+        ("a", {"enum": ["a", "b"]}, "a"),
+        ("x", None, "x"),
+    ],
+)
+def test_values_decode_against_the_schema(value, schema, expected):
+    assert coerce_value(value, schema) == expected
+
+
+def test_tool_choice_shapes_what_the_model_sees():
+    assert tools_for_template(TOOLS, ToolChoice("none")) == []
+    assert tools_for_template(TOOLS, ToolChoice("auto")) == TOOLS
+    named = tools_for_template(TOOLS, ToolChoice("required", "run"))
+    assert [t["function"]["name"] for t in named] == ["run"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, None),
+        ({"enable_thinking": False}, False),
+        ({"chat_template_kwargs": {"enable_thinking": False}, "enable_thinking": True}, False),
+        ({"thinking": True}, True),
+        ({"thinking": "off"}, False),
+        ({"thinking": "xhigh"}, True),
+        ({"thinking": {"type": "enabled", "budget_tokens": 2048}}, True),
+        ({"thinking": {"type": "disabled"}}, False),
+        ({"reasoning_effort": "none"}, False),
+        ({"reasoning_effort": "low"}, True),
+        ({"reasoning": {"effort": "minimal"}}, True),
+        ({"reasoning": {"effort": "none"}}, False),
+        ({"metadata": {"enable_thinking": False}}, False),
+        ({"extra_body": {"reasoning_effort": "none"}, "metadata": {"thinking": "on"}}, False),
+        ({"thinking": "banana"}, None),
+    ],
+)
+def test_every_thinking_control_maps_onto_one_flag(fields, expected):
+    for default in (True, False):
+        want = default if expected is None else expected
+        assert resolve_thinking(fields, default) is want
