@@ -34,6 +34,8 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "prompt_cache_ttl": {"type": float, "metavar": "SECONDS"},
     "cache_block_size": {"type": int, "metavar": "N"},
     "volatile_policy": {"choices": ["reuse", "strict", "relocate"]},
+    "thinking": {"choices": ["on", "off"]},
+    "strip_thinking": {"action": "store_true"},
 }
 
 

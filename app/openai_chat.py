@@ -2,138 +2,76 @@
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from app.chat_pipeline import ChatCall, parse_openai_tool_choice, prepare_chat, template_tool_calls
 from app.errors import APIError, error_body
-from app.generation_params import resolve_max_tokens, resolve_sampling
+from app.generation import Generation, Outcome, openai_tool_calls
+from app.protocol.output_parser import Content, Reasoning
+from app.protocol.tool_formats import ToolCall
+from app.protocol.tool_schema import function_tools
 from app.schemas import ChatCompletionRequest, ChatMessage
-from app.session_id import session_id_from
 from app.sse import SSE_DONE, SSE_HEADERS, sse_data
 from app.state import AppState
-from scheduler.healing import context_of
-from scheduler.prefix_index import VolatilePolicy
-from scheduler.request import CacheHints, FinishReason, Request, RequestOutput
-from scheduler.sessions import fallback_session_id
 
-log = logging.getLogger("kvwarm.http.chat")
 router = APIRouter()
 
-DISCONNECT_POLL_S = 0.25
 
-
-@dataclass
-class Completion:
-    """Running totals of one request's outputs."""
-
-    text: str = ""
-    finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    ttft: float | None = None
-    error: str | None = None
-
-    def add(self, out: RequestOutput) -> None:
-        self.text += out.text
-        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
-        self.completion_tokens = out.completion_tokens or self.completion_tokens
-        self.cached_tokens = out.cached_tokens or self.cached_tokens
-        if out.ttft is not None:
-            self.ttft = out.ttft
-        if out.finish_reason is not None:
-            self.finish_reason = out.finish_reason
-            self.error = out.error
-
-    def usage(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
-
-
-def _template_message(message: ChatMessage) -> dict[str, Any]:
+def template_message(message: ChatMessage) -> dict[str, Any]:
     try:
         content = message.text()
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from exc
     role = "system" if message.role == "developer" else message.role
     out: dict[str, Any] = {"role": role, "content": content}
-    for key in ("name", "tool_calls", "tool_call_id"):
+    for key in ("name", "tool_call_id", "reasoning_content"):
         value = getattr(message, key)
         if value is not None:
             out[key] = value
+    calls = template_tool_calls(message.tool_calls)
+    if calls:
+        out["tool_calls"] = calls
     return out
 
 
-def build_request(
-    body: ChatCompletionRequest, state: AppState, headers: Mapping[str, str] | None = None
-) -> Request:
-    info = state.model_info()
-    messages = state.healing.heal_all([_template_message(m) for m in body.messages])
-    relocate = state.settings.volatile_policy is VolatilePolicy.RELOCATE
-    try:
-        rendered = info.formatter.render_chat(messages, relocate_volatile=relocate)
-    except Exception as exc:  # jinja errors of the model's own template
-        raise APIError(400, f"The chat template rejected these messages: {exc}") from exc
-    prompt = rendered.tokens
-    max_tokens = resolve_max_tokens(
-        body.completion_limit, len(prompt), info.context_length, state.settings.max_tokens
-    )
-    # session fields are not in the schema: they arrive as extra fields
-    session = session_id_from(body.model_extra or {}, headers or {}) or fallback_session_id(
-        rendered.key.canonical
-    )
-    return Request(
-        prompt_tokens=prompt,
-        max_tokens=max_tokens,
-        sampling=resolve_sampling(body.model_dump(), info.generation_defaults, info.vocab_size),
+def chat_call(body: ChatCompletionRequest) -> ChatCall:
+    tools = function_tools(body.tools)
+    return ChatCall(
+        messages=[template_message(m) for m in body.messages],
+        fields=body.model_dump(exclude={"messages", "tools"}),
+        tools=tools,
+        tool_choice=parse_openai_tool_choice(body.tool_choice, tools),
+        max_tokens=body.completion_limit,
         stop=tuple(body.stop or ()),
         ignore_eos=body.ignore_eos,
-        cache=CacheHints(rendered.key, session, rendered.message_hashes),
     )
 
 
-def _finish(state: AppState, req: Request, done: Completion, started: float, answered: str) -> None:
-    """``answered``: ``context_of`` the request's last message (the healing key)."""
-    if done.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
-        state.healing.remember(done.text, context=answered)
-    _log_done(req, done, started)
+def call_id(call: ToolCall) -> str:
+    return call.call_id or f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _log_done(req: Request, done: Completion, started: float) -> None:
-    elapsed = time.monotonic() - started
-    rate = done.completion_tokens / elapsed if elapsed > 0 else 0.0
-    log.info(
-        "%s done: prompt=%d cached=%d completion=%d finish=%s ttft=%s total=%.2fs (%.1f tok/s)",
-        req.request_id,
-        done.prompt_tokens,
-        done.cached_tokens,
-        done.completion_tokens,
-        done.finish_reason.value if done.finish_reason else "aborted",
-        f"{done.ttft:.2f}s" if done.ttft is not None else "-",
-        elapsed,
-        rate,
-    )
+def usage(done: Outcome) -> dict[str, Any]:
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+    }
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
-    req = build_request(body, state, http.headers)
-    answered = context_of(_template_message(body.messages[-1]))
-    stream = state.service.submit(req)  # admission errors raise here, before any byte is sent
+    prepared = prepare_chat(chat_call(body), state, http.headers)
+    gen = Generation(state, prepared, "chat")
     meta = {
         "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
         "created": int(time.time()),
@@ -142,61 +80,31 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _stream_chunks(state, req, stream, meta, include_usage, answered),
+            _stream_chunks(gen, meta, include_usage),
             media_type="text/event-stream",
             headers=SSE_HEADERS,
         )
-    done = await _collect(state, req, stream, http, answered)
-    if done.finish_reason == FinishReason.ERROR:
+    done = await gen.collect(http)
+    if done.failed:
         raise APIError(500, f"Generation failed: {done.error}", "server_error", "engine_error")
+    message: dict[str, Any] = {"role": "assistant", "content": done.content}
+    if done.reasoning:
+        message["reasoning_content"] = done.reasoning
+    if done.tool_calls:
+        message["tool_calls"] = openai_tool_calls(
+            done.tool_calls, [call_id(c) for c in done.tool_calls]
+        )
+        message["content"] = done.content or None
     return JSONResponse(
         {
             **meta,
             "object": "chat.completion",
             "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": done.text},
-                    "logprobs": None,
-                    "finish_reason": done.finish_reason.value,
-                }
+                {"index": 0, "message": message, "logprobs": None, "finish_reason": done.stop_kind}
             ],
-            "usage": done.usage(),
+            "usage": usage(done),
         }
     )
-
-
-async def _collect(
-    state: AppState,
-    req: Request,
-    stream: AsyncIterator[RequestOutput],
-    http: HTTPRequest,
-    answered: str,
-) -> Completion:
-    """Gather the whole completion, aborting if the client hangs up meanwhile."""
-    done = Completion()
-    started = time.monotonic()
-
-    async def consume() -> None:
-        async for out in stream:
-            done.add(out)
-
-    task = asyncio.create_task(consume())
-    try:
-        while True:
-            finished, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if finished:
-                task.result()
-                break
-            if await http.is_disconnected():
-                log.info("%s: client disconnected, aborting", req.request_id)
-                task.cancel()
-                break
-    finally:
-        if done.finish_reason is None:
-            state.service.cancel(req.request_id)
-        _finish(state, req, done, started, answered)
-    return done
 
 
 def _chunk(meta: dict[str, Any], delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
@@ -208,36 +116,30 @@ def _chunk(meta: dict[str, Any], delta: dict[str, Any], finish: str | None) -> d
 
 
 async def _stream_chunks(
-    state: AppState,
-    req: Request,
-    stream: AsyncIterator[RequestOutput],
-    meta: dict[str, Any],
-    include_usage: bool,
-    answered: str,
+    gen: Generation, meta: dict[str, Any], include_usage: bool
 ) -> AsyncIterator[str]:
-    done = Completion()
-    started = time.monotonic()
     usage_field = {"usage": None} if include_usage else {}
-    try:
-        yield sse_data({**_chunk(meta, {"role": "assistant", "content": ""}, None), **usage_field})
-        async for out in stream:
-            done.add(out)
-            if out.finish_reason == FinishReason.ERROR:
-                yield sse_data(
-                    error_body(f"Generation failed: {out.error}", "server_error", "engine_error")
-                )
-                break
-            if out.text:
-                yield sse_data({**_chunk(meta, {"content": out.text}, None), **usage_field})
-            if out.finish_reason is not None:
-                yield sse_data({**_chunk(meta, {}, out.finish_reason.value), **usage_field})
-        if include_usage and done.finish_reason != FinishReason.ERROR:
+    done = gen.outcome
+    calls = 0
+    yield sse_data({**_chunk(meta, {"role": "assistant", "content": ""}, None), **usage_field})
+    async for event in gen.events():
+        if isinstance(event, Reasoning):
+            delta: dict[str, Any] = {"reasoning_content": event.text}
+        elif isinstance(event, Content):
+            delta = {"content": event.text}
+        else:
+            (tool,) = openai_tool_calls([event], [call_id(event)])
+            delta = {"tool_calls": [{"index": calls, **tool}]}
+            calls += 1
+        yield sse_data({**_chunk(meta, delta, None), **usage_field})
+    if done.failed:
+        yield sse_data(
+            error_body(f"Generation failed: {done.error}", "server_error", "engine_error")
+        )
+    elif done.finish_reason is not None:
+        yield sse_data({**_chunk(meta, {}, done.stop_kind), **usage_field})
+        if include_usage:
             yield sse_data(
-                {**meta, "object": "chat.completion.chunk", "choices": [], "usage": done.usage()}
+                {**meta, "object": "chat.completion.chunk", "choices": [], "usage": usage(done)}
             )
-        yield SSE_DONE
-    finally:
-        if done.finish_reason is None:
-            log.info("%s: stream closed early, aborting", req.request_id)
-            state.service.cancel(req.request_id)
-        _finish(state, req, done, started, answered)
+    yield SSE_DONE

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -68,6 +70,17 @@ class Settings(BaseSettings):
         "reuse = reuse KV past them (the model keeps the values the cached turn saw), "
         "strict = reuse exact token prefixes only, relocate = move volatile lines to the "
         "prompt's end so the prefix stays stable and the model reads current values",
+    )
+
+    thinking: Literal["on", "off"] = Field(
+        "on",
+        description="thinking for requests that do not say (enable_thinking, thinking, "
+        "reasoning_effort, reasoning.effort): on or off; passed to the chat template",
+    )
+    strip_thinking: bool = Field(
+        False,
+        description="drop reasoning from responses (for clients that cannot take "
+        "reasoning_content / thinking blocks); the model still thinks",
     )
 
     @field_validator("memory_budget")

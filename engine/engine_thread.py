@@ -123,6 +123,7 @@ class EngineThread(threading.Thread):
         from engine.loader import load_model
         from engine.prefix_cache import PrefixCache
         from engine.prompt_format import ChatFormatter
+        from engine.text_syntax import probe_syntax
 
         device = str(mx.default_device())
         measured = auto_budget() if self.config.memory_budget_bytes is None else None
@@ -177,6 +178,7 @@ class EngineThread(threading.Thread):
             vocab_size=len(loaded.tokenizer),
             blas=cfg.blas,
             device=device,
+            syntax=probe_syntax(loaded.tokenizer),
         )
         log.info(
             "model %s ready in %.1fs: context %d, weights %.0f MiB, KV %d B/token, "

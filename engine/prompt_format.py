@@ -26,6 +26,7 @@ from scheduler.volatile_rules import (
 )
 
 log = logging.getLogger("kvwarm.prompt")
+TAIL_CHARS = 64
 
 
 class ChatFormatter:
@@ -56,7 +57,8 @@ class ChatFormatter:
         if not getattr(self._tokenizer, "has_chat_template", False):
             # No template: a plain transcript the base model can continue.
             text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
-            return RenderedPrompt(PromptKey.build(self.encode(text + "assistant:")))
+            text += "assistant:"
+            return RenderedPrompt(PromptKey.build(self.encode(text)), tail=text[-TAIL_CHARS:])
         text = self._template(messages, True, template_kwargs)
         slices = self._message_slices(messages, text, template_kwargs)
         ids, offsets = self._encode_with_offsets(text)
@@ -66,7 +68,7 @@ class ChatFormatter:
                     messages, add_generation_prompt=True, tokenize=True, **template_kwargs
                 )
             )
-            return RenderedPrompt(PromptKey.build(ids))
+            return RenderedPrompt(PromptKey.build(ids), tail=text[-TAIL_CHARS:])
         char_spans = prompt_spans(text, slices)
         starts = [o[0] for o in offsets]
         ends = [bisect_left(starts, s.end) for s in slices]
@@ -77,7 +79,7 @@ class ChatFormatter:
             system_end = end
         hashes = tuple(self._message_hash(text, char_spans, s, m) for s, m in zip(slices, messages))
         key = PromptKey.build(ids, token_spans(offsets, char_spans), ends, system_end)
-        return RenderedPrompt(key, hashes)
+        return RenderedPrompt(key, hashes, tail=text[-TAIL_CHARS:])
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))

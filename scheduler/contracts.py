@@ -24,6 +24,17 @@ class PromptFormatter(Protocol):
 
 
 @dataclass(frozen=True)
+class TextSyntax:
+    """How the loaded model writes reasoning and tool calls, probed once at load."""
+
+    think_start: str | None = "<think>"
+    think_end: str | None = "</think>"
+    tool_family: str | None = None  # mlx-lm tool parser name inferred from the template
+    # variables the chat template reads that kvwarm may set (enable_thinking, preserve_thinking)
+    template_vars: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the rest of the server needs to know about the loaded model."""
 
@@ -37,6 +48,7 @@ class ModelInfo:
     vocab_size: int = 0
     blas: str = ""
     device: str = ""
+    syntax: TextSyntax = field(default_factory=TextSyntax)
 
 
 @dataclass(frozen=True)

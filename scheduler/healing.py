@@ -85,10 +85,13 @@ class HealingStore:
         content: str,
         tool_calls: Sequence[dict[str, Any]] | None = None,
         context: str = "",
+        *,
+        restore_calls: bool = True,
     ) -> None:
         """Record a reply exactly as generated; ``context`` is ``context_of`` the
-        request's last message."""
-        item = Original(content, tuple(tool_calls) if tool_calls else None)
+        request's last message. With ``restore_calls`` false the calls only key
+        the entry: the echo keeps its own (ids the tool results refer to)."""
+        item = Original(content, tuple(tool_calls) if tool_calls and restore_calls else None)
         size = self._size(item)
         if size > self.max_bytes:
             return
@@ -127,6 +130,7 @@ class HealingStore:
         if item.content == content and same_calls:
             return message
         healed = dict(message, content=item.content)
+        healed.pop("reasoning_content", None)  # the original carries its reasoning inline
         if item.tool_calls is not None:
             healed["tool_calls"] = list(item.tool_calls)
         self.healed += 1

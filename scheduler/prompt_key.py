@@ -246,6 +246,7 @@ class RenderedPrompt:
 
     key: PromptKey
     message_hashes: tuple[str, ...] = ()
+    tail: str = ""  # the rendered text's last characters (did the template open a think block?)
 
     @property
     def tokens(self) -> list[int]:

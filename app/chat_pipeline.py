@@ -1,0 +1,136 @@
+"""One path from any dialect's chat request to a scheduled Request.
+
+Each router translates its body into a ``ChatCall`` (OpenAI-shaped template
+messages, function tools, a tool choice, the raw fields for thinking, sampling
+and session ids); everything after that — healing, rendering, thinking flags,
+cache hints, the output parser — is shared, so the three dialects send the model
+the same tokens for the same conversation and hit the same cached prefixes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.errors import APIError
+from app.generation_params import resolve_max_tokens, resolve_sampling
+from app.protocol.output_parser import OutputParser, Syntax
+from app.protocol.thinking import resolve_thinking
+from app.protocol.tool_formats import ToolCallDecoder
+from app.protocol.tool_schema import ToolChoice, tools_for_template
+from app.session_id import session_id_from
+from app.state import AppState
+from scheduler.healing import context_of
+from scheduler.prefix_index import VolatilePolicy
+from scheduler.request import CacheHints, Request
+from scheduler.sessions import fallback_session_id
+
+
+@dataclass
+class ChatCall:
+    """A chat request in the neutral shape every dialect is translated into."""
+
+    messages: list[dict[str, Any]]  # role/content/tool_calls/tool_call_id/reasoning_content
+    fields: Mapping[str, Any]  # the raw body: sampling, thinking, session, template kwargs
+    tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI function tools
+    tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass
+class Prepared:
+    request: Request
+    parser: OutputParser
+    answered: str  # healing context: what the reply will answer
+    thinking: bool
+
+
+def template_tool_calls(calls: Any) -> list[dict[str, Any]] | None:
+    """OpenAI tool calls with arguments as objects: chat templates iterate them."""
+    if not calls:
+        return None
+    out = []
+    for call in calls:
+        fn = dict(call.get("function") or {})
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                fn["arguments"] = json.loads(args) if args.strip() else {}
+            except ValueError:
+                pass  # a template can still print the string
+        out.append({**call, "type": call.get("type", "function"), "function": fn})
+    return out
+
+
+def parse_openai_tool_choice(value: Any, tools: list[dict[str, Any]]) -> ToolChoice:
+    """OpenAI's ``none``/``auto``/``required`` or ``{"type": "function", "function": {"name"}}``;
+    Responses puts the name at the top level."""
+    if value is None:
+        return ToolChoice("auto" if tools else "none")
+    if isinstance(value, str):
+        if value not in ("none", "auto", "required"):
+            raise APIError(400, f"Unknown tool_choice {value!r}.", param="tool_choice")
+        return ToolChoice(value)
+    if isinstance(value, Mapping):
+        name = (value.get("function") or {}).get("name") or value.get("name")
+        if value.get("type") == "function" and isinstance(name, str):
+            return forced_tool(name, tools)
+        if value.get("type") in ("none", "auto", "required"):
+            return ToolChoice(value["type"])
+    raise APIError(
+        400, "tool_choice must be none, auto, required or a function.", param="tool_choice"
+    )
+
+
+def forced_tool(name: str, tools: list[dict[str, Any]]) -> ToolChoice:
+    if not any(t["function"]["name"] == name for t in tools):
+        raise APIError(
+            400, f"tool_choice names {name!r}, which is not in tools.", param="tool_choice"
+        )
+    return ToolChoice("required", name)
+
+
+def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) -> Prepared:
+    info = state.model_info()
+    syntax = info.syntax
+    settings = state.settings
+    messages = state.healing.heal_all(call.messages)
+    thinking = resolve_thinking(call.fields, settings.thinking == "on")
+    kwargs: dict[str, Any] = {}
+    if "preserve_thinking" in syntax.template_vars:
+        kwargs["preserve_thinking"] = True  # past reasoning stays in the prompt: a stable prefix
+    requested = call.fields.get("chat_template_kwargs")
+    if isinstance(requested, Mapping):
+        kwargs.update(requested)
+    kwargs["enable_thinking"] = thinking
+    shown = tools_for_template(call.tools, call.tool_choice)
+    if shown:
+        kwargs["tools"] = shown
+    relocate = settings.volatile_policy is VolatilePolicy.RELOCATE
+    try:
+        rendered = info.formatter.render_chat(messages, relocate_volatile=relocate, **kwargs)
+    except Exception as exc:  # jinja errors of the model's own template
+        raise APIError(400, f"The chat template rejected these messages: {exc}") from exc
+    prompt = rendered.tokens
+    max_tokens = resolve_max_tokens(
+        call.max_tokens, len(prompt), info.context_length, settings.max_tokens
+    )
+    session = session_id_from(call.fields, headers) or fallback_session_id(rendered.key.canonical)
+    request = Request(
+        prompt_tokens=prompt,
+        max_tokens=max_tokens,
+        sampling=resolve_sampling(dict(call.fields), info.generation_defaults, info.vocab_size),
+        stop=call.stop,
+        ignore_eos=call.ignore_eos,
+        cache=CacheHints(rendered.key, session, rendered.message_hashes),
+    )
+    opened = bool(syntax.think_start) and rendered.tail.rstrip().endswith(syntax.think_start)
+    decoder = ToolCallDecoder(shown, syntax.tool_family) if shown else None
+    parser = OutputParser(
+        Syntax(syntax.think_start, syntax.think_end, starts_in_reasoning=opened), decoder
+    )
+    return Prepared(request, parser, context_of(call.messages[-1]), thinking)

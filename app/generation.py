@@ -1,0 +1,164 @@
+"""Running one prepared chat request: engine outputs -> parser events -> outcome.
+
+Dialects iterate ``Generation.events()`` (streaming) or await ``collect()`` and
+render the result in their own wire format. Either way the same parser sees the
+same text, so streamed and non-streamed answers agree, and the same bookkeeping
+runs at the end: healing memory, abort on early close, one log line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request as HTTPRequest
+
+from app.chat_pipeline import Prepared
+from app.protocol.output_parser import Content, Event, Reasoning
+from app.protocol.tool_formats import ToolCall
+from app.state import AppState
+from scheduler.request import FinishReason, RequestOutput
+
+log = logging.getLogger("kvwarm.http")
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class Outcome:
+    """Everything one request produced, accumulated from its events."""
+
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    raw: str = ""
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: float | None = None
+    error: str | None = None
+
+    def add_output(self, out: RequestOutput) -> None:
+        self.raw += out.text
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = out.completion_tokens or self.completion_tokens
+        self.cached_tokens = out.cached_tokens or self.cached_tokens
+        if out.ttft is not None:
+            self.ttft = out.ttft
+        if out.finish_reason is not None:
+            self.finish_reason = out.finish_reason
+            self.error = out.error
+
+    def add_event(self, event: Event) -> None:
+        if isinstance(event, Reasoning):
+            self.reasoning += event.text
+        elif isinstance(event, Content):
+            self.content += event.text
+        else:
+            self.tool_calls.append(event)
+
+    @property
+    def failed(self) -> bool:
+        return self.finish_reason == FinishReason.ERROR
+
+    @property
+    def stop_kind(self) -> str:
+        """``tool_calls`` when the turn ended in calls, else the engine's reason."""
+        if self.tool_calls and self.finish_reason == FinishReason.STOP:
+            return "tool_calls"
+        return self.finish_reason.value if self.finish_reason else "abort"
+
+
+def openai_tool_calls(calls: list[ToolCall], ids: list[str]) -> list[dict[str, Any]]:
+    return [
+        {"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c, i in zip(calls, ids)
+    ]
+
+
+class Generation:
+    def __init__(self, state: AppState, prepared: Prepared, dialect: str):
+        self.state = state
+        self.prepared = prepared
+        self.dialect = dialect
+        self.outcome = Outcome()
+        self._strip = state.settings.strip_thinking
+        self._started = time.monotonic()
+        # admission errors raise here, before any byte of a response is sent
+        self._outputs = state.service.submit(prepared.request)
+
+    @property
+    def request_id(self) -> str:
+        return self.prepared.request.request_id
+
+    async def events(self) -> AsyncIterator[Event]:
+        """Parser events as the engine produces text; ends after the final output
+        (``outcome.finish_reason`` set) or when the reader stops early (aborted)."""
+        parser = self.prepared.parser
+        try:
+            async for out in self._outputs:
+                self.outcome.add_output(out)
+                events = parser.feed(out.text) if out.text else []
+                if out.finished:
+                    events += parser.finish()
+                for event in events:
+                    if self._strip and isinstance(event, Reasoning):
+                        continue
+                    self.outcome.add_event(event)
+                    yield event
+        finally:
+            self._close()
+
+    async def collect(self, http: HTTPRequest) -> Outcome:
+        """The whole outcome, aborting if the client hangs up meanwhile."""
+
+        async def consume() -> None:
+            async for _ in self.events():
+                pass
+
+        task = asyncio.create_task(consume())
+        while True:
+            finished, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if finished:
+                task.result()
+                break
+            if await http.is_disconnected():
+                log.info("%s: client disconnected, aborting", self.request_id)
+                task.cancel()
+                break
+        return self.outcome
+
+    def _close(self) -> None:
+        done = self.outcome
+        if done.finish_reason is None:
+            log.info("%s: closed early, aborting", self.request_id)
+            self.state.service.cancel(self.request_id)
+        elif done.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+            calls = openai_tool_calls(done.tool_calls, [""] * len(done.tool_calls))
+            self.state.healing.remember(
+                self.prepared.parser.kept_text,
+                calls,
+                context=self.prepared.answered,
+                restore_calls=False,
+            )
+        elapsed = time.monotonic() - self._started
+        rate = done.completion_tokens / elapsed if elapsed > 0 else 0.0
+        log.info(
+            "%s %s done: prompt=%d cached=%d completion=%d finish=%s tool_calls=%d "
+            "ttft=%s total=%.2fs (%.1f tok/s)",
+            self.request_id,
+            self.dialect,
+            done.prompt_tokens,
+            done.cached_tokens,
+            done.completion_tokens,
+            done.stop_kind,
+            len(done.tool_calls),
+            f"{done.ttft:.2f}s" if done.ttft is not None else "-",
+            elapsed,
+            rate,
+        )

@@ -1,0 +1,25 @@
+"""What the tokenizer and chat template say about reasoning and tool-call markup."""
+
+from __future__ import annotations
+
+from scheduler.contracts import TextSyntax
+
+# template variables kvwarm sets when the template reads them
+KNOWN_VARS = ("enable_thinking", "preserve_thinking")
+
+
+def probe_syntax(tokenizer) -> TextSyntax:
+    """From an mlx-lm TokenizerWrapper. Models without think tokens still get the
+    plain-text ``<think>`` tags: small models write them as text when prompted."""
+    think_start = getattr(tokenizer, "think_start", None) or "<think>"
+    think_end = getattr(tokenizer, "think_end", None) or "</think>"
+    parser = getattr(tokenizer, "tool_parser", None)
+    family = parser.__module__.rsplit(".", 1)[-1] if parser is not None else None
+    template = getattr(tokenizer, "chat_template", None)
+    text = template if isinstance(template, str) else " ".join(map(str, template or ()))
+    return TextSyntax(
+        think_start=think_start,
+        think_end=think_end,
+        tool_family=family,
+        template_vars=frozenset(v for v in KNOWN_VARS if v in text),
+    )
