@@ -45,8 +45,8 @@ class ChatCall:
 class Prepared:
     request: Request
     parser: OutputParser
-    answered: str  # healing context: what the reply will answer
-    thinking: bool
+    answered: str | None  # healing context (what the reply answers); None: not a chat turn
+    thinking: bool = False
 
 
 def template_tool_calls(calls: Any) -> list[dict[str, Any]] | None:

@@ -37,6 +37,40 @@ def error_body(message: str, error_type: str, code: str | None, param: str | Non
     return {"error": {"message": message, "type": error_type, "code": code, "param": param}}
 
 
+ANTHROPIC_PATHS = ("/v1/messages",)
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    error_type = _ANTHROPIC_TYPES.get(
+        status, "api_error" if status >= 500 else "invalid_request_error"
+    )
+    return {"type": "error", "error": {"type": error_type, "message": message}}
+
+
+def error_payload(
+    path: str,
+    status: int,
+    message: str,
+    error_type: str,
+    code: str | None,
+    param: str | None = None,
+) -> dict:
+    """The error body in the dialect of the route that failed."""
+    if path.startswith(ANTHROPIC_PATHS):
+        return anthropic_error_body(status, message)
+    return error_body(message, error_type, code, param)
+
+
 def error_response(
     status: int,
     message: str,
@@ -44,8 +78,10 @@ def error_response(
     code: str | None,
     param: str | None = None,
     headers: dict[str, str] | None = None,
+    path: str = "",
 ) -> JSONResponse:
-    return JSONResponse(error_body(message, error_type, code, param), status, headers=headers)
+    body = error_payload(path, status, message, error_type, code, param)
+    return JSONResponse(body, status, headers=headers)
 
 
 def from_admission(exc: AdmissionError) -> APIError:
@@ -80,36 +116,54 @@ _STATUS_TYPES = {
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return error_response(
-            exc.status, exc.message, exc.error_type, exc.code, exc.param, exc.headers
+            exc.status,
+            exc.message,
+            exc.error_type,
+            exc.code,
+            exc.param,
+            exc.headers,
+            path=request.url.path,
         )
 
     @app.exception_handler(AdmissionError)
-    async def _admission(_: Request, exc: AdmissionError) -> JSONResponse:
+    async def _admission(request: Request, exc: AdmissionError) -> JSONResponse:
         err = from_admission(exc)
         return error_response(
-            err.status, err.message, err.error_type, err.code, headers=err.headers
+            err.status,
+            err.message,
+            err.error_type,
+            err.code,
+            headers=err.headers,
+            path=request.url.path,
         )
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _describe_validation(exc)
-        return error_response(400, message, "invalid_request_error", "invalid_request", param)
+        return error_response(
+            400, message, "invalid_request_error", "invalid_request", param, path=request.url.path
+        )
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(
             exc.status_code,
             str(exc.detail),
             _STATUS_TYPES.get(exc.status_code, "invalid_request_error"),
             None,
             headers=getattr(exc, "headers", None),
+            path=request.url.path,
         )
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
         return error_response(
-            500, f"Internal server error: {exc}", "server_error", "internal_error"
+            500,
+            f"Internal server error: {exc}",
+            "server_error",
+            "internal_error",
+            path=request.url.path,
         )

@@ -42,6 +42,7 @@ class Outcome:
     cached_tokens: int = 0
     ttft: float | None = None
     error: str | None = None
+    stop_sequence: str | None = None
 
     def add_output(self, out: RequestOutput) -> None:
         self.raw += out.text
@@ -53,6 +54,7 @@ class Outcome:
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
             self.error = out.error
+            self.stop_sequence = out.stop_sequence
 
     def add_event(self, event: Event) -> None:
         if isinstance(event, Reasoning):
@@ -138,7 +140,10 @@ class Generation:
         if done.finish_reason is None:
             log.info("%s: closed early, aborting", self.request_id)
             self.state.service.cancel(self.request_id)
-        elif done.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+        elif self.prepared.answered is not None and done.finish_reason in (
+            FinishReason.STOP,
+            FinishReason.LENGTH,
+        ):
             calls = openai_tool_calls(done.tool_calls, [""] * len(done.tool_calls))
             self.state.healing.remember(
                 self.prepared.parser.kept_text,

@@ -12,13 +12,15 @@ import json
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import error_body
+from app.errors import error_payload
 
 OPEN_PATHS = frozenset({"/health"})
 
 
-async def _send_error(send: Send, status: int, message: str, error_type: str, code: str) -> None:
-    body = json.dumps(error_body(message, error_type, code)).encode()
+async def _send_error(
+    scope: Scope, send: Send, status: int, message: str, error_type: str, code: str
+) -> None:
+    body = json.dumps(error_payload(scope["path"], status, message, error_type, code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
@@ -45,7 +47,12 @@ class ApiKeyMiddleware:
         presented = self._presented(scope) or b""
         if not hmac.compare_digest(presented, self.api_key):
             await _send_error(
-                send, 401, "Invalid or missing API key.", "authentication_error", "invalid_api_key"
+                scope,
+                send,
+                401,
+                "Invalid or missing API key.",
+                "authentication_error",
+                "invalid_api_key",
             )
             return
         await self.app(scope, receive, send)
@@ -65,7 +72,9 @@ class BodyLimitMiddleware:
             return
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await _send_error(send, 413, self._message(), "invalid_request_error", "body_too_large")
+            await _send_error(
+                scope, send, 413, self._message(), "invalid_request_error", "body_too_large"
+            )
             return
         received = 0
 

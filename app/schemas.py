@@ -46,11 +46,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(BaseModel):
+class GenerationFields(BaseModel):
+    """Sampling and limits shared by chat and legacy completions."""
+
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -66,8 +67,6 @@ class ChatCompletionRequest(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     # vLLM extension: keep generating through EOS (benchmarks, load tests)
     ignore_eos: bool = False
 
@@ -103,3 +102,9 @@ class ChatCompletionRequest(BaseModel):
     @property
     def completion_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None

@@ -11,9 +11,12 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from app.anthropic_messages import router as messages_router
 from app.errors import install_error_handlers
 from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from app.openai_chat import router as chat_router
+from app.openai_completions import router as completions_router
+from app.openai_responses import router as responses_router
 from app.settings import Settings
 from app.state import AppState
 from scheduler.contracts import EngineHandle
@@ -52,6 +55,9 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
     app = FastAPI(title="kvwarm", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(chat_router)
+    app.include_router(messages_router)
+    app.include_router(responses_router)
+    app.include_router(completions_router)
     _add_admin_routes(app)
     app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_size)

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from app.errors import APIError
+from app.response_store import ResponseStore
 from app.settings import Settings
 from scheduler.contracts import EngineHandle, ModelInfo
 from scheduler.healing import HealingStore
@@ -18,6 +19,7 @@ class AppState:
     engine: EngineHandle
     service: GenerationService
     healing: HealingStore = field(default_factory=HealingStore)
+    responses: ResponseStore = field(default_factory=ResponseStore)
     started_at: float = field(default_factory=time.time)
 
     def model_info(self) -> ModelInfo:

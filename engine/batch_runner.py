@@ -222,6 +222,7 @@ class BatchRunner:
                     completion_tokens=row.generated,
                     cached_tokens=row.cached,
                     ttft=ttft,
+                    stop_sequence=row.text.matched_stop,
                 )
             )
             if finish is not None:

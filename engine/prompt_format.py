@@ -84,6 +84,9 @@ class ChatFormatter:
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text))
+
     # -- helpers -------------------------------------------------------------
     def _template(self, messages, generation_prompt: bool, kwargs) -> str:
         return self._tokenizer.apply_chat_template(

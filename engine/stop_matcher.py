@@ -20,6 +20,7 @@ class StopMatcher:
         self.stops = tuple(s for s in stops if s)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended generation
 
     def feed(self, text: str) -> str:
         if self.stopped:
@@ -27,9 +28,10 @@ class StopMatcher:
         if not self.stops:
             return text
         buffer = self._held + text
-        first = self._first_match(buffer)
+        first, stop = self._first_match(buffer)
         if first >= 0:
             self.stopped = True
+            self.matched = stop
             self._held = ""
             return buffer[:first]
         keep = self._partial_suffix(buffer)
@@ -41,16 +43,16 @@ class StopMatcher:
         held, self._held = self._held, ""
         return "" if self.stopped else held
 
-    def _first_match(self, buffer: str) -> int:
+    def _first_match(self, buffer: str) -> tuple[int, str | None]:
         """Start of the match that *completes* first (generation halts the moment
         any stop string is complete); on a tie, the longest one. Deciding by end
         position makes the result independent of how the text was chunked."""
-        best: tuple[int, int] | None = None  # (end, start)
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
         for stop in self.stops:
             pos = buffer.find(stop)
-            if pos >= 0 and (best is None or (pos + len(stop), pos) < best):
-                best = (pos + len(stop), pos)
-        return -1 if best is None else best[1]
+            if pos >= 0 and (best is None or (pos + len(stop), pos) < best[:2]):
+                best = (pos + len(stop), pos, stop)
+        return (-1, None) if best is None else (best[1], best[2])
 
     def _partial_suffix(self, buffer: str) -> int:
         """Length of the longest suffix of ``buffer`` that is a proper prefix of a stop."""

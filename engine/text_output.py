@@ -21,6 +21,10 @@ class TextOutput:
     def stopped(self) -> bool:
         return self._stop.stopped
 
+    @property
+    def matched_stop(self) -> str | None:
+        return self._stop.matched
+
     def add_token(self, token: int) -> str:
         self._detok.add_token(token)
         return self._stop.feed(self._detok.last_segment)

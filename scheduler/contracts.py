@@ -22,6 +22,10 @@ class PromptFormatter(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw completion prompt, with the special tokens (BOS) the model expects."""
+        ...
+
 
 @dataclass(frozen=True)
 class TextSyntax:

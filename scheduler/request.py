@@ -93,6 +93,7 @@ class RequestOutput:
     error: str | None = None
     # seconds from arrival to the first generated token; set on the output carrying it
     ttft: float | None = None
+    stop_sequence: str | None = None  # the stop string that ended it (finish STOP)
 
     @classmethod
     def failure(cls, request_id: str, error: str) -> RequestOutput:

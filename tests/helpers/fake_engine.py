@@ -5,26 +5,45 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from scheduler.admission import AdmissionController, MemoryBudget
 from scheduler.contracts import EngineStats, ModelInfo
 from scheduler.prompt_key import PromptKey, RenderedPrompt
-from scheduler.request import FinishReason, RequestOutput
+from scheduler.request import FinishReason, Request, RequestOutput
 from scheduler.scheduler import Scheduler
 from scheduler.streams import OutputRouter
 
 
 class CharFormatter:
-    """One token per character of the rendered transcript."""
+    """One token per character of the rendered transcript; remembers what the
+    last render was given, so tests can check what the template would see."""
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], **_: Any) -> RenderedPrompt:
+    def __init__(self) -> None:
+        self.last_messages: list[dict[str, Any]] = []
+        self.last_kwargs: dict[str, Any] = {}
+
+    def render_chat(
+        self, messages: Sequence[dict[str, Any]], relocate_volatile: bool = False, **kwargs: Any
+    ) -> RenderedPrompt:
+        self.last_messages, self.last_kwargs = [dict(m) for m in messages], kwargs
         text = "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages) + "<assistant>"
-        return RenderedPrompt(PromptKey.build(self.encode(text)))
+        return RenderedPrompt(PromptKey.build(self.encode(text)), tail=text[-64:])
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) % 256 for c in text]
+
+    encode_prompt = encode
+
+
+def prompt_text(req: Request) -> str:
+    return "".join(map(chr, req.prompt_tokens))
+
+
+# Replies the engine should produce for a request instead of "w0 w1 ...": one
+# piece of text per step, then EOS. None: the default word stream.
+Script = Callable[[Request], Sequence[str] | None]
 
 
 class FakeEngine(threading.Thread):
@@ -36,12 +55,14 @@ class FakeEngine(threading.Thread):
         kv_budget_tokens: int = 4096,
         step_delay: float = 0.005,
         eos_after: int | None = None,
+        script: Script | None = None,
     ):
         super().__init__(daemon=True, name="fake-engine")
         self.scheduler = scheduler
         self.router = router
         self.step_delay = step_delay
         self.eos_after = eos_after
+        self.script = script
         budget = MemoryBudget(
             total_bytes=1000 + 500 + kv_budget_tokens * 10,
             weights_bytes=1000,
@@ -88,21 +109,26 @@ class FakeEngine(threading.Thread):
                 for rid in plan.abort:
                     self._active.pop(rid, None)
                 for req in plan.admit:
-                    self._active[req.request_id] = [req, 0]
+                    pieces = self.script(req) if self.script else None
+                    self._active[req.request_id] = [req, 0, pieces]
                 if not self._active:
                     self.scheduler.wait_for_work(0.05)
                     continue
                 outputs = []
                 for rid, entry in list(self._active.items()):
-                    req, n = entry
+                    req, n, pieces = entry
                     entry[1] = n = n + 1
                     finish = None
-                    if self.eos_after is not None and n >= self.eos_after and not req.ignore_eos:
+                    ended = pieces is not None and n >= len(pieces)
+                    if ended or (
+                        self.eos_after is not None and n >= self.eos_after and not req.ignore_eos
+                    ):
                         finish = FinishReason.STOP
                     elif n >= req.max_tokens:
                         finish = FinishReason.LENGTH
+                    text = pieces[n - 1] if pieces else f"w{n - 1} "
                     outputs.append(
-                        RequestOutput(rid, f"w{n - 1} ", (n,), finish, len(req.prompt_tokens), n)
+                        RequestOutput(rid, text, (n,), finish, len(req.prompt_tokens), n)
                     )
                     if finish:
                         del self._active[rid]

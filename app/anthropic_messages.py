@@ -1,0 +1,317 @@
+"""POST /v1/messages and /v1/messages/count_tokens (Anthropic dialect).
+
+Anthropic conversations are translated into the same template messages as chat
+completions (thinking blocks -> reasoning_content, tool_use -> tool_calls,
+tool_result -> tool messages), so Claude Code and an OpenAI client sending the
+same conversation give the model the same tokens and share cached prefixes.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from app.anthropic_schemas import AnthropicMessage, CountTokensRequest, MessagesRequest
+from app.chat_pipeline import ChatCall, forced_tool, prepare_chat
+from app.errors import APIError, anthropic_error_body
+from app.generation import Generation, Outcome
+from app.protocol.output_parser import Content, Reasoning
+from app.protocol.tool_formats import ToolCall
+from app.protocol.tool_schema import ToolChoice
+from app.sse import SSE_HEADERS, sse_event, with_heartbeat
+from app.state import AppState
+
+router = APIRouter()
+PING_INTERVAL_S = 10.0
+
+
+def _text_of(blocks: list[dict[str, Any]] | str, where: str) -> str:
+    if isinstance(blocks, str):
+        return blocks
+    parts = []
+    for block in blocks:
+        kind = block.get("type")
+        if kind == "text":
+            parts.append(str(block.get("text", "")))
+        elif kind in ("image", "document"):
+            raise APIError(400, f"{kind} content is not supported by this model", param=where)
+    return "\n".join(parts)
+
+
+def _system_text(system: str | list[dict[str, Any]] | None) -> str | None:
+    if system is None:
+        return None
+    return _text_of(system, "system")
+
+
+def _user_messages(content: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    """Tool results become tool messages (in order), the rest one user message."""
+    out: list[dict[str, Any]] = []
+    text: list[dict[str, Any]] = []
+    for block in content:
+        kind = block.get("type")
+        if kind == "tool_result":
+            result = block.get("content", "")
+            body = _text_of(result if isinstance(result, (str, list)) else str(result), where)
+            out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": body})
+        elif kind in ("text", "image", "document"):
+            text.append(block)
+        else:
+            raise APIError(400, f"Unsupported user content block type {kind!r}.", param=where)
+    if text:
+        out.append({"role": "user", "content": _text_of(text, where)})
+    return out
+
+
+def _assistant_message(content: list[dict[str, Any]], where: str) -> dict[str, Any]:
+    texts, reasoning, calls = [], [], []
+    for block in content:
+        kind = block.get("type")
+        if kind == "text":
+            texts.append(str(block.get("text", "")))
+        elif kind == "thinking":
+            reasoning.append(str(block.get("thinking", "")))
+        elif kind == "redacted_thinking":
+            continue
+        elif kind == "tool_use":
+            calls.append(
+                {
+                    "id": block.get("id"),
+                    "type": "function",
+                    "function": {"name": block.get("name"), "arguments": block.get("input") or {}},
+                }
+            )
+        else:
+            raise APIError(400, f"Unsupported assistant content block type {kind!r}.", param=where)
+    message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    if reasoning:
+        message["reasoning_content"] = "\n".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    return message
+
+
+def template_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    system = _system_text(body.system)
+    if system is not None:
+        out.append({"role": "system", "content": system})
+    for i, message in enumerate(body.messages):
+        where = f"messages.{i}.content"
+        out.extend(_translate(message, where))
+    return out
+
+
+def _translate(message: AnthropicMessage, where: str) -> list[dict[str, Any]]:
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    if message.role == "user":
+        return _user_messages(message.content, where)
+    return [_assistant_message(message.content, where)]
+
+
+def function_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Custom tools (those with an ``input_schema``); server tools are ignored."""
+    out = []
+    for tool in tools or ():
+        if tool.get("name") and isinstance(tool.get("input_schema"), dict):
+            fn = {"name": tool["name"], "parameters": tool["input_schema"]}
+            if tool.get("description"):
+                fn["description"] = tool["description"]
+            out.append({"type": "function", "function": fn})
+    return out
+
+
+def tool_choice(value: dict[str, Any] | None, tools: list[dict[str, Any]]) -> ToolChoice:
+    kind = (value or {}).get("type", "auto" if tools else "none")
+    if kind == "tool":
+        return forced_tool(str(value.get("name")), tools)  # type: ignore[union-attr]
+    modes = {"auto": "auto", "any": "required", "none": "none"}
+    if kind not in modes:
+        raise APIError(400, f"Unknown tool_choice type {kind!r}.", param="tool_choice")
+    return ToolChoice(modes[kind])
+
+
+def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:
+    tools = function_tools(body.tools)
+    stops = getattr(body, "stop_sequences", None) or ()
+    return ChatCall(
+        messages=template_messages(body),
+        fields=body.model_dump(exclude={"messages", "system", "tools"}),
+        tools=tools,
+        tool_choice=tool_choice(body.tool_choice, tools),
+        max_tokens=max_tokens,
+        stop=tuple(s for s in stops if s),
+    )
+
+
+def stop_reason(done: Outcome) -> str | None:
+    kind = done.stop_kind
+    if kind == "tool_calls":
+        return "tool_use"
+    if kind == "length":
+        return "max_tokens"
+    if kind == "stop":
+        return "stop_sequence" if done.stop_sequence else "end_turn"
+    return None
+
+
+def usage(done: Outcome) -> dict[str, int]:
+    return {
+        "input_tokens": done.prompt_tokens - done.cached_tokens,
+        "output_tokens": done.completion_tokens,
+        "cache_read_input_tokens": done.cached_tokens,
+        "cache_creation_input_tokens": 0,
+    }
+
+
+def tool_use_block(call: ToolCall) -> dict[str, Any]:
+    return {
+        "type": "tool_use",
+        "id": f"toolu_{uuid.uuid4().hex[:24]}",
+        "name": call.name,
+        "input": call.arguments_dict(),
+    }
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, http: HTTPRequest) -> dict[str, int]:
+    state: AppState = http.app.state.kvwarm
+    prepared = prepare_chat(chat_call(body, 1), state, http.headers)
+    return {"input_tokens": len(prepared.request.prompt_tokens)}
+
+
+@router.post("/v1/messages")
+async def messages(body: MessagesRequest, http: HTTPRequest):
+    state: AppState = http.app.state.kvwarm
+    prepared = prepare_chat(chat_call(body, body.max_tokens), state, http.headers)
+    gen = Generation(state, prepared, "messages")
+    message = {
+        "id": f"msg_{uuid.uuid4().hex[:24]}",
+        "type": "message",
+        "role": "assistant",
+        "model": state.model_info().model_id,
+    }
+    if body.stream:
+        return StreamingResponse(
+            _stream(gen, message), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+    done = await gen.collect(http)
+    if done.failed:
+        raise APIError(500, f"Generation failed: {done.error}", "server_error", "engine_error")
+    content: list[dict[str, Any]] = []
+    if done.reasoning:
+        content.append({"type": "thinking", "thinking": done.reasoning, "signature": ""})
+    if done.content:
+        content.append({"type": "text", "text": done.content})
+    content.extend(tool_use_block(c) for c in done.tool_calls)
+    return JSONResponse(
+        {
+            **message,
+            "content": content,
+            "stop_reason": stop_reason(done),
+            "stop_sequence": done.stop_sequence,
+            "usage": usage(done),
+        }
+    )
+
+
+class _Blocks:
+    """Open/close content blocks as the kind of output changes."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.kind: str | None = None
+
+    def switch(self, kind: str, start: dict[str, Any]) -> list[str]:
+        if self.kind == kind and kind != "tool_use":
+            return []
+        out = self.close()
+        self.index += 1
+        self.kind = kind
+        out.append(
+            sse_event(
+                "content_block_start",
+                {"type": "content_block_start", "index": self.index, "content_block": start},
+            )
+        )
+        return out
+
+    def delta(self, delta: dict[str, Any]) -> str:
+        payload = {"type": "content_block_delta", "index": self.index, "delta": delta}
+        return sse_event("content_block_delta", payload)
+
+    def close(self) -> list[str]:
+        if self.kind is None:
+            return []
+        self.kind = None
+        return [
+            sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})
+        ]
+
+
+async def _stream(gen: Generation, message: dict[str, Any]) -> AsyncIterator[str]:
+    done = gen.outcome
+    prompt = len(gen.prepared.request.prompt_tokens)
+    start_usage = {"input_tokens": prompt, "output_tokens": 0}
+    yield sse_event(
+        "message_start",
+        {
+            "type": "message_start",
+            "message": {
+                **message,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {
+                    **start_usage,
+                    "cache_read_input_tokens": 0,
+                    "cache_creation_input_tokens": 0,
+                },
+            },
+        },
+    )
+    blocks = _Blocks()
+    async for event in with_heartbeat(gen.events(), PING_INTERVAL_S):
+        if event is None:
+            yield sse_event("ping", {"type": "ping"})
+        elif isinstance(event, Reasoning):
+            for frame in blocks.switch(
+                "thinking", {"type": "thinking", "thinking": "", "signature": ""}
+            ):
+                yield frame
+            yield blocks.delta({"type": "thinking_delta", "thinking": event.text})
+        elif isinstance(event, Content):
+            for frame in blocks.switch("text", {"type": "text", "text": ""}):
+                yield frame
+            yield blocks.delta({"type": "text_delta", "text": event.text})
+        else:
+            block = tool_use_block(event)
+            for frame in blocks.switch("tool_use", {**block, "input": {}}):
+                yield frame
+            yield blocks.delta(
+                {
+                    "type": "input_json_delta",
+                    "partial_json": json.dumps(block["input"], ensure_ascii=False),
+                }
+            )
+    for frame in blocks.close():
+        yield frame
+    if done.failed:
+        yield sse_event("error", anthropic_error_body(500, f"Generation failed: {done.error}"))
+        return
+    yield sse_event(
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop_reason(done), "stop_sequence": done.stop_sequence},
+            "usage": usage(done),
+        },
+    )
+    yield sse_event("message_stop", {"type": "message_stop"})

@@ -1,0 +1,142 @@
+"""POST /v1/completions (legacy OpenAI text completions): no chat template, no
+reasoning or tool parsing; the prompt is text or token ids."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import Field, field_validator
+
+from app.chat_pipeline import Prepared
+from app.errors import APIError, error_body
+from app.generation import Generation
+from app.generation_params import resolve_max_tokens, resolve_sampling
+from app.openai_chat import usage
+from app.protocol.output_parser import OutputParser, Syntax
+from app.schemas import GenerationFields
+from app.session_id import session_id_from
+from app.sse import SSE_DONE, SSE_HEADERS, sse_data
+from app.state import AppState
+from scheduler.prompt_key import PromptKey
+from scheduler.request import CacheHints, Request
+from scheduler.sessions import fallback_session_id
+
+router = APIRouter()
+
+# OpenAI's documented default for this endpoint
+DEFAULT_MAX_TOKENS = 16
+
+
+class CompletionRequest(GenerationFields):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=10)
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str] | list[int]) -> str | list[int]:
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            if len(value) != 1:
+                raise ValueError("only one prompt per request is supported")
+            return value[0]
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be empty")
+        return value
+
+
+def _prompt_tokens(body: CompletionRequest, state: AppState) -> list[int]:
+    info = state.model_info()
+    if isinstance(body.prompt, str):
+        if not body.prompt:
+            raise APIError(400, "prompt must not be empty.", param="prompt")
+        return info.formatter.encode_prompt(body.prompt)
+    bad = [t for t in body.prompt if not 0 <= t < info.vocab_size]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary.", param="prompt")
+    return list(body.prompt)
+
+
+def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Prepared:
+    if body.logprobs:
+        raise APIError(400, "logprobs are not supported yet.", param="logprobs")
+    if body.suffix:
+        raise APIError(400, "suffix (fill-in-the-middle) is not supported.", param="suffix")
+    if body.echo and not isinstance(body.prompt, str):
+        raise APIError(400, "echo needs a text prompt.", param="echo")
+    info = state.model_info()
+    tokens = _prompt_tokens(body, state)
+    limit = body.completion_limit or DEFAULT_MAX_TOKENS
+    key = PromptKey.build(tokens)
+    request = Request(
+        prompt_tokens=tokens,
+        max_tokens=resolve_max_tokens(limit, len(tokens), info.context_length, limit),
+        sampling=resolve_sampling(body.model_dump(), info.generation_defaults, info.vocab_size),
+        stop=tuple(body.stop or ()),
+        ignore_eos=body.ignore_eos,
+        cache=CacheHints(
+            key,
+            session_id_from(body.model_extra or {}, headers) or fallback_session_id(key.canonical),
+        ),
+    )
+    return Prepared(request, OutputParser(Syntax(None, None)), answered=None)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, http: HTTPRequest):
+    state: AppState = http.app.state.kvwarm
+    gen = Generation(state, prepare_completion(body, state, http.headers), "completions")
+    meta = {
+        "id": f"cmpl-{uuid.uuid4().hex[:24]}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": state.model_info().model_id,
+    }
+    echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _stream(gen, meta, echo, include_usage),
+            media_type="text/event-stream",
+            headers=SSE_HEADERS,
+        )
+    done = await gen.collect(http)
+    if done.failed:
+        raise APIError(500, f"Generation failed: {done.error}", "server_error", "engine_error")
+    choice = {
+        "text": echo + done.content,
+        "index": 0,
+        "logprobs": None,
+        "finish_reason": done.stop_kind,
+    }
+    return JSONResponse({**meta, "choices": [choice], "usage": usage(done)})
+
+
+def _choice(text: str, finish: str | None) -> dict[str, Any]:
+    return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+
+
+async def _stream(
+    gen: Generation, meta: dict[str, Any], echo: str, include_usage: bool
+) -> AsyncIterator[str]:
+    usage_field = {"usage": None} if include_usage else {}
+    if echo:
+        yield sse_data({**meta, "choices": [_choice(echo, None)], **usage_field})
+    async for event in gen.events():
+        yield sse_data({**meta, "choices": [_choice(event.text, None)], **usage_field})  # type: ignore[union-attr]
+    done = gen.outcome
+    if done.failed:
+        yield sse_data(
+            error_body(f"Generation failed: {done.error}", "server_error", "engine_error")
+        )
+    elif done.finish_reason is not None:
+        yield sse_data({**meta, "choices": [_choice("", done.stop_kind)], **usage_field})
+        if include_usage:
+            yield sse_data({**meta, "choices": [], "usage": usage(done)})
+    yield SSE_DONE

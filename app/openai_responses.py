@@ -1,0 +1,460 @@
+"""POST /v1/responses, GET/DELETE /v1/responses/{id} (OpenAI Responses dialect).
+
+Input items are translated into the same template messages as chat completions.
+A stored response keeps its whole conversation (the reply as the model wrote
+it, reasoning included), so ``previous_response_id`` renders exactly the tokens
+the previous turn's KV holds and the prefix cache resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.chat_pipeline import ChatCall, parse_openai_tool_choice, prepare_chat
+from app.errors import APIError
+from app.generation import Generation, Outcome
+from app.protocol.output_parser import Content, Reasoning
+from app.protocol.tool_formats import ToolCall
+from app.sse import SSE_HEADERS, sse_event
+from app.state import AppState
+
+router = APIRouter()
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    reasoning: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, Any] | None = None
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content or ():
+        kind = part.get("type")
+        if kind in ("input_text", "output_text", "text", "reasoning_text", "summary_text"):
+            parts.append(str(part.get("text", "")))
+        elif kind in ("refusal",):
+            parts.append(str(part.get("refusal", "")))
+        else:
+            raise APIError(
+                400, f"content part type {kind!r} is not supported by this model", param=where
+            )
+    return "\n".join(parts)
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Responses input items -> template messages (function calls join the assistant turn)."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    out: list[dict[str, Any]] = []
+    reasoning: list[str] = []
+    for i, item in enumerate(items):
+        where = f"input.{i}"
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role", "user")
+            role = "system" if role == "developer" else role
+            message = {"role": role, "content": _content_text(item.get("content"), where)}
+            if role == "assistant" and reasoning:
+                message["reasoning_content"], reasoning = "\n".join(reasoning), []
+            out.append(message)
+        elif kind == "reasoning":
+            texts = item.get("content") or item.get("summary") or []
+            reasoning.append(_content_text(texts, where))
+        elif kind == "function_call":
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"},
+            }
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                message = {"role": "assistant", "content": "", "tool_calls": [call]}
+                if reasoning:
+                    message["reasoning_content"], reasoning = "\n".join(reasoning), []
+                out.append(message)
+        elif kind == "function_call_output":
+            output = item.get("output", "")
+            text = output if isinstance(output, str) else _content_text(output, where)
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+        else:
+            raise APIError(400, f"Unsupported input item type {kind!r}.", param=where)
+    return out
+
+
+def function_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Flat Responses function tools in chat shape; built-in tool types are ignored."""
+    out = []
+    for tool in tools or ():
+        if tool.get("type") == "function" and tool.get("name"):
+            fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+            out.append({"type": "function", "function": fn})
+    return out
+
+
+def _reply_message(done: Outcome, kept: str, call_ids: list[str]) -> dict[str, Any]:
+    """The reply as a template message, in the form the model wrote it."""
+    message: dict[str, Any] = {"role": "assistant", "content": kept}
+    if done.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": i,
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments_dict()},
+            }
+            for c, i in zip(done.tool_calls, call_ids)
+        ]
+    return message
+
+
+class _Items:
+    """Output items, built as events arrive (the same for streamed and not)."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self.call_ids: list[str] = []
+
+    @property
+    def current(self) -> dict[str, Any] | None:
+        return self.items[-1] if self.items else None
+
+    def reasoning(self) -> dict[str, Any]:
+        item = {
+            "type": "reasoning",
+            "id": _new_id("rs"),
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": ""}],
+        }
+        self.items.append(item)
+        return item
+
+    def message(self) -> dict[str, Any]:
+        item = {
+            "type": "message",
+            "id": _new_id("msg"),
+            "status": "in_progress",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
+        }
+        self.items.append(item)
+        return item
+
+    def function_call(self, call: ToolCall) -> dict[str, Any]:
+        call_id = call.call_id or _new_id("call")
+        self.call_ids.append(call_id)
+        item = {
+            "type": "function_call",
+            "id": _new_id("fc"),
+            "call_id": call_id,
+            "name": call.name,
+            "arguments": call.arguments,
+            "status": "completed",
+        }
+        self.items.append(item)
+        return item
+
+
+def _response(
+    body: ResponsesRequest, rid: str, created: int, model: str, status: str
+) -> dict[str, Any]:
+    return {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "model": model,
+        "output": [],
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "tools": body.tools or [],
+        "tool_choice": body.tool_choice or "auto",
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "previous_response_id": body.previous_response_id,
+        "reasoning": body.reasoning or {"effort": None, "summary": None},
+        "store": body.store,
+        "text": {"format": {"type": "text"}},
+        "truncation": "disabled",
+        "metadata": body.metadata or {},
+        "usage": None,
+    }
+
+
+def _finalise(response: dict[str, Any], done: Outcome, items: _Items) -> dict[str, Any]:
+    for item in items.items:
+        if item["type"] == "message":
+            item["status"] = (
+                "completed" if done.finish_reason and done.stop_kind != "length" else "incomplete"
+            )
+    response["output"] = items.items
+    if done.failed:
+        response["status"] = "failed"
+        response["error"] = {"code": "server_error", "message": f"Generation failed: {done.error}"}
+    elif done.stop_kind == "length":
+        response["status"] = "incomplete"
+        response["incomplete_details"] = {"reason": "max_output_tokens"}
+    else:
+        response["status"] = "completed"
+    response["usage"] = {
+        "input_tokens": done.prompt_tokens,
+        "input_tokens_details": {"cached_tokens": done.cached_tokens},
+        "output_tokens": done.completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+    }
+    return response
+
+
+@router.post("/v1/responses")
+async def create_response(body: ResponsesRequest, http: HTTPRequest):
+    state: AppState = http.app.state.kvwarm
+    history: list[dict[str, Any]] = []
+    if body.previous_response_id:
+        stored = state.responses.get(body.previous_response_id)
+        if stored is None:
+            raise APIError(
+                404,
+                f"Previous response with id '{body.previous_response_id}' not found.",
+                "invalid_request_error",
+                "previous_response_not_found",
+                "previous_response_id",
+            )
+        history = list(stored.conversation)
+    conversation = history + input_messages(body.input)
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    if not conversation:
+        raise APIError(400, "input must contain at least one item.", param="input")
+    tools = function_tools(body.tools)
+    call = ChatCall(
+        messages=system + conversation,
+        fields=body.model_dump(exclude={"input", "tools", "instructions"}),
+        tools=tools,
+        tool_choice=parse_openai_tool_choice(body.tool_choice, tools),
+        max_tokens=body.max_output_tokens,
+    )
+    prepared = prepare_chat(call, state, http.headers)
+    gen = Generation(state, prepared, "responses")
+    response = _response(
+        body, _new_id("resp"), int(time.time()), state.model_info().model_id, "in_progress"
+    )
+
+    def store(items: _Items) -> None:
+        if body.store and not gen.outcome.failed:
+            reply = _reply_message(gen.outcome, prepared.parser.kept_text, items.call_ids)
+            state.responses.put(response, conversation + [reply])
+
+    if body.stream:
+        return StreamingResponse(
+            _stream(gen, response, store), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+    items = _Items()
+    done = await gen.collect(http)
+    for event in _replay(done):
+        _apply(items, event)
+    _finalise(response, done, items)
+    if done.failed:
+        raise APIError(500, f"Generation failed: {done.error}", "server_error", "engine_error")
+    store(items)
+    return JSONResponse(response)
+
+
+def _replay(done: Outcome) -> list[Reasoning | Content | ToolCall]:
+    """The outcome as events in output order (reasoning, text, then calls)."""
+    events: list[Reasoning | Content | ToolCall] = []
+    if done.reasoning:
+        events.append(Reasoning(done.reasoning))
+    if done.content:
+        events.append(Content(done.content))
+    events.extend(done.tool_calls)
+    return events
+
+
+def _apply(items: _Items, event: Reasoning | Content | ToolCall) -> tuple[dict[str, Any], bool]:
+    """Add an event to the items; returns the item it went to and whether it is new."""
+    current = items.current
+    if isinstance(event, Reasoning):
+        new = current is None or current["type"] != "reasoning"
+        item = items.reasoning() if new else current
+        item["content"][0]["text"] += event.text
+    elif isinstance(event, Content):
+        new = current is None or current["type"] != "message"
+        item = items.message() if new else current
+        item["content"][0]["text"] += event.text
+    else:
+        item, new = items.function_call(event), True
+    return item, new
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, http: HTTPRequest) -> dict[str, Any]:
+    state: AppState = http.app.state.kvwarm
+    stored = state.responses.get(response_id)
+    if stored is None:
+        raise APIError(404, f"Response with id '{response_id}' not found.", code="not_found")
+    return stored.response
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, http: HTTPRequest) -> dict[str, Any]:
+    state: AppState = http.app.state.kvwarm
+    if not state.responses.delete(response_id):
+        raise APIError(404, f"Response with id '{response_id}' not found.", code="not_found")
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+class _Events:
+    """Numbered Responses stream events."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+
+    def __call__(self, kind: str, **payload: Any) -> str:
+        frame = sse_event(kind, {"type": kind, "sequence_number": self.seq, **payload})
+        self.seq += 1
+        return frame
+
+
+def _item_done_frames(emit: _Events, item: dict[str, Any], index: int) -> list[str]:
+    frames = []
+    if item["type"] in ("message", "reasoning"):
+        part = item["content"][0]
+        if item["type"] == "message":
+            item["status"] = "completed"
+            frames.append(
+                emit(
+                    "response.output_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=part["text"],
+                    logprobs=[],
+                )
+            )
+        else:
+            frames.append(
+                emit(
+                    "response.reasoning_text.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    text=part["text"],
+                )
+            )
+        frames.append(
+            emit(
+                "response.content_part.done",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                part=part,
+            )
+        )
+    else:
+        frames.append(
+            emit(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=index,
+                name=item["name"],
+                arguments=item["arguments"],
+            )
+        )
+    frames.append(emit("response.output_item.done", output_index=index, item=item))
+    return frames
+
+
+async def _stream(gen: Generation, response: dict[str, Any], store) -> AsyncIterator[str]:
+    emit = _Events()
+    items = _Items()
+    yield emit("response.created", response=dict(response))
+    yield emit("response.in_progress", response=dict(response))
+    async for event in gen.events():
+        before = items.current
+        item, new = _apply(items, event)
+        index = len(items.items) - 1
+        if new:
+            if before is not None:
+                for frame in _item_done_frames(emit, before, index - 1):
+                    yield frame
+            if item["type"] == "function_call":
+                added = {**item, "arguments": "", "status": "in_progress"}
+            else:
+                added = {**item, "content": []}
+            yield emit("response.output_item.added", output_index=index, item=added)
+            if item["type"] != "function_call":
+                empty = {**item["content"][0], "text": ""}
+                yield emit(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=index,
+                    content_index=0,
+                    part=empty,
+                )
+        if isinstance(event, Reasoning):
+            yield emit(
+                "response.reasoning_text.delta",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                delta=event.text,
+            )
+        elif isinstance(event, Content):
+            yield emit(
+                "response.output_text.delta",
+                item_id=item["id"],
+                output_index=index,
+                content_index=0,
+                delta=event.text,
+                logprobs=[],
+            )
+        else:
+            yield emit(
+                "response.function_call_arguments.delta",
+                item_id=item["id"],
+                output_index=index,
+                delta=event.arguments,
+            )
+    done = gen.outcome
+    if done.finish_reason is None:
+        return  # the client left
+    if items.current is not None:
+        for frame in _item_done_frames(emit, items.current, len(items.items) - 1):
+            yield frame
+    _finalise(response, done, items)
+    store(items)
+    kind = {"failed": "response.failed", "incomplete": "response.incomplete"}.get(
+        response["status"], "response.completed"
+    )
+    yield emit(kind, response=response)
