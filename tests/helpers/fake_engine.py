@@ -119,10 +119,8 @@ class FakeEngine(threading.Thread):
                     req, n, pieces = entry
                     entry[1] = n = n + 1
                     finish = None
-                    ended = pieces is not None and n >= len(pieces)
-                    if ended or (
-                        self.eos_after is not None and n >= self.eos_after and not req.ignore_eos
-                    ):
+                    eos = self.eos_after is not None and n >= self.eos_after and not req.ignore_eos
+                    if (n >= len(pieces)) if pieces else eos:
                         finish = FinishReason.STOP
                     elif n >= req.max_tokens:
                         finish = FinishReason.LENGTH

@@ -1,0 +1,82 @@
+"""The Responses store (TTL, byte cap, LRU) and the SSE keep-alive helper."""
+
+from __future__ import annotations
+
+import asyncio
+
+from app.response_store import ResponseStore
+from app.sse import with_heartbeat
+
+
+def _resp(rid: str, pad: int = 0) -> dict:
+    return {"id": rid, "pad": "x" * pad}
+
+
+def test_entries_expire_after_the_ttl():
+    now = [0.0]
+    store = ResponseStore(ttl_s=10, clock=lambda: now[0])
+    store.put(_resp("a"), [{"role": "user", "content": "hi"}])
+    now[0] = 9.9
+    assert store.get("a") is not None
+    now[0] = 10.1
+    assert store.get("a") is None and len(store) == 0 and store.nbytes == 0
+
+
+def test_byte_cap_evicts_least_recently_used():
+    store = ResponseStore(max_bytes=3000)
+    for rid in "abc":
+        store.put(_resp(rid, 900), [])
+    assert store.get("a") is not None  # a is now the most recently used
+    store.put(_resp("d", 900), [])
+    assert store.get("b") is None
+    assert {r for r in "acd" if store.get(r)} == {"a", "c", "d"}
+    assert store.nbytes <= 3000
+    store.put(_resp("huge", 5000), [])  # larger than the cap: not stored, nothing evicted
+    assert store.get("huge") is None and len(store) == 3
+
+
+def test_delete():
+    store = ResponseStore()
+    store.put(_resp("a"), [])
+    assert store.delete("a") and not store.delete("a") and store.nbytes == 0
+
+
+async def test_heartbeat_fills_idle_gaps_and_closing_closes_the_source():
+    closed = asyncio.Event()
+
+    async def slow():
+        try:
+            yield 1
+            await asyncio.sleep(0.3)
+            yield 2
+            await asyncio.sleep(10)
+            yield 3
+        finally:
+            closed.set()
+
+    seen = []
+    stream = with_heartbeat(slow(), 0.05)
+    async for item in stream:
+        seen.append(item)
+        if item == 2:
+            break
+    await stream.aclose()
+    assert [i for i in seen if i is not None] == [1, 2]
+    assert None in seen[1:-1]  # keep-alives while the source was idle
+    await asyncio.wait_for(closed.wait(), 1)
+
+
+async def test_heartbeat_passes_errors_through():
+    async def failing():
+        yield 1
+        raise ValueError("boom")
+
+    seen = []
+    try:
+        async for item in with_heartbeat(failing(), 1):
+            seen.append(item)
+    except ValueError as exc:
+        assert str(exc) == "boom"
+    else:
+        raise AssertionError("the error was swallowed")
+    assert seen == [1]
