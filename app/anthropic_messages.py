@@ -31,7 +31,12 @@ router = APIRouter()
 PING_INTERVAL_S = 10.0
 
 
-def _text_of(blocks: list[dict[str, Any]] | str, where: str) -> str:
+IMAGE_OMITTED = "[image omitted: this model cannot read images]"
+
+
+def _text_of(blocks: list[dict[str, Any]] | str, where: str, in_tool_result: bool = False) -> str:
+    """Text blocks joined. An image the user sends is refused; one inside a tool
+    result (a screenshot tool) is replaced by a visible note so the agent goes on."""
     if isinstance(blocks, str):
         return blocks
     parts = []
@@ -39,6 +44,8 @@ def _text_of(blocks: list[dict[str, Any]] | str, where: str) -> str:
         kind = block.get("type")
         if kind == "text":
             parts.append(str(block.get("text", "")))
+        elif kind in ("image", "document") and in_tool_result:
+            parts.append(IMAGE_OMITTED)
         elif kind in ("image", "document"):
             raise APIError(400, f"{kind} content is not supported by this model", param=where)
     return "\n".join(parts)
@@ -58,7 +65,7 @@ def _user_messages(content: list[dict[str, Any]], where: str) -> list[dict[str, 
         kind = block.get("type")
         if kind == "tool_result":
             result = block.get("content", "")
-            body = _text_of(result if isinstance(result, (str, list)) else str(result), where)
+            body = _text_of(result if isinstance(result, (str, list)) else str(result), where, True)
             out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": body})
         elif kind in ("text", "image", "document"):
             text.append(block)
@@ -147,6 +154,7 @@ def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:
         tools=tools,
         tool_choice=tool_choice(body.tool_choice, tools),
         max_tokens=max_tokens,
+        clamp_max_tokens=True,
         stop=tuple(s for s in stops if s),
     )
 

@@ -10,6 +10,7 @@ the same tokens for the same conversation and hit the same cached prefixes.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,8 @@ from scheduler.prefix_index import VolatilePolicy
 from scheduler.request import CacheHints, Request
 from scheduler.sessions import fallback_session_id
 
+log = logging.getLogger("kvwarm.http")
+
 
 @dataclass
 class ChatCall:
@@ -37,6 +40,9 @@ class ChatCall:
     tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI function tools
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     max_tokens: int | None = None
+    # Anthropic clients must send max_tokens and send it large (Claude Code: 32000):
+    # fit it to the room the context and KV budget leave instead of refusing
+    clamp_max_tokens: bool = False
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
 
@@ -116,9 +122,13 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
     except Exception as exc:  # jinja errors of the model's own template
         raise APIError(400, f"The chat template rejected these messages: {exc}") from exc
     prompt = rendered.tokens
-    max_tokens = resolve_max_tokens(
-        call.max_tokens, len(prompt), info.context_length, settings.max_tokens
-    )
+    limit = call.max_tokens
+    if call.clamp_max_tokens and limit is not None:
+        room = min(info.context_length, info.budget.ceiling_tokens) - len(prompt)
+        if 1 <= room < limit:
+            log.info("max_tokens %d lowered to %d: the room this prompt leaves", limit, room)
+            limit = room
+    max_tokens = resolve_max_tokens(limit, len(prompt), info.context_length, settings.max_tokens)
     session = session_id_from(call.fields, headers) or fallback_session_id(rendered.key.canonical)
     request = Request(
         prompt_tokens=prompt,

@@ -180,6 +180,14 @@ class EngineThread(threading.Thread):
             device=device,
             syntax=probe_syntax(loaded.tokenizer),
         )
+        syntax = self._model_info.syntax
+        log.info(
+            "text syntax: reasoning %s...%s, tool calls %s, template reads %s",
+            syntax.think_start,
+            syntax.think_end,
+            syntax.tool_family or "in any known format (no family in the template)",
+            ", ".join(sorted(syntax.template_vars)) or "no thinking switches",
+        )
         log.info(
             "model %s ready in %.1fs: context %d, weights %.0f MiB, KV %d B/token, "
             "budget %.0f MiB (%s), KV ceiling %d tokens/request, batch %d, "

@@ -483,3 +483,71 @@ def test_anthropic_error_types_follow_the_status():
         500: "api_error",
         503: "overloaded_error",
     }
+
+
+def test_anthropic_max_tokens_fits_the_context_but_chat_is_refused(server):
+    big = [{"role": "user", "content": "x"}]
+    with server.anthropic().messages.stream(model="c", max_tokens=32000, messages=big) as stream:
+        msg = stream.get_final_message()
+    assert msg.stop_reason == "end_turn"  # Claude Code's 32000 is fitted to the 2048 context
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        server.openai().chat.completions.create(model="m", messages=big, max_tokens=32000)
+
+
+def test_anthropic_images_in_tool_results_become_a_note(server):
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+    }
+    history = [
+        {"role": "user", "content": "shot"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "t1",
+                    "content": [image, {"type": "text", "text": "ok"}],
+                }
+            ],
+        },
+    ]
+    server.anthropic().messages.create(
+        model="c", max_tokens=4, messages=history, tools=ANTHROPIC_TOOLS
+    )
+    tool = server.formatter.last_messages[-1]
+    assert tool["role"] == "tool" and tool["content"].startswith("[image omitted")
+
+
+def test_preserve_thinking_is_passed_to_templates_that_read_it():
+    import dataclasses
+
+    from engine.text_syntax import probe_syntax
+    from scheduler.contracts import TextSyntax
+
+    class Tok:  # what an mlx-lm TokenizerWrapper exposes
+        think_start, think_end = "<think>", "</think>"
+        chat_template = "{% if preserve_thinking %}{{ reasoning }}{% endif %}{{ enable_thinking }}"
+
+        @staticmethod
+        def tool_parser(text, tools=None):
+            return None
+
+    Tok.tool_parser.__module__ = "mlx_lm.tool_parsers.qwen3_coder"
+    probed = probe_syntax(Tok())
+    assert probed == TextSyntax(
+        "<think>", "</think>", "qwen3_coder", frozenset({"preserve_thinking", "enable_thinking"})
+    )
+    app = _serve()
+    with serve_app(app) as url:
+        engine = app.state.kvwarm.engine
+        engine.info = dataclasses.replace(engine.info, syntax=probed)
+        served = Served(url, app)
+        served.openai().chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], max_tokens=1
+        )
+        assert served.formatter.last_kwargs["preserve_thinking"] is True
