@@ -19,12 +19,14 @@ from app.errors import APIError
 from app.generation_params import resolve_max_tokens, resolve_sampling
 from app.protocol.output_parser import OutputParser, Syntax
 from app.protocol.thinking import resolve_thinking
-from app.protocol.tool_formats import ToolCallDecoder
+from app.protocol.tool_formats import ToolCallDecoder, forced_opening
 from app.protocol.tool_schema import ToolChoice, tools_for_template
 from app.session_id import session_id_from
 from app.state import AppState
+from scheduler.contracts import ModelInfo, TextSyntax
 from scheduler.healing import context_of
 from scheduler.prefix_index import VolatilePolicy
+from scheduler.prompt_key import PromptKey, RenderedPrompt
 from scheduler.request import CacheHints, Request
 from scheduler.sessions import fallback_session_id
 
@@ -100,12 +102,9 @@ def forced_tool(name: str, tools: list[dict[str, Any]]) -> ToolChoice:
     return ToolChoice("required", name)
 
 
-def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) -> Prepared:
-    info = state.model_info()
-    syntax = info.syntax
-    settings = state.settings
-    messages = state.healing.heal_all(call.messages)
-    thinking = resolve_thinking(call.fields, settings.thinking == "on")
+def _template_kwargs(
+    call: ChatCall, syntax: TextSyntax, thinking: bool, shown: list[dict[str, Any]]
+) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     if "preserve_thinking" in syntax.template_vars:
         kwargs["preserve_thinking"] = True  # past reasoning stays in the prompt: a stable prefix
@@ -113,34 +112,62 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
     if isinstance(requested, Mapping):
         kwargs.update(requested)
     kwargs["enable_thinking"] = thinking
-    shown = tools_for_template(call.tools, call.tool_choice)
     if shown:
         kwargs["tools"] = shown
-    relocate = settings.volatile_policy is VolatilePolicy.RELOCATE
-    try:
-        rendered = info.formatter.render_chat(messages, relocate_volatile=relocate, **kwargs)
-    except Exception as exc:  # jinja errors of the model's own template
-        raise APIError(400, f"The chat template rejected these messages: {exc}") from exc
-    prompt = rendered.tokens
-    limit = call.max_tokens
-    if call.clamp_max_tokens and limit is not None:
-        room = min(info.context_length, info.budget.ceiling_tokens) - len(prompt)
-        if 1 <= room < limit:
-            log.info("max_tokens %d lowered to %d: the room this prompt leaves", limit, room)
-            limit = room
-    max_tokens = resolve_max_tokens(limit, len(prompt), info.context_length, settings.max_tokens)
-    session = session_id_from(call.fields, headers) or fallback_session_id(rendered.key.canonical)
-    request = Request(
-        prompt_tokens=prompt,
-        max_tokens=max_tokens,
-        sampling=resolve_sampling(dict(call.fields), info.generation_defaults, info.vocab_size),
-        stop=call.stop,
-        ignore_eos=call.ignore_eos,
-        cache=CacheHints(rendered.key, session, rendered.message_hashes),
-    )
+    return kwargs
+
+
+def _output_side(
+    call: ChatCall, info: ModelInfo, rendered: RenderedPrompt, shown: list[dict[str, Any]]
+) -> tuple[PromptKey, OutputParser]:
+    """The parser for the reply and the final prompt: a forced tool choice appends
+    the opening of the call, and the parser starts inside it."""
+    syntax = info.syntax
     opened = bool(syntax.think_start) and rendered.tail.rstrip().endswith(syntax.think_start)
     decoder = ToolCallDecoder(shown, syntax.tool_family) if shown else None
     parser = OutputParser(
         Syntax(syntax.think_start, syntax.think_end, starts_in_reasoning=opened), decoder
+    )
+    key = rendered.key
+    if shown and call.tool_choice.mode == "required":
+        forced = forced_opening(syntax.tool_family, call.tool_choice.name)
+        closing = f"{syntax.think_end}\n\n" if opened and syntax.think_end else ""
+        key = key.extended(info.formatter.encode(closing + forced.text))
+        parser.open_tool(forced.markup, forced.seed)
+    return key, parser
+
+
+def _completion_limit(call: ChatCall, info: ModelInfo, prompt_len: int, default: int) -> int:
+    limit = call.max_tokens
+    if call.clamp_max_tokens and limit is not None:
+        room = min(info.context_length, info.budget.ceiling_tokens) - prompt_len
+        if 1 <= room < limit:
+            log.info("max_tokens %d lowered to %d: the room this prompt leaves", limit, room)
+            limit = room
+    return resolve_max_tokens(limit, prompt_len, info.context_length, default)
+
+
+def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) -> Prepared:
+    info = state.model_info()
+    settings = state.settings
+    thinking = resolve_thinking(call.fields, settings.thinking == "on")
+    shown = tools_for_template(call.tools, call.tool_choice)
+    kwargs = _template_kwargs(call, info.syntax, thinking, shown)
+    relocate = settings.volatile_policy is VolatilePolicy.RELOCATE
+    messages = state.healing.heal_all(call.messages)
+    try:
+        rendered = info.formatter.render_chat(messages, relocate_volatile=relocate, **kwargs)
+    except Exception as exc:  # jinja errors of the model's own template
+        raise APIError(400, f"The chat template rejected these messages: {exc}") from exc
+    key, parser = _output_side(call, info, rendered, shown)
+    prompt = list(key.model_tokens)
+    session = session_id_from(call.fields, headers) or fallback_session_id(rendered.key.canonical)
+    request = Request(
+        prompt_tokens=prompt,
+        max_tokens=_completion_limit(call, info, len(prompt), settings.max_tokens),
+        sampling=resolve_sampling(dict(call.fields), info.generation_defaults, info.vocab_size),
+        stop=call.stop,
+        ignore_eos=call.ignore_eos,
+        cache=CacheHints(key, session, rendered.message_hashes),
     )
     return Prepared(request, parser, context_of(call.messages[-1]), thinking)

@@ -97,6 +97,11 @@ class OutputParser:
         self._drain(final=True)
         return self._flush()
 
+    def open_tool(self, markup: Markup, seed: str) -> None:
+        """Start inside a call whose opening the prompt already wrote (forced tool choice)."""
+        self._start_tool(markup)
+        self._tool_text = seed
+
     def parse(self, text: str) -> list[Event]:
         """The whole text at once (non-streaming)."""
         return merge(self.feed(text) + self.finish())

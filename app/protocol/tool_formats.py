@@ -142,3 +142,31 @@ class ToolCallDecoder:
         args = coerce_arguments(call["arguments"], self._schemas.get(call["name"], {}))
         call_id = call.get("id") if isinstance(call.get("id"), str) else None
         return ToolCall(call["name"], json.dumps(args, ensure_ascii=False), call_id)
+
+
+@dataclass(frozen=True)
+class ForcedOpening:
+    """Text appended after the generation prompt so the model's turn starts inside
+    a call: how ``tool_choice`` required/named is kept without a grammar engine."""
+
+    text: str
+    markup: Markup
+    seed: str  # ``text`` after ``markup.start``: the start of the withheld call
+
+
+def forced_opening(family: str | None, name: str | None) -> ForcedOpening:
+    """The opening of a call in the family's own markup (Hermes JSON when unknown),
+    naming the function when one is forced."""
+    if family == "qwen3_coder":
+        markup, seed = TOOL_CALL_TAG, "\n<function=" + (f"{name}>\n" if name else "")
+    elif family == "glm47":
+        markup, seed = TOOL_CALL_TAG, f"{name}\n" if name else ""
+    elif family == "mistral":
+        markup, seed = MISTRAL, f"{name}[ARGS]" if name else ""
+    elif family == "gemma4":
+        markup, seed = GEMMA4, "call:" + (f"{name}{{" if name else "")
+    elif family == "minicpm5":
+        markup, seed = MINICPM, f'"{name}">' if name else ""
+    else:
+        markup, seed = TOOL_CALL_TAG, '\n{"name": "' + (f'{name}", "arguments": ' if name else "")
+    return ForcedOpening(markup.start + seed, markup, seed)

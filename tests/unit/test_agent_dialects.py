@@ -29,7 +29,8 @@ QWEN_CALL = [
     "is\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
 ]
 THINK_ANSWER = ["<think>pl", "an</think>", "\n\nAnswer ", "done."]
-SCRIPTS = {"CALL_TOOL": QWEN_CALL, "THINK": THINK_ANSWER}
+FORCED_REST = ['{"city": "Os', 'lo"}}', "\n</tool_call>"]  # after a forced Hermes opening
+SCRIPTS = {"CALL_TOOL": QWEN_CALL, "THINK": THINK_ANSWER, "FORCE": FORCED_REST}
 TOOLS = [
     {
         "type": "function",
@@ -51,8 +52,12 @@ ANTHROPIC_TOOLS = [
 RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 
 
+PROMPTS: list[str] = []  # what the engine was asked to continue, newest last
+
+
 def scripted(req):
     text = prompt_text(req)
+    PROMPTS.append(text)
     last = text[text.rfind("<user>") :]
     return next((pieces for word, pieces in SCRIPTS.items() if word in last), None)
 
@@ -183,6 +188,39 @@ def test_tool_choice_none_and_named(server):
             tools=TOOLS,
             tool_choice={"type": "function", "function": {"name": "nope"}},
         )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_tool_choice_starts_the_reply_inside_the_call(server, stream):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(
+        model="m", messages=[{"role": "user", "content": "FORCE"}], tools=TOOLS, tool_choice=named
+    )
+    client = server.openai()
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        calls = [c for ch in chunks if ch.choices for c in ch.choices[0].delta.tool_calls or []]
+        finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+        assert not any(ch.choices[0].delta.content for ch in chunks if ch.choices)
+    else:
+        message = client.chat.completions.create(**kwargs).choices[0]
+        calls, finish = message.message.tool_calls, message.finish_reason
+    assert finish == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    # the model continues from inside the call the prompt opened for it
+    assert PROMPTS[-1].endswith('<assistant><tool_call>\n{"name": "get_weather", "arguments": ')
+
+
+def test_forced_openings_follow_the_family():
+    from app.protocol.tool_formats import forced_opening
+
+    assert forced_opening("qwen3_coder", "f").text == "<tool_call>\n<function=f>\n"
+    assert forced_opening("glm47", None).text == "<tool_call>"
+    assert forced_opening("mistral", "f").text == "[TOOL_CALLS]f[ARGS]"
+    assert forced_opening("gemma4", "f").text == "<|tool_call>call:f{"
+    assert forced_opening(None, None).text == '<tool_call>\n{"name": "'
 
 
 @pytest.mark.parametrize(
