@@ -16,13 +16,14 @@ endif
 MLX_EXTRA := $(strip $(MLX_EXTRA))
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 
-.PHONY: install install-dev system-deps serve test test-fast bench bench-agents lint clean help
+.PHONY: install install-dev system-deps serve test test-fast bench bench-agents bench-dialects lint clean help
 
 help:
 	@echo "make serve   install, prepare the default model, serve on $(HOST):$(PORT)"
 	@echo "make test    install dev tools and run the whole suite"
 	@echo "make bench   throughput/TTFT benchmark vs mlx_lm.server"
 	@echo "make bench-agents  prompt-cache reuse on simulated agent traffic vs mlx_lm.server"
+	@echo "make bench-dialects  one agent conversation via chat, Messages and Responses: reuse per dialect"
 	@echo "make install create $(VENV) and install kvwarm (idempotent)"
 
 # OpenBLAS makes MLX's Linux CPU backend ~50x faster at matmul (see DESIGN.md).
@@ -73,6 +74,9 @@ bench: install-dev
 
 bench-agents: install-dev
 	$(PY) bench/bench_agents.py
+
+bench-dialects: install-dev
+	$(PY) bench/bench_dialects.py
 
 lint: install-dev
 	$(VENV)/bin/ruff check .
