@@ -19,42 +19,22 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.anthropic_schemas import AnthropicMessage, CountTokensRequest, MessagesRequest
 from app.chat_pipeline import ChatCall, forced_tool, prepare_chat
+from app.content_parts import parts_text
 from app.errors import APIError, anthropic_error_body
 from app.generation import Generation, Outcome
 from app.protocol.output_parser import Content, Reasoning
 from app.protocol.tool_formats import ToolCall
 from app.protocol.tool_schema import ToolChoice
-from app.sse import SSE_HEADERS, sse_event, with_heartbeat
+from app.sse import KEEPALIVE_S, SSE_HEADERS, sse_event, with_heartbeat
 from app.state import AppState
 
 router = APIRouter()
-PING_INTERVAL_S = 10.0
-
-
-IMAGE_OMITTED = "[image omitted: this model cannot read images]"
-
-
-def _text_of(blocks: list[dict[str, Any]] | str, where: str, in_tool_result: bool = False) -> str:
-    """Text blocks joined. An image the user sends is refused; one inside a tool
-    result (a screenshot tool) is replaced by a visible note so the agent goes on."""
-    if isinstance(blocks, str):
-        return blocks
-    parts = []
-    for block in blocks:
-        kind = block.get("type")
-        if kind == "text":
-            parts.append(str(block.get("text", "")))
-        elif kind in ("image", "document") and in_tool_result:
-            parts.append(IMAGE_OMITTED)
-        elif kind in ("image", "document"):
-            raise APIError(400, f"{kind} content is not supported by this model", param=where)
-    return "\n".join(parts)
 
 
 def _system_text(system: str | list[dict[str, Any]] | None) -> str | None:
     if system is None:
         return None
-    return _text_of(system, "system")
+    return parts_text(system, "system")
 
 
 def _user_messages(content: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
@@ -64,15 +44,16 @@ def _user_messages(content: list[dict[str, Any]], where: str) -> list[dict[str, 
     for block in content:
         kind = block.get("type")
         if kind == "tool_result":
-            result = block.get("content", "")
-            body = _text_of(result if isinstance(result, (str, list)) else str(result), where, True)
+            body = parts_text(block.get("content", ""), where, in_tool_result=True)
+            if block.get("is_error"):
+                body = f"Error: {body}"  # the model must know the tool failed
             out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": body})
         elif kind in ("text", "image", "document"):
             text.append(block)
         else:
             raise APIError(400, f"Unsupported user content block type {kind!r}.", param=where)
     if text:
-        out.append({"role": "user", "content": _text_of(text, where)})
+        out.append({"role": "user", "content": parts_text(text, where)})
     return out
 
 
@@ -155,6 +136,7 @@ def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:
         tool_choice=tool_choice(body.tool_choice, tools),
         max_tokens=max_tokens,
         clamp_max_tokens=True,
+        thinking_default=False,
         stop=tuple(s for s in stops if s),
     )
 
@@ -213,12 +195,7 @@ async def messages(body: MessagesRequest, http: HTTPRequest):
     done = await gen.collect(http)
     if done.failed:
         raise APIError(500, f"Generation failed: {done.error}", "server_error", "engine_error")
-    content: list[dict[str, Any]] = []
-    if done.reasoning:
-        content.append({"type": "thinking", "thinking": done.reasoning, "signature": ""})
-    if done.content:
-        content.append({"type": "text", "text": done.content})
-    content.extend(tool_use_block(c) for c in done.tool_calls)
+    content = [_block(event) for event in done.events]
     return JSONResponse(
         {
             **message,
@@ -228,6 +205,14 @@ async def messages(body: MessagesRequest, http: HTTPRequest):
             "usage": usage(done),
         }
     )
+
+
+def _block(event: Reasoning | Content | ToolCall) -> dict[str, Any]:
+    if isinstance(event, Reasoning):
+        return {"type": "thinking", "thinking": event.text, "signature": ""}
+    if isinstance(event, Content):
+        return {"type": "text", "text": event.text}
+    return tool_use_block(event)
 
 
 class _Blocks:
@@ -286,7 +271,7 @@ async def _stream(gen: Generation, message: dict[str, Any]) -> AsyncIterator[str
         },
     )
     blocks = _Blocks()
-    async for event in with_heartbeat(gen.events(), PING_INTERVAL_S):
+    async for event in with_heartbeat(gen.events(), KEEPALIVE_S):
         if event is None:
             yield sse_event("ping", {"type": "ping"})
         elif isinstance(event, Reasoning):

@@ -20,14 +20,14 @@ from app.generation_params import resolve_max_tokens, resolve_sampling
 from app.protocol.output_parser import OutputParser, Syntax
 from app.protocol.thinking import resolve_thinking
 from app.protocol.tool_formats import ToolCallDecoder, forced_opening
-from app.protocol.tool_schema import ToolChoice, tools_for_template
+from app.protocol.tool_schema import ToolChoice
 from app.session_id import session_id_from
 from app.state import AppState
 from scheduler.contracts import ModelInfo, TextSyntax
 from scheduler.healing import context_of
 from scheduler.prefix_index import VolatilePolicy
 from scheduler.prompt_key import PromptKey, RenderedPrompt
-from scheduler.request import CacheHints, Request
+from scheduler.request import CacheHints, Request, SamplingParams
 from scheduler.sessions import fallback_session_id
 
 log = logging.getLogger("kvwarm.http")
@@ -47,6 +47,9 @@ class ChatCall:
     clamp_max_tokens: bool = False
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # thinking when the request does not say; None: the server's --thinking. Anthropic
+    # clients leave ``thinking`` out to mean off (title and side requests do)
+    thinking_default: bool | None = None
 
 
 @dataclass
@@ -84,7 +87,8 @@ def parse_openai_tool_choice(value: Any, tools: list[dict[str, Any]]) -> ToolCho
             raise APIError(400, f"Unknown tool_choice {value!r}.", param="tool_choice")
         return ToolChoice(value)
     if isinstance(value, Mapping):
-        name = (value.get("function") or {}).get("name") or value.get("name")
+        fn = value.get("function")
+        name = fn.get("name") if isinstance(fn, Mapping) else value.get("name")
         if value.get("type") == "function" and isinstance(name, str):
             return forced_tool(name, tools)
         if value.get("type") in ("none", "auto", "required"):
@@ -102,9 +106,7 @@ def forced_tool(name: str, tools: list[dict[str, Any]]) -> ToolChoice:
     return ToolChoice("required", name)
 
 
-def _template_kwargs(
-    call: ChatCall, syntax: TextSyntax, thinking: bool, shown: list[dict[str, Any]]
-) -> dict[str, Any]:
+def _template_kwargs(call: ChatCall, syntax: TextSyntax, thinking: bool) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     if "preserve_thinking" in syntax.template_vars:
         kwargs["preserve_thinking"] = True  # past reasoning stays in the prompt: a stable prefix
@@ -112,24 +114,28 @@ def _template_kwargs(
     if isinstance(requested, Mapping):
         kwargs.update(requested)
     kwargs["enable_thinking"] = thinking
-    if shown:
-        kwargs["tools"] = shown
+    if call.tools:
+        # shown even under tool_choice none / a named tool: the tools block is part of
+        # the stable prefix every turn of the conversation reuses
+        kwargs["tools"] = call.tools
     return kwargs
 
 
 def _output_side(
-    call: ChatCall, info: ModelInfo, rendered: RenderedPrompt, shown: list[dict[str, Any]]
+    call: ChatCall, info: ModelInfo, rendered: RenderedPrompt
 ) -> tuple[PromptKey, OutputParser]:
     """The parser for the reply and the final prompt: a forced tool choice appends
     the opening of the call, and the parser starts inside it."""
     syntax = info.syntax
     opened = bool(syntax.think_start) and rendered.tail.rstrip().endswith(syntax.think_start)
-    decoder = ToolCallDecoder(shown, syntax.tool_family) if shown else None
+    parses = bool(call.tools) and call.tool_choice.parses
+    markup = (syntax.tool_call_start or "", syntax.tool_call_end or "")
+    decoder = ToolCallDecoder(call.tools, syntax.tool_family, markup) if parses else None
     parser = OutputParser(
         Syntax(syntax.think_start, syntax.think_end, starts_in_reasoning=opened), decoder
     )
     key = rendered.key
-    if shown and call.tool_choice.mode == "required":
+    if parses and call.tool_choice.mode == "required":
         forced = forced_opening(syntax.tool_family, call.tool_choice.name)
         closing = f"{syntax.think_end}\n\n" if opened and syntax.think_end else ""
         key = key.extended(info.formatter.encode(closing + forced.text))
@@ -147,25 +153,34 @@ def _completion_limit(call: ChatCall, info: ModelInfo, prompt_len: int, default:
     return resolve_max_tokens(limit, prompt_len, info.context_length, default)
 
 
+def _sampling(call: ChatCall, info: ModelInfo) -> SamplingParams:
+    try:
+        return resolve_sampling(dict(call.fields), info.generation_defaults, info.vocab_size)
+    except (TypeError, ValueError) as exc:  # untyped extras of Messages / Responses bodies
+        raise APIError(400, f"Invalid sampling parameter: {exc}") from exc
+
+
 def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) -> Prepared:
     info = state.model_info()
     settings = state.settings
-    thinking = resolve_thinking(call.fields, settings.thinking == "on")
-    shown = tools_for_template(call.tools, call.tool_choice)
-    kwargs = _template_kwargs(call, info.syntax, thinking, shown)
+    if not call.messages:
+        raise APIError(400, "The request has no messages.", param="messages")
+    default = settings.thinking == "on" if call.thinking_default is None else call.thinking_default
+    thinking = resolve_thinking(call.fields, default)
+    kwargs = _template_kwargs(call, info.syntax, thinking)
     relocate = settings.volatile_policy is VolatilePolicy.RELOCATE
     messages = state.healing.heal_all(call.messages)
     try:
         rendered = info.formatter.render_chat(messages, relocate_volatile=relocate, **kwargs)
     except Exception as exc:  # jinja errors of the model's own template
         raise APIError(400, f"The chat template rejected these messages: {exc}") from exc
-    key, parser = _output_side(call, info, rendered, shown)
+    key, parser = _output_side(call, info, rendered)
     prompt = list(key.model_tokens)
     session = session_id_from(call.fields, headers) or fallback_session_id(rendered.key.canonical)
     request = Request(
         prompt_tokens=prompt,
         max_tokens=_completion_limit(call, info, len(prompt), settings.max_tokens),
-        sampling=resolve_sampling(dict(call.fields), info.generation_defaults, info.vocab_size),
+        sampling=_sampling(call, info),
         stop=call.stop,
         ignore_eos=call.ignore_eos,
         cache=CacheHints(key, session, rendered.message_hashes),

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 
 from app.chat_pipeline import Prepared
-from app.protocol.output_parser import Content, Event, Reasoning
+from app.protocol.output_parser import Content, Event, Reasoning, merge
 from app.protocol.tool_formats import ToolCall
 from app.state import AppState
 from scheduler.request import FinishReason, RequestOutput
@@ -35,6 +35,7 @@ class Outcome:
     reasoning: str = ""
     content: str = ""
     tool_calls: list[ToolCall] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)  # in output order, text merged
     raw: str = ""
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
@@ -57,6 +58,7 @@ class Outcome:
             self.stop_sequence = out.stop_sequence
 
     def add_event(self, event: Event) -> None:
+        self.events[-1:] = merge(self.events[-1:] + [event])
         if isinstance(event, Reasoning):
             self.reasoning += event.text
         elif isinstance(event, Content):

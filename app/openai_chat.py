@@ -18,7 +18,7 @@ from app.protocol.output_parser import Content, Reasoning
 from app.protocol.tool_formats import ToolCall
 from app.protocol.tool_schema import function_tools
 from app.schemas import ChatCompletionRequest, ChatMessage
-from app.sse import SSE_DONE, SSE_HEADERS, sse_data
+from app.sse import KEEPALIVE_S, SSE_DONE, SSE_HEADERS, SSE_KEEPALIVE, sse_data, with_heartbeat
 from app.state import AppState
 
 router = APIRouter()
@@ -122,7 +122,10 @@ async def _stream_chunks(
     done = gen.outcome
     calls = 0
     yield sse_data({**_chunk(meta, {"role": "assistant", "content": ""}, None), **usage_field})
-    async for event in gen.events():
+    async for event in with_heartbeat(gen.events(), KEEPALIVE_S):
+        if event is None:
+            yield SSE_KEEPALIVE
+            continue
         if isinstance(event, Reasoning):
             delta: dict[str, Any] = {"reasoning_content": event.text}
         elif isinstance(event, Content):

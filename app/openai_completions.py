@@ -21,7 +21,7 @@ from app.openai_chat import usage
 from app.protocol.output_parser import OutputParser, Syntax
 from app.schemas import GenerationFields
 from app.session_id import session_id_from
-from app.sse import SSE_DONE, SSE_HEADERS, sse_data
+from app.sse import KEEPALIVE_S, SSE_DONE, SSE_HEADERS, SSE_KEEPALIVE, sse_data, with_heartbeat
 from app.state import AppState
 from scheduler.prompt_key import PromptKey
 from scheduler.request import CacheHints, Request
@@ -128,7 +128,10 @@ async def _stream(
     usage_field = {"usage": None} if include_usage else {}
     if echo:
         yield sse_data({**meta, "choices": [_choice(echo, None)], **usage_field})
-    async for event in gen.events():
+    async for event in with_heartbeat(gen.events(), KEEPALIVE_S):
+        if event is None:
+            yield SSE_KEEPALIVE
+            continue
         yield sse_data({**meta, "choices": [_choice(event.text, None)], **usage_field})  # type: ignore[union-attr]
     done = gen.outcome
     if done.failed:

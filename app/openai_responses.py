@@ -18,12 +18,13 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.chat_pipeline import ChatCall, parse_openai_tool_choice, prepare_chat
+from app.chat_pipeline import ChatCall, parse_openai_tool_choice, prepare_chat, template_tool_calls
+from app.content_parts import parts_text
 from app.errors import APIError
 from app.generation import Generation, Outcome
 from app.protocol.output_parser import Content, Reasoning
 from app.protocol.tool_formats import ToolCall
-from app.sse import SSE_HEADERS, sse_event
+from app.sse import KEEPALIVE_S, SSE_HEADERS, SSE_KEEPALIVE, sse_event, with_heartbeat
 from app.state import AppState
 
 router = APIRouter()
@@ -52,23 +53,6 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-def _content_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    parts = []
-    for part in content or ():
-        kind = part.get("type")
-        if kind in ("input_text", "output_text", "text", "reasoning_text", "summary_text"):
-            parts.append(str(part.get("text", "")))
-        elif kind in ("refusal",):
-            parts.append(str(part.get("refusal", "")))
-        else:
-            raise APIError(
-                400, f"content part type {kind!r} is not supported by this model", param=where
-            )
-    return "\n".join(parts)
-
-
 def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Responses input items -> template messages (function calls join the assistant turn)."""
     if isinstance(items, str):
@@ -77,23 +61,32 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     reasoning: list[str] = []
     for i, item in enumerate(items):
         where = f"input.{i}"
+        if not isinstance(item, dict):
+            raise APIError(400, "input items must be objects.", param=where)
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role", "user")
             role = "system" if role == "developer" else role
-            message = {"role": role, "content": _content_text(item.get("content"), where)}
+            message = {"role": role, "content": parts_text(item.get("content"), where)}
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = "\n".join(reasoning), []
             out.append(message)
         elif kind == "reasoning":
             texts = item.get("content") or item.get("summary") or []
-            reasoning.append(_content_text(texts, where))
+            reasoning.append(parts_text(texts, where))
         elif kind == "function_call":
-            call = {
-                "id": item.get("call_id"),
-                "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments") or "{}"},
-            }
+            (call,) = template_tool_calls(
+                [
+                    {
+                        "id": item.get("call_id"),
+                        "type": "function",
+                        "function": {
+                            "name": item.get("name"),
+                            "arguments": item.get("arguments") or "{}",
+                        },
+                    }
+                ]
+            )
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -103,8 +96,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                     message["reasoning_content"], reasoning = "\n".join(reasoning), []
                 out.append(message)
         elif kind == "function_call_output":
-            output = item.get("output", "")
-            text = output if isinstance(output, str) else _content_text(output, where)
+            text = parts_text(item.get("output", ""), where, in_tool_result=True)
             out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
         else:
             raise APIError(400, f"Unsupported input item type {kind!r}.", param=where)
@@ -212,12 +204,15 @@ def _response(
     }
 
 
+def _message_status(done: Outcome, last: bool) -> str:
+    """A message cut by max_output_tokens is incomplete; one followed by more output is not."""
+    return "incomplete" if last and done.stop_kind == "length" else "completed"
+
+
 def _finalise(response: dict[str, Any], done: Outcome, items: _Items) -> dict[str, Any]:
-    for item in items.items:
+    for i, item in enumerate(items.items):
         if item["type"] == "message":
-            item["status"] = (
-                "completed" if done.finish_reason and done.stop_kind != "length" else "incomplete"
-            )
+            item["status"] = _message_status(done, last=i == len(items.items) - 1)
     response["output"] = items.items
     if done.failed:
         response["status"] = "failed"
@@ -281,24 +276,13 @@ async def create_response(body: ResponsesRequest, http: HTTPRequest):
         )
     items = _Items()
     done = await gen.collect(http)
-    for event in _replay(done):
+    for event in done.events:
         _apply(items, event)
     _finalise(response, done, items)
     if done.failed:
         raise APIError(500, f"Generation failed: {done.error}", "server_error", "engine_error")
     store(items)
     return JSONResponse(response)
-
-
-def _replay(done: Outcome) -> list[Reasoning | Content | ToolCall]:
-    """The outcome as events in output order (reasoning, text, then calls)."""
-    events: list[Reasoning | Content | ToolCall] = []
-    if done.reasoning:
-        events.append(Reasoning(done.reasoning))
-    if done.content:
-        events.append(Content(done.content))
-    events.extend(done.tool_calls)
-    return events
 
 
 def _apply(items: _Items, event: Reasoning | Content | ToolCall) -> tuple[dict[str, Any], bool]:
@@ -346,12 +330,14 @@ class _Events:
         return frame
 
 
-def _item_done_frames(emit: _Events, item: dict[str, Any], index: int) -> list[str]:
+def _item_done_frames(
+    emit: _Events, item: dict[str, Any], index: int, status: str = "completed"
+) -> list[str]:
     frames = []
     if item["type"] in ("message", "reasoning"):
         part = item["content"][0]
         if item["type"] == "message":
-            item["status"] = "completed"
+            item["status"] = status
             frames.append(
                 emit(
                     "response.output_text.done",
@@ -400,7 +386,10 @@ async def _stream(gen: Generation, response: dict[str, Any], store) -> AsyncIter
     items = _Items()
     yield emit("response.created", response=dict(response))
     yield emit("response.in_progress", response=dict(response))
-    async for event in gen.events():
+    async for event in with_heartbeat(gen.events(), KEEPALIVE_S):
+        if event is None:
+            yield SSE_KEEPALIVE
+            continue
         before = items.current
         item, new = _apply(items, event)
         index = len(items.items) - 1
@@ -450,7 +439,8 @@ async def _stream(gen: Generation, response: dict[str, Any], store) -> AsyncIter
     if done.finish_reason is None:
         return  # the client left
     if items.current is not None:
-        for frame in _item_done_frames(emit, items.current, len(items.items) - 1):
+        status = _message_status(done, last=True)
+        for frame in _item_done_frames(emit, items.current, len(items.items) - 1, status):
             yield frame
     _finalise(response, done, items)
     store(items)

@@ -6,8 +6,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-SESSION_FIELDS = ("session_id", "conversation_id", "thread_id", "chat_id")
-SESSION_HEADERS = ("x-session-id", "x-conversation-id")
+# prompt_cache_key: OpenAI's own field for "requests that share a prefix" (Codex sets it)
+SESSION_FIELDS = ("session_id", "conversation_id", "thread_id", "chat_id", "prompt_cache_key")
+# Codex sends session_id / conversation_id headers without the x- prefix
+SESSION_HEADERS = ("x-session-id", "x-conversation-id", "session_id", "conversation_id")
+_CLAUDE_CODE_USER = "_session_"  # metadata.user_id: "user_<hash>_account_<id>_session_<uuid>"
 MAX_LEN = 256
 
 
@@ -27,6 +30,10 @@ def session_id_from(body: Mapping[str, Any], headers: Mapping[str, str]) -> str 
         found = _from_mapping(source)
         if found:
             return found
+    metadata = body.get("metadata")
+    user = metadata.get("user_id") if isinstance(metadata, Mapping) else None
+    if isinstance(user, str) and _CLAUDE_CODE_USER in user:
+        return user.rsplit(_CLAUDE_CODE_USER, 1)[1].strip()[:MAX_LEN] or None
     for name in SESSION_HEADERS:
         value = headers.get(name)
         if value and value.strip():

@@ -18,6 +18,9 @@ def sse_data(payload: dict[str, Any]) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+# an SSE comment: clients skip it, proxies and idle timeouts see a live stream
+SSE_KEEPALIVE = ": keep-alive\n\n"
+KEEPALIVE_S = 10.0  # a long queue wait or prefill must not look like a dead server
 
 
 def sse_event(event: str, payload: dict[str, Any]) -> str:

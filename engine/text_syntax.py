@@ -21,5 +21,7 @@ def probe_syntax(tokenizer) -> TextSyntax:
         think_start=think_start,
         think_end=think_end,
         tool_family=family,
+        tool_call_start=getattr(tokenizer, "tool_call_start", None) if family else None,
+        tool_call_end=getattr(tokenizer, "tool_call_end", None) if family else None,
         template_vars=frozenset(v for v in KNOWN_VARS if v in text),
     )

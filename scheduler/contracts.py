@@ -34,6 +34,8 @@ class TextSyntax:
     think_start: str | None = "<think>"
     think_end: str | None = "</think>"
     tool_family: str | None = None  # mlx-lm tool parser name inferred from the template
+    tool_call_start: str | None = None  # that family's markup, as mlx-lm knows it
+    tool_call_end: str | None = None
     # variables the chat template reads that kvwarm may set (enable_thinking, preserve_thinking)
     template_vars: frozenset[str] = frozenset()
 

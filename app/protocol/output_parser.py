@@ -18,7 +18,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from app.protocol.tool_formats import BARE_JSON, MARKED, Markup, ToolCall, ToolCallDecoder
+from app.protocol.tool_formats import BARE_JSON, Markup, ToolCall, ToolCallDecoder
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class OutputParser:
         self._keep_ws = True  # leading whitespace is content unless a block/call follows
         self._ws = ""
         self._buf = ""
-        self._markups: tuple[Markup, ...] = MARKED if self.tools else ()
+        self._markups: tuple[Markup, ...] = self.tools.markups if self.tools else ()
         self._tool: Markup | None = None
         self._tool_text = ""
         self._scanned = 0
@@ -156,7 +156,7 @@ class OutputParser:
                 self._buf = stripped[len(markup.start) :]
                 self._start_tool(markup)
                 return True
-        if self.tools and stripped[0] == "{":
+        if self.tools and self.tools.bare_json and stripped[0] == "{":
             self._drop_ws()
             self._start_tool(BARE_JSON)
             return True

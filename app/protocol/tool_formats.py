@@ -41,6 +41,11 @@ PYTHON_TAG = Markup("llama3_json", "<|python_tag|>", "")  # Llama 3.x
 BARE_JSON = Markup("llama3_json", "", "")  # Llama 3.x JSON with no tag, at the start of a reply
 
 MARKED = (TOOL_CALL_TAG, MINICPM, MISTRAL, GEMMA4, PYTHON_TAG)
+# families whose markup is one of MARKED; any other family mlx-lm detects (Kimi,
+# MiniMax, LFM2 pythonic, ...) brings its own markup and parser
+BUILT_IN_FAMILIES = frozenset(
+    {"qwen3_coder", "glm47", "json_tools", "minicpm5", "mistral", "gemma4"}
+)
 
 
 @dataclass(frozen=True)
@@ -107,10 +112,25 @@ def _as_calls(parsed: Any) -> list[dict[str, Any]]:
 class ToolCallDecoder:
     """Decodes withheld markup into calls, against one request's tools."""
 
-    def __init__(self, tools: Sequence[Mapping[str, Any]], family: str | None = None):
+    def __init__(
+        self,
+        tools: Sequence[Mapping[str, Any]],
+        family: str | None = None,
+        family_markup: tuple[str, str] | None = None,
+    ):
         self.tools = list(tools)
         self.family = family
         self._schemas = parameter_schemas(self.tools)
+        self.markups: tuple[Markup, ...] = MARKED
+        if family and family not in BUILT_IN_FAMILIES and family_markup and family_markup[0]:
+            own = Markup(family, family_markup[0], family_markup[1] or "")
+            self.markups = (own, *(m for m in MARKED if m.start != own.start))
+
+    @property
+    def bare_json(self) -> bool:
+        """Llama 3 writes calls as bare JSON; its templates name no family. A model
+        of a known family answering in JSON is not calling a tool."""
+        return self.family is None
 
     def decode(self, markup: Markup, inner: str) -> list[ToolCall] | None:
         for parser in self._parsers(markup, inner):
@@ -136,6 +156,8 @@ class ToolCallDecoder:
             ]
         if markup is MINICPM:
             return [lambda text: _mlx_parser("minicpm5")(text.rstrip(), None)]
+        if markup not in MARKED:  # the family's own markup and parser
+            return [lambda text: _mlx_parser(markup.kind)(text, self.tools)]
         return [_mlx_parser(markup.kind)]
 
     def _finish(self, call: dict[str, Any]) -> ToolCall:

@@ -39,15 +39,6 @@ def function_tools(tools: Sequence[Mapping[str, Any]] | None) -> list[dict[str, 
     return out
 
 
-def tools_for_template(tools: list[dict[str, Any]], choice: ToolChoice) -> list[dict[str, Any]]:
-    """The tools the model is shown: none under ``none``, only the forced one when named."""
-    if not choice.parses:
-        return []
-    if choice.name is not None:
-        return [t for t in tools if t["function"]["name"] == choice.name]
-    return tools
-
-
 def parameter_schemas(tools: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Function name -> its parameters' ``properties``."""
     out: dict[str, dict[str, Any]] = {}

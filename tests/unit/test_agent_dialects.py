@@ -30,7 +30,17 @@ QWEN_CALL = [
 ]
 THINK_ANSWER = ["<think>pl", "an</think>", "\n\nAnswer ", "done."]
 FORCED_REST = ['{"city": "Os', 'lo"}}', "\n</tool_call>"]  # after a forced Hermes opening
-SCRIPTS = {"CALL_TOOL": QWEN_CALL, "THINK": THINK_ANSWER, "FORCE": FORCED_REST}
+TEXT_CALL_TEXT = [
+    "Before.",
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
+    "After.",
+]
+SCRIPTS = {
+    "CALL_TOOL": QWEN_CALL,
+    "THINK": THINK_ANSWER,
+    "FORCE": FORCED_REST,
+    "SANDWICH": TEXT_CALL_TEXT,
+}
 TOOLS = [
     {
         "type": "function",
@@ -170,7 +180,8 @@ def test_tool_choice_none_and_named(server):
         tools=TOOLS,
         tool_choice="none",
     )
-    assert "tools" not in server.formatter.last_kwargs
+    # still shown (the tools block stays in the cached prefix), but nothing is parsed
+    assert server.formatter.last_kwargs["tools"] == TOOLS
     assert r.choices[0].message.tool_calls is None
     assert "<tool_call>" in r.choices[0].message.content  # not parsed: plain text
     named = {"type": "function", "function": {"name": "get_weather"}}
@@ -578,7 +589,11 @@ def test_preserve_thinking_is_passed_to_templates_that_read_it():
     Tok.tool_parser.__module__ = "mlx_lm.tool_parsers.qwen3_coder"
     probed = probe_syntax(Tok())
     assert probed == TextSyntax(
-        "<think>", "</think>", "qwen3_coder", frozenset({"preserve_thinking", "enable_thinking"})
+        "<think>",
+        "</think>",
+        "qwen3_coder",
+        tool_call_start=None,  # the stub has no markup attributes
+        template_vars=frozenset({"preserve_thinking", "enable_thinking"}),
     )
     app = _serve()
     with serve_app(app) as url:
@@ -589,3 +604,147 @@ def test_preserve_thinking_is_passed_to_templates_that_read_it():
             model="m", messages=[{"role": "user", "content": "x"}], max_tokens=1
         )
         assert served.formatter.last_kwargs["preserve_thinking"] is True
+
+
+def test_output_order_is_the_same_streamed_and_not(server):
+    client = server.anthropic()
+    kwargs = dict(
+        model="c",
+        max_tokens=64,
+        messages=[{"role": "user", "content": "SANDWICH"}],
+        tools=ANTHROPIC_TOOLS,
+    )
+    whole = client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as stream:
+        streamed = stream.get_final_message()
+    assert [b.type for b in whole.content] == ["text", "tool_use", "text"]
+    assert [b.type for b in streamed.content] == ["text", "tool_use", "text"]
+    assert whole.content[2].text == streamed.content[2].text == "After."
+    r = server.openai().responses.create(model="m", input="SANDWICH", tools=RESPONSES_TOOLS)
+    assert [i.type for i in r.output] == ["message", "function_call", "message"]
+
+
+def test_codex_style_responses_input_renders_like_chat(server):
+    items = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "look"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque"},
+        {
+            "type": "function_call",
+            "call_id": "c1",
+            "name": "get_weather",
+            "arguments": '{"city": "Oslo"}',
+        },
+        {
+            "type": "function_call_output",
+            "call_id": "c1",
+            "output": [
+                {"type": "input_image", "image_url": "data:image/png;base64,AA=="},
+                {"type": "input_text", "text": "done"},
+            ],
+        },
+    ]
+    server.openai().responses.create(
+        model="m",
+        input=items,
+        store=False,
+        include=["reasoning.encrypted_content"],
+        tools=RESPONSES_TOOLS,
+    )
+    seen = server.formatter.last_messages
+    assert seen[1]["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": {"city": "Oslo"},
+    }
+    assert seen[2] == {
+        "role": "tool",
+        "tool_call_id": "c1",
+        "content": "[image omitted: this model cannot read images]\ndone",
+    }
+
+
+def test_bad_inputs_are_400s_not_500s(server):
+    r = httpx.post(
+        server.url + "/v1/messages",
+        json={"model": "c", "max_tokens": 4, "messages": [{"role": "user", "content": []}]},
+    )
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    r = httpx.post(server.url + "/v1/responses", json={"input": "hi", "seed": "x"})
+    assert r.status_code == 400, r.text
+    r = httpx.post(
+        server.url + "/v1/responses", json={"input": [{"role": "user", "content": [42]}]}
+    )
+    assert r.status_code == 400, r.text
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": "x"},
+        },
+    )
+    assert r.status_code == 400, r.text
+
+
+def test_anthropic_thinking_is_off_unless_asked_and_tool_errors_are_marked(server):
+    client = server.anthropic()
+    client.messages.create(model="c", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    assert server.formatter.last_kwargs["enable_thinking"] is False
+    history = [
+        {"role": "user", "content": "x"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t", "name": "get_weather", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "t",
+                    "is_error": True,
+                    "content": "no such city",
+                }
+            ],
+        },
+    ]
+    client.messages.create(
+        model="c",
+        max_tokens=2,
+        messages=history,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
+    assert server.formatter.last_kwargs["enable_thinking"] is True
+    assert server.formatter.last_messages[-1]["content"] == "Error: no such city"
+
+
+def test_slow_streams_carry_keep_alives(monkeypatch):
+    import app.openai_chat
+
+    monkeypatch.setattr(app.openai_chat, "KEEPALIVE_S", 0.05)
+    app_ = create_app(
+        Settings(_env_file=None), lambda s, r: FakeEngine(s, r, step_delay=0.3, eos_after=2)
+    )
+    with serve_app(app_) as url:
+        body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as resp:
+            raw = "".join(resp.iter_text())
+        assert ": keep-alive" in raw
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        text = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model="m", messages=body["messages"], stream=True
+            )
+            if c.choices
+        )
+        assert text == "w0 w1 "
+
+
+def test_responses_incomplete_message_status_agrees_streamed_and_final(server):
+    events = list(
+        server.openai().responses.create(model="m", input="hi", max_output_tokens=2, stream=True)
+    )
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert done[-1].item.status == "incomplete"
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.output[-1].status == "incomplete"

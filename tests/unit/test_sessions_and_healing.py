@@ -55,6 +55,11 @@ def test_session_id_sources():
     assert session_id_from({"metadata": {"chat_id": " c "}}, {}) == "c"
     assert session_id_from({}, {"x-session-id": "d"}) == "d"
     assert session_id_from({"metadata": {"user": "x"}}, {}) is None
+    assert session_id_from({"prompt_cache_key": "codex-1"}, {}) == "codex-1"
+    assert session_id_from({}, {"session_id": "e"}) == "e"  # Codex: no x- prefix
+    claude = {"metadata": {"user_id": "user_ab12_account_9f_session_5d1c-77"}}
+    assert session_id_from(claude, {}) == "5d1c-77"
+    assert session_id_from({"metadata": {"user_id": "user_ab12"}}, {}) is None
 
 
 def test_healing_restores_stripped_think_blocks_and_tool_call_arguments():

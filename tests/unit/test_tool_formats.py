@@ -8,7 +8,7 @@ import pytest
 from app.protocol.output_parser import Content, OutputParser, Reasoning, Syntax
 from app.protocol.thinking import resolve_thinking
 from app.protocol.tool_formats import ToolCall, ToolCallDecoder
-from app.protocol.tool_schema import ToolChoice, coerce_value, function_tools, tools_for_template
+from app.protocol.tool_schema import coerce_value, function_tools
 
 TOOLS = function_tools(
     [
@@ -148,6 +148,20 @@ def test_llama3_bare_json_and_python_tag():
     ]
 
 
+def test_bare_json_is_a_call_only_for_models_without_a_tool_family():
+    text = '{"name": "read_file", "parameters": {"path": "a"}}'
+    assert parse(text, "qwen3_coder") == [Content(text)]
+
+
+def test_a_family_with_its_own_markup_uses_mlx_lms_parser_for_it():
+    decoder = ToolCallDecoder(TOOLS, "pythonic", ("<|tool_call_start|>", "<|tool_call_end|>"))
+    text = 'Ok.<|tool_call_start|>[read_file(path="a.txt", limit=3)]<|tool_call_end|>'
+    assert OutputParser(Syntax(), decoder).parse(text) == [
+        Content("Ok."),
+        ToolCall("read_file", '{"path": "a.txt", "limit": 3}'),
+    ]
+
+
 def test_llama3_json_answer_that_is_not_a_call_stays_content():
     text = '{"name": "Alice", "parameters": {"age": 3}}'
     assert parse(text) == [Content(text)]
@@ -187,13 +201,6 @@ def test_broken_markup_falls_back_to_content():
 )
 def test_values_decode_against_the_schema(value, schema, expected):
     assert coerce_value(value, schema) == expected
-
-
-def test_tool_choice_shapes_what_the_model_sees():
-    assert tools_for_template(TOOLS, ToolChoice("none")) == []
-    assert tools_for_template(TOOLS, ToolChoice("auto")) == TOOLS
-    named = tools_for_template(TOOLS, ToolChoice("required", "run"))
-    assert [t["function"]["name"] for t in named] == ["run"]
 
 
 @pytest.mark.parametrize(
