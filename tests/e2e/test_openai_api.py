@@ -30,7 +30,8 @@ def test_chat_completion(client):
     assert "Paris" in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
     assert r.usage.prompt_tokens > 20 and 0 < r.usage.completion_tokens <= 24
-    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    # other tests may have cached the template's default system prompt, never the question
+    assert r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens - 8
 
 
 def test_streaming_equals_non_streaming(client):
