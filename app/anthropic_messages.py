@@ -97,6 +97,8 @@ def template_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
 
 
 def _translate(message: AnthropicMessage, where: str) -> list[dict[str, Any]]:
+    if message.role == "system":
+        return [{"role": "system", "content": parts_text(message.content, where)}]
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
     if message.role == "user":

@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class AnthropicMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: Literal["user", "assistant"]
+    # Claude Code also sends "system" turns mid-conversation (it falls back when refused)
+    role: Literal["user", "assistant", "system"]
     content: str | list[dict[str, Any]]
 
 

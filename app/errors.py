@@ -81,6 +81,8 @@ def error_response(
     path: str = "",
 ) -> JSONResponse:
     body = error_payload(path, status, message, error_type, code, param)
+    if status < 500:  # server errors are logged with their traceback where they happen
+        log.info("%s -> %d %s: %s", path or "?", status, code or error_type, message)
     return JSONResponse(body, status, headers=headers)
 
 
@@ -103,7 +105,9 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     param = ".".join(loc) or None
     where = f" at '{param}'" if param else ""
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    return f"Invalid request{where}: {first.get('msg', 'invalid value')}{more}", param
+    value = first.get("input")
+    got = f" (got {value!r:.60})" if isinstance(value, (str, int, float, bool)) else ""
+    return f"Invalid request{where}: {first.get('msg', 'invalid value')}{got}{more}", param
 
 
 _STATUS_TYPES = {

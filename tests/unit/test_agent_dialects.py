@@ -748,3 +748,19 @@ def test_responses_incomplete_message_status_agrees_streamed_and_final(server):
     assert done[-1].item.status == "incomplete"
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.output[-1].status == "incomplete"
+
+
+def test_anthropic_system_turns_and_validation_messages_name_the_value(server):
+    client = server.anthropic()
+    history = [
+        {"role": "user", "content": "x"},
+        {"role": "system", "content": "Be brief."},  # Claude Code sends these
+        {"role": "user", "content": "y"},
+    ]
+    client.messages.create(model="c", max_tokens=2, messages=history)
+    assert server.formatter.last_messages[1] == {"role": "system", "content": "Be brief."}
+    r = httpx.post(
+        server.url + "/v1/messages",
+        json={"model": "c", "max_tokens": 2, "messages": [{"role": "robot", "content": "x"}]},
+    )
+    assert r.status_code == 400 and "(got 'robot')" in r.json()["error"]["message"]
