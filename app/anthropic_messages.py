@@ -183,7 +183,7 @@ async def count_tokens(body: CountTokensRequest, http: HTTPRequest) -> dict[str,
 async def messages(body: MessagesRequest, http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
     prepared = prepare_chat(chat_call(body, body.max_tokens), state, http.headers)
-    gen = Generation(state, prepared, "messages")
+    gen = Generation(state, prepared, "messages", http.headers)
     message = {
         "id": f"msg_{uuid.uuid4().hex[:24]}",
         "type": "message",

@@ -28,12 +28,15 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "max_tokens": {"type": int, "metavar": "N"},
     "prefill_step_size": {"type": int, "metavar": "N"},
     "log_level": {"choices": ["debug", "info", "warning", "error"]},
+    "log_json": {"action": "store_true"},
+    "cache_trace_dir": {"metavar": "DIR"},
     "api_key": {"metavar": "KEY"},
     "max_body_bytes": {"metavar": "SIZE"},
     "prompt_cache_bytes": {"metavar": "SIZE"},
     "prompt_cache_ttl": {"type": float, "metavar": "SECONDS"},
     "cache_block_size": {"type": int, "metavar": "N"},
     "volatile_policy": {"choices": ["reuse", "strict", "relocate"]},
+    "request_timeout": {"type": float, "metavar": "SECONDS"},
     "thinking": {"choices": ["on", "off"]},
     "strip_thinking": {"action": "store_true"},
 }
@@ -91,7 +94,7 @@ def _prepare_runtime(settings: Settings):
     from engine.model_source import resolve_model
     from observability.logging_setup import setup_logging
 
-    setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_json)
     blas = preload_openblas()
     log.info("BLAS for MLX: %s", blas.describe())
     return blas, resolve_model(settings.model)

@@ -118,9 +118,32 @@ _STATUS_TYPES = {
 }
 
 
+def rejection_reason(status: int, code: str | None) -> str | None:
+    """How /metrics files a refused generation request."""
+    if code == "context_length_exceeded":
+        return "over_context"
+    if code == "context_over_budget":
+        return "over_budget"
+    if status == 429:
+        return "queue_full"
+    if status == 503:
+        return "unavailable"
+    if status in (400, 413, 422):
+        return "invalid"
+    return None
+
+
+def _count_rejection(request: Request, status: int, code: str | None) -> None:
+    state = getattr(request.app.state, "kvwarm", None)
+    reason = rejection_reason(status, code)
+    if state is not None and reason and request.method == "POST":
+        state.obs.metrics.observe_rejection(reason)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        _count_rejection(request, exc.status, exc.code)
         return error_response(
             exc.status,
             exc.message,
@@ -134,6 +157,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(AdmissionError)
     async def _admission(request: Request, exc: AdmissionError) -> JSONResponse:
         err = from_admission(exc)
+        _count_rejection(request, err.status, err.code)
         return error_response(
             err.status,
             err.message,
@@ -146,6 +170,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _describe_validation(exc)
+        _count_rejection(request, 400, "invalid_request")
         return error_response(
             400, message, "invalid_request_error", "invalid_request", param, path=request.url.path
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +21,8 @@ from app.chat_pipeline import Prepared
 from app.protocol.output_parser import Content, Event, Reasoning, merge
 from app.protocol.tool_formats import ToolCall
 from app.state import AppState
-from scheduler.request import FinishReason, RequestOutput
+from observability.records import RequestRecord
+from scheduler.request import FinishReason, RequestOutput, RequestStats
 
 log = logging.getLogger("kvwarm.http")
 
@@ -44,6 +45,7 @@ class Outcome:
     ttft: float | None = None
     error: str | None = None
     stop_sequence: str | None = None
+    stats: RequestStats | None = None
 
     def add_output(self, out: RequestOutput) -> None:
         self.raw += out.text
@@ -56,6 +58,7 @@ class Outcome:
             self.finish_reason = out.finish_reason
             self.error = out.error
             self.stop_sequence = out.stop_sequence
+            self.stats = out.stats
 
     def add_event(self, event: Event) -> None:
         self.events[-1:] = merge(self.events[-1:] + [event])
@@ -86,13 +89,22 @@ def openai_tool_calls(calls: list[ToolCall], ids: list[str]) -> list[dict[str, A
 
 
 class Generation:
-    def __init__(self, state: AppState, prepared: Prepared, dialect: str):
+    def __init__(
+        self,
+        state: AppState,
+        prepared: Prepared,
+        dialect: str,
+        headers: Mapping[str, str] | None = None,
+    ):
         self.state = state
         self.prepared = prepared
         self.dialect = dialect
+        self.headers = headers or {}  # traceparent
         self.outcome = Outcome()
         self._strip = state.settings.strip_thinking
         self._started = time.monotonic()
+        self._started_wall = time.time()
+        self._last_token_at: float | None = None
         # admission errors raise here, before any byte of a response is sent
         self._outputs = state.service.submit(prepared.request)
 
@@ -106,6 +118,7 @@ class Generation:
         parser = self.prepared.parser
         try:
             async for out in self._outputs:
+                self._observe_itl(out)
                 self.outcome.add_output(out)
                 events = parser.feed(out.text) if out.text else []
                 if out.finished:
@@ -137,6 +150,39 @@ class Generation:
                 break
         return self.outcome
 
+    def _observe_itl(self, out: RequestOutput) -> None:
+        new = out.completion_tokens - self.outcome.completion_tokens
+        if new <= 0:
+            return
+        now = time.monotonic()
+        if self._last_token_at is not None:
+            self.state.obs.metrics.observe_itl(now - self._last_token_at, new)
+        self._last_token_at = now
+
+    def record(self) -> RequestRecord:
+        done, req = self.outcome, self.prepared.request
+        return RequestRecord(
+            request_id=req.request_id,
+            dialect=self.dialect,
+            model=self.state.engine.model_info.model_id if self.state.engine.model_info else "",
+            prompt_tokens=done.prompt_tokens or len(req.prompt_tokens),
+            cached_tokens=done.cached_tokens,
+            completion_tokens=done.completion_tokens,
+            finish=done.stop_kind,
+            e2e_s=time.monotonic() - self._started,
+            started_at=self._started_wall,
+            ttft_s=done.ttft,
+            stats=done.stats,
+            session=req.cache.session_id if req.cache else None,
+            disconnected=done.finish_reason is None,
+            tool_calls=len(done.tool_calls),
+            request={
+                "max_tokens": req.max_tokens,
+                "temperature": req.sampling.temperature,
+                "top_p": req.sampling.top_p,
+            },
+        )
+
     def _close(self) -> None:
         done = self.outcome
         if done.finish_reason is None:
@@ -153,19 +199,4 @@ class Generation:
                 context=self.prepared.answered,
                 restore_calls=False,
             )
-        elapsed = time.monotonic() - self._started
-        rate = done.completion_tokens / elapsed if elapsed > 0 else 0.0
-        log.info(
-            "%s %s done: prompt=%d cached=%d completion=%d finish=%s tool_calls=%d "
-            "ttft=%s total=%.2fs (%.1f tok/s)",
-            self.request_id,
-            self.dialect,
-            done.prompt_tokens,
-            done.cached_tokens,
-            done.completion_tokens,
-            done.stop_kind,
-            len(done.tool_calls),
-            f"{done.ttft:.2f}s" if done.ttft is not None else "-",
-            elapsed,
-            rate,
-        )
+        self.state.obs.request_done(self.record(), self.headers)

@@ -71,7 +71,7 @@ def usage(done: Outcome) -> dict[str, Any]:
 async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
     prepared = prepare_chat(chat_call(body), state, http.headers)
-    gen = Generation(state, prepared, "chat")
+    gen = Generation(state, prepared, "chat", http.headers)
     meta = {
         "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
         "created": int(time.time()),

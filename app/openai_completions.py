@@ -91,7 +91,9 @@ def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Pre
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
-    gen = Generation(state, prepare_completion(body, state, http.headers), "completions")
+    gen = Generation(
+        state, prepare_completion(body, state, http.headers), "completions", http.headers
+    )
     meta = {
         "id": f"cmpl-{uuid.uuid4().hex[:24]}",
         "object": "text_completion",

@@ -260,7 +260,7 @@ async def create_response(body: ResponsesRequest, http: HTTPRequest):
         max_tokens=body.max_output_tokens,
     )
     prepared = prepare_chat(call, state, http.headers)
-    gen = Generation(state, prepared, "responses")
+    gen = Generation(state, prepared, "responses", http.headers)
     response = _response(
         body, _new_id("resp"), int(time.time()), state.model_info().model_id, "in_progress"
     )

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from app.anthropic_messages import router as messages_router
 from app.errors import install_error_handlers
@@ -19,6 +19,8 @@ from app.openai_completions import router as completions_router
 from app.openai_responses import router as responses_router
 from app.settings import Settings
 from app.state import AppState
+from observability.hub import Observability
+from observability.metrics import CONTENT_TYPE
 from scheduler.contracts import EngineHandle
 from scheduler.scheduler import Scheduler
 from scheduler.service import GenerationService
@@ -42,14 +44,23 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         router = OutputRouter(asyncio.get_running_loop())
-        scheduler = Scheduler(None, max_running=settings.batch, max_queue=settings.max_queue)
+        scheduler = Scheduler(
+            None,
+            max_running=settings.batch,
+            max_queue=settings.max_queue,
+            request_timeout_s=settings.request_timeout,
+        )
         engine = engine_factory(scheduler, router)
-        app.state.kvwarm = AppState(settings, engine, GenerationService(scheduler, router, engine))
+        state = AppState(settings, engine, GenerationService(scheduler, router, engine))
+        state.obs = Observability(state.snapshot, settings.cache_trace_dir)
+        log.info("telemetry: %s", state.obs.tracing.describe())
+        app.state.kvwarm = state
         engine.start()
         try:
             yield
         finally:
             engine.stop()
+            state.obs.shutdown()
             await asyncio.to_thread(engine.join, 10.0)  # waiting on a thread, not MLX work
 
     app = FastAPI(title="kvwarm", version="0.1.0", lifespan=lifespan)
@@ -74,6 +85,14 @@ def _add_admin_routes(app: FastAPI) -> None:
         if not engine.ready:
             return JSONResponse({"status": "loading"}, 503)
         return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        state: AppState = request.app.state.kvwarm
+        info = state.engine.model_info
+        if info is not None:
+            state.obs.metrics.ensure_model(info.model_id)
+        return Response(state.obs.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:

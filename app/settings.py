@@ -48,6 +48,14 @@ class Settings(BaseSettings):
         "smoother while long prompts prefill",
     )
     log_level: str = Field("info", description="debug, info, warning or error")
+    log_json: bool = Field(
+        False, description="log one JSON object per line (request lines carry their fields)"
+    )
+    cache_trace_dir: str | None = Field(
+        None,
+        description="write one JSON line per request into DIR/<session>.jsonl: what the "
+        "prefix cache reused and why candidates were rejected (for debugging misses)",
+    )
     api_key: str | None = Field(
         None,
         description="require this key (Authorization: Bearer / x-api-key) on all routes but /health",
@@ -72,6 +80,12 @@ class Settings(BaseSettings):
         "prompt's end so the prefix stays stable and the model reads current values",
     )
 
+    request_timeout: float = Field(
+        0.0,
+        ge=0.0,
+        description="watchdog: end requests still unfinished this many seconds after "
+        "arrival (queue wait included) with an error; 0 = never",
+    )
     thinking: Literal["on", "off"] = Field(
         "on",
         description="thinking for requests that do not say (enable_thinking, thinking, "

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from app.errors import APIError
 from app.response_store import ResponseStore
 from app.settings import Settings
+from observability.hub import Observability
+from observability.records import ServerSnapshot
 from scheduler.contracts import EngineHandle, ModelInfo
 from scheduler.healing import HealingStore
 from scheduler.service import GenerationService
@@ -20,7 +22,24 @@ class AppState:
     service: GenerationService
     healing: HealingStore = field(default_factory=HealingStore)
     responses: ResponseStore = field(default_factory=ResponseStore)
+    obs: Observability = field(default_factory=Observability)
     started_at: float = field(default_factory=time.time)
+
+    def snapshot(self) -> ServerSnapshot | None:
+        """What /metrics reads at scrape time; None until the model is loaded."""
+        info = self.engine.model_info
+        if info is None:
+            return None
+        sched = self.service.scheduler.stats()
+        return ServerSnapshot(
+            model=info.model_id,
+            running=sched.running,
+            waiting=sched.waiting,
+            reserved_kv_bytes=sched.reserved_kv_bytes,
+            kv_budget_bytes=info.budget.kv_budget_bytes,
+            watchdog_aborts=sched.watchdog_aborts_total,
+            engine=self.engine.engine_stats(),
+        )
 
     def model_info(self) -> ModelInfo:
         """The loaded model, or a 503 while it loads / after the engine died."""
@@ -28,4 +47,5 @@ class AppState:
         info = self.engine.model_info
         if info is None:  # pragma: no cover - ready implies info
             raise APIError(503, "The model is still loading.", "server_error", "loading")
+        self.obs.metrics.ensure_model(info.model_id)
         return info

@@ -24,7 +24,7 @@ from engine.sampling import SamplerFactory
 from engine.text_output import TextOutput
 from scheduler.admission import round_up
 from scheduler.prompt_key import PromptKey
-from scheduler.request import FinishReason, Request, RequestOutput
+from scheduler.request import CacheReport, FinishReason, Request, RequestOutput, RequestStats
 
 
 @dataclass
@@ -40,6 +40,17 @@ class _Row:
     entry_id: int | None = None  # prefix-cache entry read (released after prefill)
     # prefill progress values (prompt tokens after ``cached``) at which to store KV
     checkpoints: list[int] = field(default_factory=list)
+    joined_at: float = field(default_factory=time.monotonic)
+    report: CacheReport = field(default_factory=CacheReport)
+
+    def stats(self, now: float) -> RequestStats:
+        first = self.first_token_at if self.first_token_at is not None else now
+        return RequestStats(
+            queued_s=max(0.0, self.joined_at - self.request.arrival_time),
+            prefill_s=max(0.0, first - self.joined_at),
+            decode_s=max(0.0, now - first),
+            cache=self.report,
+        )
 
 
 class BatchRunner:
@@ -74,6 +85,8 @@ class BatchRunner:
         self.prefill_tokens = 0
         self.generated_tokens = 0
         self.last_step_prefill = 0
+        # decode steps by rows decoding together: index = batch size
+        self.batch_sizes = [0] * (max_batch + 1)
 
     @property
     def active(self) -> int:
@@ -88,7 +101,9 @@ class BatchRunner:
         if hints is not None:
             # KV positions the admission reservation (rounded up) has to spare
             slack = round_up(request.reserved_tokens) - request.reserved_tokens
-            reuse = self.prefix_cache.lookup(request.request_id, hints, max_growth=slack)
+            reuse, row.report = self.prefix_cache.lookup(
+                request.request_id, hints, max_growth=slack
+            )
             row.kv_key = hints.key
             if reuse is not None:
                 row.cached, row.kv_offset = reuse.request_depth, reuse.kv_depth
@@ -194,6 +209,8 @@ class BatchRunner:
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         stopped_by_text: dict[int, _Row] = {}
+        if responses:
+            self.batch_sizes[min(len(responses), len(self.batch_sizes) - 1)] += 1
         for resp in responses:
             row = self._rows.get(resp.uid)
             if row is None:
@@ -223,6 +240,7 @@ class BatchRunner:
                     cached_tokens=row.cached,
                     ttft=ttft,
                     stop_sequence=row.text.matched_stop,
+                    stats=row.stats(now) if finish is not None else None,
                 )
             )
             if finish is not None:

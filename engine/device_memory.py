@@ -55,3 +55,16 @@ def auto_budget() -> DeviceMemory:
         return DeviceMemory(int(available * LINUX_RAM_FRACTION), "75% of available RAM")
     pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     return DeviceMemory(int(pages * 0.5), "50% of physical RAM")
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """MLX's allocator, read on the engine thread (MLX calls belong there)."""
+
+    active_bytes: int
+    peak_bytes: int
+    cache_bytes: int
+
+
+def sample_memory() -> MemorySample:
+    return MemorySample(mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory())

@@ -23,6 +23,8 @@ from scheduler.scheduler import Scheduler
 from scheduler.streams import OutputRouter
 
 log = logging.getLogger("kvwarm.engine")
+TIMED_OUT = "the request ran past --request-timeout and was aborted"
+MEMORY_SAMPLE_S = 1.0  # allocator readings for /metrics; a scrape needs no fresher
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class EngineThread(threading.Thread):
         self._model_info: ModelInfo | None = None
         self._runner = None
         self._steps = 0
+        self._memory: dict[str, int] = {}
+        self._memory_at = 0.0
         self._fault: BaseException | None = None
 
     # -- EngineHandle --------------------------------------------------------
@@ -81,6 +85,8 @@ class EngineThread(threading.Thread):
             prefill_tokens=runner.prefill_tokens if runner else 0,
             generated_tokens=runner.generated_tokens if runner else 0,
             prompt_cache=runner.prefix_cache.stats() if runner and runner.prefix_cache else None,
+            batch_sizes=tuple(runner.batch_sizes) if runner else (),
+            memory=dict(self._memory),
         )
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -221,6 +227,10 @@ class EngineThread(threading.Thread):
             plan = scheduler.schedule()
             for request_id in plan.abort:
                 runner.remove(request_id)
+            for request_id in plan.timed_out:
+                runner.remove(request_id)
+                log.warning("%s: aborted by the watchdog (--request-timeout)", request_id)
+            self.router.publish(RequestOutput.failure(r, TIMED_OUT) for r in plan.timed_out)
             failed = []
             for request in plan.admit:
                 try:
@@ -237,10 +247,20 @@ class EngineThread(threading.Thread):
                 continue
             outputs = runner.step()
             self._steps += 1
+            self._sample_memory()
             for output in outputs:
                 if output.finished:
                     scheduler.finish(output.request_id)
             self.router.publish(outputs)
+
+    def _sample_memory(self) -> None:
+        now = time.monotonic()
+        if now - self._memory_at >= MEMORY_SAMPLE_S:
+            from engine.device_memory import sample_memory  # mlx: never at import time
+
+            m = sample_memory()
+            self._memory = {"active": m.active_bytes, "peak": m.peak_bytes, "cache": m.cache_bytes}
+            self._memory_at = now
 
     def _die(self, reason: str, exc: BaseException) -> None:
         log.error("%s", reason, exc_info=exc)

@@ -18,7 +18,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from scheduler.prefix_index import PrefixIndex, PromptCacheConfig
 from scheduler.prompt_key import PromptKey
-from scheduler.request import CacheHints
+from scheduler.request import CacheHints, CacheReport
 from scheduler.sessions import SessionStore
 
 log = logging.getLogger("kvwarm.prefix_cache")
@@ -70,7 +70,9 @@ class PrefixCache:
             mx.clear_cache()  # give freed KV buffers back to the OS
             self._freed = False
 
-    def lookup(self, request_id: str, hints: CacheHints, max_growth: int) -> Reuse | None:
+    def lookup(
+        self, request_id: str, hints: CacheHints, max_growth: int
+    ) -> tuple[Reuse | None, CacheReport]:
         key = hints.key
         promised = self.sessions.promised_tokens(
             hints.session_id, hints.message_hashes, key.message_ends
@@ -81,6 +83,7 @@ class PrefixCache:
         self._return_memory()
         for reason in result.rejected:
             log.info("%s: prefix cache rejected %s", request_id, reason)
+        rejected = tuple(str(r) for r in result.rejected)
         if result.hit is None:
             log.info(
                 "%s: prefix cache miss (%d candidates, session %s)",
@@ -88,7 +91,7 @@ class PrefixCache:
                 result.candidates,
                 hints.session_id,
             )
-            return None
+            return None, CacheReport(candidates=result.candidates, rejected=rejected)
         entry, al = result.hit.entry, result.hit.alignment
         log.info(
             "%s: prefix cache hit (%s layer): %d of %d prompt tokens from entry %d (%d tokens), "
@@ -102,7 +105,7 @@ class PrefixCache:
             al.stale_tokens,
             hints.session_id,
         )
-        return Reuse(
+        reuse = Reuse(
             entry.entry_id,
             _cut(self._payloads[entry.entry_id], al.entry_depth, entry.length),
             entry.key.spliced(al.entry_depth, key, al.request_depth),
@@ -110,6 +113,15 @@ class PrefixCache:
             al.request_depth,
             result.layer,
         )
+        report = CacheReport(
+            result.layer,
+            al.request_depth,
+            entry.length,
+            al.stale_tokens,
+            result.candidates,
+            rejected,
+        )
+        return reuse, report
 
     def release(self, entry_id: int) -> None:
         self.index.release(entry_id)
@@ -139,6 +151,7 @@ class PrefixCache:
             "max_bytes": self.index.max_bytes,
             "sessions": len(self.sessions),
             "lookups": c.lookups,
+            "tokens_queried": c.tokens_queried,
             "hits": c.hits,
             "misses": c.misses,
             "session_hits": c.session_hits,

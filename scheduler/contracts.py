@@ -66,6 +66,9 @@ class EngineStats:
     prefill_tokens: int
     generated_tokens: int
     prompt_cache: dict[str, Any] | None = None  # PrefixCache.stats(); None when disabled
+    batch_sizes: tuple[int, ...] = ()  # decode steps by rows decoding together (index = rows)
+    # MLX allocator bytes (active, peak, cache), sampled by the engine thread
+    memory: dict[str, int] = field(default_factory=dict)
 
 
 class EngineHandle(Protocol):

@@ -89,6 +89,7 @@ class Lookup:
 @dataclass
 class IndexCounters:
     lookups: int = 0
+    tokens_queried: int = 0  # prompt tokens looked up: the denominator of the token hit rate
     hits: int = 0
     misses: int = 0
     session_hits: int = 0
@@ -180,6 +181,7 @@ class PrefixIndex:
         acquired hit must be ``release``d."""
         self.expire()
         self.counters.lookups += 1
+        self.counters.tokens_queried += len(key.model_tokens)
         result = Lookup()
         best = self._best(self._candidates(self.hashes(key)), key, result, max_growth)
         reused = best.alignment.request_depth if best else 0

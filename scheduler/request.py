@@ -80,6 +80,28 @@ class Request:
 
 
 @dataclass(frozen=True)
+class CacheReport:
+    """What the prefix cache did for one request (plain data for logs, traces, metrics)."""
+
+    layer: str | None = None  # "chain" / "session"; None: a miss, or the cache is off
+    depth: int = 0  # prompt tokens reused
+    entry_tokens: int = 0  # length of the entry they came from
+    stale_tokens: int = 0  # volatile tokens reused with their older values
+    candidates: int = 0
+    rejected: tuple[str, ...] = ()  # why candidates were turned down
+
+
+@dataclass(frozen=True)
+class RequestStats:
+    """Where one request's time went, reported once, on its final output."""
+
+    queued_s: float  # arrival -> joined the running batch
+    prefill_s: float  # joined -> first token
+    decode_s: float  # first token -> finish
+    cache: CacheReport = field(default_factory=CacheReport)
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one engine step produced for one request (a delta, not a total)."""
 
@@ -94,6 +116,7 @@ class RequestOutput:
     # seconds from arrival to the first generated token; set on the output carrying it
     ttft: float | None = None
     stop_sequence: str | None = None  # the stop string that ended it (finish STOP)
+    stats: RequestStats | None = None  # on the final output of a request the engine ran
 
     @classmethod
     def failure(cls, request_id: str, error: str) -> RequestOutput:

@@ -8,6 +8,7 @@ nothing here blocks on the model.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -21,9 +22,11 @@ class StepPlan:
 
     admit: list[Request] = field(default_factory=list)
     abort: list[str] = field(default_factory=list)
+    # past --request-timeout: leave the batch and end with an error the client sees
+    timed_out: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.admit or self.abort)
+        return bool(self.admit or self.abort or self.timed_out)
 
 
 @dataclass(frozen=True)
@@ -37,13 +40,20 @@ class SchedulerStats:
     finished_total: int
     aborted_total: int
     rejected_total: int
+    watchdog_aborts_total: int = 0
 
 
 class Scheduler:
     """Batch policy: at most ``max_running`` sequences decode together (1 = serial),
     admitted strictly in arrival order while the memory bound allows."""
 
-    def __init__(self, admission: AdmissionController | None, max_running: int, max_queue: int):
+    def __init__(
+        self,
+        admission: AdmissionController | None,
+        max_running: int,
+        max_queue: int,
+        request_timeout_s: float | None = None,
+    ):
         if max_running < 1:
             raise ValueError("max_running must be >= 1")
         if max_queue < 1:
@@ -57,6 +67,8 @@ class Scheduler:
         self._running: dict[str, Request] = {}
         self._pending_aborts: set[str] = set()
         self._admitted = self._finished = self._aborted = self._rejected = 0
+        self.request_timeout_s = request_timeout_s or None
+        self._watchdog_aborts = 0
         self._closed: str | None = None  # set once the engine is gone for good
 
     # -- handler side -------------------------------------------------------
@@ -101,6 +113,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         with self._lock:
+            plan.timed_out = self._expire(time.monotonic())
             plan.abort = sorted(self._pending_aborts)
             self._pending_aborts.clear()
             for request_id in plan.abort:
@@ -120,6 +133,22 @@ class Scheduler:
                 plan.admit.append(head)
                 self._admitted += 1
         return plan
+
+    def _expire(self, now: float) -> list[str]:
+        """The watchdog: requests older than the timeout, waiting or running, end."""
+        if self.request_timeout_s is None:
+            return []
+        limit = now - self.request_timeout_s
+        late = [r for r in (*self._waiting, *self._running.values()) if r.arrival_time < limit]
+        for req in late:
+            if req.state is RequestState.WAITING:
+                self._waiting.remove(req)
+            else:
+                self._running.pop(req.request_id, None)
+                self._pending_aborts.discard(req.request_id)
+            req.state = RequestState.ABORTED
+            self._watchdog_aborts += 1
+        return [r.request_id for r in late]
 
     def finish(self, request_id: str) -> None:
         with self._lock:
@@ -169,4 +198,5 @@ class Scheduler:
                 finished_total=self._finished,
                 aborted_total=self._aborted,
                 rejected_total=self._rejected,
+                watchdog_aborts_total=self._watchdog_aborts,
             )

@@ -108,6 +108,12 @@ class FakeEngine(threading.Thread):
                 plan = self.scheduler.schedule()
                 for rid in plan.abort:
                     self._active.pop(rid, None)
+                for rid in plan.timed_out:
+                    self._active.pop(rid, None)
+                self.router.publish(
+                    RequestOutput.failure(r, "timed out (--request-timeout)")
+                    for r in plan.timed_out
+                )
                 for req in plan.admit:
                     pieces = self.script(req) if self.script else None
                     self._active[req.request_id] = [req, 0, pieces]

@@ -1,0 +1,282 @@
+"""Prometheus metrics (`GET /metrics`), named and shaped the way vLLM/SGLang users
+know: `kvwarm:` prefix, a `model_name` label, counters as counters, cache
+counters in tokens (hit rate is a PromQL ratio), histogram buckets wide enough
+for tens-of-seconds local prefill.
+
+Per-request metrics are observed from plain ``RequestRecord``s when requests end;
+engine and scheduler state is read at scrape time from a ``ServerSnapshot``
+(a custom collector), so neither the scheduler nor the engine touches a metric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.registry import Collector
+
+from observability.records import RequestRecord, ServerSnapshot
+
+P = "kvwarm:"
+LATENCY_BUCKETS = (
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2,
+    3,
+    5,
+    7.5,
+    10,
+    15,
+    20,
+    30,
+    45,
+    60,
+    90,
+    120,
+    180,
+    300,
+    600,
+    1200,
+)
+ITL_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+)
+TOKEN_BUCKETS = (
+    1,
+    16,
+    64,
+    128,
+    256,
+    512,
+    1024,
+    2048,
+    4096,
+    8192,
+    16384,
+    32768,
+    65536,
+    131072,
+    262144,
+)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+CORRECTNESS_KINDS = ("exact_key_rejected_by_model_lcp", "hybrid_trim_miss", "vlm_retreat")
+REJECT_REASONS = ("over_budget", "over_context", "queue_full", "invalid", "unavailable")
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+disable_created_metrics()  # *_created series double the output and no dashboard reads them
+
+
+class _StateCollector(Collector):
+    """Engine and scheduler state, read when Prometheus scrapes."""
+
+    def __init__(self, snapshot: Callable[[], ServerSnapshot | None]):
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterable:
+        snap = self._snapshot()
+        if snap is None:
+            return
+        m = [snap.model]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            g.add_metric(m, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            c.add_metric(m, value)
+            return c
+
+        eng, cache = snap.engine, snap.engine.prompt_cache or {}
+        yield gauge("num_requests_running", "Requests in the running batch.", snap.running)
+        yield gauge("num_requests_waiting", "Requests waiting for admission.", snap.waiting)
+        usage = snap.reserved_kv_bytes / snap.kv_budget_bytes if snap.kv_budget_bytes else 0.0
+        yield gauge("kv_cache_usage_perc", "KV budget reserved by running requests (0-1).", usage)
+        yield gauge(
+            "kv_cache_budget_bytes", "Bytes of the memory budget left for KV.", snap.kv_budget_bytes
+        )
+        yield gauge(
+            "prompt_cache_bytes", "Bytes of KV held by the prefix cache.", cache.get("bytes", 0)
+        )
+        yield gauge(
+            "prompt_cache_max_bytes", "Byte cap of the prefix cache.", cache.get("max_bytes", 0)
+        )
+        yield gauge("prompt_cache_entries", "Cached prefixes.", cache.get("entries", 0))
+        yield counter(
+            "prompt_cache_evictions",
+            "Prefix-cache entries evicted for room.",
+            cache.get("evictions", 0),
+        )
+        yield counter(
+            "prefill_computed_tokens",
+            "Prompt tokens run through the model (not reused).",
+            eng.prefill_tokens,
+        )
+        yield counter(
+            "watchdog_aborts", "Requests ended by --request-timeout.", snap.watchdog_aborts
+        )
+        kinds = CounterMetricFamily(
+            P + "cache_correctness_events",
+            "Cache decisions guarding correctness: a key match the model tokens refused, "
+            "an untrimmable cache that could not be cut, a vision retreat.",
+            labels=["model_name", "kind"],
+        )
+        for kind in CORRECTNESS_KINDS:
+            kinds.add_metric([snap.model, kind], cache.get(kind, 0))
+        yield kinds
+        for name, key in (("active", "active"), ("peak", "peak"), ("cache", "cache")):
+            yield gauge(
+                f"mlx_{name}_memory_bytes", f"MLX allocator: {name} bytes.", eng.memory.get(key, 0)
+            )
+        yield _batch_histogram(snap.model, eng.batch_sizes)
+
+
+def _batch_histogram(model: str, counts: tuple[int, ...]) -> HistogramMetricFamily:
+    """Rows per decode step, from the engine's plain per-size step counts."""
+    buckets, running = [], 0
+    for bound in BATCH_BUCKETS:
+        running = sum(counts[: bound + 1])
+        buckets.append((str(float(bound)), running))
+    total = sum(counts)
+    buckets.append(("+Inf", total))
+    h = HistogramMetricFamily(
+        P + "batch_size", "Rows decoding together per decode step.", labels=["model_name"]
+    )
+    h.add_metric([model], buckets, sum_value=sum(i * c for i, c in enumerate(counts)))
+    return h
+
+
+class Metrics:
+    """All of kvwarm's Prometheus metrics, on a registry of their own."""
+
+    def __init__(self, snapshot: Callable[[], ServerSnapshot | None] = lambda: None):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        ProcessCollector(registry=r)
+        r.register(_StateCollector(snapshot))
+        label = ["model_name"]
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(P + name, doc, [*label, *extra], registry=r)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(P + name, doc, label, buckets=buckets, registry=r)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.cache_hits = counter(
+            "prefix_cache_hits", "Prompt tokens served from the prefix cache."
+        )
+        self.success = counter(
+            "request_success", "Requests that ended, by finish reason.", ("finished_reason",)
+        )
+        self.rejected = counter(
+            "requests_rejected", "Requests refused before running.", ("reason",)
+        )
+        self.disconnects = counter(
+            "client_disconnects", "Requests whose client left before the end."
+        )
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between generated tokens.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Arrival to last token.", LATENCY_BUCKETS
+        )
+        self.queue = histogram(
+            "request_queue_time_seconds", "Arrival to joining the batch.", LATENCY_BUCKETS
+        )
+        self.prefill = histogram(
+            "request_prefill_time_seconds", "Joining the batch to first token.", LATENCY_BUCKETS
+        )
+        self.decode = histogram(
+            "request_decode_time_seconds", "First to last token.", LATENCY_BUCKETS
+        )
+        self.req_prompt = histogram(
+            "request_prompt_tokens", "Prompt length per request.", TOKEN_BUCKETS
+        )
+        self.req_cached = histogram(
+            "request_cached_tokens", "Prompt tokens reused per request.", TOKEN_BUCKETS
+        )
+        self.req_generated = histogram(
+            "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
+        )
+        self._model = "unknown"
+
+    def ensure_model(self, model: str) -> None:
+        """Pre-create the labelled series so every panel has data from the first scrape."""
+        if model == self._model:
+            return
+        self._model = model
+        for reason in REJECT_REASONS:
+            self.rejected.labels(model, reason)
+        for reason in ("stop", "length", "tool_calls", "abort", "error"):
+            self.success.labels(model, reason)
+        self.disconnects.labels(model)
+
+    def observe_request(self, rec: RequestRecord) -> None:
+        m = rec.model
+        self.prompt_tokens.labels(m).inc(rec.prompt_tokens)
+        self.generation_tokens.labels(m).inc(rec.completion_tokens)
+        self.cache_queries.labels(m).inc(rec.prompt_tokens)
+        self.cache_hits.labels(m).inc(rec.cached_tokens)
+        self.success.labels(m, rec.finish).inc()
+        if rec.disconnected:
+            self.disconnects.labels(m).inc()
+        if rec.ttft_s is not None:
+            self.ttft.labels(m).observe(rec.ttft_s)
+        self.e2e.labels(m).observe(rec.e2e_s)
+        if rec.stats is not None:
+            self.queue.labels(m).observe(rec.stats.queued_s)
+            self.prefill.labels(m).observe(rec.stats.prefill_s)
+            self.decode.labels(m).observe(rec.stats.decode_s)
+        self.req_prompt.labels(m).observe(rec.prompt_tokens)
+        self.req_cached.labels(m).observe(rec.cached_tokens)
+        self.req_generated.labels(m).observe(rec.completion_tokens)
+
+    def observe_itl(self, seconds: float, tokens: int = 1) -> None:
+        """``tokens`` arrived ``seconds`` after the previous ones (one engine step)."""
+        per = seconds / max(1, tokens)
+        h = self.itl.labels(self._model)
+        for _ in range(max(1, tokens)):
+            h.observe(per)
+
+    def observe_rejection(self, reason: str) -> None:
+        self.rejected.labels(self._model, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,74 @@
+"""Plain records the server hands to its observers (metrics, traces, logs).
+
+No prometheus or opentelemetry here: the app builds these, observability/
+turns them into whatever each backend wants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from scheduler.contracts import EngineStats
+from scheduler.request import RequestStats
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One finished request (or one that ended early), as every observer sees it."""
+
+    request_id: str
+    dialect: str  # chat / messages / responses / completions
+    model: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    finish: str  # stop / length / tool_calls / abort / error
+    e2e_s: float
+    started_at: float  # wall clock (time.time()) at arrival
+    ttft_s: float | None = None
+    stats: RequestStats | None = None  # queue / prefill / decode + cache report (engine-run)
+    session: str | None = None
+    disconnected: bool = False
+    tool_calls: int = 0
+    request: dict[str, Any] = field(default_factory=dict)  # max_tokens, temperature, top_p
+
+    @property
+    def tokens_per_s(self) -> float:
+        decode = self.stats.decode_s if self.stats else self.e2e_s
+        return self.completion_tokens / decode if decode > 0 else 0.0
+
+    def fields(self) -> dict[str, Any]:
+        """The flat form for one-line logs."""
+        stats, cache = self.stats, self.stats.cache if self.stats else None
+        return {
+            "request_id": self.request_id,
+            "session": self.session,
+            "dialect": self.dialect,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "completion_tokens": self.completion_tokens,
+            "queue_s": round(stats.queued_s, 3) if stats else None,
+            "prefill_s": round(stats.prefill_s, 3) if stats else None,
+            "decode_s": round(stats.decode_s, 3) if stats else None,
+            "ttft_s": round(self.ttft_s, 3) if self.ttft_s is not None else None,
+            "e2e_s": round(self.e2e_s, 3),
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "finish": self.finish,
+            "tool_calls": self.tool_calls,
+            "cache_layer": cache.layer if cache else None,
+            "cache_depth": cache.depth if cache else 0,
+        }
+
+
+@dataclass(frozen=True)
+class ServerSnapshot:
+    """Gauges read at scrape time."""
+
+    model: str
+    running: int
+    waiting: int
+    reserved_kv_bytes: int
+    kv_budget_bytes: int
+    watchdog_aborts: int
+    engine: EngineStats

@@ -1,0 +1,71 @@
+"""One log line per request, and optional per-session cache trace files.
+
+The line is plain text by default and one JSON object with ``--log-json`` (the
+fields ride on the record as ``kvwarm``; the JSON formatter emits them). Cache
+trace files (``--cache-trace-dir``) get one JSON line per request of a session:
+what the prefix cache reused, from which entry, and why other candidates were
+turned down — the file to read when a turn that should have been warm was cold.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from pathlib import Path
+
+from observability.records import RequestRecord
+
+log = logging.getLogger("kvwarm.request")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def plain_line(rec: RequestRecord) -> str:
+    f = rec.fields()
+
+    def secs(key: str) -> str:
+        return f"{f[key]:.2f}s" if f[key] is not None else "-"
+
+    cache = f"{f['cache_layer']}:{f['cache_depth']}" if f["cache_layer"] else "miss"
+    return (
+        f"{rec.request_id} {rec.dialect} done: prompt={rec.prompt_tokens} cached={rec.cached_tokens} "
+        f"completion={rec.completion_tokens} queue={secs('queue_s')} prefill={secs('prefill_s')} "
+        f"decode={secs('decode_s')} ttft={secs('ttft_s')} total={rec.e2e_s:.2f}s "
+        f"({f['tokens_per_s']:.1f} tok/s) finish={rec.finish} tool_calls={rec.tool_calls} "
+        f"cache={cache} session={rec.session or '-'}"
+    )
+
+
+class RequestLog:
+    def __init__(self, trace_dir: str | Path | None = None):
+        self.trace_dir = Path(trace_dir) if trace_dir else None
+        if self.trace_dir is not None:
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def write(self, rec: RequestRecord) -> None:
+        log.info("%s", plain_line(rec), extra={"kvwarm": rec.fields()})
+        if self.trace_dir is not None:
+            self._trace(rec)
+
+    def trace_path(self, session: str | None) -> Path:
+        assert self.trace_dir is not None
+        name = _UNSAFE.sub("_", session or "no-session")[:120] or "no-session"
+        return self.trace_dir / f"{name}.jsonl"
+
+    def _trace(self, rec: RequestRecord) -> None:
+        cache = rec.stats.cache if rec.stats else None
+        line = {
+            "ts": rec.started_at,
+            **rec.fields(),
+            "cache_entry_tokens": cache.entry_tokens if cache else 0,
+            "cache_stale_tokens": cache.stale_tokens if cache else 0,
+            "cache_candidates": cache.candidates if cache else 0,
+            "cache_rejected": list(cache.rejected) if cache else [],
+        }
+        try:
+            with self._lock, self.trace_path(rec.session).open("a") as out:
+                out.write(json.dumps(line, ensure_ascii=False) + "\n")
+        except OSError as exc:  # a full disk must not fail requests
+            log.warning("cache trace not written: %s", exc)

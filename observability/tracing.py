@@ -1,0 +1,196 @@
+"""OpenTelemetry: one trace per request (queue, prefill and decode as child spans,
+GenAI semantic-convention attributes) and the request metrics through an OTel
+meter, both exported over OTLP/HTTP.
+
+Configured only by the standard ``OTEL_*`` environment variables and off unless
+an OTLP endpoint is set. Spans are built when a request ends, from the times it
+recorded, and handed to a batch processor whose export runs on its own thread
+with a bounded queue: a slow or absent collector drops spans, never requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+
+from opentelemetry import trace
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from observability.records import RequestRecord, ServerSnapshot
+
+log = logging.getLogger("kvwarm.otel")
+_NS = 1_000_000_000
+
+
+def _endpoint(signal: str, env: Mapping[str, str]) -> str | None:
+    return env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT") or env.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT"
+    )
+
+
+class Tracing:
+    def __init__(
+        self,
+        snapshot: Callable[[], ServerSnapshot | None] = lambda: None,
+        env: Mapping[str, str] | None = None,
+    ):
+        env = os.environ if env is None else env
+        self.enabled = env.get("OTEL_SDK_DISABLED", "").lower() != "true"
+        resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME", "kvwarm")})
+        self._tracer_provider: TracerProvider | None = None
+        self._meter_provider: MeterProvider | None = None
+        self._snapshot = snapshot
+        if self.enabled and _endpoint("TRACES", env):
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            self._tracer_provider = TracerProvider(resource=resource)
+            self._tracer_provider.add_span_processor(
+                BatchSpanProcessor(
+                    OTLPSpanExporter(), max_queue_size=4096, export_timeout_millis=5000
+                )
+            )
+            self._tracer = self._tracer_provider.get_tracer("kvwarm")
+        if self.enabled and _endpoint("METRICS", env):
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
+
+            reader = PeriodicExportingMetricReader(OTLPMetricExporter())
+            self._meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
+            self._instruments()
+        self._propagator = TraceContextTextMapPropagator()
+
+    @property
+    def active(self) -> bool:
+        return self._tracer_provider is not None or self._meter_provider is not None
+
+    def describe(self) -> str:
+        parts = [
+            n
+            for n, p in (("traces", self._tracer_provider), ("metrics", self._meter_provider))
+            if p
+        ]
+        return f"OTLP {' + '.join(parts)}" if parts else "off (no OTEL_EXPORTER_OTLP_ENDPOINT)"
+
+    # -- metrics ---------------------------------------------------------------
+    def _instruments(self) -> None:
+        meter = self._meter_provider.get_meter("kvwarm")  # type: ignore[union-attr]
+        self._m_prompt = meter.create_counter("kvwarm.prompt_tokens", "{token}")
+        self._m_generated = meter.create_counter("kvwarm.generation_tokens", "{token}")
+        self._m_queries = meter.create_counter("kvwarm.prefix_cache.queries", "{token}")
+        self._m_hits = meter.create_counter("kvwarm.prefix_cache.hits", "{token}")
+        self._m_requests = meter.create_counter("kvwarm.requests", "{request}")
+        self._m_ttft = meter.create_histogram("gen_ai.server.time_to_first_token", "s")
+        self._m_duration = meter.create_histogram("gen_ai.server.request.duration", "s")
+        self._m_tpot = meter.create_histogram("gen_ai.server.time_per_output_token", "s")
+        self._m_queue = meter.create_histogram("kvwarm.request.queue_time", "s")
+        self._m_prefill = meter.create_histogram("kvwarm.request.prefill_time", "s")
+
+        def gauge(field: str) -> Callable[[CallbackOptions], list[Observation]]:
+            def read(_: CallbackOptions) -> list[Observation]:
+                snap = self._snapshot()
+                if snap is None:
+                    return []
+                return [Observation(getattr(snap, field), {"gen_ai.request.model": snap.model})]
+
+            return read
+
+        meter.create_observable_gauge("kvwarm.num_requests_running", [gauge("running")])
+        meter.create_observable_gauge("kvwarm.num_requests_waiting", [gauge("waiting")])
+
+    def _record_metrics(self, rec: RequestRecord) -> None:
+        attrs = {"gen_ai.request.model": rec.model, "kvwarm.dialect": rec.dialect}
+        self._m_prompt.add(rec.prompt_tokens, attrs)
+        self._m_generated.add(rec.completion_tokens, attrs)
+        self._m_queries.add(rec.prompt_tokens, attrs)
+        self._m_hits.add(rec.cached_tokens, attrs)
+        self._m_requests.add(1, {**attrs, "finished_reason": rec.finish})
+        self._m_duration.record(rec.e2e_s, attrs)
+        if rec.ttft_s is not None:
+            self._m_ttft.record(rec.ttft_s, attrs)
+        if rec.stats is not None:
+            self._m_queue.record(rec.stats.queued_s, attrs)
+            self._m_prefill.record(rec.stats.prefill_s, attrs)
+            if rec.completion_tokens > 1:
+                self._m_tpot.record(rec.stats.decode_s / (rec.completion_tokens - 1), attrs)
+
+    # -- traces ----------------------------------------------------------------
+    def request_done(self, rec: RequestRecord, headers: Mapping[str, str]) -> None:
+        try:
+            if self._tracer_provider is not None:
+                self._span(rec, headers)
+            if self._meter_provider is not None:
+                self._record_metrics(rec)
+        except Exception:  # noqa: BLE001 - telemetry must never fail a request
+            log.warning("telemetry for %s failed", rec.request_id, exc_info=True)
+
+    def _span(self, rec: RequestRecord, headers: Mapping[str, str]) -> None:
+        parent = self._propagator.extract(carrier=headers)
+        operation = "text_completion" if rec.dialect == "completions" else "chat"
+        start = int(rec.started_at * _NS)
+        end = start + int(rec.e2e_s * _NS)
+        cache = rec.stats.cache if rec.stats else None
+        attributes = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.request.model": rec.model,
+            "gen_ai.response.model": rec.model,
+            "gen_ai.response.id": rec.request_id,
+            "gen_ai.response.finish_reasons": [rec.finish],
+            "gen_ai.usage.input_tokens": rec.prompt_tokens,
+            "gen_ai.usage.output_tokens": rec.completion_tokens,
+            "gen_ai.usage.cache_read.input_tokens": rec.cached_tokens,
+            "kvwarm.cached_tokens": rec.cached_tokens,
+            "kvwarm.cache.layer": (cache.layer if cache else None) or "miss",
+            "kvwarm.cache.depth": cache.depth if cache else 0,
+            "kvwarm.dialect": rec.dialect,
+        }
+        if rec.session:
+            attributes["gen_ai.conversation.id"] = rec.session
+        for key, value in rec.request.items():
+            if value is not None:
+                attributes[f"gen_ai.request.{key}"] = value
+        root = self._tracer.start_span(
+            f"{operation} {rec.model}",
+            context=parent,
+            kind=SpanKind.SERVER,
+            start_time=start,
+            attributes=attributes,
+        )
+        if rec.finish == "error":
+            root.set_status(Status(StatusCode.ERROR, "generation failed"))
+        if rec.stats is not None:
+            inside = trace.set_span_in_context(root)
+            at = start
+            for name, seconds in (
+                ("queue", rec.stats.queued_s),
+                ("prefill", rec.stats.prefill_s),
+                ("decode", rec.stats.decode_s),
+            ):
+                span = self._tracer.start_span(f"kvwarm.{name}", context=inside, start_time=at)
+                at = min(end, at + int(seconds * _NS))
+                if name == "prefill" and cache is not None:
+                    span.set_attribute("kvwarm.cache.depth", cache.depth)
+                    span.set_attribute(
+                        "kvwarm.prefill.tokens", rec.prompt_tokens - rec.cached_tokens
+                    )
+                span.end(end_time=at)
+        root.end(end_time=end)
+
+    def flush(self, timeout_ms: int = 5000) -> None:
+        for provider in (self._tracer_provider, self._meter_provider):
+            if provider is not None:
+                provider.force_flush(timeout_ms)
+
+    def shutdown(self) -> None:
+        for provider in (self._tracer_provider, self._meter_provider):
+            if provider is not None:
+                try:
+                    provider.shutdown()
+                except Exception:  # noqa: BLE001 - a dead collector at exit is not an error
+                    log.debug("telemetry shutdown failed", exc_info=True)
