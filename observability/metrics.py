@@ -236,12 +236,29 @@ class Metrics:
             "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
         )
         self._model = "unknown"
+        self._per_model = [
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.cache_queries,
+            self.cache_hits,
+            self.ttft,
+            self.itl,
+            self.e2e,
+            self.queue,
+            self.prefill,
+            self.decode,
+            self.req_prompt,
+            self.req_cached,
+            self.req_generated,
+        ]
 
     def ensure_model(self, model: str) -> None:
         """Pre-create the labelled series so every panel has data from the first scrape."""
         if model == self._model:
             return
         self._model = model
+        for metric in self._per_model:
+            metric.labels(model)
         for reason in REJECT_REASONS:
             self.rejected.labels(model, reason)
         for reason in ("stop", "length", "tool_calls", "abort", "error"):

@@ -28,12 +28,17 @@ from observability.records import RequestRecord, ServerSnapshot
 
 log = logging.getLogger("kvwarm.otel")
 _NS = 1_000_000_000
+EXPORT_TIMEOUT_S = 5.0  # per export attempt, on the exporter's own thread
 
 
 def _endpoint(signal: str, env: Mapping[str, str]) -> str | None:
-    return env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT") or env.get(
-        "OTEL_EXPORTER_OTLP_ENDPOINT"
-    )
+    """The OTLP/HTTP URL for ``signal`` (TRACES / METRICS), as the OTLP spec derives it:
+    a signal-specific variable is used as is, the shared one gets ``/v1/<signal>``."""
+    specific = env.get(f"OTEL_EXPORTER_OTLP_{signal}_ENDPOINT")
+    if specific:
+        return specific
+    base = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    return f"{base.rstrip('/')}/v1/{signal.lower()}" if base else None
 
 
 class Tracing:
@@ -48,20 +53,23 @@ class Tracing:
         self._tracer_provider: TracerProvider | None = None
         self._meter_provider: MeterProvider | None = None
         self._snapshot = snapshot
-        if self.enabled and _endpoint("TRACES", env):
+        traces_url, metrics_url = _endpoint("TRACES", env), _endpoint("METRICS", env)
+        if self.enabled and traces_url:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
             self._tracer_provider = TracerProvider(resource=resource)
+            exporter = OTLPSpanExporter(endpoint=traces_url, timeout=EXPORT_TIMEOUT_S)
             self._tracer_provider.add_span_processor(
-                BatchSpanProcessor(
-                    OTLPSpanExporter(), max_queue_size=4096, export_timeout_millis=5000
-                )
+                BatchSpanProcessor(exporter, max_queue_size=4096, export_timeout_millis=5000)
             )
             self._tracer = self._tracer_provider.get_tracer("kvwarm")
-        if self.enabled and _endpoint("METRICS", env):
+        if self.enabled and metrics_url:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
-            reader = PeriodicExportingMetricReader(OTLPMetricExporter())
+            interval = float(env.get("OTEL_METRIC_EXPORT_INTERVAL", 15000))
+            reader = PeriodicExportingMetricReader(
+                OTLPMetricExporter(endpoint=metrics_url, timeout=EXPORT_TIMEOUT_S), interval
+            )
             self._meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
             self._instruments()
         self._propagator = TraceContextTextMapPropagator()

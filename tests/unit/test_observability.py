@@ -1,0 +1,276 @@
+"""Metrics, traces and logs from plain records, and over HTTP with a model-free engine."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+
+import httpx
+import pytest
+
+from app.server import create_app
+from app.settings import Settings
+from observability.logging_setup import JsonFormatter
+from observability.metrics import Metrics, _batch_histogram
+from observability.records import RequestRecord
+from observability.request_log import RequestLog
+from observability.tracing import Tracing
+from scheduler.admission import AdmissionController, MemoryBudget
+from scheduler.request import CacheReport, Request, RequestStats
+from scheduler.scheduler import Scheduler
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.http_server import serve_app
+from tests.helpers.otlp_receiver import OTLPReceiver, attributes
+
+REQUIRED = [
+    "kvwarm:num_requests_running",
+    "kvwarm:num_requests_waiting",
+    "kvwarm:kv_cache_usage_perc",
+    "kvwarm:prompt_cache_bytes",
+    "kvwarm:prompt_cache_entries",
+    "kvwarm:prefix_cache_queries_total",
+    "kvwarm:prefix_cache_hits_total",
+    "kvwarm:prompt_tokens_total",
+    "kvwarm:generation_tokens_total",
+    "kvwarm:request_success_total",
+    "kvwarm:requests_rejected_total",
+    "kvwarm:client_disconnects_total",
+    "kvwarm:watchdog_aborts_total",
+    "kvwarm:cache_correctness_events_total",
+    "kvwarm:time_to_first_token_seconds_bucket",
+    "kvwarm:inter_token_latency_seconds_bucket",
+    "kvwarm:e2e_request_latency_seconds_bucket",
+    "kvwarm:request_queue_time_seconds_bucket",
+    "kvwarm:request_prefill_time_seconds_bucket",
+    "kvwarm:request_decode_time_seconds_bucket",
+    "kvwarm:request_prompt_tokens_bucket",
+    "kvwarm:request_cached_tokens_bucket",
+    "kvwarm:batch_size_bucket",
+    "kvwarm:mlx_active_memory_bytes",
+    "kvwarm:mlx_peak_memory_bytes",
+    "kvwarm:mlx_cache_memory_bytes",
+    "process_resident_memory_bytes",
+]
+
+
+def record(**kw) -> RequestRecord:
+    base = dict(
+        request_id="req-1",
+        dialect="chat",
+        model="m",
+        prompt_tokens=100,
+        cached_tokens=60,
+        completion_tokens=10,
+        finish="stop",
+        e2e_s=2.0,
+        started_at=time.time() - 2.0,
+        ttft_s=0.5,
+        stats=RequestStats(
+            0.1, 0.4, 1.5, CacheReport("chain", 60, 80, 0, 2, ("entry 3: volatile mismatch",))
+        ),
+        session="s1",
+        request={"max_tokens": 32, "temperature": 0.0, "top_p": 1.0},
+    )
+    base.update(kw)
+    return RequestRecord(**base)
+
+
+def sample(metrics: Metrics, name: str, **labels) -> float | None:
+    return metrics.registry.get_sample_value(name, {"model_name": "m", **labels})
+
+
+def test_counters_are_token_denominated_and_typed_as_counters():
+    metrics = Metrics()
+    metrics.ensure_model("m")
+    metrics.observe_request(record())
+    metrics.observe_request(record(prompt_tokens=50, cached_tokens=0, finish="tool_calls"))
+    assert sample(metrics, "kvwarm:prefix_cache_queries_total") == 150
+    assert sample(metrics, "kvwarm:prefix_cache_hits_total") == 60
+    assert sample(metrics, "kvwarm:request_success_total", finished_reason="tool_calls") == 1
+    assert sample(metrics, "kvwarm:request_prefill_time_seconds_count") == 2
+    text = metrics.render().decode()
+    assert "# TYPE kvwarm:prompt_tokens_total counter" in text
+    assert "# TYPE kvwarm:time_to_first_token_seconds histogram" in text
+    # a 30 s prefill lands in a bucket of its own, not only in +Inf
+    metrics.observe_request(record(stats=RequestStats(0.0, 30.0, 1.0)))
+    assert sample(metrics, "kvwarm:request_prefill_time_seconds_bucket", le="20.0") == 2
+    assert sample(metrics, "kvwarm:request_prefill_time_seconds_bucket", le="30.0") == 3
+
+
+def test_batch_size_histogram_from_step_counts():
+    h = _batch_histogram("m", (0, 5, 3, 0, 2))  # 5 steps of 1 row, 3 of 2, 2 of 4
+    samples = {(s.name, s.labels.get("le")): s.value for s in h.samples}
+    assert samples[("kvwarm:batch_size_bucket", "1.0")] == 5
+    assert samples[("kvwarm:batch_size_bucket", "2.0")] == 8
+    assert samples[("kvwarm:batch_size_bucket", "4.0")] == 10
+    assert samples[("kvwarm:batch_size_bucket", "+Inf")] == 10
+    assert samples[("kvwarm:batch_size_sum", None)] == 5 + 6 + 8
+
+
+def test_watchdog_ends_requests_past_the_timeout():
+    budget = MemoryBudget(total_bytes=10**6, weights_bytes=0, reserve_bytes=0, kv_bytes_per_token=1)
+    sched = Scheduler(AdmissionController(budget, 4096), 1, 8, request_timeout_s=0.05)
+    running, waiting = Request([1, 2], 4), Request([3], 4)
+    sched.add(running)
+    sched.add(waiting)
+    assert sched.schedule().admit == [running]
+    time.sleep(0.08)
+    fresh = Request([4], 4)
+    sched.add(fresh)
+    plan = sched.schedule()
+    assert sorted(plan.timed_out) == sorted([running.request_id, waiting.request_id])
+    assert plan.admit == [fresh]  # the freed slot goes to the next request
+    assert sched.stats().watchdog_aborts_total == 2
+
+
+def test_json_log_lines_and_cache_trace_files(tmp_path):
+    log = RequestLog(tmp_path / "traces")
+    captured = []
+    handler = logging.Handler()
+    handler.emit = lambda r: captured.append(JsonFormatter().format(r))
+    logger = logging.getLogger("kvwarm.request")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        log.write(record(session="agent/1 x"))
+    finally:
+        logger.removeHandler(handler)
+    line = json.loads(captured[0])
+    assert line["request_id"] == "req-1" and line["session"] == "agent/1 x"
+    assert (
+        line["cached_tokens"] == 60 and line["cache_layer"] == "chain" and line["prefill_s"] == 0.4
+    )
+    assert "cached=60" in line["message"] and "cache=chain:60" in line["message"]
+    (trace_file,) = (tmp_path / "traces").iterdir()
+    assert trace_file.name == "agent_1_x.jsonl"
+    entry = json.loads(trace_file.read_text())
+    assert entry["cache_rejected"] == ["entry 3: volatile mismatch"]
+    assert entry["cache_entry_tokens"] == 80
+
+
+def test_traces_carry_genai_attributes_and_the_callers_parent():
+    receiver = OTLPReceiver()
+    try:
+        tracing = Tracing(
+            env={"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_SERVICE_NAME": "kv"}
+        )
+        parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        tracing.request_done(record(), {"traceparent": parent})
+        tracing.flush()
+        tracing.shutdown()
+        spans = {s.name: s for s in receiver.spans}
+        root = spans["chat m"]
+        assert root.trace_id.hex() == "0af7651916cd43dd8448eb211c80319c"
+        assert root.parent_span_id.hex() == "b7ad6b7169203331"
+        attrs = attributes(root)
+        assert attrs["gen_ai.request.model"] == "m"
+        assert attrs["gen_ai.usage.input_tokens"] == 100
+        assert attrs["gen_ai.usage.output_tokens"] == 10
+        assert attrs["kvwarm.cached_tokens"] == 60 and attrs["kvwarm.cache.layer"] == "chain"
+        assert attrs["gen_ai.response.finish_reasons"] == ["stop"]
+        for child in ("kvwarm.queue", "kvwarm.prefill", "kvwarm.decode"):
+            assert spans[child].parent_span_id == root.span_id
+        assert spans["kvwarm.prefill"].end_time_unix_nano - spans[
+            "kvwarm.prefill"
+        ].start_time_unix_nano == pytest.approx(0.4e9, rel=0.01)
+        assert "gen_ai.server.time_to_first_token" in receiver.metric_names
+        assert "kvwarm.prefix_cache.hits" in receiver.metric_names
+    finally:
+        receiver.close()
+
+
+def test_tracing_is_off_without_an_endpoint():
+    tracing = Tracing(env={})
+    assert not tracing.active
+    tracing.request_done(record(), {})  # a no-op
+
+
+def _timed_requests(url: str, n: int) -> float:
+    started = time.monotonic()
+    for _ in range(n):
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 3},
+        )
+        assert r.status_code == 200
+    return time.monotonic() - started
+
+
+def test_a_dead_collector_neither_fails_nor_slows_requests(monkeypatch):
+    def app():
+        return create_app(Settings(_env_file=None), lambda s, r: FakeEngine(s, r, step_delay=0.01))
+
+    with serve_app(app()) as url:
+        _timed_requests(url, 3)
+        baseline = _timed_requests(url, 15)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")  # nothing listens
+    monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "200")
+    dead = app()
+    with serve_app(dead) as url:
+        assert dead.state.kvwarm.obs.tracing.active
+        _timed_requests(url, 3)
+        slowed = _timed_requests(url, 15)
+    assert slowed < baseline * 1.5 + 0.5, (baseline, slowed)
+
+
+@pytest.fixture
+def metrics_server():
+    app = create_app(
+        Settings(_env_file=None, max_queue=1, batch=1, request_timeout=1.0),
+        lambda s, r: FakeEngine(s, r, step_delay=0.05, context_length=256),
+    )
+    with serve_app(app) as url:
+        yield url
+
+
+def _value(text: str, name: str, **labels) -> float:
+    want = ",".join(f'{k}="{v}"' for k, v in sorted({"model_name": "fake-model", **labels}.items()))
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            got = ",".join(sorted(line[len(name) + 1 : line.index("}")].split(",")))
+            if got == want:
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{labels} not exported")
+
+
+def test_http_rejections_disconnects_and_watchdog_reach_metrics(metrics_server):
+    url = metrics_server
+    chat = url + "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "x"}]
+    assert httpx.post(chat, json={"messages": msgs, "max_tokens": 10_000}).status_code == 400
+    assert httpx.post(chat, json={"messages": "nope"}).status_code == 400
+    # one running (slowly), one waiting, the third finds the queue full
+    done = []
+    threads = [
+        threading.Thread(
+            target=lambda: done.append(
+                httpx.post(chat, json={"messages": msgs, "max_tokens": 12}, timeout=30)
+            )
+        )
+        for _ in range(2)
+    ]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    assert httpx.post(chat, json={"messages": msgs, "max_tokens": 2}).status_code == 429
+    for t in threads:
+        t.join()
+    # the first ran 12 steps x 50 ms; the second waited, then ran past the 1 s watchdog
+    assert sorted(r.status_code for r in done) == [200, 500]
+    with httpx.stream(
+        "POST", chat, json={"messages": msgs, "max_tokens": 15, "stream": True}
+    ) as resp:
+        next(resp.iter_lines())  # leave after the first chunk
+    time.sleep(0.3)
+    text = httpx.get(url + "/metrics").text
+    assert _value(text, "kvwarm:requests_rejected_total", reason="over_context") == 1
+    assert _value(text, "kvwarm:requests_rejected_total", reason="invalid") == 1
+    assert _value(text, "kvwarm:requests_rejected_total", reason="queue_full") == 1
+    assert _value(text, "kvwarm:watchdog_aborts_total") == 1
+    assert _value(text, "kvwarm:client_disconnects_total") == 1
+    assert _value(text, "kvwarm:request_success_total", finished_reason="length") == 1
+    assert _value(text, "kvwarm:request_success_total", finished_reason="error") == 1
+    for name in REQUIRED:
+        assert f"\n{name}" in text, name
