@@ -16,7 +16,7 @@ endif
 MLX_EXTRA := $(strip $(MLX_EXTRA))
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 
-.PHONY: install install-dev system-deps serve test test-fast bench bench-agents bench-dialects lint clean help
+.PHONY: install install-dev system-deps test-tools serve test test-fast bench bench-agents bench-dialects lint clean help
 
 help:
 	@echo "make serve   install, prepare the default model, serve on $(HOST):$(PORT)"
@@ -39,6 +39,22 @@ system-deps:
 	    echo "warning: could not install libopenblas0-pthread; MLX will use its slow reference BLAS"; \
 	  fi; \
 	fi
+
+# Real peers the monitoring tests run against: Prometheus (Debian package) and the
+# LiteLLM proxy (its own venv: its pins must not bend kvwarm's).
+LITELLM_VENV ?= .venv-litellm
+test-tools:
+	@if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=skip; fi; \
+	  if [ "$$SUDO" = skip ]; then echo "note: not root; the Prometheus test needs the prometheus package"; \
+	  else echo "installing prometheus (monitoring tests)"; \
+	    $$SUDO apt-get install -y -q prometheus >/dev/null 2>&1 || \
+	    { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q prometheus >/dev/null; } || \
+	    echo "warning: could not install prometheus"; \
+	  fi; \
+	fi
+	@test -x $(LITELLM_VENV)/bin/litellm || { echo "installing litellm[proxy] into $(LITELLM_VENV) (LiteLLM test)"; \
+	  $(PYTHON) -m venv $(LITELLM_VENV) && $(LITELLM_VENV)/bin/pip install -q --disable-pip-version-check 'litellm[proxy]'; }
 
 $(VENV)/.installed: pyproject.toml deploy/pip_requirements.py Makefile
 	@$(MAKE) --no-print-directory system-deps
@@ -63,7 +79,7 @@ serve: install
 	$(VENV)/bin/kvwarm prepare
 	$(VENV)/bin/kvwarm serve --host $(HOST) --port $(PORT)
 
-test: install-dev
+test: install-dev test-tools
 	$(VENV)/bin/pytest
 
 test-fast: install-dev

@@ -83,7 +83,7 @@ class Request:
 class CacheReport:
     """What the prefix cache did for one request (plain data for logs, traces, metrics)."""
 
-    layer: str | None = None  # "chain" / "session"; None: a miss, or the cache is off
+    layer: str | None = None  # "global" (block-hash chain) / "session"; None: a miss or no cache
     depth: int = 0  # prompt tokens reused
     entry_tokens: int = 0  # length of the entry they came from
     stale_tokens: int = 0  # volatile tokens reused with their older values

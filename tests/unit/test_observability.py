@@ -68,7 +68,7 @@ def record(**kw) -> RequestRecord:
         started_at=time.time() - 2.0,
         ttft_s=0.5,
         stats=RequestStats(
-            0.1, 0.4, 1.5, CacheReport("chain", 60, 80, 0, 2, ("entry 3: volatile mismatch",))
+            0.1, 0.4, 1.5, CacheReport("global", 60, 80, 0, 2, ("entry 3: volatile mismatch",))
         ),
         session="s1",
         request={"max_tokens": 32, "temperature": 0.0, "top_p": 1.0},
@@ -140,9 +140,9 @@ def test_json_log_lines_and_cache_trace_files(tmp_path):
     line = json.loads(captured[0])
     assert line["request_id"] == "req-1" and line["session"] == "agent/1 x"
     assert (
-        line["cached_tokens"] == 60 and line["cache_layer"] == "chain" and line["prefill_s"] == 0.4
+        line["cached_tokens"] == 60 and line["cache_layer"] == "global" and line["prefill_s"] == 0.4
     )
-    assert "cached=60" in line["message"] and "cache=chain:60" in line["message"]
+    assert "cached=60" in line["message"] and "cache=global:60" in line["message"]
     (trace_file,) = (tmp_path / "traces").iterdir()
     assert trace_file.name == "agent_1_x.jsonl"
     entry = json.loads(trace_file.read_text())
@@ -168,7 +168,7 @@ def test_traces_carry_genai_attributes_and_the_callers_parent():
         assert attrs["gen_ai.request.model"] == "m"
         assert attrs["gen_ai.usage.input_tokens"] == 100
         assert attrs["gen_ai.usage.output_tokens"] == 10
-        assert attrs["kvwarm.cached_tokens"] == 60 and attrs["kvwarm.cache.layer"] == "chain"
+        assert attrs["kvwarm.cached_tokens"] == 60 and attrs["kvwarm.cache.layer"] == "global"
         assert attrs["gen_ai.response.finish_reasons"] == ["stop"]
         for child in ("kvwarm.queue", "kvwarm.prefill", "kvwarm.decode"):
             assert spans[child].parent_span_id == root.span_id
