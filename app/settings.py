@@ -58,7 +58,7 @@ class Settings(BaseSettings):
     )
     api_key: str | None = Field(
         None,
-        description="require this key (Authorization: Bearer / x-api-key) on all routes but /health",
+        description="require this key (Authorization: Bearer / x-api-key) on all routes but /health and /metrics",
     )
     max_body_bytes: str = Field("32MiB", description="largest request body accepted (413 above)")
     prompt_cache_bytes: str = Field(
