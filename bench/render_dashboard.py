@@ -78,7 +78,7 @@ def main() -> None:
         [str(BIN / "kvwarm"), "serve", "--port", str(PORT), "--batch", "4"],
         PORT,
         work / "kvwarm.log",
-        {"KVWARM_LOG_LEVEL": "warning", "PATH": "/usr/bin:/bin"},
+        server_env(False),
     )
     prom = subprocess.Popen(
         [
