@@ -11,7 +11,7 @@ from typing import Any
 from scheduler.admission import AdmissionController, MemoryBudget
 from scheduler.contracts import EngineStats, ModelInfo
 from scheduler.prompt_key import PromptKey, RenderedPrompt
-from scheduler.request import FinishReason, Request, RequestOutput
+from scheduler.request import FinishReason, Request, RequestOutput, RequestStats
 from scheduler.scheduler import Scheduler
 from scheduler.streams import OutputRouter
 
@@ -116,13 +116,13 @@ class FakeEngine(threading.Thread):
                 )
                 for req in plan.admit:
                     pieces = self.script(req) if self.script else None
-                    self._active[req.request_id] = [req, 0, pieces]
+                    self._active[req.request_id] = [req, 0, pieces, time.monotonic()]
                 if not self._active:
                     self.scheduler.wait_for_work(0.05)
                     continue
                 outputs = []
                 for rid, entry in list(self._active.items()):
-                    req, n, pieces = entry
+                    req, n, pieces, joined = entry
                     entry[1] = n = n + 1
                     finish = None
                     eos = self.eos_after is not None and n >= self.eos_after and not req.ignore_eos
@@ -131,8 +131,17 @@ class FakeEngine(threading.Thread):
                     elif n >= req.max_tokens:
                         finish = FinishReason.LENGTH
                     text = pieces[n - 1] if pieces else f"w{n - 1} "
+                    stats = None
+                    if finish is not None:
+                        now = time.monotonic()
+                        waited = joined - req.arrival_time
+                        stats = RequestStats(
+                            waited, self.step_delay, max(0.0, now - joined - self.step_delay)
+                        )
                     outputs.append(
-                        RequestOutput(rid, text, (n,), finish, len(req.prompt_tokens), n)
+                        RequestOutput(
+                            rid, text, (n,), finish, len(req.prompt_tokens), n, stats=stats
+                        )
                     )
                     if finish:
                         del self._active[rid]

@@ -274,3 +274,35 @@ def test_http_rejections_disconnects_and_watchdog_reach_metrics(metrics_server):
     assert _value(text, "kvwarm:request_success_total", finished_reason="error") == 1
     for name in REQUIRED:
         assert f"\n{name}" in text, name
+
+
+def test_an_http_request_with_traceparent_joins_the_callers_trace(monkeypatch):
+    receiver = OTLPReceiver()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.url + "/v1/traces")
+    app = create_app(Settings(_env_file=None), lambda s, r: FakeEngine(s, r, eos_after=3))
+    try:
+        with serve_app(app) as url:
+            parent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+            r = httpx.post(
+                url + "/v1/messages",
+                json={
+                    "model": "c",
+                    "max_tokens": 8,
+                    "messages": [{"role": "user", "content": "x"}],
+                },
+                headers={"traceparent": parent},
+            )
+            assert r.status_code == 200
+            app.state.kvwarm.obs.tracing.flush()
+        root = next(s for s in receiver.spans if s.name == "chat fake-model")
+        assert root.trace_id.hex() == "4bf92f3577b34da6a3ce929d0e0e4736"
+        assert root.parent_span_id.hex() == "00f067aa0ba902b7"
+        attrs = attributes(root)
+        assert attrs["kvwarm.dialect"] == "messages" and attrs["gen_ai.usage.output_tokens"] == 3
+        assert {s.name for s in receiver.spans} >= {
+            "kvwarm.queue",
+            "kvwarm.prefill",
+            "kvwarm.decode",
+        }
+    finally:
+        receiver.close()
