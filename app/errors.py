@@ -137,7 +137,8 @@ def _count_rejection(request: Request, status: int, code: str | None) -> None:
     state = getattr(request.app.state, "kvwarm", None)
     reason = rejection_reason(status, code)
     if state is not None and reason and request.method == "POST":
-        state.obs.metrics.observe_rejection(reason)
+        info = state.engine.model_info
+        state.obs.metrics.observe_rejection(reason, info.model_id if info else None)
 
 
 def install_error_handlers(app: FastAPI) -> None:

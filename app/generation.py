@@ -154,10 +154,9 @@ class Generation:
         new = out.completion_tokens - self.outcome.completion_tokens
         if new <= 0:
             return
-        now = time.monotonic()
         if self._last_token_at is not None:
-            self.state.obs.metrics.observe_itl(now - self._last_token_at, new)
-        self._last_token_at = now
+            self.state.obs.metrics.observe_itl(out.at - self._last_token_at, new)
+        self._last_token_at = out.at
 
     def record(self) -> RequestRecord:
         done, req = self.outcome, self.prepared.request

@@ -60,8 +60,8 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
             yield
         finally:
             engine.stop()
-            state.obs.shutdown()
             await asyncio.to_thread(engine.join, 10.0)  # waiting on a thread, not MLX work
+            await asyncio.to_thread(state.obs.shutdown)  # flushes the last spans
 
     app = FastAPI(title="kvwarm", version="0.1.0", lifespan=lifespan)
     install_error_handlers(app)

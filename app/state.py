@@ -22,7 +22,8 @@ class AppState:
     service: GenerationService
     healing: HealingStore = field(default_factory=HealingStore)
     responses: ResponseStore = field(default_factory=ResponseStore)
-    obs: Observability = field(default_factory=Observability)
+    # the lifespan installs the configured hub; this default exports nothing
+    obs: Observability = field(default_factory=lambda: Observability(env={}))
     started_at: float = field(default_factory=time.time)
 
     def snapshot(self) -> ServerSnapshot | None:

@@ -216,6 +216,7 @@ class EngineThread(threading.Thread):
                 f"{loaded.weights_bytes / 2**20:.0f} MiB of weights and "
                 f"{budget.reserve_bytes / 2**20:.0f} MiB reserve"
             )
+        self._sample_memory()
         self._ready.set()
 
     def _loop(self) -> None:
@@ -243,6 +244,7 @@ class EngineThread(threading.Thread):
                     )
             self.router.publish(failed)
             if runner.active == 0:
+                self._sample_memory()  # idle gauges still move (freed cache, clear_cache)
                 scheduler.wait_for_work(timeout=0.5)
                 continue
             outputs = runner.step()

@@ -120,7 +120,12 @@ class _StateCollector(Collector):
         yield gauge("num_requests_running", "Requests in the running batch.", snap.running)
         yield gauge("num_requests_waiting", "Requests waiting for admission.", snap.waiting)
         usage = snap.reserved_kv_bytes / snap.kv_budget_bytes if snap.kv_budget_bytes else 0.0
-        yield gauge("kv_cache_usage_perc", "KV budget reserved by running requests (0-1).", usage)
+        yield gauge(
+            "kv_cache_usage_perc",
+            "Share of the KV budget reserved by running requests (0-1): admission's view, "
+            "prompt + max_tokens per request, not the KV filled so far.",
+            usage,
+        )
         yield gauge(
             "kv_cache_budget_bytes", "Bytes of the memory budget left for KV.", snap.kv_budget_bytes
         )
@@ -135,6 +140,17 @@ class _StateCollector(Collector):
             "prompt_cache_evictions",
             "Prefix-cache entries evicted for room.",
             cache.get("evictions", 0),
+        )
+        # the cache's own lookups: every request that reached it, finished or not
+        yield counter(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache.",
+            cache.get("tokens_queried", 0),
+        )
+        yield counter(
+            "prefix_cache_hits",
+            "Prompt tokens served from the prefix cache.",
+            cache.get("tokens_reused", 0),
         )
         yield counter(
             "prefill_computed_tokens",
@@ -193,12 +209,6 @@ class Metrics:
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
-        self.cache_queries = counter(
-            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
-        )
-        self.cache_hits = counter(
-            "prefix_cache_hits", "Prompt tokens served from the prefix cache."
-        )
         self.success = counter(
             "request_success", "Requests that ended, by finish reason.", ("finished_reason",)
         )
@@ -239,8 +249,6 @@ class Metrics:
         self._per_model = [
             self.prompt_tokens,
             self.generation_tokens,
-            self.cache_queries,
-            self.cache_hits,
             self.ttft,
             self.itl,
             self.e2e,
@@ -267,10 +275,9 @@ class Metrics:
 
     def observe_request(self, rec: RequestRecord) -> None:
         m = rec.model
-        self.prompt_tokens.labels(m).inc(rec.prompt_tokens)
+        if rec.reached_engine:  # a request dropped from the queue was never prefilled
+            self.prompt_tokens.labels(m).inc(rec.prompt_tokens)
         self.generation_tokens.labels(m).inc(rec.completion_tokens)
-        self.cache_queries.labels(m).inc(rec.prompt_tokens)
-        self.cache_hits.labels(m).inc(rec.cached_tokens)
         self.success.labels(m, rec.finish).inc()
         if rec.disconnected:
             self.disconnects.labels(m).inc()
@@ -292,7 +299,9 @@ class Metrics:
         for _ in range(max(1, tokens)):
             h.observe(per)
 
-    def observe_rejection(self, reason: str) -> None:
+    def observe_rejection(self, reason: str, model: str | None = None) -> None:
+        if model:
+            self.ensure_model(model)
         self.rejected.labels(self._model, reason).inc()
 
     def render(self) -> bytes:

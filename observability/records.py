@@ -34,6 +34,11 @@ class RequestRecord:
     request: dict[str, Any] = field(default_factory=dict)  # max_tokens, temperature, top_p
 
     @property
+    def reached_engine(self) -> bool:
+        """Prefilled (at least partly): it has engine timings or produced tokens."""
+        return self.stats is not None or self.completion_tokens > 0 or self.ttft_s is not None
+
+    @property
     def tokens_per_s(self) -> float:
         decode = self.stats.decode_s if self.stats else self.e2e_s
         return self.completion_tokens / decode if decode > 0 else 0.0

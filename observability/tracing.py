@@ -41,6 +41,14 @@ def _endpoint(signal: str, env: Mapping[str, str]) -> str | None:
     return f"{base.rstrip('/')}/v1/{signal.lower()}" if base else None
 
 
+def _interval_ms(value: str | None, default: float = 15000.0) -> float:
+    try:
+        return float(value) if value else default
+    except ValueError:
+        log.warning("OTEL_METRIC_EXPORT_INTERVAL=%r is not a number; using %d ms", value, default)
+        return default
+
+
 class Tracing:
     def __init__(
         self,
@@ -54,6 +62,18 @@ class Tracing:
         self._meter_provider: MeterProvider | None = None
         self._snapshot = snapshot
         traces_url, metrics_url = _endpoint("TRACES", env), _endpoint("METRICS", env)
+        protocol = env.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        if (traces_url or metrics_url) and protocol != "http/protobuf":
+            log.warning(
+                "OTEL_EXPORTER_OTLP_PROTOCOL=%s: kvwarm exports OTLP over HTTP only "
+                "(http/protobuf, port 4318); telemetry is off",
+                protocol,
+            )
+            traces_url = metrics_url = None
+        if env.get("OTEL_TRACES_EXPORTER", "otlp") == "none":
+            traces_url = None
+        if env.get("OTEL_METRICS_EXPORTER", "otlp") == "none":
+            metrics_url = None
         if self.enabled and traces_url:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
@@ -66,7 +86,7 @@ class Tracing:
         if self.enabled and metrics_url:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
-            interval = float(env.get("OTEL_METRIC_EXPORT_INTERVAL", 15000))
+            interval = _interval_ms(env.get("OTEL_METRIC_EXPORT_INTERVAL"))
             reader = PeriodicExportingMetricReader(
                 OTLPMetricExporter(endpoint=metrics_url, timeout=EXPORT_TIMEOUT_S), interval
             )

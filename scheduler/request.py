@@ -117,6 +117,9 @@ class RequestOutput:
     ttft: float | None = None
     stop_sequence: str | None = None  # the stop string that ended it (finish STOP)
     stats: RequestStats | None = None  # on the final output of a request the engine ran
+    # when the engine produced it (monotonic): inter-token gaps are measured here,
+    # not when the HTTP loop gets round to reading the queue
+    at: float = field(default_factory=time.monotonic)
 
     @classmethod
     def failure(cls, request_id: str, error: str) -> RequestOutput:

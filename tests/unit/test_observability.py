@@ -14,10 +14,11 @@ from app.server import create_app
 from app.settings import Settings
 from observability.logging_setup import JsonFormatter
 from observability.metrics import Metrics, _batch_histogram
-from observability.records import RequestRecord
+from observability.records import RequestRecord, ServerSnapshot
 from observability.request_log import RequestLog
 from observability.tracing import Tracing
 from scheduler.admission import AdmissionController, MemoryBudget
+from scheduler.contracts import EngineStats
 from scheduler.request import CacheReport, Request, RequestStats
 from scheduler.scheduler import Scheduler
 from tests.helpers.fake_engine import FakeEngine
@@ -81,12 +82,22 @@ def sample(metrics: Metrics, name: str, **labels) -> float | None:
     return metrics.registry.get_sample_value(name, {"model_name": "m", **labels})
 
 
+def _snapshot(**cache) -> ServerSnapshot:
+    engine = EngineStats(1, 0, 0, 0, prompt_cache=cache, batch_sizes=(0, 1), memory={})
+    return ServerSnapshot("m", 0, 0, 0, 100, 0, engine)
+
+
 def test_counters_are_token_denominated_and_typed_as_counters():
-    metrics = Metrics()
+    metrics = Metrics(lambda: _snapshot(tokens_queried=150, tokens_reused=60))
     metrics.ensure_model("m")
     metrics.observe_request(record())
     metrics.observe_request(record(prompt_tokens=50, cached_tokens=0, finish="tool_calls"))
-    assert sample(metrics, "kvwarm:prefix_cache_queries_total") == 150
+    # dropped from the queue by the watchdog: never prefilled, so no prompt tokens
+    metrics.observe_request(
+        record(finish="error", stats=None, ttft_s=None, completion_tokens=0, cached_tokens=0)
+    )
+    assert sample(metrics, "kvwarm:prompt_tokens_total") == 150
+    assert sample(metrics, "kvwarm:prefix_cache_queries_total") == 150  # the cache's own count
     assert sample(metrics, "kvwarm:prefix_cache_hits_total") == 60
     assert sample(metrics, "kvwarm:request_success_total", finished_reason="tool_calls") == 1
     assert sample(metrics, "kvwarm:request_prefill_time_seconds_count") == 2
@@ -97,6 +108,22 @@ def test_counters_are_token_denominated_and_typed_as_counters():
     metrics.observe_request(record(stats=RequestStats(0.0, 30.0, 1.0)))
     assert sample(metrics, "kvwarm:request_prefill_time_seconds_bucket", le="20.0") == 2
     assert sample(metrics, "kvwarm:request_prefill_time_seconds_bucket", le="30.0") == 3
+
+
+def test_otel_settings_that_turn_export_off():
+    url = "http://127.0.0.1:9"
+    assert not Tracing(env={"OTEL_EXPORTER_OTLP_ENDPOINT": url, "OTEL_SDK_DISABLED": "true"}).active
+    grpc = Tracing(env={"OTEL_EXPORTER_OTLP_ENDPOINT": url, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
+    assert not grpc.active  # refused with a warning rather than silently sending HTTP to 4317
+    only_metrics = Tracing(
+        env={
+            "OTEL_EXPORTER_OTLP_ENDPOINT": url,
+            "OTEL_TRACES_EXPORTER": "none",
+            "OTEL_METRIC_EXPORT_INTERVAL": "x",
+        }
+    )
+    assert only_metrics.describe() == "OTLP metrics"
+    only_metrics.shutdown()
 
 
 def test_batch_size_histogram_from_step_counts():
