@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="start the HTTP server",
-        description="Serve one model over the OpenAI chat-completions API.",
+        description="Serve one model over OpenAI chat completions, Responses and completions and "
+        "Anthropic Messages, with Prometheus /metrics (OpenTelemetry when OTEL_* is set).",
     )
     _add_settings_flags(serve, list(_FLAGS))
     prepare = sub.add_parser(
