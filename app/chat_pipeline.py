@@ -57,7 +57,6 @@ class Prepared:
     request: Request
     parser: OutputParser
     answered: str | None  # healing context (what the reply answers); None: not a chat turn
-    thinking: bool = False
 
 
 def template_tool_calls(calls: Any) -> list[dict[str, Any]] | None:
@@ -185,4 +184,4 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
         ignore_eos=call.ignore_eos,
         cache=CacheHints(key, session, rendered.message_hashes),
     )
-    return Prepared(request, parser, context_of(call.messages[-1]), thinking)
+    return Prepared(request, parser, context_of(call.messages[-1]))

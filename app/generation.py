@@ -33,11 +33,7 @@ DISCONNECT_POLL_S = 0.25
 class Outcome:
     """Everything one request produced, accumulated from its events."""
 
-    reasoning: str = ""
-    content: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)  # in output order, text merged
-    raw: str = ""
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -48,7 +44,6 @@ class Outcome:
     stats: RequestStats | None = None
 
     def add_output(self, out: RequestOutput) -> None:
-        self.raw += out.text
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = out.completion_tokens or self.completion_tokens
         self.cached_tokens = out.cached_tokens or self.cached_tokens
@@ -62,12 +57,18 @@ class Outcome:
 
     def add_event(self, event: Event) -> None:
         self.events[-1:] = merge(self.events[-1:] + [event])
-        if isinstance(event, Reasoning):
-            self.reasoning += event.text
-        elif isinstance(event, Content):
-            self.content += event.text
-        else:
-            self.tool_calls.append(event)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(e.text for e in self.events if isinstance(e, Reasoning))
+
+    @property
+    def content(self) -> str:
+        return "".join(e.text for e in self.events if isinstance(e, Content))
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return [e for e in self.events if isinstance(e, ToolCall)]
 
     @property
     def failed(self) -> bool:

@@ -85,7 +85,6 @@ class OutputParser:
         # the raw text minus tool-call markup that decoded: what the model wrote
         # besides its calls, for healing the echoed turn
         self._kept: list[str] = []
-        self.tool_calls: list[ToolCall] = []
 
     # -- public ----------------------------------------------------------------
     def feed(self, text: str) -> list[Event]:
@@ -241,7 +240,6 @@ class OutputParser:
         self._tool = None
         if calls:
             self._out.extend(calls)
-            self.tool_calls.extend(calls)
             self._to_boundary()
         else:  # not a call after all: the markup is what the model said
             self._emit(Content, markup.start + inner + end)
