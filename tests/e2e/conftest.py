@@ -5,15 +5,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.helpers.http_server import free_port
+from tests.helpers.http_server import free_port, wait_for_process
 
 KVWARM = str(Path(sys.executable).with_name("kvwarm"))
 READY_TIMEOUT_S = 240
@@ -49,16 +47,7 @@ def kvwarm_server(cache: Path, *args: str, log: Path) -> Iterator[str]:
         )
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, f"kvwarm exited early:\n{log.read_text()}"
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, f"kvwarm not ready:\n{log.read_text()}"
-            time.sleep(0.2)
+        wait_for_process(proc, base + "/health", log, "kvwarm", READY_TIMEOUT_S)
         yield base
     finally:
         proc.terminate()

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 
-import httpx
 import openai
 
 from app.server import create_app
 from app.settings import Settings
 from tests.helpers.fake_engine import FakeEngine, prompt_text
-from tests.helpers.http_server import free_port, serve_app
+from tests.helpers.http_server import free_port, serve_app, wait_for_process
 from tests.helpers.tools import ROOT, litellm
 
 CONFIG = ROOT / "deploy" / "litellm" / "litellm-config.yaml"
@@ -49,16 +47,8 @@ def test_streaming_through_litellm_keeps_reasoning_and_usage(tmp_path):
         )
         try:
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 180
-            while True:
-                assert proc.poll() is None, (tmp_path / "litellm.log").read_text()[-3000:]
-                try:
-                    if httpx.get(url + "/health/liveliness", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert time.monotonic() < deadline, "litellm did not start"
-                time.sleep(0.5)
+            liveness = url + "/health/liveliness"
+            wait_for_process(proc, liveness, tmp_path / "litellm.log", "litellm", 180)
             client = openai.OpenAI(base_url=url, api_key="sk-proxy", max_retries=0, timeout=60)
             reasoning, content, usage = "", "", None
             for chunk in client.chat.completions.create(

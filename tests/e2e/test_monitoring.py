@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.e2e.conftest import kvwarm_server
-from tests.helpers.http_server import free_port
+from tests.helpers.http_server import free_port, wait_for_process
 from tests.helpers.tools import ROOT, prometheus
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvwarm-dashboard.json"
@@ -57,16 +57,7 @@ def prom(monitored, tmp_path_factory):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, (d / "prometheus.log").read_text()
-            try:
-                if httpx.get(url + "/-/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "prometheus did not become ready"
-            time.sleep(0.2)
+        wait_for_process(proc, url + "/-/ready", d / "prometheus.log", "prometheus", 30)
         yield url
     finally:
         proc.terminate()

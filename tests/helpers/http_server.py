@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import uvicorn
@@ -43,3 +45,20 @@ def serve_app(app, wait_ready: bool = True, timeout: float = 60) -> Iterator[str
     finally:
         server.should_exit = True
         thread.join(15)
+
+
+def wait_for_process(
+    proc: subprocess.Popen, url: str, log: Path, what: str, timeout: float
+) -> None:
+    """Poll ``url`` until it answers 200; fail with the log's tail if ``proc``
+    exits or ``timeout`` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"{what} exited early:\n{log.read_text()[-3000:]}"
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, f"{what} not ready:\n{log.read_text()[-3000:]}"
+        time.sleep(0.2)
