@@ -1,0 +1,280 @@
+"""Anthropic Messages over a real socket, parsed by the official anthropic SDK."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from app.server import create_app
+from app.settings import Settings
+from tests.helpers.dialects import (
+    ANTHROPIC_TOOLS,
+    QWEN_CALL,
+)
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.http_server import serve_app
+
+
+def test_anthropic_tool_use_non_streaming(server):
+    msg = server.anthropic().messages.create(
+        model="claude-x",
+        max_tokens=64,
+        system=[{"type": "text", "text": "You help.", "cache_control": {"type": "ephemeral"}}],
+        messages=[{"role": "user", "content": "CALL_TOOL"}],
+        tools=ANTHROPIC_TOOLS,
+    )
+    assert [b.type for b in msg.content] == ["thinking", "text", "tool_use"]
+    assert msg.content[0].thinking == "Need the weather."
+    assert msg.content[1].text == "Checking.\n"
+    assert msg.content[2].name == "get_weather" and msg.content[2].input == {
+        "city": "Paris",
+        "days": 3,
+    }
+    assert msg.content[2].id.startswith("toolu_")
+    assert msg.stop_reason == "tool_use"
+    assert msg.usage.output_tokens == len(QWEN_CALL)
+    assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens > 0
+    assert server.formatter.last_messages[0] == {"role": "system", "content": "You help."}
+
+
+def test_anthropic_stream_event_grammar_and_accumulated_message(server):
+    client = server.anthropic()
+    kwargs = dict(
+        model="c",
+        max_tokens=64,
+        messages=[{"role": "user", "content": "CALL_TOOL"}],
+        tools=ANTHROPIC_TOOLS,
+    )
+    with client.messages.stream(**kwargs) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert kinds[-2] == "message_delta"
+    starts = kinds.count("content_block_start")
+    assert starts == kinds.count("content_block_stop") == 3
+    whole = client.messages.create(**kwargs)
+    assert [b.type for b in final.content] == [b.type for b in whole.content]
+    assert final.content[0].thinking == whole.content[0].thinking
+    assert final.content[1].text == whole.content[1].text
+    assert final.content[2].input == whole.content[2].input
+    assert final.stop_reason == "tool_use"
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_anthropic_tool_result_round_trip_and_stop_sequence(server):
+    client = server.anthropic()
+    first = client.messages.create(
+        model="c",
+        max_tokens=64,
+        messages=[{"role": "user", "content": "CALL_TOOL"}],
+        tools=ANTHROPIC_TOOLS,
+    )
+    tool_use = first.content[2]
+    follow = [
+        {"role": "user", "content": "CALL_TOOL"},
+        {"role": "assistant", "content": [b.model_dump() for b in first.content]},
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": tool_use.id,
+                    "content": [{"type": "text", "text": "sunny"}],
+                },
+                {"type": "text", "text": "and tomorrow?"},
+            ],
+        },
+    ]
+    second = client.messages.create(
+        model="c", max_tokens=64, messages=follow, tools=ANTHROPIC_TOOLS, stop_sequences=["w2"]
+    )
+    seen = server.formatter.last_messages
+    assert seen[1]["role"] == "assistant"
+    assert seen[1]["tool_calls"][0]["id"] == tool_use.id
+    assert seen[1]["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": {"city": "Paris", "days": 3},
+    }
+    assert seen[2] == {"role": "tool", "tool_call_id": tool_use.id, "content": "sunny"}
+    assert seen[3] == {"role": "user", "content": "and tomorrow?"}
+    assert second.stop_reason in ("end_turn", "stop_sequence", "max_tokens")
+
+
+def test_anthropic_count_tokens_and_errors(server):
+    client = server.anthropic()
+    counted = client.messages.count_tokens(
+        model="c", messages=[{"role": "user", "content": "hello"}]
+    )
+    assert counted.input_tokens == len("<user>hello<assistant>")
+    r = httpx.post(
+        server.url + "/v1/messages",
+        json={"model": "c", "messages": [{"role": "user", "content": "x"}]},
+    )
+    assert r.status_code == 400
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(
+            model="c",
+            max_tokens=5,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+                        }
+                    ],
+                }
+            ],
+        )
+
+
+def test_anthropic_accepts_its_headers_with_an_api_key():
+    app = create_app(
+        Settings(_env_file=None, api_key="sekret"), lambda s, r: FakeEngine(s, r, eos_after=2)
+    )
+    with serve_app(app) as url:
+        ok = anthropic.Anthropic(base_url=url, api_key="sekret", max_retries=0)
+        assert ok.messages.create(
+            model="c", max_tokens=4, messages=[{"role": "user", "content": "x"}]
+        ).content
+        bad = anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError):
+            bad.messages.create(
+                model="c", max_tokens=4, messages=[{"role": "user", "content": "x"}]
+            )
+
+
+def test_anthropic_mid_stream_engine_failure_is_an_error_event():
+    app = create_app(Settings(_env_file=None), lambda s, r: FakeEngine(s, r, step_delay=0.05))
+    with serve_app(app) as url:
+        body = {
+            "model": "c",
+            "max_tokens": 200,
+            "stream": True,
+            "messages": [{"role": "user", "content": "x"}],
+        }
+        with httpx.stream("POST", url + "/v1/messages", json=body, timeout=30) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            events = []
+            for line in lines:
+                if line.startswith("event: "):
+                    events.append(line[7:])
+                    if events.count("content_block_delta") == 2:
+                        app.state.kvwarm.engine.inject_fault(RuntimeError("boom"))
+                if line.startswith("data: ") and events and events[-1] == "error":
+                    error = json.loads(line[6:])
+                    break
+    assert events[0] == "message_start" and events[-1] == "error"
+    assert error["type"] == "error" and error["error"]["type"] == "api_error"
+    assert "boom" in error["error"]["message"]
+    assert "message_stop" not in events
+
+
+def test_anthropic_error_types_follow_the_status():
+    from app.errors import anthropic_error_body
+
+    kinds = {
+        s: anthropic_error_body(s, "m")["error"]["type"] for s in (400, 404, 413, 429, 500, 503)
+    }
+    assert kinds == {
+        400: "invalid_request_error",
+        404: "not_found_error",
+        413: "request_too_large",
+        429: "rate_limit_error",
+        500: "api_error",
+        503: "overloaded_error",
+    }
+
+
+def test_anthropic_max_tokens_fits_the_context_but_chat_is_refused(server):
+    big = [{"role": "user", "content": "x"}]
+    with server.anthropic().messages.stream(model="c", max_tokens=32000, messages=big) as stream:
+        msg = stream.get_final_message()
+    assert msg.stop_reason == "end_turn"  # Claude Code's 32000 is fitted to the 2048 context
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        server.openai().chat.completions.create(model="m", messages=big, max_tokens=32000)
+
+
+def test_anthropic_images_in_tool_results_become_a_note(server):
+    image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
+    }
+    history = [
+        {"role": "user", "content": "shot"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "t1",
+                    "content": [image, {"type": "text", "text": "ok"}],
+                }
+            ],
+        },
+    ]
+    server.anthropic().messages.create(
+        model="c", max_tokens=4, messages=history, tools=ANTHROPIC_TOOLS
+    )
+    tool = server.formatter.last_messages[-1]
+    assert tool["role"] == "tool" and tool["content"].startswith("[image omitted")
+
+
+def test_anthropic_thinking_is_off_unless_asked_and_tool_errors_are_marked(server):
+    client = server.anthropic()
+    client.messages.create(model="c", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    assert server.formatter.last_kwargs["enable_thinking"] is False
+    history = [
+        {"role": "user", "content": "x"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t", "name": "get_weather", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {
+                    "type": "tool_result",
+                    "tool_use_id": "t",
+                    "is_error": True,
+                    "content": "no such city",
+                }
+            ],
+        },
+    ]
+    client.messages.create(
+        model="c",
+        max_tokens=2,
+        messages=history,
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
+    assert server.formatter.last_kwargs["enable_thinking"] is True
+    assert server.formatter.last_messages[-1]["content"] == "Error: no such city"
+
+
+def test_anthropic_system_turns_and_validation_messages_name_the_value(server):
+    client = server.anthropic()
+    history = [
+        {"role": "user", "content": "x"},
+        {"role": "system", "content": "Be brief."},  # Claude Code sends these
+        {"role": "user", "content": "y"},
+    ]
+    client.messages.create(model="c", max_tokens=2, messages=history)
+    assert server.formatter.last_messages[1] == {"role": "system", "content": "Be brief."}
+    r = httpx.post(
+        server.url + "/v1/messages",
+        json={"model": "c", "max_tokens": 2, "messages": [{"role": "robot", "content": "x"}]},
+    )
+    assert r.status_code == 400 and "(got 'robot')" in r.json()["error"]["message"]

@@ -1,0 +1,300 @@
+"""Chat completions and legacy completions over a real socket, parsed by the
+official openai SDK; thinking controls and behaviour every dialect shares."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from app.server import create_app
+from app.settings import Settings
+from tests.helpers.dialects import (
+    ANTHROPIC_TOOLS,
+    PROMPTS,
+    RESPONSES_TOOLS,
+    TOOLS,
+    Served,
+    serve_scripted,
+)
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.http_server import serve_app
+
+
+def test_chat_tool_call_non_streaming(server):
+    r = server.openai().chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "CALL_TOOL please"}], tools=TOOLS
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Checking.\n"
+    assert choice.message.model_extra["reasoning_content"] == "Need the weather."
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+
+
+def test_chat_streaming_matches_non_streaming_byte_for_byte(server):
+    client = server.openai()
+    kwargs = dict(model="m", messages=[{"role": "user", "content": "CALL_TOOL"}], tools=TOOLS)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    reasoning, content, calls, finish = "", "", [], None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+        content += delta.content or ""
+        assert "<" not in (delta.content or "") + (
+            (delta.model_extra or {}).get("reasoning_content") or ""
+        )
+        calls += delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    assert reasoning == whole.message.model_extra["reasoning_content"]
+    assert content == whole.message.content
+    assert finish == "tool_calls"
+    (call,) = calls
+    assert call.index == 0 and call.id and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
+
+
+def test_tool_round_trip_renders_calls_results_and_the_original_reply(server):
+    client = server.openai()
+    first = (
+        client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "CALL_TOOL"}], tools=TOOLS
+        )
+        .choices[0]
+        .message
+    )
+    echo = {
+        "role": "assistant",
+        "content": first.content,
+        "tool_calls": [c.model_dump() for c in first.tool_calls],
+    }
+    result = {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "sunny"}
+    client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "CALL_TOOL"}, echo, result],
+        tools=TOOLS,
+    )
+    seen = server.formatter.last_messages
+    assistant = seen[1]
+    # healed: the model reads its own reasoning back, the client's call ids stay
+    assert assistant["content"] == "<think>Need the weather.</think>\n\nChecking.\n"
+    assert assistant["tool_calls"][0]["id"] == first.tool_calls[0].id
+    assert assistant["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": 3}
+    assert seen[2] == {"role": "tool", "tool_call_id": first.tool_calls[0].id, "content": "sunny"}
+    assert server.formatter.last_kwargs["tools"] == TOOLS
+
+
+def test_tool_choice_none_and_named(server):
+    client = server.openai()
+    r = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "CALL_TOOL"}],
+        tools=TOOLS,
+        tool_choice="none",
+    )
+    # still shown (the tools block stays in the cached prefix), but nothing is parsed
+    assert server.formatter.last_kwargs["tools"] == TOOLS
+    assert r.choices[0].message.tool_calls is None
+    assert "<tool_call>" in r.choices[0].message.content  # not parsed: plain text
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "CALL_TOOL"}],
+        tools=TOOLS,
+        tool_choice=named,
+    )
+    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    with pytest.raises(openai.BadRequestError, match="not in tools"):
+        client.chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "x"}],
+            tools=TOOLS,
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+        )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_named_tool_choice_starts_the_reply_inside_the_call(server, stream):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    kwargs = dict(
+        model="m", messages=[{"role": "user", "content": "FORCE"}], tools=TOOLS, tool_choice=named
+    )
+    client = server.openai()
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **kwargs))
+        calls = [c for ch in chunks if ch.choices for c in ch.choices[0].delta.tool_calls or []]
+        finish = [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1]
+        assert not any(ch.choices[0].delta.content for ch in chunks if ch.choices)
+    else:
+        message = client.chat.completions.create(**kwargs).choices[0]
+        calls, finish = message.message.tool_calls, message.finish_reason
+    assert finish == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    # the model continues from inside the call the prompt opened for it
+    assert PROMPTS[-1].endswith('<assistant><tool_call>\n{"name": "get_weather", "arguments": ')
+
+
+def test_forced_openings_follow_the_family():
+    from app.protocol.tool_formats import forced_opening
+
+    assert forced_opening("qwen3_coder", "f").text == "<tool_call>\n<function=f>\n"
+    assert forced_opening("glm47", None).text == "<tool_call>"
+    assert forced_opening("mistral", "f").text == "[TOOL_CALLS]f[ARGS]"
+    assert forced_opening("gemma4", "f").text == "<|tool_call>call:f{"
+    assert forced_opening(None, None).text == '<tool_call>\n{"name": "'
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({}, True),
+        ({"reasoning_effort": "none"}, False),
+        ({"extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}, False),
+        ({"extra_body": {"thinking": {"type": "disabled"}}}, False),
+        ({"metadata": {"enable_thinking": "false"}}, False),
+    ],
+)
+def test_thinking_controls_reach_the_template(server, extra, expected):
+    server.openai().chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "x"}], max_tokens=1, **extra
+    )
+    assert server.formatter.last_kwargs["enable_thinking"] is expected
+
+
+def test_server_thinking_default_and_strip_thinking():
+    app = serve_scripted(thinking="off", strip_thinking=True)
+    with serve_app(app) as url:
+        served = Served(url, app)
+        r = served.openai().chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "THINK"}]
+        )
+        assert served.formatter.last_kwargs["enable_thinking"] is False
+        message = r.choices[0].message
+        assert message.content == "Answer done."
+        assert "reasoning_content" not in (message.model_extra or {})
+
+
+def test_legacy_completions(server):
+    client = server.openai()
+    r = client.completions.create(model="m", prompt="Once upon", max_tokens=3)
+    assert r.object == "text_completion"
+    assert r.choices[0].text == "w0 w1 w2 " and r.choices[0].finish_reason == "length"
+    tokens = client.completions.create(model="m", prompt=[72, 105], max_tokens=2)
+    assert tokens.usage.prompt_tokens == 2
+    echoed = client.completions.create(model="m", prompt="Echo: ", max_tokens=1, echo=True)
+    assert echoed.choices[0].text == "Echo: w0 "
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model="m", prompt="Once upon", max_tokens=3, stream=True)
+        if c.choices
+    )
+    assert streamed == r.choices[0].text
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="m", prompt="x", max_tokens=2, logprobs=2)
+
+
+def test_preserve_thinking_is_passed_to_templates_that_read_it():
+    import dataclasses
+
+    from engine.text_syntax import probe_syntax
+    from scheduler.contracts import TextSyntax
+
+    class Tok:  # what an mlx-lm TokenizerWrapper exposes
+        think_start, think_end = "<think>", "</think>"
+        chat_template = "{% if preserve_thinking %}{{ reasoning }}{% endif %}{{ enable_thinking }}"
+
+        @staticmethod
+        def tool_parser(text, tools=None):
+            return None
+
+    Tok.tool_parser.__module__ = "mlx_lm.tool_parsers.qwen3_coder"
+    probed = probe_syntax(Tok())
+    assert probed == TextSyntax(
+        "<think>",
+        "</think>",
+        "qwen3_coder",
+        tool_call_start=None,  # the stub has no markup attributes
+        template_vars=frozenset({"preserve_thinking", "enable_thinking"}),
+    )
+    app = serve_scripted()
+    with serve_app(app) as url:
+        engine = app.state.kvwarm.engine
+        engine.info = dataclasses.replace(engine.info, syntax=probed)
+        served = Served(url, app)
+        served.openai().chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], max_tokens=1
+        )
+        assert served.formatter.last_kwargs["preserve_thinking"] is True
+
+
+def test_output_order_is_the_same_streamed_and_not(server):
+    client = server.anthropic()
+    kwargs = dict(
+        model="c",
+        max_tokens=64,
+        messages=[{"role": "user", "content": "SANDWICH"}],
+        tools=ANTHROPIC_TOOLS,
+    )
+    whole = client.messages.create(**kwargs)
+    with client.messages.stream(**kwargs) as stream:
+        streamed = stream.get_final_message()
+    assert [b.type for b in whole.content] == ["text", "tool_use", "text"]
+    assert [b.type for b in streamed.content] == ["text", "tool_use", "text"]
+    assert whole.content[2].text == streamed.content[2].text == "After."
+    r = server.openai().responses.create(model="m", input="SANDWICH", tools=RESPONSES_TOOLS)
+    assert [i.type for i in r.output] == ["message", "function_call", "message"]
+
+
+def test_bad_inputs_are_400s_not_500s(server):
+    r = httpx.post(
+        server.url + "/v1/messages",
+        json={"model": "c", "max_tokens": 4, "messages": [{"role": "user", "content": []}]},
+    )
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    r = httpx.post(server.url + "/v1/responses", json={"input": "hi", "seed": "x"})
+    assert r.status_code == 400, r.text
+    r = httpx.post(
+        server.url + "/v1/responses", json={"input": [{"role": "user", "content": [42]}]}
+    )
+    assert r.status_code == 400, r.text
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "x"}],
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": "x"},
+        },
+    )
+    assert r.status_code == 400, r.text
+
+
+def test_slow_streams_carry_keep_alives(monkeypatch):
+    import app.openai_chat
+
+    monkeypatch.setattr(app.openai_chat, "KEEPALIVE_S", 0.05)
+    app_ = create_app(
+        Settings(_env_file=None), lambda s, r: FakeEngine(s, r, step_delay=0.3, eos_after=2)
+    )
+    with serve_app(app_) as url:
+        body = {"messages": [{"role": "user", "content": "x"}], "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=30) as resp:
+            raw = "".join(resp.iter_text())
+        assert ": keep-alive" in raw
+        client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+        text = "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model="m", messages=body["messages"], stream=True
+            )
+            if c.choices
+        )
+        assert text == "w0 w1 "

@@ -1,0 +1,133 @@
+"""OpenAI Responses over a real socket, parsed by the official openai SDK."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from tests.helpers.dialects import (
+    RESPONSES_TOOLS,
+)
+
+
+def test_responses_items_and_previous_response_id(server):
+    client = server.openai()
+    first = client.responses.create(
+        model="m", input="CALL_TOOL", tools=RESPONSES_TOOLS, instructions="Be brief."
+    )
+    assert [item.type for item in first.output] == ["reasoning", "message", "function_call"]
+    assert first.output_text == "Checking.\n"
+    call = first.output[2]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris", "days": 3}
+    assert first.status == "completed"
+    assert first.usage.input_tokens > 0
+    second = client.responses.create(
+        model="m",
+        previous_response_id=first.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+        tools=RESPONSES_TOOLS,
+    )
+    seen = server.formatter.last_messages
+    # the stored turn comes back as the model wrote it; instructions are not carried over
+    assert seen[0] == {"role": "user", "content": "CALL_TOOL"}
+    assert seen[1]["content"] == "<think>Need the weather.</think>\n\nChecking.\n"
+    assert seen[1]["tool_calls"][0]["id"] == call.call_id
+    assert seen[2] == {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}
+    assert second.previous_response_id == first.id
+    assert client.responses.retrieve(first.id).id == first.id
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="m", previous_response_id=first.id, input="again")
+
+
+def test_responses_stream_event_chain(server):
+    client = server.openai()
+    events = list(
+        client.responses.create(model="m", input="CALL_TOOL", tools=RESPONSES_TOOLS, stream=True)
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == "response.completed"
+    for expected in (
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+    ):
+        assert expected in kinds, expected
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert (
+        kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 3
+    )
+    final = events[-1].response
+    whole = client.responses.create(model="m", input="CALL_TOOL", tools=RESPONSES_TOOLS)
+    assert final.output_text == whole.output_text
+    assert [i.type for i in final.output] == [i.type for i in whole.output]
+    streamed_text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed_text == whole.output_text
+
+
+def test_responses_incomplete_and_not_stored(server):
+    client = server.openai()
+    r = client.responses.create(model="m", input="hi", max_output_tokens=2, store=False)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+
+
+def test_codex_style_responses_input_renders_like_chat(server):
+    items = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "look"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "opaque"},
+        {
+            "type": "function_call",
+            "call_id": "c1",
+            "name": "get_weather",
+            "arguments": '{"city": "Oslo"}',
+        },
+        {
+            "type": "function_call_output",
+            "call_id": "c1",
+            "output": [
+                {"type": "input_image", "image_url": "data:image/png;base64,AA=="},
+                {"type": "input_text", "text": "done"},
+            ],
+        },
+    ]
+    server.openai().responses.create(
+        model="m",
+        input=items,
+        store=False,
+        include=["reasoning.encrypted_content"],
+        tools=RESPONSES_TOOLS,
+    )
+    seen = server.formatter.last_messages
+    assert seen[1]["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": {"city": "Oslo"},
+    }
+    assert seen[2] == {
+        "role": "tool",
+        "tool_call_id": "c1",
+        "content": "[image omitted: this model cannot read images]\ndone",
+    }
+
+
+def test_responses_incomplete_message_status_agrees_streamed_and_final(server):
+    events = list(
+        server.openai().responses.create(model="m", input="hi", max_output_tokens=2, stream=True)
+    )
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert done[-1].item.status == "incomplete"
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.output[-1].status == "incomplete"
