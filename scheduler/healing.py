@@ -12,22 +12,31 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-# a block whose opening tag the template supplied: the answer follows the last closing tag
-_OPEN_THINK = re.compile(r"^.*</think>", re.DOTALL)
+from scheduler.volatile_rules import tag_blocks
+
+_OPEN, _CLOSE = "<think>", "</think>"
 
 
 def visible_form(content: str) -> str:
-    """What a client typically echoes: think blocks removed, outer whitespace trimmed."""
-    text = _THINK.sub("", content)
-    if "</think>" in text:
-        text = _OPEN_THINK.sub("", text, count=1)
+    """What a client typically echoes: think blocks removed, outer whitespace trimmed.
+    Linear in the content (no lazy regex: see ``tag_blocks``)."""
+    kept: list[str] = []
+    pos = 0
+    for start, end in tag_blocks(content, _OPEN, _CLOSE):
+        kept.append(content[pos:start])
+        pos = end
+    kept.append(content[pos:])
+    text = "".join(kept)
+    # a block whose opening tag the template supplied: the answer follows the last closing tag
+    cut = text.rfind(_CLOSE)
+    if cut >= 0:
+        text = text[cut + len(_CLOSE) :]
     return text.strip()
 
 
@@ -66,10 +75,13 @@ class Original:
 
 
 class HealingStore:
+    """Thread-safe: requests are prepared in worker threads and remembered on the loop."""
+
     def __init__(self, max_entries: int = 1024, max_bytes: int = 16 * 2**20):
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._items: OrderedDict[str, Original] = OrderedDict()
+        self._lock = threading.Lock()
         self.nbytes = 0
         self.healed = 0
 
@@ -96,20 +108,23 @@ class HealingStore:
         if size > self.max_bytes:
             return
         key = _key(content, tool_calls, context)
-        old = self._items.pop(key, None)
-        if old is not None:
-            self.nbytes -= self._size(old)
-        self._items[key] = item
-        self.nbytes += size
-        while len(self._items) > self.max_entries or self.nbytes > self.max_bytes:
-            _, dropped = self._items.popitem(last=False)
-            self.nbytes -= self._size(dropped)
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.nbytes -= self._size(old)
+            self._items[key] = item
+            self.nbytes += size
+            while len(self._items) > self.max_entries or self.nbytes > self.max_bytes:
+                _, dropped = self._items.popitem(last=False)
+                self.nbytes -= self._size(dropped)
 
     def heal_all(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         """Every echoed reply in a conversation, swapped for its original."""
         out = []
         for i, message in enumerate(messages):
-            out.append(self.heal(message, context_of(messages[i - 1]) if i else ""))
+            if message.get("role") == "assistant" and self._items:
+                message = self.heal(message, context_of(messages[i - 1]) if i else "")
+            out.append(message)
         return out
 
     def heal(self, message: dict[str, Any], context: str = "") -> dict[str, Any]:
@@ -122,16 +137,19 @@ class HealingStore:
             # stripped echo, and swapping it could rewrite history the client owns
             return message
         key = _key(content, message.get("tool_calls"), context)
-        item = self._items.get(key)
-        if item is None:
-            return message
-        self._items.move_to_end(key)
-        same_calls = item.tool_calls is None or list(item.tool_calls) == message.get("tool_calls")
-        if item.content == content and same_calls:
-            return message
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                return message
+            self._items.move_to_end(key)
+            same_calls = item.tool_calls is None or list(item.tool_calls) == message.get(
+                "tool_calls"
+            )
+            if item.content == content and same_calls:
+                return message
+            self.healed += 1
         healed = dict(message, content=item.content)
         healed.pop("reasoning_content", None)  # the original carries its reasoning inline
         if item.tool_calls is not None:
             healed["tool_calls"] = list(item.tool_calls)
-        self.healed += 1
         return healed

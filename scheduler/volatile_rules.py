@@ -7,6 +7,13 @@ contents, assistant replies (think blocks) and images always reach the model
 and the cache key intact. Most rules are line-scoped; the two block rules are
 bounded by their own closing marker inside the message.
 
+Client text is adversarial input, so every rule scans in time linear in the
+message: a regex rule's match attempts stop at their line end or at the end of
+one character-class run (inbound_context's fence scan: see its comment), and a
+block whose closing marker may be far away is found with ``str.find``
+(``Block``) rather than a lazy ``.*?``, which would rescan the rest of the
+message once per unclosed opening marker.
+
 A rule's ``canonical`` form says what the cache key holds in the span's place:
 ``SENTINEL`` (one placeholder token: present-with-any-value vs absent differ) or
 ``DROP`` (nothing: present and absent canonicalise the same).
@@ -16,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 
@@ -25,16 +32,60 @@ class Canonical(enum.Enum):
     DROP = "drop"
 
 
+Finder = Callable[[str], Iterable[tuple[int, int]]]  # text -> its (start, end) spans, in order
+
+
 @dataclass(frozen=True)
 class VolatileRule:
     name: str
-    pattern: re.Pattern[str]
+    find: Finder
     canonical: Canonical
-    group: int = 0  # which group of the match is volatile (0: the whole match)
 
 
-def _line(regex: str) -> re.Pattern[str]:
-    return re.compile(regex, re.IGNORECASE | re.MULTILINE)
+@dataclass(frozen=True)
+class Regex:
+    """The ``group`` span of each match of a pattern."""
+
+    pattern: re.Pattern[str]
+    group: int = 0  # 0: the whole match
+
+    def __call__(self, text: str) -> Iterator[tuple[int, int]]:
+        for m in self.pattern.finditer(text):
+            yield m.span(self.group)
+
+
+@dataclass(frozen=True)
+class Block:
+    """What ``re.finditer(open.*?close(?:trailer)?, DOTALL)`` finds, in linear time."""
+
+    open: str
+    close: str
+    trailer: str = ""
+
+    def __call__(self, text: str) -> Iterator[tuple[int, int]]:
+        return tag_blocks(text, self.open, self.close, self.trailer)
+
+
+def tag_blocks(
+    text: str, open_tag: str, close_tag: str, trailer: str = ""
+) -> Iterator[tuple[int, int]]:
+    """Spans from each ``open_tag`` through the nearest ``close_tag`` after it (and
+    ``trailer`` if it follows), left to right without overlap, like a lazy regex.
+    One pass over the text: when an opening tag has no closing tag after it, no
+    later one has either, so the scan stops there."""
+    pos = 0
+    while (start := text.find(open_tag, pos)) >= 0:
+        close = text.find(close_tag, start + len(open_tag))
+        if close < 0:
+            return
+        pos = close + len(close_tag)
+        if trailer and text.startswith(trailer, pos):
+            pos += len(trailer)
+        yield start, pos
+
+
+def _line(regex: str, group: int = 0) -> Regex:
+    return Regex(re.compile(regex, re.IGNORECASE | re.MULTILINE), group)
 
 
 RULES: tuple[VolatileRule, ...] = (
@@ -48,35 +99,36 @@ RULES: tuple[VolatileRule, ...] = (
         "timestamp",
         _line(
             r"\b(?:the )?(?:current (?:date and time|date|time)|today's date|today is)"
-            r"(?: is)?:?[ \t]*([^\n]+)$"
+            r"(?: is)?:?[ \t]*([^\n]+)$",
+            group=1,
         ),
         Canonical.SENTINEL,
-        group=1,
     ),
     # Channel envelopes: "[message_id: 8812]", "message_id=abc", "\"message_id\": \"x\""
     VolatileRule(
         "message_id",
-        _line(r"\bmessage[_ ]id[\"']?\s*[:=]\s*[\"']?([\w.:-]+)[\"']?"),
+        _line(r"\bmessage[_ ]id[\"']?\s*[:=]\s*[\"']?([\w.:-]+)[\"']?", group=1),
         Canonical.SENTINEL,
-        group=1,
     ),
     # OpenClaw's per-message metadata block: a header line, then a fenced JSON
-    # block or text up to the next blank line
+    # block or text up to the next blank line. Linear as a regex: a header always
+    # matches (the unfenced branch accepts anything), so its fence scan lies inside
+    # its match unless the fence is never closed, which can happen once per text.
     VolatileRule(
         "inbound_context",
-        re.compile(
-            r"^[#* \t]*Inbound Context\b[^\n]*\n(?:[ \t]*```[^\n]*\n.*?```[^\n]*(?:\n|$)"
-            r"|(?:[^\n]+(?:\n|$))*)",
-            re.IGNORECASE | re.MULTILINE | re.DOTALL,
+        Regex(
+            re.compile(
+                r"^[#* \t]*Inbound Context\b[^\n]*\n(?:[ \t]*```[^\n]*\n.*?```[^\n]*(?:\n|$)"
+                r"|(?:[^\n]+(?:\n|$))*)",
+                re.IGNORECASE | re.MULTILINE | re.DOTALL,
+            )
         ),
         Canonical.DROP,
     ),
     # sub-agent completion announcements: "Stats: runtime 42s • tokens 1.2k ..."
     VolatileRule("subagent_stats", _line(r"^[ \t]*Stats: runtime\b[^\n]*(?:\n|$)"), Canonical.DROP),
     VolatileRule(
-        "system_reminder",
-        re.compile(r"<system-reminder>.*?</system-reminder>\n?", re.DOTALL),
-        Canonical.DROP,
+        "system_reminder", Block("<system-reminder>", "</system-reminder>", "\n"), Canonical.DROP
     ),
 )
 
@@ -99,8 +151,7 @@ def find_in_text(
     """Volatile spans of one message's text, merged where rules overlap."""
     found: list[CharSpan] = []
     for rule in rules:
-        for m in rule.pattern.finditer(text):
-            start, end = m.span(rule.group)
+        for start, end in rule.find(text):
             if end > start:
                 found.append(CharSpan(offset + start, offset + end, RULE_INDEX[rule.name]))
     return merge_spans(found)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from app.session_id import session_id_from
 from scheduler.healing import HealingStore, context_of, visible_form
 from scheduler.sessions import ANCHOR_TOKENS, SessionStore, fallback_session_id
@@ -136,6 +141,28 @@ def test_visible_form():
     # a client that cut at the first closing tag and one that cut at the last agree
     twice = "reasoning</think>\ndraft</think>\nanswer"
     assert visible_form(twice) == visible_form("draft</think>\nanswer") == "answer"
+
+
+# the regexes visible_form used to run (quadratic on unclosed tags): the reference
+_OLD_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
+_OLD_OPEN_THINK = re.compile(r"^.*</think>", re.DOTALL)
+
+
+def old_visible_form(content: str) -> str:
+    text = _OLD_THINK.sub("", content)
+    if "</think>" in text:
+        text = _OLD_OPEN_THINK.sub("", text, count=1)
+    return text.strip()
+
+
+# "</th" and "ink>" around a removed block join into a new closing tag
+_FRAGMENTS = ("<think>", "</think>", "<th", "</th", "ink>", "</", "<", ">", "\n", " ", "\t", "x")
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.sampled_from(_FRAGMENTS), max_size=40).map("".join))
+def test_visible_form_equals_the_regex_form_it_replaced(text: str) -> None:
+    assert visible_form(text) == old_visible_form(text)
 
 
 def test_a_partly_stripped_echo_is_healed():

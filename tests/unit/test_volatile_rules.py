@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler.volatile_rules import (
     RULE_INDEX,
     RULES,
+    Block,
     MessageSlice,
     canonical_text,
     find_in_text,
@@ -126,3 +131,44 @@ def test_relocate_moves_volatile_lines_to_the_last_message():
 def test_relocate_keeps_tool_results_untouched():
     contents = ["Current time is 10:00", "go"]
     assert relocate_volatile_lines(contents, ["tool", "user"]) == contents
+
+
+# the lazy regex system_reminder used to be (quadratic on unclosed tags): the reference
+_OLD_SYSTEM_REMINDER = re.compile(r"<system-reminder>.*?</system-reminder>\n?", re.DOTALL)
+_FRAGMENTS = (
+    "<system-reminder>",
+    "</system-reminder>",
+    "<system-",
+    "reminder>",
+    "</",
+    "<",
+    ">",
+    "\n",
+    "```",
+    "Inbound Context",
+    " ",
+    "x",
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.sampled_from(_FRAGMENTS), max_size=40).map("".join))
+def test_system_reminder_marks_what_the_lazy_regex_marked(text: str) -> None:
+    found = RULES[RULE_INDEX["system_reminder"]].find(text)
+    assert list(found) == [m.span() for m in _OLD_SYSTEM_REMINDER.finditer(text)]
+
+
+tags = st.text("ab\n", min_size=1, max_size=3)
+
+
+@settings(max_examples=500, deadline=None)
+@given(tags, tags, st.sampled_from(("", "\n", "a", "ab")), st.text("ab\n", max_size=30))
+def test_a_block_finds_what_its_lazy_regex_finds(
+    open_tag: str, close_tag: str, trailer: str, text: str
+) -> None:
+    """Self-overlapping and mutually overlapping tags included."""
+    lazy = re.compile(
+        f"{re.escape(open_tag)}.*?{re.escape(close_tag)}(?:{re.escape(trailer)})?", re.DOTALL
+    )
+    found = Block(open_tag, close_tag, trailer)(text)
+    assert list(found) == [m.span() for m in lazy.finditer(text)]

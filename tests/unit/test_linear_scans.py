@@ -1,0 +1,95 @@
+"""Scans of client text are linear in its length. Shown by counting the characters
+``str.find`` examines, not by timing: the block scans (system reminders, think
+blocks) run on ``str.find`` alone, and their total must stay within one pass.
+The regex rules cannot be counted this way; each is linear by construction (see
+``scheduler.volatile_rules``)."""
+
+from __future__ import annotations
+
+from operator import index
+from typing import SupportsIndex
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scheduler.healing import visible_form
+from scheduler.volatile_rules import find_in_text
+
+N = 200_000
+
+
+class CountingText(str):
+    """A str that tallies the characters its ``find`` calls examine."""
+
+    examined: int
+
+    def __new__(cls, value: str) -> CountingText:
+        self = super().__new__(cls, value)
+        self.examined = 0
+        return self
+
+    def find(
+        self,
+        sub: str,
+        start: SupportsIndex | None = None,
+        end: SupportsIndex | None = None,
+        /,
+    ) -> int:
+        found = super().find(sub, start, end)
+        lo = 0 if start is None else index(start)
+        hi = len(self) if end is None else index(end)
+        self.examined += (found + len(sub) if found >= 0 else hi) - lo
+        return found
+
+
+def adversarial(unit: str) -> CountingText:
+    return CountingText(unit * (N // len(unit)))
+
+
+@pytest.mark.parametrize(
+    "unit",
+    [
+        "<system-reminder>",  # no closing tag: a lazy regex rescans the tail per opening
+        "<system-reminder></system-reminder",
+        "<system-reminder></system-reminder>\n",
+        "</system-reminder><system-reminder>",
+        "<system-reminder>\n" + " " * 40,
+    ],
+)
+def test_find_in_text_examines_each_character_once(unit: str) -> None:
+    text = adversarial(unit)
+    find_in_text(text)
+    assert 0 < text.examined <= len(text)
+
+
+@pytest.mark.parametrize(
+    "unit", ["<think>", "<think></think", "<think></think>", "</think><think>", "<think> \n"]
+)
+def test_visible_form_examines_each_character_once(unit: str) -> None:
+    text = adversarial(unit)
+    visible_form(text)
+    assert 0 < text.examined <= len(text)
+
+
+_FRAGMENTS = (
+    "<system-reminder>",
+    "</system-reminder>",
+    "<think>",
+    "</think>",
+    "<",
+    "</",
+    ">",
+    "\n",
+    " ",
+    "x",
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_FRAGMENTS), max_size=60).map("".join))
+def test_block_scans_stay_within_one_pass(text: str) -> None:
+    for scan in (find_in_text, visible_form):
+        counted = CountingText(text)
+        scan(counted)
+        assert counted.examined <= len(text)
