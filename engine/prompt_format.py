@@ -4,21 +4,40 @@ The model tokens are the chat template's rendering of the messages exactly as
 sent (after healing). Volatile spans are located in that rendered text message
 by message (``scheduler.volatile_rules``) and mapped onto tokens through the
 tokenizer's offsets, so the cache key is derived from the very tokens the model
-reads and the two views can never drift apart. Per-message token boundaries come
-from rendering growing prefixes of the conversation (cumulative rendering).
+reads and the two views can never drift apart. Per-message boundaries are those
+of cumulative rendering (message k ends where the rendering of the first k + 1
+messages ends), found in linear time by ``engine.chat_render``; a new turn of a
+known conversation reuses what its previous turn computed (a snapshot) and
+costs time linear in what it adds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from typing import Any
 
+from engine.chat_render import (
+    OffsetEncoder,
+    Part,
+    Snapshot,
+    SnapshotStore,
+    Tokens,
+    Walk,
+    common_prefix,
+    fallback_budget,
+    locate,
+    merge_ranges,
+    snapshot_key,
+    token_range,
+)
 from scheduler.healing import canonical_tool_calls
 from scheduler.prompt_key import PromptKey, RenderedPrompt, token_spans
 from scheduler.volatile_rules import (
+    CharSpan,
     MessageSlice,
     canonical_text,
     prompt_spans,
@@ -27,19 +46,30 @@ from scheduler.volatile_rules import (
 
 log = logging.getLogger("kvwarm.prompt")
 TAIL_CHARS = 64
+SYSTEM_ROLES = ("system", "developer")
+
+# Rendered at load for the tokenizer's splice self-check (engine.chat_render.OffsetEncoder).
+SAMPLE_CHAT = (
+    {"role": "system", "content": "You are terse.\nCurrent time is 10:42"},
+    {"role": "user", "content": " Hi  there,\n\n  12345 ünïcödé 🙂\t"},
+    {"role": "assistant", "content": "Hello!\n\n    indented "},
+    {"role": "user", "content": "<system-reminder>x</system-reminder>\nbye "},
+)
 
 
 class ChatFormatter:
     """Implements scheduler.contracts.PromptFormatter over an mlx-lm TokenizerWrapper.
 
-    Safe to call from the HTTP thread: the fast tokenizer is thread-safe and no
-    MLX is involved.
+    Safe to call from several threads at once: the fast tokenizer is
+    thread-safe, the snapshot store is locked, and no MLX is involved.
+    Messages passed in must not be mutated afterwards (snapshots compare them).
     """
 
     def __init__(self, tokenizer):
         self._tokenizer = tokenizer
         self._hf = getattr(tokenizer, "_tokenizer", tokenizer)
-        self._warned = False
+        self._encoder = OffsetEncoder(self._hf, self._sample_text())
+        self._snapshots = SnapshotStore()
 
     def render_chat(
         self,
@@ -60,26 +90,29 @@ class ChatFormatter:
             text += "assistant:"
             return RenderedPrompt(PromptKey.build(self.encode(text)), tail=text[-TAIL_CHARS:])
         text = self._template(messages, True, template_kwargs)
-        slices = self._message_slices(messages, text, template_kwargs)
-        ids, offsets = self._encode_with_offsets(text)
-        if ids is None:  # tokenizer without offsets: no spans, still a correct prompt
+        key = snapshot_key(messages, template_kwargs)
+        base, reused = self._reusable(key, messages, template_kwargs, text)
+        walk = base.walk.prefix(reused) if base else Walk()
+        locate(self._template, messages, text, template_kwargs, walk)
+        if base:
+            tokens, kept = self._encoder.extend(base.tokens, text, base.walk.horizon[reused])
+        else:
+            tokens, kept = self._encoder.encode(text), 0
+        if tokens is None:  # tokenizer without offsets: no spans, still a correct prompt
             ids = list(
                 self._tokenizer.apply_chat_template(
                     messages, add_generation_prompt=True, tokenize=True, **template_kwargs
                 )
             )
             return RenderedPrompt(PromptKey.build(ids), tail=text[-TAIL_CHARS:])
-        char_spans = prompt_spans(text, slices)
-        starts = [o[0] for o in offsets]
-        ends = [bisect_left(starts, s.end) for s in slices]
-        system_end = 0
-        for s, end in zip(slices, ends):
-            if s.role not in ("system", "developer"):
-                break
-            system_end = end
-        hashes = tuple(self._message_hash(text, char_spans, s, m) for s, m in zip(slices, messages))
-        key = PromptKey.build(ids, token_spans(offsets, char_spans), ends, system_end)
-        return RenderedPrompt(key, hashes, tail=text[-TAIL_CHARS:])
+        old = base.parts[:reused] if base else ()
+        parts = self._parts(messages, text, walk, tokens, old, kept)
+        if key is not None:
+            snapshot = Snapshot(key, template_kwargs, messages, text, walk, parts, tokens)
+            self._snapshots.put(snapshot, parent=base)
+        return RenderedPrompt(
+            self._key(tokens, parts), tuple(p.hash for p in parts), tail=text[-TAIL_CHARS:]
+        )
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
@@ -93,35 +126,88 @@ class ChatFormatter:
             list(messages), add_generation_prompt=generation_prompt, tokenize=False, **kwargs
         )
 
-    def _message_slices(self, messages, text: str, kwargs) -> list[MessageSlice]:
-        """Character range of each message, from rendering growing prefixes. Stops
-        at the first prefix the full rendering does not start with (templates
-        that rewrite earlier turns): later messages then get no slice."""
-        slices: list[MessageSlice] = []
-        prev = 0
-        for k in range(1, len(messages) + 1):
-            try:
-                partial = self._template(messages[:k], False, kwargs)
-            except Exception:  # noqa: BLE001 - e.g. templates that demand a user turn
-                break
-            if not text.startswith(partial) or len(partial) < prev:
-                break
-            slices.append(MessageSlice(prev, len(partial), messages[k - 1]["role"]))
-            prev = len(partial)
-        return slices
-
-    def _encode_with_offsets(self, text: str):
+    def _sample_text(self) -> str:
+        if not getattr(self._tokenizer, "has_chat_template", False):
+            return ""
         try:
-            enc = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
-        except Exception:  # noqa: BLE001 - slow tokenizers have no offsets
-            if not self._warned:
-                log.warning("tokenizer gives no offsets: prompt cache keys ignore volatile spans")
-                self._warned = True
-            return None, None
-        return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+            return self._template(SAMPLE_CHAT, True, {})
+        except Exception:  # noqa: BLE001 - the encoder's synthetic sample still checks
+            return ""
+
+    def _reusable(
+        self, key: bytes | None, messages: list[dict[str, Any]], kwargs: dict[str, Any], text: str
+    ) -> tuple[Snapshot | None, int]:
+        """The snapshot sharing the most placed messages with this request, and
+        how many of them it places as this request's own placing would."""
+        best, reused = None, 0
+        for snapshot in self._snapshots.candidates(key) if key is not None else ():
+            if snapshot.kwargs != kwargs:
+                continue
+            # its last message was placed as the last one (generation prompt after it)
+            k = min(
+                common_prefix(snapshot.messages, messages),
+                snapshot.walk.placed,
+                len(snapshot.messages) - 1,
+            )
+            if k > reused:
+                best, reused = snapshot, k
+        if best is None:
+            return None, 0
+        if not text.startswith(best.text[: best.walk.horizon[reused]]):
+            return None, 0
+        if best.walk.spent[reused] > fallback_budget(text):
+            return None, 0  # this request's own placing would have stopped earlier
+        return best, reused
+
+    def _parts(
+        self,
+        messages: list[dict[str, Any]],
+        text: str,
+        walk: Walk,
+        tokens: Tokens,
+        old: tuple[Part, ...],
+        kept: int,
+    ) -> tuple[Part, ...]:
+        """Placed messages: ``old`` ones reused (their token positions too where
+        their text lies before ``kept``, the character up to which tokens were
+        reused), the rest computed."""
+        intact = bisect_right(old, kept, key=lambda p: p.slice.end)
+        parts = list(old[:intact])
+        parts += (_place(p, tokens) for p in old[intact:])
+        for k in range(len(old), walk.placed):
+            s = MessageSlice(walk.bounds[k], walk.bounds[k + 1], messages[k]["role"])
+            spans = tuple(prompt_spans(text, [s]))
+            part = Part(s, spans, _message_hash(text, spans, s, messages[k]), 0, ())
+            parts.append(_place(part, tokens))
+        return tuple(parts)
 
     @staticmethod
-    def _message_hash(text: str, spans, s: MessageSlice, message: dict[str, Any]) -> str:
-        canon = canonical_text(text, spans, s.start, s.end)
-        calls = canonical_tool_calls(message.get("tool_calls"))
-        return hashlib.blake2b((canon + "\x00" + calls).encode(), digest_size=12).hexdigest()
+    def _key(tokens: Tokens, parts: tuple[Part, ...]) -> PromptKey:
+        if tokens.monotone:
+            spans = merge_ranges(r for p in parts for r in p.ranges)
+        else:
+            offsets = list(zip(tokens.starts, tokens.ends))
+            spans = token_spans(offsets, [s for p in parts for s in p.spans])
+        system_end = 0
+        for p in parts:
+            if p.slice.role not in SYSTEM_ROLES:
+                break
+            system_end = p.end_token
+        return PromptKey.build(tokens.ids, spans, [p.end_token for p in parts], system_end)
+
+
+def _place(part: Part, tokens: Tokens) -> Part:
+    """``part`` with its token positions in ``tokens``."""
+    return dataclasses.replace(
+        part,
+        end_token=bisect_left(tokens.starts, part.slice.end),
+        ranges=tuple(token_range(tokens, s) for s in part.spans),
+    )
+
+
+def _message_hash(
+    text: str, spans: Sequence[CharSpan], s: MessageSlice, message: dict[str, Any]
+) -> str:
+    canon = canonical_text(text, spans, s.start, s.end)
+    calls = canonical_tool_calls(message.get("tool_calls"))
+    return hashlib.blake2b((canon + "\x00" + calls).encode(), digest_size=12).hexdigest()

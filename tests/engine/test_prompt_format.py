@@ -1,0 +1,558 @@
+"""ChatFormatter.render_chat in linear time gives what cumulative rendering gives.
+
+The reference below is the original O(n²) algorithm (every growing prefix of
+the conversation rendered). Random conversations, cold and grown turn by turn
+(with edits, relocation and tools), must give the very same RenderedPrompt
+(model tokens, volatile spans, message ends, stable prefix, hashes, tail) on
+the real SmolLM2 tokenizer with its ChatML template, a Qwen3-like template that
+drops reasoning before the last user query and merges consecutive tool
+results, and a plain concatenation template without special tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from array import array
+from bisect import bisect_left
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from engine import chat_render
+from engine.chat_render import (
+    FALLBACK_FACTOR,
+    FALLBACK_SLACK,
+    OffsetEncoder,
+    SnapshotStore,
+    Tokens,
+    merge_ranges,
+    token_range,
+)
+from engine.prompt_format import ChatFormatter
+from scheduler.healing import canonical_tool_calls
+from scheduler.prompt_key import PromptKey, RenderedPrompt, token_spans
+from scheduler.volatile_rules import (
+    CharSpan,
+    MessageSlice,
+    canonical_text,
+    prompt_spans,
+    relocate_volatile_lines,
+)
+
+QWEN3_LIKE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n</tools><|im_end|>\n"
+    "{%- elif messages[0].role == 'system' %}"
+    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.last_query = loop.index0 %}"
+    "{% endif %}{% endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' and loop.first %}"
+    "{%- elif m.role in ('user', 'system') %}"
+    "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+    "{%- elif m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{%- if loop.index0 > ns.last_query and m.reasoning_content %}"
+    "<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}{{ m.content }}"
+    "{%- for c in m.tool_calls or [] %}\n<tool_call>\n"
+    '{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}'
+    "\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}<|im_start|>user{% endif %}"
+    "\n<tool_response>\n{{ m.content }}\n</tool_response>"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>\n{% endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# No special tokens, no separators: tokens straddle message boundaries.
+PLAIN = (
+    "{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+)
+# The generation prompt (and the closing without it) of a three-message chat differ.
+THREE = (
+    "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if messages|length == 3 %}{% if add_generation_prompt %}>>{% else %}<<{% endif %}{% endif %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+# Every message carries its index: no probe render can hold it past message 2.
+INDEXED = (
+    "{% for m in messages %}[{{ loop.index0 }}] {{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+# Real Qwen3's rule: with no user query a probe takes its last message as the
+# query, and the last assistant message after it always gets a think block.
+QWEN3_REAL_RULE = (
+    "{%- set ns = namespace(last_query=messages|length - 1) %}"
+    "{%- for m in messages[::-1] %}{% if ns.last_query == messages|length - 1 and "
+    "m.role == 'user' %}{% set ns.last_query = messages|length - 1 - loop.index0 %}"
+    "{% endif %}{% endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{%- if loop.index0 > ns.last_query and (loop.last or m.reasoning_content) %}"
+    "<think>\n{{ m.reasoning_content or '' }}\n</think>\n\n{% endif %}{{ m.content }}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TEMPLATES = ("smollm2", "qwen3_like", "plain")
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read_file",
+            "description": "Reads a file.",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """The real SmolLM2 tokenizer, built from the GGUF's metadata like `kvwarm prepare` does."""
+    import mlx.core as mx
+
+    from engine.gguf_convert import _tokenizer_files
+    from engine.model_source import default_gguf_path
+
+    _, meta = mx.load(str(default_gguf_path()), return_metadata=True)
+    path = tmp_path_factory.mktemp("smollm2-tokenizer")
+    for name, content in _tokenizer_files(meta, 8192).items():
+        (path / name).write_text(json.dumps(content, ensure_ascii=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tokenizers(smollm2_dir, tmp_path_factory):
+    """name -> the SmolLM2 tokenizer with that chat template."""
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    out = {"smollm2": load_tokenizer(smollm2_dir)}
+    variants = {
+        "qwen3_like": QWEN3_LIKE,
+        "plain": PLAIN,
+        "indexed": INDEXED,
+        "three": THREE,
+        "qwen3_real_rule": QWEN3_REAL_RULE,
+    }
+    for name, template in variants.items():
+        path = tmp_path_factory.mktemp(name)
+        (path / "tokenizer.json").write_text((smollm2_dir / "tokenizer.json").read_text())
+        (path / "tokenizer_config.json").write_text(
+            json.dumps({**config, "chat_template": template})
+        )
+        out[name] = load_tokenizer(path)
+    return out
+
+
+def reference_render(tokenizer, messages, relocate_volatile=False, **kwargs) -> RenderedPrompt:
+    """The original algorithm: boundaries from rendering every growing prefix."""
+    messages = [dict(m) for m in messages]
+    if relocate_volatile:
+        contents = relocate_volatile_lines(
+            [m.get("content") for m in messages], [m["role"] for m in messages]
+        )
+        for m, content in zip(messages, contents):
+            m["content"] = content
+
+    def render(msgs, generation_prompt):
+        return tokenizer.apply_chat_template(
+            list(msgs), add_generation_prompt=generation_prompt, tokenize=False, **kwargs
+        )
+
+    text = render(messages, True)
+    slices, prev = [], 0
+    for k in range(1, len(messages) + 1):
+        try:
+            partial = render(messages[:k], False)
+        except Exception:  # noqa: BLE001
+            break
+        if not text.startswith(partial) or len(partial) < prev:
+            break
+        slices.append(MessageSlice(prev, len(partial), messages[k - 1]["role"]))
+        prev = len(partial)
+    enc = tokenizer._tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    char_spans = prompt_spans(text, slices)
+    starts = [o[0] for o in offsets]
+    ends = [bisect_left(starts, s.end) for s in slices]
+    system_end = 0
+    for s, end in zip(slices, ends):
+        if s.role not in ("system", "developer"):
+            break
+        system_end = end
+    hashes = []
+    for s, m in zip(slices, messages):
+        canon = canonical_text(text, char_spans, s.start, s.end)
+        raw = canon + "\x00" + canonical_tool_calls(m.get("tool_calls"))
+        hashes.append(hashlib.blake2b(raw.encode(), digest_size=12).hexdigest())
+    key = PromptKey.build(ids, token_spans(offsets, char_spans), ends, system_end)
+    return RenderedPrompt(key, tuple(hashes), tail=text[-64:])
+
+
+# -- random conversations ------------------------------------------------------
+
+FRAGMENTS = [
+    "",
+    "hi",
+    "Current time is 10:42",
+    "Current date: 2026-11-26\n",
+    "<system-reminder>ctx\nmore</system-reminder>\n",
+    "message_id: 77 ok",
+    "two\nlines ",
+    "  lead",
+    "ünï 🙂 12345",
+    "<|im_end|>",
+]
+contents = st.lists(st.sampled_from(FRAGMENTS), max_size=3).map(" ".join)
+CALLS = [{"type": "function", "function": {"name": "read_file", "arguments": '{"path": "a"}'}}]
+
+
+def _message(role: str, content: str, reasoning: str, calls: bool) -> dict:
+    message = {"role": role, "content": content}
+    if role == "assistant" and reasoning:
+        message["reasoning_content"] = reasoning
+    if role == "assistant" and calls:
+        message["tool_calls"] = CALLS
+    return message
+
+
+messages_st = st.builds(
+    _message,
+    st.sampled_from(["system", "user", "user", "assistant", "assistant", "tool"]),
+    contents,
+    st.sampled_from(["", "let me think"]),
+    st.booleans(),
+)
+
+
+def _agent_turn(query: str, reasoning: str, results: list[str], answer: str) -> list[dict]:
+    """A user query, tool rounds (an assistant call, its results), a final answer."""
+    turn = [{"role": "user", "content": query}]
+    for result in results:
+        turn.append(_message("assistant", "", reasoning, True))
+        turn.append({"role": "tool", "content": result})
+    return [*turn, _message("assistant", answer, reasoning, False)]
+
+
+agent_turns = st.builds(
+    _agent_turn,
+    contents,
+    st.sampled_from(["", "let me think"]),
+    st.lists(contents, max_size=3),
+    contents,
+)
+agent_chats = st.tuples(
+    st.lists(
+        st.builds(_message, st.just("system"), contents, st.just(""), st.just(False)), max_size=1
+    ),
+    st.lists(agent_turns, min_size=1, max_size=3),
+).map(lambda t: t[0] + [m for turn in t[1] for m in turn])
+conversations = st.one_of(st.lists(messages_st, min_size=1, max_size=12), agent_chats)
+EXAMPLES = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _kwargs(tools: bool) -> dict:
+    return {"tools": TOOLS} if tools else {}
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+@EXAMPLES
+@given(conversation=conversations, relocate=st.booleans(), tools=st.booleans())
+def test_cold_render_equals_cumulative_rendering(
+    tokenizers, template, conversation, relocate, tools
+):
+    tokenizer = tokenizers[template]
+    got = ChatFormatter(tokenizer).render_chat(conversation, relocate, **_kwargs(tools))
+    assert got == reference_render(tokenizer, conversation, relocate, **_kwargs(tools))
+
+
+_shared: dict[str, ChatFormatter] = {}
+
+
+@pytest.mark.parametrize("template", TEMPLATES)
+@EXAMPLES
+@given(
+    conversation=conversations,
+    steps=st.lists(st.integers(1, 3), min_size=1, max_size=8),
+    edit=st.tuples(st.integers(0, 20), contents),
+    relocate=st.booleans(),
+    tools=st.booleans(),
+)
+def test_turn_by_turn_equals_cumulative_rendering(
+    tokenizers, template, conversation, steps, edit, relocate, tools
+):
+    """A conversation grown a few messages per turn, then edited in the middle,
+    on a formatter shared by all examples (snapshots of other conversations
+    are around): every turn equals a cold reference rendering."""
+    tokenizer = tokenizers[template]
+    formatter = _shared.setdefault(template, ChatFormatter(tokenizer))
+    kwargs = _kwargs(tools)
+    n = 0
+    for step in steps:
+        n = min(n + step, len(conversation))
+        turn = conversation[:n]
+        assert formatter.render_chat(turn, relocate, **kwargs) == reference_render(
+            tokenizer, turn, relocate, **kwargs
+        )
+    index, content = edit
+    edited = [dict(m) for m in conversation]
+    edited[index % len(edited)]["content"] = content
+    assert formatter.render_chat(edited, relocate, **kwargs) == reference_render(
+        tokenizer, edited, relocate, **kwargs
+    )
+
+
+def test_long_conversation_grown_two_messages_a_turn(tokenizers):
+    tokenizer = tokenizers["smollm2"]
+    formatter = ChatFormatter(tokenizer)
+    conversation = [{"role": "system", "content": "Be brief. Current time is 10:42"}]
+    for turn in range(60):
+        conversation += [
+            {
+                "role": "user",
+                "content": f"question {turn}\n<system-reminder>{turn}</system-reminder>",
+            },
+            {"role": "assistant", "content": f"answer {turn} " * (turn % 7)},
+        ]
+        if turn % 10 == 9:
+            got = formatter.render_chat(conversation)
+            assert got == reference_render(tokenizer, conversation)
+        else:
+            formatter.render_chat(conversation)
+
+
+def test_concurrent_conversations_equal_reference(tokenizers):
+    tokenizer = tokenizers["qwen3_like"]
+    formatter = ChatFormatter(tokenizer)
+    failures = []
+
+    def agent(seed: int) -> None:
+        conversation = [{"role": "system", "content": "Shared system prompt."}]
+        for turn in range(8):
+            conversation += [
+                {"role": "user", "content": f"agent {seed} turn {turn} Current time is {turn}"},
+                {"role": "assistant", "content": f"ok {seed}.{turn}", "tool_calls": CALLS},
+                {"role": "tool", "content": f"result {turn}"},
+            ]
+            got = formatter.render_chat(conversation, tools=TOOLS)
+            if got != reference_render(tokenizer, conversation, tools=TOOLS):
+                failures.append((seed, turn))
+
+    threads = [threading.Thread(target=agent, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+
+
+# -- templates that defeat the probes --------------------------------------------
+
+
+def _counting(formatter: ChatFormatter) -> list[int]:
+    """Characters of every template rendering the formatter does."""
+    rendered: list[int] = []
+    template = formatter._template
+
+    def counted(messages, generation_prompt, kwargs):
+        text = template(messages, generation_prompt, kwargs)
+        rendered.append(len(text))
+        return text
+
+    formatter._template = counted
+    return rendered
+
+
+def _chat(n: int, size: int = 40) -> list[dict]:
+    return [
+        {"role": "user" if i % 2 == 0 else "assistant", "content": f"{i} " + "x" * size}
+        for i in range(n)
+    ]
+
+
+def test_probe_defeating_template_falls_back_to_cumulative_rendering(tokenizers):
+    tokenizer = tokenizers["indexed"]
+    formatter = ChatFormatter(tokenizer)
+    for n in (1, 2, 5, 30):
+        conversation = _chat(n)
+        expected = reference_render(tokenizer, conversation)
+        assert formatter.render_chat(conversation) == expected
+        assert len(expected.key.message_ends) == n
+
+
+def test_fallback_work_is_linear_in_the_prompt(tokenizers):
+    tokenizer = tokenizers["indexed"]
+    formatter = ChatFormatter(tokenizer)
+    rendered = _counting(formatter)
+    conversation = _chat(400, size=200)
+    got = formatter.render_chat(conversation)
+    text_len = rendered[0]  # the full rendering comes first
+    # probes: a few renderings of one to three messages each, for each message
+    assert sum(rendered) <= (FALLBACK_FACTOR + 12) * text_len + FALLBACK_SLACK
+    placed = len(got.key.message_ends)
+    assert 10 < placed < len(conversation)  # the budget ran out, a long way in
+    expected = reference_render(tokenizer, conversation)
+    assert got.key.message_ends == expected.key.message_ends[:placed]
+    assert got.message_hashes == expected.message_hashes[:placed]
+
+
+def test_edited_earlier_message(tokenizers):
+    """An edit a few characters after the reused prefix: no token of the old text past it is kept."""
+    tokenizer = tokenizers["smollm2"]
+    formatter = ChatFormatter(tokenizer)
+    conversation = [{"role": "system", "content": "S"}] + _chat(8, size=3)
+    formatter.render_chat(conversation)
+    edited = [dict(m) for m in conversation]
+    edited[5]["content"] = "4 yyy"  # as long as before: the old text's closing token lines up
+    assert formatter.render_chat(edited) == reference_render(tokenizer, edited)
+
+
+def test_new_text_retokenises_earlier_boundaries(tokenizers):
+    """Without added tokens nothing is spliced; "helhelin" + "g" moves tokens
+    before the reused messages' ends, which are placed on the new tokens."""
+    tokenizer = tokenizers["plain"]
+    formatter = ChatFormatter(tokenizer)
+    conversation = [{"role": "user", "content": c} for c in ("hel", "hel", "in")]
+    formatter.render_chat(conversation)
+    conversation.append({"role": "user", "content": "g"})
+    assert formatter.render_chat(conversation) == reference_render(tokenizer, conversation)
+
+
+def test_later_query_rewrites_an_earlier_turn(tokenizers):
+    """The snapshot of a turn whose reasoning a later query drops is not reused."""
+    tokenizer = tokenizers["qwen3_like"]
+    formatter = ChatFormatter(tokenizer)
+    conversation = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "", "reasoning_content": "hmm", "tool_calls": CALLS},
+        {"role": "tool", "content": "r1"},
+        {"role": "assistant", "content": "a1"},
+    ]
+    assert formatter.render_chat(conversation) == reference_render(tokenizer, conversation)
+    conversation = [*conversation, {"role": "user", "content": "q2"}]
+    assert formatter.render_chat(conversation) == reference_render(tokenizer, conversation)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_generation_prompt_is_checked_after_the_last_message(tokenizers, n):
+    """With three messages the closing differs from the generation prompt's start:
+    cumulative rendering stops at the last message, and so does placing. (With
+    four, the rule reaches back into a probe-placed message: see the far-rule
+    test below.)"""
+    tokenizer = tokenizers["three"]
+    formatter = ChatFormatter(tokenizer)
+    conversation = _chat(n)
+    assert formatter.render_chat(conversation) == reference_render(tokenizer, conversation)
+
+
+def test_rewriting_template_stops_where_cumulative_rendering_stops(tokenizers):
+    """Reasoning before the last user query is dropped: cumulative rendering of
+    a prefix ending in that assistant turn shows it, so placing stops there."""
+    tokenizer = tokenizers["qwen3_like"]
+    conversation = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1", "reasoning_content": "hmm"},
+        {"role": "user", "content": "q2"},
+    ]
+    got = ChatFormatter(tokenizer).render_chat(conversation)
+    assert got == reference_render(tokenizer, conversation)
+    assert len(got.key.message_ends) == 1
+
+
+def test_probes_place_messages_where_a_far_rule_stops_cumulative_rendering(tokenizers):
+    """The one known difference. Under real Qwen3's rule an assistant turn after
+    tool results renders plainly in the whole prompt and in a probe (no user
+    query in sight), but with an empty think block as the last message of a
+    prefix that holds the query: cumulative rendering stops at it, the probes
+    place it (and what follows) where the whole rendering has it."""
+    tokenizer = tokenizers["qwen3_real_rule"]
+    conversation = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1", "reasoning_content": "hmm"},
+        {"role": "tool", "content": "r1"},
+        {"role": "assistant", "content": "a2"},
+        {"role": "tool", "content": "r2"},
+    ]
+    got = ChatFormatter(tokenizer).render_chat(conversation)
+    expected = reference_render(tokenizer, conversation)
+    assert got.tokens == expected.tokens
+    assert len(expected.key.message_ends) == 3
+    assert got.key.message_ends[:3] == expected.key.message_ends
+    assert got.message_hashes[:3] == expected.message_hashes
+    assert len(got.key.message_ends) == 5
+
+
+# -- parts -------------------------------------------------------------------------
+
+
+@st.composite
+def offsets_and_spans(draw):
+    """Monotone token offsets over a text, and sorted disjoint character spans."""
+    n = draw(st.integers(0, 30))
+    starts = sorted(draw(st.lists(st.integers(0, 60), min_size=n, max_size=n)))
+    widths = draw(st.lists(st.integers(0, 4), min_size=n, max_size=n))
+    ends = [s + w for s, w in zip(starts, widths)]
+    ends = [max(ends[: i + 1]) for i in range(n)]  # monotone ends too
+    cuts = sorted(set(draw(st.lists(st.integers(0, 70), max_size=12))))
+    spans = [
+        CharSpan(a, b, draw(st.integers(0, 3))) for a, b in zip(cuts[::2], cuts[1::2]) if b > a
+    ]
+    return list(zip(starts, ends)), spans
+
+
+@settings(max_examples=300, deadline=None)
+@given(offsets_and_spans())
+def test_token_ranges_merge_like_token_spans(case):
+    offsets, spans = case
+    tokens = chat_render.Tokens(
+        array("q", [0] * len(offsets)),
+        array("q", [s for s, _ in offsets]),
+        array("q", [e for _, e in offsets]),
+        array("q"),
+        True,
+    )
+    assert merge_ranges(token_range(tokens, s) for s in spans) == token_spans(offsets, spans)
+
+
+def test_splice_self_check_passes_on_smollm2(tokenizers):
+    hf = tokenizers["smollm2"]._tokenizer
+    text = tokenizers["smollm2"].apply_chat_template(
+        [{"role": "user", "content": "hi  there\n"}], add_generation_prompt=True, tokenize=False
+    )
+    encoder = OffsetEncoder(hf, text)
+    assert encoder.incremental
+    full = encoder.encode(text + "more text after it")
+    old = encoder.encode(text)
+    spliced, kept = encoder.extend(old, text + "more text after it", len(text))
+    assert isinstance(spliced, Tokens) and kept > 0
+    assert spliced == full
+
+
+def test_snapshot_store_is_bounded():
+    store = SnapshotStore(max_entries=3, max_bytes=1 << 30)
+
+    def snap(i: int, messages: list[dict] | None = None) -> chat_render.Snapshot:
+        empty = array("q")
+        tokens = Tokens(empty, empty, empty, empty, True)
+        messages = [{"role": "user", "content": str(i)}] if messages is None else messages
+        return chat_render.Snapshot(b"k", {}, messages, f"text {i}", chat_render.Walk(), (), tokens)
+
+    snaps = [snap(i) for i in range(5)]
+    for s in snaps:
+        store.put(s)
+    assert [s.text for s in store.candidates(b"k")] == ["text 2", "text 3", "text 4"]
+    store.put(snap(5, [*snaps[3].messages, {"role": "user", "content": "next"}]), snaps[3])
+    assert [s.text for s in store.candidates(b"k")] == ["text 2", "text 4", "text 5"]
+    store.put(snap(6), snaps[4])  # a branch: its parent stays
+    assert [s.text for s in store.candidates(b"k")] == ["text 4", "text 5", "text 6"]
+    small = SnapshotStore(max_entries=10, max_bytes=snaps[0].nbytes * 2)
+    for s in snaps:
+        small.put(s)
+    assert len(small.candidates(b"k")) == 2
