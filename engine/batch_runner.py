@@ -8,30 +8,49 @@ leave without disturbing the others (``filter``), prompts are prefilled in
 own sampler / logits processors / stop tokens, and per-sequence prompt caches go
 in (``insert(caches=...)``) and out (``extract_cache``), which is what prefix
 reuse builds on. What it lacks, and this module adds, is the request view:
-text deltas, stop *strings*, aborts, and per-request bookkeeping.
+text deltas, stop *strings*, aborts, per-request bookkeeping, and fault
+isolation: a row whose sampler, logits processor, detokeniser or cache raises
+fails alone while the step goes on for the others (``engine.row_faults``); a
+step that raises without saying whose fault it was rebuilds the batch and
+re-admits each row alone first, so only the faulty ones fail.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
 
 from engine.prefix_cache import PrefixCache
+from engine.row_faults import FaultLedger, GuardedProcessor, GuardedSampler
 from engine.sampling import SamplerFactory
 from engine.text_output import TextOutput
 from scheduler.admission import round_up
 from scheduler.prompt_key import PromptKey
 from scheduler.request import CacheReport, FinishReason, Request, RequestOutput, RequestStats
 
+log = logging.getLogger("kvwarm.engine")
+# unexplained step faults in a row, with no good step between them, before the
+# engine gives up: a fault that survives re-admitting every row alone is not a row's
+MAX_RECOVERIES = 3
+
+
+class EngineFault(RuntimeError):
+    """A fault that is no row's: the engine cannot go on."""
+
 
 @dataclass
 class _Row:
     request: Request
     text: TextOutput
+    sampler: GuardedSampler
+    processors: list[GuardedProcessor]
     generated: int = 0
+    tokens: list[int] = field(default_factory=list)  # generated ids (to re-admit after a fault)
     first_token_at: float | None = None
     cached: int = 0  # prompt tokens served from the prefix cache
     kv_offset: int = 0  # KV positions the reused cache holds (differs from ``cached``
@@ -52,6 +71,24 @@ class _Row:
             cache=self.report,
         )
 
+    def output(self, **fields) -> RequestOutput:
+        """An output of this row carrying its running totals."""
+        return RequestOutput(
+            request_id=self.request.request_id,
+            prompt_tokens=len(self.request.prompt_tokens),
+            completion_tokens=self.generated,
+            cached_tokens=self.cached,
+            **fields,
+        )
+
+    def failure(self, now: float, error: str) -> RequestOutput:
+        return self.output(
+            finish_reason=FinishReason.ERROR,
+            error=f"the request failed in the engine: {error}",
+            error_code="engine_error",
+            stats=self.stats(now),
+        )
+
 
 class BatchRunner:
     def __init__(
@@ -63,21 +100,18 @@ class BatchRunner:
         prefill_batch: int,
         prefix_cache: PrefixCache | None = None,
     ):
+        self.model = model
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
         self._trimmable = can_trim_prompt_cache(make_prompt_cache(model))
         # prompt tokens one step may prefill, shared by all rows joining at once
         self.prefill_budget = prefill_step_size
+        self._max_batch = max_batch
         self._prefill_rows = min(prefill_batch, max_batch)
-        self._samplers = SamplerFactory(vocab_size=len(tokenizer))
-        eos = sorted(tokenizer.eos_token_ids)
-        self._generator = BatchGenerator(
-            model,
-            stop_tokens=[[t] for t in eos],
-            completion_batch_size=max_batch,
-            prefill_batch_size=self._prefill_rows,
-            prefill_step_size=prefill_step_size,
-        )
+        self.faults = FaultLedger()
+        self._samplers = SamplerFactory(vocab_size=len(tokenizer), ledger=self.faults)
+        self._eos = [[t] for t in sorted(tokenizer.eos_token_ids)]
+        self._generator = self._new_generator(max_batch, self._prefill_rows)
         self._no_stop = StopSequences()
         self._rows: dict[int, _Row] = {}
         self._uids: dict[str, int] = {}
@@ -85,8 +119,20 @@ class BatchRunner:
         self.prefill_tokens = 0
         self.generated_tokens = 0
         self.last_step_prefill = 0
+        self.row_faults = 0  # rows failed alone (a fault of their own)
+        self.recoveries = 0  # batches rebuilt after a step fault nobody owned
+        self._recovering = 0  # recoveries since the last good step
         # decode steps by rows decoding together: index = batch size
         self.batch_sizes = [0] * (max_batch + 1)
+
+    def _new_generator(self, rows: int, prefill_rows: int) -> BatchGenerator:
+        return BatchGenerator(
+            self.model,
+            stop_tokens=self._eos,
+            completion_batch_size=rows,
+            prefill_batch_size=prefill_rows,
+            prefill_step_size=self.prefill_budget,
+        )
 
     @property
     def active(self) -> int:
@@ -94,7 +140,16 @@ class BatchRunner:
 
     def add(self, request: Request) -> None:
         params = request.sampling
-        row = _Row(request, TextOutput(self.tokenizer.detokenizer, request.stop))
+        rid = request.request_id
+        processors = [
+            GuardedProcessor(p, rid, self.faults) for p in self._samplers.logits_processors(params)
+        ]
+        row = _Row(
+            request,
+            TextOutput(self.tokenizer.detokenizer, request.stop, request.trim_leading_space),
+            self._samplers.sampler(params),
+            processors,
+        )
         prompt = request.prompt_tokens
         cache, cached_tokens = None, None
         hints = request.cache if self.prefix_cache is not None else None
@@ -116,30 +171,57 @@ class BatchRunner:
         bounds = [0, *row.checkpoints, len(rest)]
         segments = [rest[a:b] for a, b in zip(bounds, bounds[1:])]
         try:
-            (uid,) = self._generator.insert_segments(
-                [segments],
-                max_tokens=[request.max_tokens],
-                caches=[cache] if cache is not None else None,
-                all_tokens=[cached_tokens] if cached_tokens is not None else None,
-                samplers=[self._samplers.sampler(params)],
-                logits_processors=[self._samplers.logits_processors(params)],
-                stop_sequences=[self._no_stop] if request.ignore_eos else None,
-            )
+            uid = self._insert(row, segments, cache, cached_tokens)
         except Exception:
             self._release(row)
             raise
-        self._rows[uid] = row
-        self._uids[request.request_id] = uid
         self._prefilled[uid] = 0
 
-    def remove(self, request_id: str) -> None:
+    def _insert(self, row: _Row, segments, cache, cached_tokens, generator=None) -> int:
+        request = row.request
+        (uid,) = (generator or self._generator).insert_segments(
+            [segments],
+            max_tokens=[request.max_tokens - row.generated],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[cached_tokens] if cached_tokens is not None else None,
+            samplers=[row.sampler],
+            logits_processors=[row.processors],
+            stop_sequences=[self._no_stop] if request.ignore_eos else None,
+        )
+        if generator is None:
+            self._rows[uid] = row
+            self._uids[request.request_id] = uid
+        return uid
+
+    def remove(self, request_id: str) -> _Row | None:
+        """Take a request out of the batch (client gone, watchdog); its KV is not kept."""
         uid = self._uids.pop(request_id, None)
-        if uid is not None:
-            row = self._rows.pop(uid, None)
-            if row is not None:
-                self._release(row)
-            self._prefilled.pop(uid, None)
-            self._generator.remove([uid])
+        if uid is None:
+            return None
+        row = self._rows.pop(uid, None)
+        if row is not None:
+            self._release(row)
+        self._prefilled.pop(uid, None)
+        self._generator.remove([uid])
+        return row
+
+    def cut_short(self, request_id: str) -> RequestOutput | None:
+        """End a running request as if it hit max_tokens (the watchdog): what it
+        generated is delivered, nothing of it is stored."""
+        row = self.remove(request_id)
+        if row is None:
+            return None
+        now = time.monotonic()
+        try:
+            text = row.text.finish()
+        except Exception:  # noqa: BLE001 - the row ends either way
+            text = ""
+        return row.output(
+            text=text,
+            finish_reason=FinishReason.LENGTH,
+            timed_out=True,
+            stats=row.stats(now),
+        )
 
     def _release(self, row: _Row) -> None:
         if row.entry_id is not None:
@@ -185,7 +267,7 @@ class BatchRunner:
         prefilling = min(len(self._prefilled), self._prefill_rows) or 1
         return max(16, self.prefill_budget // prefilling)
 
-    def _account_prefill(self, prompt_responses) -> None:
+    def _account_prefill(self, prompt_responses, failed: dict[int, str]) -> None:
         self.last_step_prefill = 0
         for resp in prompt_responses:
             if resp.uid not in self._prefilled:
@@ -194,18 +276,40 @@ class BatchRunner:
             self.last_step_prefill += done - self._prefilled[resp.uid]
             self._prefilled[resp.uid] = done
             row = self._rows[resp.uid]
-            if row.checkpoints and done == row.checkpoints[0] and resp.end_of_segment:
-                self._checkpoint(resp.uid, row)
+            try:
+                if row.checkpoints and done == row.checkpoints[0] and resp.end_of_segment:
+                    self._checkpoint(resp.uid, row)
+            except Exception as exc:  # noqa: BLE001 - the row's own cache
+                failed.setdefault(resp.uid, f"{type(exc).__name__}: {exc}")
             if resp.end_of_prompt:
                 del self._prefilled[resp.uid]
                 self._release(row)
         self.prefill_tokens += self.last_step_prefill
 
+    def _faulted_rows(self) -> dict[int, str]:
+        """Rows whose guarded sampler or logits processors raised this step."""
+        if not self.faults:
+            return {}
+        failed: dict[int, str] = {}
+        for uid, row in self._rows.items():
+            error = self.faults.by_row.get(row.request.request_id) or self.faults.by_sampler.get(
+                id(row.sampler)
+            )
+            if error is not None:
+                failed[uid] = error
+        self.faults.clear()
+        return failed
+
     def step(self) -> list[RequestOutput]:
         """One decode step for running rows plus one prefill chunk for joiners."""
         self._generator.prefill_step_size = self._chunk_per_row()
-        prompt_responses, responses = self._generator.next()
-        self._account_prefill(prompt_responses)
+        try:
+            prompt_responses, responses = self._generator.next()
+        except Exception as exc:  # noqa: BLE001 - nobody owned it: find out who
+            return self._recover(exc)
+        self._recovering = 0
+        failed = self._faulted_rows()
+        self._account_prefill(prompt_responses, failed)
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         stopped_by_text: dict[int, _Row] = {}
@@ -213,42 +317,20 @@ class BatchRunner:
             self.batch_sizes[min(len(responses), len(self.batch_sizes) - 1)] += 1
         for resp in responses:
             row = self._rows.get(resp.uid)
-            if row is None:
+            if row is None or resp.uid in failed:
                 continue
-            row.generated += 1
-            self.generated_tokens += 1
-            ttft = None
-            if row.first_token_at is None:
-                row.first_token_at = now
-                ttft = now - row.request.arrival_time
-            eos = resp.finish_reason == "stop"  # only EOS tokens are token-level stops
-            text = "" if eos else row.text.add_token(resp.token)
-            finish = None
-            if row.text.stopped:
-                finish = FinishReason.STOP
-            elif resp.finish_reason is not None:
-                text += row.text.finish()
-                finish = FinishReason.STOP if eos else FinishReason.LENGTH
-            outputs.append(
-                RequestOutput(
-                    request_id=row.request.request_id,
-                    text=text,
-                    token_ids=(resp.token,),
-                    finish_reason=finish,
-                    prompt_tokens=len(row.request.prompt_tokens),
-                    completion_tokens=row.generated,
-                    cached_tokens=row.cached,
-                    ttft=ttft,
-                    stop_sequence=row.text.matched_stop,
-                    stats=row.stats(now) if finish is not None else None,
-                )
-            )
-            if finish is not None:
+            try:
+                out = self._advance(row, resp, now)
+            except Exception as exc:  # noqa: BLE001 - its detokeniser, stop matcher or cache
+                failed[resp.uid] = f"{type(exc).__name__}: {exc}"
+                continue
+            outputs.append(out)
+            if out.finished:
                 self._uids.pop(row.request.request_id, None)
                 del self._rows[resp.uid]
                 self._release(row)
                 if resp.finish_reason is not None:
-                    self._store_final(row, resp.prompt_cache, resp.all_tokens)
+                    self._store_quietly(row, resp.prompt_cache, resp.all_tokens)
                 else:
                     stopped_by_text[resp.uid] = row
         if stopped_by_text:
@@ -256,8 +338,126 @@ class BatchRunner:
                 list(stopped_by_text), return_prompt_caches=self.prefix_cache is not None
             )
             for uid, (cache, tokens) in caches.items():
-                self._store_final(stopped_by_text[uid], cache, tokens)
+                self._store_quietly(stopped_by_text[uid], cache, tokens)
+        return outputs + self._fail_rows(failed, now)
+
+    def _advance(self, row: _Row, resp, now: float) -> RequestOutput:
+        """This row's share of a step: its token as text, and whether it finished."""
+        row.generated += 1
+        row.tokens.append(resp.token)
+        self.generated_tokens += 1
+        ttft = None
+        if row.first_token_at is None:
+            row.first_token_at = now
+            ttft = now - row.request.arrival_time
+        eos = resp.finish_reason == "stop"  # only EOS tokens are token-level stops
+        text = "" if eos else row.text.add_token(resp.token)
+        finish = None
+        if row.text.stopped:
+            finish = FinishReason.STOP
+        elif resp.finish_reason is not None:
+            text += row.text.finish()
+            finish = FinishReason.STOP if eos else FinishReason.LENGTH
+        return row.output(
+            text=text,
+            token_ids=(resp.token,),
+            finish_reason=finish,
+            ttft=ttft,
+            cache=row.report if ttft is not None else None,
+            stop_sequence=row.text.matched_stop,
+            stats=row.stats(now) if finish is not None else None,
+        )
+
+    def _store_quietly(self, row: _Row, caches, all_tokens) -> None:
+        """A reply already delivered must not fail because its KV could not be kept."""
+        if self.prefix_cache is None:
+            return
+        try:
+            self._store_final(row, caches, all_tokens)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: prompt KV not stored", row.request.request_id)
+
+    def _fail_rows(self, failed: dict[int, str], now: float) -> list[RequestOutput]:
+        outputs = []
+        for uid, error in failed.items():
+            row = self._rows.get(uid)
+            if row is None:
+                continue
+            log.error("%s: failed alone in the engine: %s", row.request.request_id, error)
+            self.remove(row.request.request_id)
+            self.row_faults += 1
+            outputs.append(row.failure(now, error))
         return outputs
+
+    # -- a step fault nobody owned ---------------------------------------------
+    def _recover(self, exc: Exception) -> list[RequestOutput]:
+        """The batch's state is no longer trustworthy: rebuild it, try each row on
+        its own (prefill + one decode step), fail the rows that fault alone and
+        re-admit the others from their prompt and what they generated so far."""
+        self.recoveries += 1
+        self._recovering += 1
+        rows = list(self._rows.values())
+        log.error(
+            "engine step failed (%s: %s); rebuilding the batch and re-admitting %d rows alone",
+            type(exc).__name__,
+            exc,
+            len(rows),
+            exc_info=exc,
+        )
+        if self._recovering > MAX_RECOVERIES:
+            raise EngineFault(f"the batch keeps failing: {type(exc).__name__}: {exc}") from exc
+        self._generator = self._new_generator(self._max_batch, self._prefill_rows)
+        self._rows.clear()
+        self._uids.clear()
+        self._prefilled.clear()
+        self.faults.clear()
+        now = time.monotonic()
+        outputs = []
+        for row in rows:
+            self._release(row)
+            row.checkpoints = []
+            error = self._probe(row)
+            if error is not None:
+                self.row_faults += 1
+                log.error("%s: failed alone in the engine: %s", row.request.request_id, error)
+                outputs.append(row.failure(now, error))
+                continue
+            # the KV is rebuilt from the request's own tokens, whatever a hit had reused
+            row.kv_key = row.request.cache.key if row.request.cache else None
+            row.kv_offset = 0
+            uid = self._insert(row, [self._replay_tokens(row)], None, None)
+            self._prefilled[uid] = 0
+        if len(outputs) == len(rows) and not self._model_healthy():
+            raise EngineFault(f"the model no longer runs: {type(exc).__name__}: {exc}") from exc
+        return outputs
+
+    @staticmethod
+    def _replay_tokens(row: _Row) -> list[int]:
+        return list(row.request.prompt_tokens) + row.tokens
+
+    def _probe(self, row: _Row) -> str | None:
+        """Run ``row`` alone in a throwaway batch up to its next token: its fault, or None."""
+        probe = self._new_generator(1, 1)
+        try:
+            self._insert(row, [self._replay_tokens(row)], None, None, generator=probe)
+            while not probe.next()[1]:
+                pass
+        except Exception as exc:  # noqa: BLE001
+            return f"{type(exc).__name__}: {exc}"
+        finally:
+            probe.close()
+        errors = list(self.faults.by_row.values()) + list(self.faults.by_sampler.values())
+        self.faults.clear()
+        return errors[0] if errors else None
+
+    def _model_healthy(self) -> bool:
+        try:
+            cache = make_prompt_cache(self.model)
+            mx.eval(self.model(mx.array([[0]]), cache=cache))
+        except Exception:  # noqa: BLE001
+            log.exception("the model fails a one-token forward pass")
+            return False
+        return True
 
     def close(self) -> None:
         self._generator.close()

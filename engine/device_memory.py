@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import mlx.core as mx
+import psutil
 
 LINUX_RAM_FRACTION = 0.75  # of MemAvailable at start-up, before the weights load
 GPU_FRACTION = 0.90  # of CUDA device memory (leave room for the driver/context)
@@ -15,17 +15,6 @@ GPU_FRACTION = 0.90  # of CUDA device memory (leave room for the driver/context)
 class DeviceMemory:
     total_bytes: int
     source: str
-
-
-def _meminfo(field: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _device_info() -> dict:
@@ -50,11 +39,8 @@ def auto_budget() -> DeviceMemory:
         total = info.get("total_memory") or info.get("memory_size")
         if total:
             return DeviceMemory(int(int(total) * GPU_FRACTION), "90% of CUDA device memory")
-    available = _meminfo("MemAvailable")
-    if available:
-        return DeviceMemory(int(available * LINUX_RAM_FRACTION), "75% of available RAM")
-    pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return DeviceMemory(int(pages * 0.5), "50% of physical RAM")
+    available = psutil.virtual_memory().available
+    return DeviceMemory(int(available * LINUX_RAM_FRACTION), "75% of available RAM")
 
 
 @dataclass(frozen=True)

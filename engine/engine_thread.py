@@ -18,12 +18,13 @@ from engine.model_source import ModelSource
 from scheduler.admission import AdmissionController, MemoryBudget, transient_reserve
 from scheduler.contracts import EngineStats, ModelInfo
 from scheduler.prefix_index import PromptCacheConfig
-from scheduler.request import RequestOutput
+from scheduler.request import FinishReason, RequestOutput
 from scheduler.scheduler import Scheduler
 from scheduler.streams import OutputRouter
 
 log = logging.getLogger("kvwarm.engine")
-TIMED_OUT = "the request ran past --request-timeout and was aborted"
+QUEUE_TIMEOUT = "the request waited in the queue past --request-timeout; retry later"
+SHUTTING_DOWN = "the server is shutting down"
 MEMORY_SAMPLE_S = 1.0  # allocator readings for /metrics; a scrape needs no fresher
 
 
@@ -44,12 +45,14 @@ class EngineThread(threading.Thread):
         scheduler: Scheduler,
         router: OutputRouter,
         on_load_failure: Callable[[str], None] | None = None,
+        on_fatal: Callable[[str], None] | None = None,
     ):
         super().__init__(name="kvwarm-engine", daemon=True)
         self.config = config
         self.scheduler = scheduler
         self.router = router
         self._on_load_failure = on_load_failure
+        self._on_fatal = on_fatal  # the engine died: the process should exit non-zero
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._failure: str | None = None
@@ -87,6 +90,8 @@ class EngineThread(threading.Thread):
             prompt_cache=runner.prefix_cache.stats() if runner and runner.prefix_cache else None,
             batch_sizes=tuple(runner.batch_sizes) if runner else (),
             memory=dict(self._memory),
+            row_faults=runner.row_faults if runner else 0,
+            recoveries=runner.recoveries if runner else 0,
         )
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -115,11 +120,13 @@ class EngineThread(threading.Thread):
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - any escape kills the engine
             self._die(f"engine step failed: {type(exc).__name__}: {exc}", exc)
+            if self._on_fatal is not None:
+                self._on_fatal(self._failure or "")
         finally:
             if self._runner is not None:
                 self._runner.close()
         if self._stopping.is_set():  # orderly shutdown: end every open stream
-            self._fail_open_requests("server is shutting down")
+            self._fail_open_requests(SHUTTING_DOWN, "server_shutdown")
 
     def _load(self) -> None:
         import mlx.core as mx
@@ -226,12 +233,7 @@ class EngineThread(threading.Thread):
             if self._fault is not None:
                 raise self._fault
             plan = scheduler.schedule()
-            for request_id in plan.abort:
-                runner.remove(request_id)
-            for request_id in plan.timed_out:
-                runner.remove(request_id)
-                log.warning("%s: aborted by the watchdog (--request-timeout)", request_id)
-            self.router.publish(RequestOutput.failure(r, TIMED_OUT) for r in plan.timed_out)
+            self.router.publish(self._apply_plan_exits(plan))
             failed = []
             for request in plan.admit:
                 try:
@@ -255,6 +257,24 @@ class EngineThread(threading.Thread):
                     scheduler.finish(output.request_id)
             self.router.publish(outputs)
 
+    def _apply_plan_exits(self, plan) -> list[RequestOutput]:
+        """Rows leaving the batch before this step, and the outputs that end them."""
+        runner = self._runner
+        outputs: list[RequestOutput] = []
+        for request_id in plan.abort:
+            runner.remove(request_id)
+        for request_id in plan.timed_out:
+            log.warning("%s: cut short by the watchdog (--request-timeout)", request_id)
+            out = runner.cut_short(request_id)
+            outputs.append(out or RequestOutput(request_id, finish_reason=FinishReason.LENGTH))
+        for request_id in plan.expired:
+            log.warning("%s: expired in the queue (--request-timeout)", request_id)
+            outputs.append(RequestOutput.failure(request_id, QUEUE_TIMEOUT, "queue_timeout"))
+        for request_id in plan.shutdown:
+            runner.remove(request_id)
+            outputs.append(RequestOutput.failure(request_id, SHUTTING_DOWN, "server_shutdown"))
+        return outputs
+
     def _sample_memory(self) -> None:
         now = time.monotonic()
         if now - self._memory_at >= MEMORY_SAMPLE_S:
@@ -270,8 +290,9 @@ class EngineThread(threading.Thread):
         self._fail_open_requests(reason)
         self._ready.set()  # unblock anyone waiting for readiness
 
-    def _fail_open_requests(self, reason: str) -> None:
+    def _fail_open_requests(self, reason: str, code: str = "engine_error") -> None:
         """End every waiting and running request with ``reason``; refuse new ones."""
         self.router.publish(
-            RequestOutput.failure(r.request_id, reason) for r in self.scheduler.fail_all(reason)
+            RequestOutput.failure(r.request_id, reason, code)
+            for r in self.scheduler.fail_all(reason)
         )

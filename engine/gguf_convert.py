@@ -218,6 +218,26 @@ def converted_dir(gguf: Path, dequantize: bool) -> Path:
     return cache_root() / "models" / f"{gguf.stem}-{flavour}-{digest}"
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def remove_abandoned(target: Path) -> None:
+    """Delete half-written conversions of ``target`` whose process is gone (a
+    kill -9 mid-conversion leaves one behind; a concurrent one is still alive)."""
+    for tmp in target.parent.glob(f".{target.name}-*"):
+        pid = tmp.name[len(target.name) + 2 :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            log.info("removing %s, left by an interrupted conversion", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def convert_gguf(
     gguf: Path,
     dequantize: bool,
@@ -239,7 +259,8 @@ def convert_gguf(
     if quant:
         config["quantization"] = quant
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    remove_abandoned(target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-{os.getpid()}-", dir=target.parent))
     try:
         mx.save_safetensors(str(tmp / "model.safetensors"), converted, metadata={"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))

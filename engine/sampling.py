@@ -14,6 +14,7 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
+from engine.row_faults import FaultLedger, GuardedSampler
 from scheduler.request import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
@@ -25,28 +26,39 @@ class SamplerFactory:
     mlx-lm's GenerationBatch samples the whole batch in one call when every row
     holds the *same* sampler object, so identical unseeded settings share one
     instance. A seeded request gets its own PRNG key chain, which makes its
-    tokens independent of what else is in the batch.
+    tokens independent of what else is in the batch. Every sampler is guarded:
+    a fault is recorded in ``ledger`` against the rows holding it.
     """
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, ledger: FaultLedger | None = None):
         self.vocab_size = vocab_size
-        self._shared: dict[tuple, Sampler] = {}
+        self.ledger = ledger if ledger is not None else FaultLedger()
+        self._shared: dict[tuple, GuardedSampler] = {}
 
     def _top_k(self, params: SamplingParams) -> int:
         return params.top_k if 0 < params.top_k < self.vocab_size else 0
 
-    def sampler(self, params: SamplingParams) -> Sampler:
+    def sampler(self, params: SamplingParams) -> GuardedSampler:
+        if params.seed is not None and not params.greedy:
+            return GuardedSampler(_seeded_sampler(params, self._top_k(params)), self.ledger)
+        key = (
+            ("greedy",)
+            if params.greedy
+            else (params.temperature, params.top_p, params.min_p, self._top_k(params))
+        )
+        if key not in self._shared:
+            self._shared[key] = GuardedSampler(self._make(params), self.ledger)
+        return self._shared[key]
+
+    def _make(self, params: SamplingParams) -> Sampler:
         if params.greedy:
             return greedy_sampler
-        top_k = self._top_k(params)
-        if params.seed is None:
-            key = (params.temperature, params.top_p, params.min_p, top_k)
-            if key not in self._shared:
-                self._shared[key] = make_sampler(
-                    params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=top_k
-                )
-            return self._shared[key]
-        return _seeded_sampler(params, top_k)
+        return make_sampler(
+            params.temperature,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            top_k=self._top_k(params),
+        )
 
     @staticmethod
     def logits_processors(params: SamplingParams) -> list:

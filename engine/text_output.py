@@ -13,9 +13,11 @@ class TextOutput:
     back anything that may begin a stop string.
     """
 
-    def __init__(self, detokenizer, stops: tuple[str, ...]):
+    def __init__(self, detokenizer, stops: tuple[str, ...], trim_leading_space: bool = True):
         self._detok = detokenizer
         self._stop = StopMatcher(stops)
+        if not trim_leading_space:
+            _keep_leading_space(detokenizer)
 
     @property
     def stopped(self) -> bool:
@@ -34,3 +36,12 @@ class TextOutput:
         self._detok.finalize()
         text = self._stop.feed(self._detok.last_segment)
         return text + self._stop.flush()
+
+
+def _keep_leading_space(detokenizer) -> None:
+    """mlx-lm's streaming detokenisers drop the space before the first word (the
+    way a chat reply should start); a completion continuing its prompt keeps it."""
+    if hasattr(detokenizer, "trim_space"):  # SentencePiece
+        detokenizer.trim_space = False
+    if hasattr(detokenizer, "_maybe_trim_space"):  # byte-level BPE
+        detokenizer._maybe_trim_space = lambda text: text

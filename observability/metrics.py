@@ -160,6 +160,16 @@ class _StateCollector(Collector):
         yield counter(
             "watchdog_aborts", "Requests ended by --request-timeout.", snap.watchdog_aborts
         )
+        yield counter(
+            "engine_row_faults",
+            "Requests failed alone by a fault of their own in the engine (the others went on).",
+            eng.row_faults,
+        )
+        yield counter(
+            "engine_batch_recoveries",
+            "Batches rebuilt after a step fault no single request could be blamed for.",
+            eng.recoveries,
+        )
         kinds = CounterMetricFamily(
             P + "cache_correctness_events",
             "Cache decisions guarding correctness: a key match the model tokens refused, "

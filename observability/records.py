@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from scheduler.contracts import EngineStats
-from scheduler.request import RequestStats
+from scheduler.request import CacheReport, RequestStats
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,14 @@ class RequestRecord:
     disconnected: bool = False
     tool_calls: int = 0
     request: dict[str, Any] = field(default_factory=dict)  # max_tokens, temperature, top_p
+    # what the prefix cache did, known from the first token on (also for requests
+    # that ended early, which carry no stats)
+    cache: CacheReport | None = None
+
+    @property
+    def cache_report(self) -> CacheReport | None:
+        """None: the request never reached the prefix cache (or ran without one)."""
+        return self.stats.cache if self.stats else self.cache
 
     @property
     def reached_engine(self) -> bool:
@@ -45,7 +53,7 @@ class RequestRecord:
 
     def fields(self) -> dict[str, Any]:
         """The flat form for one-line logs."""
-        stats, cache = self.stats, self.stats.cache if self.stats else None
+        stats, cache = self.stats, self.cache_report
         return {
             "request_id": self.request_id,
             "session": self.session,

@@ -27,7 +27,12 @@ def plain_line(rec: RequestRecord) -> str:
     def secs(key: str) -> str:
         return f"{f[key]:.2f}s" if f[key] is not None else "-"
 
-    cache = f"{f['cache_layer']}:{f['cache_depth']}" if f["cache_layer"] else "miss"
+    if rec.cache_report is None:
+        cache = "-"  # never reached the prefix cache
+    elif f["cache_layer"]:
+        cache = f"{f['cache_layer']}:{f['cache_depth']}"
+    else:
+        cache = "miss"
     return (
         f"{rec.request_id} {rec.dialect} done: prompt={rec.prompt_tokens} cached={rec.cached_tokens} "
         f"completion={rec.completion_tokens} queue={secs('queue_s')} prefill={secs('prefill_s')} "
@@ -55,7 +60,7 @@ class RequestLog:
         return self.trace_dir / f"{name}.jsonl"
 
     def _trace(self, rec: RequestRecord) -> None:
-        cache = rec.stats.cache if rec.stats else None
+        cache = rec.cache_report
         line = {
             "ts": rec.started_at,
             **rec.fields(),

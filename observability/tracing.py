@@ -163,7 +163,7 @@ class Tracing:
         operation = "text_completion" if rec.dialect == "completions" else "chat"
         start = int(rec.started_at * _NS)
         end = start + int(rec.e2e_s * _NS)
-        cache = rec.stats.cache if rec.stats else None
+        cache = rec.cache_report
         attributes = {
             "gen_ai.operation.name": operation,
             "gen_ai.request.model": rec.model,

@@ -13,41 +13,10 @@ chunk, concatenations when a row joins) are covered by a separate reserve.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 KV_ALLOCATION_STEP = 256  # mlx-lm's KVCache / BatchKVCache growth step
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def parse_size(text: str) -> int | None:
-    """Parse '8GB', '512MiB', '1.5g' or a plain byte count; 'auto' -> None."""
-    value = text.strip().lower()
-    if value == "auto":
-        return None
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)", value)
-    if not match or match.group(2) not in _SIZE_UNITS:
-        raise ValueError(f"invalid size {text!r}: use e.g. 8GB, 512MiB, 1073741824 or auto")
-    size = int(float(match.group(1)) * _SIZE_UNITS[match.group(2)])
-    if size <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
-    return size
 
 
 def format_size(nbytes: float) -> str:
@@ -129,13 +98,19 @@ class QueueFull(AdmissionError):
 
     def __init__(self, message: str, retry_after: int):
         super().__init__(message)
-        self.retry_after = retry_after
+        self.retry_after: int | None = retry_after
 
 
 class EngineUnavailable(AdmissionError):
     status = 503
     error_type = "server_error"
     code = "engine_unavailable"
+
+    def __init__(self, message: str, retry_after: int | None = None, code: str | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after  # seconds; None: nobody knows (the engine died)
+        if code is not None:
+            self.code = code
 
 
 class AdmissionController:

@@ -69,6 +69,8 @@ class EngineStats:
     batch_sizes: tuple[int, ...] = ()  # decode steps by rows decoding together (index = rows)
     # MLX allocator bytes (active, peak, cache), sampled by the engine thread
     memory: dict[str, int] = field(default_factory=dict)
+    row_faults: int = 0  # requests failed alone by a fault of their own
+    recoveries: int = 0  # batches rebuilt after a step fault no row owned
 
 
 class EngineHandle(Protocol):

@@ -68,6 +68,9 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    # a chat reply drops the space a BPE detokeniser puts before its first word;
+    # a raw completion continues the prompt's text and keeps it
+    trim_leading_space: bool = True
     cache: CacheHints | None = None  # None: this request neither reads nor feeds the cache
     request_id: str = field(default_factory=next_request_id)
     arrival_time: float = field(default_factory=time.monotonic)
@@ -113,8 +116,14 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    # why it failed, for the HTTP status and the error body: engine_error (500),
+    # queue_timeout / server_shutdown (503, retry later)
+    error_code: str | None = None
+    # ended by the watchdog (finish LENGTH): delivered, but nothing of it is stored
+    timed_out: bool = False
     # seconds from arrival to the first generated token; set on the output carrying it
     ttft: float | None = None
+    cache: CacheReport | None = None  # what the prefix cache did, on the first token's output
     stop_sequence: str | None = None  # the stop string that ended it (finish STOP)
     stats: RequestStats | None = None  # on the final output of a request the engine ran
     # when the engine produced it (monotonic): inter-token gaps are measured here,
@@ -122,9 +131,9 @@ class RequestOutput:
     at: float = field(default_factory=time.monotonic)
 
     @classmethod
-    def failure(cls, request_id: str, error: str) -> RequestOutput:
+    def failure(cls, request_id: str, error: str, code: str = "engine_error") -> RequestOutput:
         """The final output of a request the engine could not finish."""
-        return cls(request_id, finish_reason=FinishReason.ERROR, error=error)
+        return cls(request_id, finish_reason=FinishReason.ERROR, error=error, error_code=code)
 
     @property
     def finished(self) -> bool:

@@ -21,12 +21,16 @@ class StepPlan:
     """What the engine must change in its batch before the next step."""
 
     admit: list[Request] = field(default_factory=list)
-    abort: list[str] = field(default_factory=list)
-    # past --request-timeout: leave the batch and end with an error the client sees
+    abort: list[str] = field(default_factory=list)  # the client left: just drop them
+    # past --request-timeout while running: end as if max_tokens was hit
     timed_out: list[str] = field(default_factory=list)
+    # past --request-timeout before they ever ran: refused (retry later)
+    expired: list[str] = field(default_factory=list)
+    # the server is shutting down and they did not finish in time
+    shutdown: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.admit or self.abort or self.timed_out)
+        return bool(self.admit or self.abort or self.timed_out or self.expired or self.shutdown)
 
 
 @dataclass(frozen=True)
@@ -70,12 +74,16 @@ class Scheduler:
         self.request_timeout_s = request_timeout_s or None
         self._watchdog_aborts = 0
         self._closed: str | None = None  # set once the engine is gone for good
+        self._draining = False  # shutting down: finish what runs, admit nothing new
+        self._shutdown_pending = False  # end everything at the next step
 
     # -- handler side -------------------------------------------------------
     def add(self, request: Request) -> None:
         """Queue a request or raise an AdmissionError (400 / 429 / 503)."""
         if self.admission is None:
-            raise EngineUnavailable("The model is still loading; retry shortly.")
+            raise EngineUnavailable(
+                "The model is still loading; retry shortly.", retry_after=5, code="loading"
+            )
         try:
             self.admission.check_ever_fits(len(request.prompt_tokens), request.max_tokens)
         except Exception:
@@ -85,6 +93,12 @@ class Scheduler:
         with self._lock:
             if self._closed is not None:
                 raise EngineUnavailable(f"The inference engine is not running: {self._closed}")
+            if self._draining:
+                raise EngineUnavailable(
+                    "The server is shutting down; retry shortly.",
+                    retry_after=5,
+                    code="server_shutdown",
+                )
             if len(self._waiting) >= self.max_queue:
                 self._rejected += 1
                 raise QueueFull(
@@ -110,10 +124,41 @@ class Scheduler:
         self._wake.set()
 
     # -- engine side --------------------------------------------------------
+    def drain(self) -> None:
+        """Stop admitting: new requests are refused, queued and running ones go on."""
+        with self._lock:
+            self._draining = True
+        self._wake.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def end_all(self) -> None:
+        """At the next step, end every queued and running request (shutdown deadline)."""
+        with self._lock:
+            self._draining = True
+            self._shutdown_pending = True
+        self._wake.set()
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._waiting) + len(self._running)
+
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         with self._lock:
-            plan.timed_out = self._expire(time.monotonic())
+            if self._shutdown_pending:
+                self._shutdown_pending = False
+                plan.shutdown = [r.request_id for r in (*self._waiting, *self._running.values())]
+                for req in (*self._waiting, *self._running.values()):
+                    req.state = RequestState.ABORTED
+                self._aborted += len(plan.shutdown)
+                self._waiting.clear()
+                self._running.clear()
+                self._pending_aborts.clear()
+                return plan
+            plan.expired, plan.timed_out = self._expire(time.monotonic())
             plan.abort = sorted(self._pending_aborts)
             self._pending_aborts.clear()
             for request_id in plan.abort:
@@ -134,21 +179,24 @@ class Scheduler:
                 self._admitted += 1
         return plan
 
-    def _expire(self, now: float) -> list[str]:
-        """The watchdog: requests older than the timeout, waiting or running, end."""
+    def _expire(self, now: float) -> tuple[list[str], list[str]]:
+        """The watchdog: requests older than the timeout end, (waiting, running)."""
         if self.request_timeout_s is None:
-            return []
+            return [], []
         limit = now - self.request_timeout_s
-        late = [r for r in (*self._waiting, *self._running.values()) if r.arrival_time < limit]
-        for req in late:
-            if req.state is RequestState.WAITING:
-                self._waiting.remove(req)
-            else:
-                self._running.pop(req.request_id, None)
-                self._pending_aborts.discard(req.request_id)
+        waiting = [r for r in self._waiting if r.arrival_time < limit]
+        running = [r for r in self._running.values() if r.arrival_time < limit]
+        if waiting:
+            late = {id(r) for r in waiting}
+            self._waiting = deque(r for r in self._waiting if id(r) not in late)
+        for req in running:
+            self._running.pop(req.request_id, None)
+            self._pending_aborts.discard(req.request_id)
+        for req in (*waiting, *running):
             req.state = RequestState.ABORTED
-            self._watchdog_aborts += 1
-        return [r.request_id for r in late]
+        self._watchdog_aborts += len(waiting) + len(running)
+        self._aborted += len(waiting) + len(running)
+        return [r.request_id for r in waiting], [r.request_id for r in running]
 
     def finish(self, request_id: str) -> None:
         with self._lock:

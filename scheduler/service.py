@@ -23,7 +23,15 @@ class GenerationService:
                 f"The inference engine is not running: {self.engine.failure or 'stopped'}"
             )
         if not self.engine.ready:
-            raise EngineUnavailable("The model is still loading; retry shortly.")
+            raise EngineUnavailable(
+                "The model is still loading; retry shortly.", retry_after=5, code="loading"
+            )
+        if self.scheduler.draining:
+            raise EngineUnavailable(
+                "The server is shutting down; retry shortly.",
+                retry_after=5,
+                code="server_shutdown",
+            )
 
     def submit(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Admit ``request`` now (raising AdmissionError at once) and return its stream.

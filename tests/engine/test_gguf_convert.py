@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
@@ -115,3 +119,18 @@ def test_non_llama_gguf_is_refused(tmp_path, cache_dir):
     with pytest.raises(UnsupportedModelError, match="'mamba'"):
         convert_gguf(gguf, dequantize=True)
     assert not any(cache_dir.glob("models/other*"))
+
+
+def test_a_conversion_killed_midway_leaves_nothing_behind(tmp_path, cache_dir):
+    gguf = tmp_path / "m.gguf"
+    write_gguf(gguf)
+    target = converted_dir(gguf, True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    abandoned = target.parent / f".{target.name}-{dead.pid}-x1y2"
+    live = target.parent / f".{target.name}-{os.getpid()}-z3"  # still converting elsewhere
+    for d in (abandoned, live):
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"half")
+    convert_gguf(gguf, dequantize=True)
+    assert not abandoned.exists() and live.exists()

@@ -106,14 +106,29 @@ class FakeEngine(threading.Thread):
                 if self._fault is not None:
                     raise self._fault
                 plan = self.scheduler.schedule()
-                for rid in plan.abort:
+                ended = []
+                for rid in (*plan.abort, *plan.shutdown):
                     self._active.pop(rid, None)
-                for rid in plan.timed_out:
-                    self._active.pop(rid, None)
-                self.router.publish(
-                    RequestOutput.failure(r, "timed out (--request-timeout)")
-                    for r in plan.timed_out
-                )
+                for rid in plan.timed_out:  # as the real engine: cut short, not failed
+                    entry = self._active.pop(rid, None)
+                    n = entry[1] if entry else 0
+                    ended.append(
+                        RequestOutput(
+                            rid,
+                            finish_reason=FinishReason.LENGTH,
+                            completion_tokens=n,
+                            timed_out=True,
+                        )
+                    )
+                ended += [
+                    RequestOutput.failure(r, "waited past --request-timeout", "queue_timeout")
+                    for r in plan.expired
+                ]
+                ended += [
+                    RequestOutput.failure(r, "the server is shutting down", "server_shutdown")
+                    for r in plan.shutdown
+                ]
+                self.router.publish(ended)
                 for req in plan.admit:
                     pieces = self.script(req) if self.script else None
                     self._active[req.request_id] = [req, 0, pieces, time.monotonic()]

@@ -3,14 +3,15 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
+from app.settings import Settings
 from scheduler.admission import (
     AdmissionController,
     ContextLengthExceeded,
     MemoryBudget,
     OverBudget,
     kv_bytes_per_token,
-    parse_size,
     round_up,
 )
 
@@ -27,14 +28,14 @@ from scheduler.admission import (
         ("AUTO", None),
     ],
 )
-def test_parse_size(text, expected):
-    assert parse_size(text) == expected
+def test_memory_budget_sizes(text, expected):
+    assert Settings(_env_file=None, memory_budget=text).memory_budget_bytes == expected
 
 
 @pytest.mark.parametrize("text", ["", "lots", "-1GB", "0", "12XB", "GB"])
-def test_parse_size_rejects_garbage(text):
-    with pytest.raises(ValueError):
-        parse_size(text)
+def test_memory_budget_rejects_garbage(text):
+    with pytest.raises(ValidationError):
+        Settings(_env_file=None, memory_budget=text)
 
 
 def test_kv_bytes_per_token_smollm2_float32():

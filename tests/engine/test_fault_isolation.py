@@ -1,0 +1,155 @@
+"""A row that raises in the engine fails alone; the batch goes on for the others.
+
+The HTTP boundary refuses the inputs that used to reach the engine; these tests
+hand the runner bad rows directly (as a future bug would) and check that the
+other rows' tokens are exactly what they would have been without the bad one.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from engine.batch_runner import BatchRunner, EngineFault
+from scheduler.request import FinishReason, Request, SamplingParams
+from tests.helpers.tiny_models import KVSumModel
+
+GREEDY = SamplingParams(temperature=0.0)
+POISON = 77  # a prompt token the poisoned model cannot take
+
+
+class PoisonedModel(KVSumModel):
+    """Raises inside the forward pass whenever ``POISON`` is among its inputs:
+    a fault BatchGenerator cannot attribute to any row."""
+
+    def __init__(self, always: bool = False):
+        super().__init__()
+        self.always = always
+
+    def __call__(self, inputs: mx.array, cache=None, **kw) -> mx.array:
+        if self.always or POISON in inputs.tolist()[0] or any(POISON in r for r in inputs.tolist()):
+            raise RuntimeError("poisoned input")
+        return super().__call__(inputs, cache=cache, **kw)
+
+
+def good_requests(n: int = 3) -> list[Request]:
+    return [
+        Request(
+            [5 + i, 9, 13 + 2 * i] * (i + 1),
+            max_tokens=12 + i,
+            sampling=GREEDY,
+            ignore_eos=True,
+            request_id=f"good{i}",
+        )
+        for i in range(n)
+    ]
+
+
+def drive(runner: BatchRunner, requests: list[Request]) -> dict[str, list]:
+    """Run to completion; per request (and any added before): its outputs."""
+    for r in requests:
+        runner.add(r)
+    seen: dict[str, list] = {}
+    for _ in range(500):
+        if not runner.active:
+            break
+        for out in runner.step():
+            seen.setdefault(out.request_id, []).append(out)
+    assert not runner.active
+    return seen
+
+
+def tokens(outs) -> list[int]:
+    return [t for o in outs for t in o.token_ids]
+
+
+def make_runner(tokenizer, model=None) -> BatchRunner:
+    return BatchRunner(
+        model or KVSumModel(), tokenizer, max_batch=4, prefill_step_size=8, prefill_batch=4
+    )
+
+
+@pytest.fixture
+def alone(byte_tokenizer):
+    return drive(make_runner(byte_tokenizer), good_requests())
+
+
+def boom(*_):
+    raise ValueError("this row's callable is broken")
+
+
+def break_sampler(row):
+    row.sampler.inner = boom
+
+
+def break_processor(row):
+    row.processors[0].inner = boom
+
+
+@pytest.mark.parametrize(
+    "params, breaks",
+    [
+        (SamplingParams(temperature=0.7), break_sampler),  # a sampler rows may share
+        (SamplingParams(temperature=0.7, seed=3), break_sampler),  # a row's own seeded one
+        (SamplingParams(temperature=0.0, repetition_penalty=1.3), break_processor),
+    ],
+    ids=["shared-sampler", "seeded-sampler", "logits-processor"],
+)
+def test_a_faulty_row_fails_alone_and_the_others_are_untouched(
+    byte_tokenizer, alone, params, breaks
+):
+    runner = make_runner(byte_tokenizer)
+    rogue = Request([3, 4, 5], max_tokens=20, sampling=params, ignore_eos=True, request_id="rogue")
+    runner.add(rogue)
+    breaks(next(r for r in runner._rows.values() if r.request is rogue))
+    seen = drive(runner, good_requests())
+    seen_rogue = seen.pop("rogue", None)
+    final = seen_rogue[-1] if seen_rogue else None
+    assert final is not None and final.finish_reason is FinishReason.ERROR
+    assert final.error_code == "engine_error" and "this row's callable is broken" in final.error
+    for rid, outs in alone.items():
+        assert tokens(seen[rid]) == tokens(outs)
+        assert seen[rid][-1].finish_reason is FinishReason.LENGTH
+    assert runner.row_faults == 1 and runner.recoveries == 0
+
+
+def test_a_detokeniser_fault_fails_only_its_row(byte_tokenizer, alone):
+    runner = make_runner(byte_tokenizer)
+    requests = good_requests()
+    for r in requests:
+        runner.add(r)
+    row = next(r for r in runner._rows.values() if r.request.request_id == "good1")
+
+    def broken(token):
+        raise UnicodeDecodeError("utf-8", b"", 0, 1, "bad byte")
+
+    row.text.add_token = broken
+    seen = {r.request_id: [] for r in requests}
+    while runner.active:
+        for out in runner.step():
+            seen[out.request_id].append(out)
+    assert seen["good1"][-1].finish_reason is FinishReason.ERROR
+    for rid in ("good0", "good2"):
+        assert tokens(seen[rid]) == tokens(alone[rid])
+
+
+def test_an_unattributed_step_fault_rebuilds_the_batch_and_fails_only_the_culprit(
+    byte_tokenizer, alone
+):
+    runner = make_runner(byte_tokenizer, PoisonedModel())
+    rogue = Request([3, POISON, 5], max_tokens=9, sampling=GREEDY, request_id="rogue")
+    seen = drive(runner, [*good_requests(), rogue])
+    assert seen["rogue"][-1].finish_reason is FinishReason.ERROR
+    assert "poisoned input" in seen["rogue"][-1].error
+    for rid, outs in alone.items():
+        assert tokens(seen[rid]) == tokens(outs)  # re-admitted, same greedy tokens
+    assert runner.recoveries >= 1 and runner.row_faults == 1
+
+
+def test_a_fault_that_is_no_rows_kills_the_engine(byte_tokenizer):
+    runner = make_runner(byte_tokenizer, PoisonedModel(always=True))
+    for r in good_requests(2):
+        runner.add(r)
+    with pytest.raises(EngineFault):
+        for _ in range(20):
+            runner.step()
