@@ -17,24 +17,41 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.anthropic_schemas import AnthropicMessage, CountTokensRequest, MessagesRequest
+from app.anthropic_schemas import (
+    AnthropicMessage,
+    AnthropicToolChoice,
+    CountTokensRequest,
+    CustomTool,
+    MessagesRequest,
+    ServerTool,
+)
+from app.body import BodyLimits, parse_body
 from app.chat_pipeline import ChatCall, forced_tool, prepare_chat
 from app.content_parts import parts_text
 from app.errors import APIError, anthropic_error_body
 from app.generation import Generation, Outcome
+from app.openapi_doc import ANTHROPIC_ERROR, MESSAGE, TOKEN_COUNT, generation_route
 from app.protocol.output_parser import Content, Reasoning
 from app.protocol.tool_formats import ToolCall
 from app.protocol.tool_schema import ToolChoice
+from app.request_fields import ignored_fields
 from app.sse import KEEPALIVE_S, SSE_HEADERS, sse_event, with_heartbeat
 from app.state import AppState
 
 router = APIRouter()
 
 
-def _system_text(system: str | list[dict[str, Any]] | None) -> str | None:
+def _system_text(system: str | list[Any] | None) -> str | None:
     if system is None:
         return None
-    return parts_text(system, "system")
+    return parts_text(_dicts(system), "system")
+
+
+def _dicts(content: Any) -> Any:
+    """Validated blocks as the plain dicts the translators read."""
+    if isinstance(content, list):
+        return [b.model_dump() if hasattr(b, "model_dump") else b for b in content]
+    return content
 
 
 def _user_messages(content: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
@@ -97,35 +114,35 @@ def template_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
 
 
 def _translate(message: AnthropicMessage, where: str) -> list[dict[str, Any]]:
+    content = _dicts(message.content)
     if message.role == "system":
-        return [{"role": "system", "content": parts_text(message.content, where)}]
-    if isinstance(message.content, str):
-        return [{"role": message.role, "content": message.content}]
+        return [{"role": "system", "content": parts_text(content, where)}]
+    if isinstance(content, str):
+        return [{"role": message.role, "content": content}]
     if message.role == "user":
-        return _user_messages(message.content, where)
-    return [_assistant_message(message.content, where)]
+        return _user_messages(content, where)
+    return [_assistant_message(content, where)]
 
 
-def function_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def function_tools(tools: list[CustomTool | ServerTool] | None) -> list[dict[str, Any]]:
     """Custom tools (those with an ``input_schema``); server tools are ignored."""
     out = []
     for tool in tools or ():
-        if tool.get("name") and isinstance(tool.get("input_schema"), dict):
-            fn = {"name": tool["name"], "parameters": tool["input_schema"]}
-            if tool.get("description"):
-                fn["description"] = tool["description"]
+        if isinstance(tool, CustomTool):
+            fn: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+            if tool.description:
+                fn["description"] = tool.description
             out.append({"type": "function", "function": fn})
     return out
 
 
-def tool_choice(value: dict[str, Any] | None, tools: list[dict[str, Any]]) -> ToolChoice:
-    kind = (value or {}).get("type", "auto" if tools else "none")
+def tool_choice(value: AnthropicToolChoice | None, tools: list[dict[str, Any]]) -> ToolChoice:
+    kind = value.type if value is not None else ("auto" if tools else "none")
     if kind == "tool":
-        return forced_tool(str(value.get("name")), tools)  # type: ignore[union-attr]
-    modes = {"auto": "auto", "any": "required", "none": "none"}
-    if kind not in modes:
-        raise APIError(400, f"Unknown tool_choice type {kind!r}.", param="tool_choice")
-    return ToolChoice(modes[kind])
+        if not value or not value.name:
+            raise APIError(400, "tool_choice of type tool needs a name.", param="tool_choice")
+        return forced_tool(value.name, tools)
+    return ToolChoice({"auto": "auto", "any": "required", "none": "none"}[kind])
 
 
 def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:
@@ -140,7 +157,16 @@ def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:
         clamp_max_tokens=True,
         thinking_default=False,
         stop=tuple(s for s in stops if s),
+        sampling=body.sampling(),
+        ignored=ignored_fields(body),
     )
+
+
+def _prepare(raw: bytes, state: AppState, headers: dict[str, str], model: type[CountTokensRequest]):
+    info = state.model_info()
+    body = parse_body(raw, model, BodyLimits.for_context(info.context_length))
+    max_tokens = body.max_tokens if isinstance(body, MessagesRequest) else 1
+    return body, prepare_chat(chat_call(body, max_tokens), state, headers)
 
 
 def stop_reason(done: Outcome) -> str | None:
@@ -172,18 +198,35 @@ def tool_use_block(call: ToolCall) -> dict[str, Any]:
     }
 
 
-@router.post("/v1/messages/count_tokens")
-async def count_tokens(body: CountTokensRequest, http: HTTPRequest) -> dict[str, int]:
+@router.post(
+    "/v1/messages/count_tokens",
+    **generation_route(
+        CountTokensRequest,
+        TOKEN_COUNT,
+        error=ANTHROPIC_ERROR,
+        streams=False,
+        statuses=(400, 413, 503),
+    ),
+)
+async def count_tokens(http: HTTPRequest) -> JSONResponse:
     state: AppState = http.app.state.kvwarm
-    prepared = prepare_chat(chat_call(body, 1), state, http.headers)
-    return {"input_tokens": len(prepared.request.prompt_tokens)}
+    headers = dict(http.headers)
+    _, prepared = await state.preparer.body(
+        http, lambda raw: _prepare(raw, state, headers, CountTokensRequest)
+    )
+    return JSONResponse(
+        {"input_tokens": len(prepared.request.prompt_tokens)}, headers=prepared.headers
+    )
 
 
-@router.post("/v1/messages")
-async def messages(body: MessagesRequest, http: HTTPRequest):
+@router.post("/v1/messages", **generation_route(MessagesRequest, MESSAGE, error=ANTHROPIC_ERROR))
+async def messages(http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
-    prepared = prepare_chat(chat_call(body, body.max_tokens), state, http.headers)
-    gen = Generation(state, prepared, "messages", http.headers)
+    headers = dict(http.headers)
+    body, prepared = await state.preparer.body(
+        http, lambda raw: _prepare(raw, state, headers, MessagesRequest)
+    )
+    gen = Generation(state, prepared, "messages", headers)
     message = {
         "id": f"msg_{uuid.uuid4().hex[:24]}",
         "type": "message",
@@ -192,11 +235,13 @@ async def messages(body: MessagesRequest, http: HTTPRequest):
     }
     if body.stream:
         return StreamingResponse(
-            _stream(gen, message), media_type="text/event-stream", headers=SSE_HEADERS
+            _stream(gen, message),
+            media_type="text/event-stream",
+            headers={**SSE_HEADERS, **prepared.headers},
         )
     done = await gen.collect(http)
     if done.failed:
-        raise APIError(500, f"Generation failed: {done.error}", "server_error", "engine_error")
+        raise done.failure()
     content = [_block(event) for event in done.events]
     return JSONResponse(
         {
@@ -205,7 +250,8 @@ async def messages(body: MessagesRequest, http: HTTPRequest):
             "stop_reason": stop_reason(done),
             "stop_sequence": done.stop_sequence,
             "usage": usage(done),
-        }
+        },
+        headers=prepared.headers,
     )
 
 
@@ -299,7 +345,8 @@ async def _stream(gen: Generation, message: dict[str, Any]) -> AsyncIterator[str
     for frame in blocks.close():
         yield frame
     if done.failed:
-        yield sse_event("error", anthropic_error_body(500, f"Generation failed: {done.error}"))
+        err = done.failure()
+        yield sse_event("error", anthropic_error_body(err.status, err.message))
         return
     yield sse_event(
         "message_delta",

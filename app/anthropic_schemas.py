@@ -1,37 +1,136 @@
-"""Anthropic Messages request schema (pydantic). Content blocks stay loose dicts
-and are checked where they are translated: agents send block types (and fields
-such as ``cache_control``) newer than any schema."""
+"""Anthropic Messages request schemas (pydantic, strict, bounds included).
+
+Content blocks are a union on ``type``; fields the schema does not name
+(``cache_control``, ``citations``) are kept and ignored. Which block may appear
+in which role is checked where the blocks are translated.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
+
+from app.request_fields import Envelope, EnvelopedSampling, StopString, bounded_list
+from app.schemas import MAX_NAME, MAX_PARTS, MAX_TOOLS, STRICT, MaxTokens, check_message_count
+
+
+class TextBlock(BaseModel):
+    model_config = STRICT
+    type: Literal["text"]
+    text: str
+
+
+class ImageBlock(BaseModel):
+    model_config = STRICT
+    type: Literal["image"]
+    source: dict[str, Any]
+
+
+class DocumentBlock(BaseModel):
+    model_config = STRICT
+    type: Literal["document"]
+    source: dict[str, Any]
+
+
+class ToolUseBlock(BaseModel):
+    model_config = STRICT
+    type: Literal["tool_use"]
+    id: str
+    name: str = Field(min_length=1, max_length=MAX_NAME)
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+ResultPart = Annotated[TextBlock | ImageBlock | DocumentBlock, Field(discriminator="type")]
+
+
+class ToolResultBlock(BaseModel):
+    model_config = STRICT
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | bounded_list(ResultPart, MAX_PARTS) | None = None
+    is_error: bool | None = None
+
+
+class ThinkingBlock(BaseModel):
+    model_config = STRICT
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(BaseModel):
+    model_config = STRICT
+    type: Literal["redacted_thinking"]
+    data: str | None = None
+
+
+Block = Annotated[
+    TextBlock
+    | ImageBlock
+    | DocumentBlock
+    | ToolUseBlock
+    | ToolResultBlock
+    | ThinkingBlock
+    | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
 
 
 class AnthropicMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     # Claude Code also sends "system" turns mid-conversation (it falls back when refused)
     role: Literal["user", "assistant", "system"]
-    content: str | list[dict[str, Any]]
+    content: str | bounded_list(Block, MAX_PARTS)
 
 
-class CountTokensRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class CustomTool(BaseModel):
+    model_config = STRICT
+    type: Literal["custom"] | None = None
+    name: str = Field(min_length=1, max_length=MAX_NAME)
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ServerTool(BaseModel):
+    """Anthropic's own tools (web search, code execution, ...): accepted, ignored."""
+
+    model_config = STRICT
+    type: str
+    name: str | None = None
+
+
+class AnthropicToolChoice(BaseModel):
+    model_config = STRICT
+    type: Literal["auto", "any", "none", "tool"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class ThinkingConfig(BaseModel):
+    model_config = STRICT
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=0, le=2**31 - 1)
+
+
+class CountTokensRequest(EnvelopedSampling):
+    model_config = STRICT
 
     model: str | None = None
     messages: list[AnthropicMessage] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: dict[str, Any] | None = None
-    thinking: dict[str, Any] | None = None
+    system: str | bounded_list(TextBlock, MAX_PARTS) | None = None
+    tools: bounded_list(CustomTool | ServerTool, MAX_TOOLS) | None = None
+    tool_choice: AnthropicToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+    metadata: Envelope | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _fits_context(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_message_count(value, info)
 
 
 class MessagesRequest(CountTokensRequest):
-    max_tokens: int = Field(ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
-    stop_sequences: list[str] | None = None
+    max_tokens: MaxTokens
+    stop_sequences: bounded_list(StopString, 8) | None = None
     stream: bool = False
-    metadata: dict[str, Any] | None = None

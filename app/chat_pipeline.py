@@ -21,6 +21,7 @@ from app.protocol.output_parser import OutputParser, Syntax
 from app.protocol.thinking import resolve_thinking
 from app.protocol.tool_formats import ToolCallDecoder, forced_opening
 from app.protocol.tool_schema import ToolChoice
+from app.request_fields import SamplingFields
 from app.session_id import session_id_from
 from app.state import AppState
 from scheduler.contracts import ModelInfo, TextSyntax
@@ -50,6 +51,8 @@ class ChatCall:
     # thinking when the request does not say; None: the server's --thinking. Anthropic
     # clients leave ``thinking`` out to mean off (title and side requests do)
     thinking_default: bool | None = None
+    sampling: SamplingFields = field(default_factory=SamplingFields)  # validated at the boundary
+    ignored: tuple[str, ...] = ()  # fields the client sent that nothing acts on
 
 
 @dataclass
@@ -57,6 +60,16 @@ class Prepared:
     request: Request
     parser: OutputParser
     answered: str | None  # healing context (what the reply answers); None: not a chat turn
+    ignored: tuple[str, ...] = ()  # fields the client sent that nothing acts on
+
+    @property
+    def headers(self) -> dict[str, str]:
+        if not self.ignored:
+            return {}
+        # client-chosen names: escaped to ASCII (a header is latin-1) and bounded
+        shown = [n.encode("unicode_escape").decode("ascii")[:64] for n in self.ignored[:16]]
+        more = f", and {len(self.ignored) - 16} more" if len(self.ignored) > 16 else ""
+        return {"X-Kvwarm-Ignored-Fields": ", ".join(shown) + more}
 
 
 def template_tool_calls(calls: Any) -> list[dict[str, Any]] | None:
@@ -85,6 +98,8 @@ def parse_openai_tool_choice(value: Any, tools: list[dict[str, Any]]) -> ToolCho
         if value not in ("none", "auto", "required"):
             raise APIError(400, f"Unknown tool_choice {value!r}.", param="tool_choice")
         return ToolChoice(value)
+    if hasattr(value, "model_dump"):
+        value = value.model_dump(exclude_none=True)
     if isinstance(value, Mapping):
         fn = value.get("function")
         name = fn.get("name") if isinstance(fn, Mapping) else value.get("name")
@@ -153,10 +168,7 @@ def _completion_limit(call: ChatCall, info: ModelInfo, prompt_len: int, default:
 
 
 def _sampling(call: ChatCall, info: ModelInfo) -> SamplingParams:
-    try:
-        return resolve_sampling(dict(call.fields), info.generation_defaults, info.vocab_size)
-    except (TypeError, ValueError) as exc:  # untyped extras of Messages / Responses bodies
-        raise APIError(400, f"Invalid sampling parameter: {exc}") from exc
+    return resolve_sampling(call.sampling, info.generation_defaults, info.vocab_size)
 
 
 def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) -> Prepared:
@@ -184,4 +196,6 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
         ignore_eos=call.ignore_eos,
         cache=CacheHints(key, session, rendered.message_hashes),
     )
-    return Prepared(request, parser, context_of(call.messages[-1]))
+    if call.ignored:
+        log.info("%s: ignored fields: %s", request.request_id, ", ".join(call.ignored))
+    return Prepared(request, parser, context_of(call.messages[-1]), call.ignored)

@@ -12,7 +12,7 @@ import logging
 import sys
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import ByteSize, ValidationError
 
 from app.settings import Settings
 
@@ -39,6 +39,9 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "request_timeout": {"type": float, "metavar": "SECONDS"},
     "thinking": {"choices": ["on", "off"]},
     "strip_thinking": {"action": "store_true"},
+    "shutdown_timeout": {"type": float, "metavar": "SECONDS"},
+    "allowed_hosts": {"metavar": "HOSTS"},
+    "cors_origins": {"metavar": "ORIGINS"},
 }
 
 
@@ -46,9 +49,13 @@ def _add_settings_flags(parser: argparse.ArgumentParser, names: list[str]) -> No
     for name in names:
         field = Settings.model_fields[name]
         flag = "--" + name.replace("_", "-")
-        default = (
-            "none" if field.default is None else getattr(field.default, "value", field.default)
-        )
+        default = field.default
+        if default is None:
+            default = "none"
+        elif isinstance(default, ByteSize):
+            default = default.human_readable(separator=" ")
+        else:
+            default = getattr(default, "value", default)
         help_text = (
             f"{field.description} [default: {default}; env KVWARM_{name.upper()}]"
         ).replace("%%", "%%")
@@ -118,6 +125,7 @@ def cmd_prepare(settings: Settings) -> int:
 def cmd_serve(settings: Settings) -> int:
     import uvicorn
 
+    from app.lifecycle import GracefulServer
     from app.server import create_app
     from engine.engine_thread import EngineConfig, EngineThread
     from engine.model_errors import UnsupportedModelError
@@ -135,7 +143,7 @@ def cmd_serve(settings: Settings) -> int:
         blas=blas.describe(),
         prompt_cache=settings.prompt_cache,
     )
-    server: uvicorn.Server | None = None
+    server: GracefulServer | None = None
     load_failure: list[str] = []
 
     def on_load_failure(reason: str) -> None:
@@ -143,15 +151,21 @@ def cmd_serve(settings: Settings) -> int:
         if server is not None:
             server.should_exit = True
 
+    def on_fatal(reason: str) -> None:
+        if server is not None:
+            server.engine_died(reason)
+
     def engine_factory(scheduler, router):
-        return EngineThread(config, scheduler, router, on_load_failure=on_load_failure)
+        return EngineThread(
+            config, scheduler, router, on_load_failure=on_load_failure, on_fatal=on_fatal
+        )
 
     app = create_app(settings, engine_factory)
     if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
         log.warning(
             "binding %s without --api-key: anyone who can reach it can use it", settings.host
         )
-    server = uvicorn.Server(
+    server = GracefulServer(
         uvicorn.Config(
             app,
             host=settings.host,
@@ -159,7 +173,9 @@ def cmd_serve(settings: Settings) -> int:
             log_config=None,
             log_level=settings.log_level,
             timeout_graceful_shutdown=5,
-        )
+        ),
+        app,
+        settings.shutdown_timeout,
     )
     log.info(
         "kvwarm serving on http://%s:%d (batch %d, queue %d, model %s)",
@@ -172,7 +188,9 @@ def cmd_serve(settings: Settings) -> int:
     server.run()
     if load_failure:
         return _fail(load_failure[0], code=1)
-    return 0
+    if server.exit_code:
+        log.error("exiting with status %d: the engine died", server.exit_code)
+    return server.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from scheduler.admission import AdmissionError, QueueFull
+from scheduler.admission import AdmissionError
 
 log = logging.getLogger("kvwarm.http")
 
@@ -79,29 +83,39 @@ def error_response(
     param: str | None = None,
     headers: dict[str, str] | None = None,
     path: str = "",
+    logged: bool = False,
 ) -> JSONResponse:
     body = error_payload(path, status, message, error_type, code, param)
-    if status < 500:  # server errors are logged with their traceback where they happen
-        log.info("%s -> %d %s: %s", path or "?", status, code or error_type, message)
+    if not logged:
+        level = logging.WARNING if status >= 500 else logging.INFO
+        log.log(level, "%s -> %d %s: %s", path or "?", status, code or error_type, message)
     return JSONResponse(body, status, headers=headers)
 
 
 def from_admission(exc: AdmissionError) -> APIError:
-    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, QueueFull) else None
+    retry_after = getattr(exc, "retry_after", None)
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     return APIError(exc.status, exc.message, exc.error_type, exc.code, headers=headers)
 
 
-def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
-    errors = exc.errors()
+def _loc_part(part: Any) -> str | None:
+    """A location step as the client wrote it (pydantic adds union-branch tags)."""
+    if isinstance(part, int):
+        return str(part)
+    if isinstance(part, str) and part != "body" and not any(c in part for c in "[]()"):
+        return part
+    return None
+
+
+def describe_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """A validation failure as one message naming the field, and that field."""
     if not errors:
         return "Invalid request body.", None
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return (
-            f"Request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
-            None,
-        )
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        detail = first.get("ctx", {}).get("error", "") or first.get("msg", "")
+        return f"Request body is not valid JSON: {detail}".strip(), None
+    loc = [p for p in map(_loc_part, first.get("loc", ())) if p is not None]
     param = ".".join(loc) or None
     where = f" at '{param}'" if param else ""
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
@@ -170,7 +184,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _describe_validation(exc)
+        message, param = describe_errors(exc.errors())
         _count_rejection(request, 400, "invalid_request")
         return error_response(
             400, message, "invalid_request_error", "invalid_request", param, path=request.url.path
@@ -178,22 +192,64 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        headers = dict(getattr(exc, "headers", None) or {})
+        if exc.status_code == 405:
+            headers["Allow"] = ", ".join(allowed_methods(request.app, request.scope))
         return error_response(
             exc.status_code,
             str(exc.detail),
             _STATUS_TYPES.get(exc.status_code, "invalid_request_error"),
             None,
-            headers=getattr(exc, "headers", None),
+            headers=headers or None,
             path=request.url.path,
         )
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return error_response(
-            500,
-            f"Internal server error: {exc}",
-            "server_error",
-            "internal_error",
-            path=request.url.path,
-        )
+
+def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
+    """Every method some route serves at this path (Starlette's 405 names only
+    the first matching route's)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches({**scope, "method": "GET"})
+        route_methods = getattr(route, "methods", None)
+        if match is not Match.NONE and route_methods:
+            methods |= set(route_methods)
+    return sorted(methods)
+
+
+class InternalErrorMiddleware:
+    """A 500 in the route's dialect for anything unexpected, logged once.
+
+    Starlette's handler for ``Exception`` answers and then re-raises, so the
+    server logged every 500 a second time; this catches it first."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception as exc:  # noqa: BLE001 - the one place unexpected errors end
+            log.exception("unhandled error on %s %s", scope.get("method"), scope["path"])
+            if started:  # a stream already under way: nothing more can be said
+                return
+            response = error_response(
+                500,
+                f"Internal server error: {exc}",
+                "server_error",
+                "internal_error",
+                path=scope["path"],
+                logged=True,
+            )
+            await response(scope, receive, send)

@@ -18,15 +18,18 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 
 from app.chat_pipeline import Prepared
+from app.errors import APIError
 from app.protocol.output_parser import Content, Event, Reasoning, merge
 from app.protocol.tool_formats import ToolCall
 from app.state import AppState
 from observability.records import RequestRecord
-from scheduler.request import FinishReason, RequestOutput, RequestStats
+from scheduler.request import CacheReport, FinishReason, RequestOutput, RequestStats
 
 log = logging.getLogger("kvwarm.http")
 
 DISCONNECT_POLL_S = 0.25
+RETRYABLE = frozenset({"queue_timeout", "server_shutdown"})
+RETRY_AFTER_S = 5
 
 
 @dataclass
@@ -40,8 +43,12 @@ class Outcome:
     cached_tokens: int = 0
     ttft: float | None = None
     error: str | None = None
+    error_code: str | None = None
+    timed_out: bool = False  # cut short by the watchdog: delivered, never stored
     stop_sequence: str | None = None
     stats: RequestStats | None = None
+    cache: CacheReport | None = None  # what the prefix cache did (from the first token on)
+    reasoning_tokens: int = 0
 
     def add_output(self, out: RequestOutput) -> None:
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
@@ -49,11 +56,17 @@ class Outcome:
         self.cached_tokens = out.cached_tokens or self.cached_tokens
         if out.ttft is not None:
             self.ttft = out.ttft
+        if out.cache is not None:
+            self.cache = out.cache
         if out.finish_reason is not None:
             self.finish_reason = out.finish_reason
             self.error = out.error
+            self.error_code = out.error_code
+            self.timed_out = out.timed_out
             self.stop_sequence = out.stop_sequence
             self.stats = out.stats
+            if out.stats is not None:
+                self.cache = out.stats.cache
 
     def add_event(self, event: Event) -> None:
         self.events[-1:] = merge(self.events[-1:] + [event])
@@ -73,6 +86,19 @@ class Outcome:
     @property
     def failed(self) -> bool:
         return self.finish_reason == FinishReason.ERROR
+
+    def failure(self) -> APIError:
+        """The HTTP error for a request that failed: a fault of its own is a 500,
+        a queue timeout or a shutdown is a 503 worth retrying."""
+        if self.error_code in RETRYABLE:
+            return APIError(
+                503,
+                self.error or "Service unavailable.",
+                "server_error",
+                self.error_code,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
+        return APIError(500, f"Generation failed: {self.error}", "server_error", "engine_error")
 
     @property
     def stop_kind(self) -> str:
@@ -121,9 +147,13 @@ class Generation:
             async for out in self._outputs:
                 self._observe_itl(out)
                 self.outcome.add_output(out)
+                reasoning_before = parser.in_reasoning
                 events = parser.feed(out.text) if out.text else []
                 if out.finished:
-                    events += parser.finish()
+                    events += parser.finish(truncated=out.finish_reason == FinishReason.LENGTH)
+                if reasoning_before or parser.in_reasoning:
+                    # tokens read inside a think block, its tags included
+                    self.outcome.reasoning_tokens += len(out.token_ids)
                 for event in events:
                     if self._strip and isinstance(event, Reasoning):
                         continue
@@ -176,6 +206,7 @@ class Generation:
             session=req.cache.session_id if req.cache else None,
             disconnected=done.finish_reason is None,
             tool_calls=len(done.tool_calls),
+            cache=done.cache,
             request={
                 "max_tokens": req.max_tokens,
                 "temperature": req.sampling.temperature,
@@ -188,9 +219,10 @@ class Generation:
         if done.finish_reason is None:
             log.info("%s: closed early, aborting", self.request_id)
             self.state.service.cancel(self.request_id)
-        elif self.prepared.answered is not None and done.finish_reason in (
-            FinishReason.STOP,
-            FinishReason.LENGTH,
+        elif (
+            self.prepared.answered is not None
+            and not done.timed_out  # a reply cut by the watchdog is nothing to heal back to
+            and done.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         ):
             calls = openai_tool_calls(done.tool_calls, [""] * len(done.tool_calls))
             self.state.healing.remember(

@@ -6,11 +6,17 @@ generation_config.json > OpenAI's documented defaults.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from pydantic import ValidationError
+
 from app.errors import APIError
+from app.request_fields import SAMPLING_NAMES, SamplingFields
 from scheduler.admission import ContextLengthExceeded
 from scheduler.request import SamplingParams
+
+log = logging.getLogger("kvwarm.http")
 
 OPENAI_DEFAULTS: dict[str, Any] = {
     "temperature": 1.0,
@@ -41,14 +47,29 @@ def resolve_logit_bias(
     return tuple(sorted(out))
 
 
+def valid_defaults(model_defaults: dict[str, Any]) -> dict[str, Any]:
+    """generation_config.json values held to the bounds requests are: one that is
+    out of range is dropped (with a warning), never handed to the sampler."""
+    out: dict[str, Any] = {}
+    for name, value in model_defaults.items():
+        if name not in SAMPLING_NAMES:
+            continue
+        try:
+            out[name] = getattr(SamplingFields.model_validate({name: value}), name)
+        except ValidationError:
+            log.warning("ignoring generation_config.json %s=%r: out of range", name, value)
+    return out
+
+
 def resolve_sampling(
-    requested: dict[str, Any], model_defaults: dict[str, Any], vocab_size: int = 0
+    requested: SamplingFields, model_defaults: dict[str, Any], vocab_size: int = 0
 ) -> SamplingParams:
+    defaults = valid_defaults(model_defaults)
     values = {}
     for name, fallback in OPENAI_DEFAULTS.items():
-        value = requested.get(name)
+        value = getattr(requested, name)
         if value is None:
-            value = model_defaults.get(name, fallback)
+            value = defaults.get(name, fallback)
         values[name] = value
     return SamplingParams(
         temperature=float(values["temperature"]),
@@ -58,9 +79,9 @@ def resolve_sampling(
         repetition_penalty=float(values["repetition_penalty"]),
         presence_penalty=float(values["presence_penalty"]),
         frequency_penalty=float(values["frequency_penalty"]),
-        # any int is a valid OpenAI seed; MLX keys take an unsigned 64-bit one
-        seed=None if requested.get("seed") is None else requested["seed"] % 2**64,
-        logit_bias=resolve_logit_bias(requested.get("logit_bias"), vocab_size),
+        # any int64 is a valid OpenAI seed; MLX keys take an unsigned 64-bit one
+        seed=None if requested.seed is None else requested.seed % 2**64,
+        logit_bias=resolve_logit_bias(requested.logit_bias, vocab_size),
     )
 
 

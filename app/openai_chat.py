@@ -11,47 +11,73 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.chat_pipeline import ChatCall, parse_openai_tool_choice, prepare_chat, template_tool_calls
+from app.body import BodyLimits, parse_body
+from app.chat_pipeline import (
+    ChatCall,
+    parse_openai_tool_choice,
+    prepare_chat,
+    template_tool_calls,
+)
 from app.errors import APIError, error_body
 from app.generation import Generation, Outcome, openai_tool_calls
+from app.openapi_doc import CHAT_COMPLETION, generation_route
 from app.protocol.output_parser import Content, Reasoning
 from app.protocol.tool_formats import ToolCall
-from app.protocol.tool_schema import function_tools
-from app.schemas import ChatCompletionRequest, ChatMessage
+from app.request_fields import ignored_fields
+from app.schemas import ChatCompletionRequest, ChatMessage, ChatTool
 from app.sse import KEEPALIVE_S, SSE_DONE, SSE_HEADERS, SSE_KEEPALIVE, sse_data, with_heartbeat
 from app.state import AppState
 
 router = APIRouter()
 
 
-def template_message(message: ChatMessage) -> dict[str, Any]:
+def template_message(message: ChatMessage, index: int) -> dict[str, Any]:
     try:
         content = message.text()
     except ValueError as exc:
-        raise APIError(400, str(exc), param="messages") from exc
+        raise APIError(400, str(exc), param=f"messages.{index}.content") from exc
     role = "system" if message.role == "developer" else message.role
     out: dict[str, Any] = {"role": role, "content": content}
     for key in ("name", "tool_call_id", "reasoning_content"):
         value = getattr(message, key)
         if value is not None:
             out[key] = value
-    calls = template_tool_calls(message.tool_calls)
-    if calls:
-        out["tool_calls"] = calls
+    if message.tool_calls:
+        out["tool_calls"] = template_tool_calls(
+            [c.model_dump(exclude_none=True) for c in message.tool_calls]
+        )
     return out
+
+
+def function_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]]:
+    """Function tools in OpenAI's shape; other tool types are ignored."""
+    return [
+        {"type": "function", "function": t.function.model_dump(exclude_none=True)}
+        for t in tools or ()
+        if t.type == "function" and t.function is not None
+    ]
 
 
 def chat_call(body: ChatCompletionRequest) -> ChatCall:
     tools = function_tools(body.tools)
     return ChatCall(
-        messages=[template_message(m) for m in body.messages],
+        messages=[template_message(m, i) for i, m in enumerate(body.messages)],
         fields=body.model_dump(exclude={"messages", "tools"}),
         tools=tools,
         tool_choice=parse_openai_tool_choice(body.tool_choice, tools),
         max_tokens=body.completion_limit,
-        stop=tuple(body.stop or ()),
+        stop=body.stops,
         ignore_eos=body.ignore_eos,
+        sampling=body.sampling(),
+        ignored=ignored_fields(body),
     )
+
+
+def prepare(raw: bytes, state: AppState, headers: dict[str, str]):
+    """Everything before the engine (worker thread): parse, translate, render, tokenise."""
+    info = state.model_info()
+    body = parse_body(raw, ChatCompletionRequest, BodyLimits.for_context(info.context_length))
+    return body, prepare_chat(chat_call(body), state, headers)
 
 
 def call_id(call: ToolCall) -> str:
@@ -64,14 +90,16 @@ def usage(done: Outcome) -> dict[str, Any]:
         "completion_tokens": done.completion_tokens,
         "total_tokens": done.prompt_tokens + done.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": done.reasoning_tokens},
     }
 
 
-@router.post("/v1/chat/completions")
-async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
+@router.post("/v1/chat/completions", **generation_route(ChatCompletionRequest, CHAT_COMPLETION))
+async def chat_completions(http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
-    prepared = prepare_chat(chat_call(body), state, http.headers)
-    gen = Generation(state, prepared, "chat", http.headers)
+    headers = dict(http.headers)
+    body, prepared = await state.preparer.body(http, lambda raw: prepare(raw, state, headers))
+    gen = Generation(state, prepared, "chat", headers)
     meta = {
         "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
         "created": int(time.time()),
@@ -82,11 +110,11 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
         return StreamingResponse(
             _stream_chunks(gen, meta, include_usage),
             media_type="text/event-stream",
-            headers=SSE_HEADERS,
+            headers={**SSE_HEADERS, **prepared.headers},
         )
     done = await gen.collect(http)
     if done.failed:
-        raise APIError(500, f"Generation failed: {done.error}", "server_error", "engine_error")
+        raise done.failure()
     message: dict[str, Any] = {"role": "assistant", "content": done.content}
     if done.reasoning:
         message["reasoning_content"] = done.reasoning
@@ -103,7 +131,8 @@ async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
                 {"index": 0, "message": message, "logprobs": None, "finish_reason": done.stop_kind}
             ],
             "usage": usage(done),
-        }
+        },
+        headers=prepared.headers,
     )
 
 
@@ -136,9 +165,8 @@ async def _stream_chunks(
             calls += 1
         yield sse_data({**_chunk(meta, delta, None), **usage_field})
     if done.failed:
-        yield sse_data(
-            error_body(f"Generation failed: {done.error}", "server_error", "engine_error")
-        )
+        err = done.failure()
+        yield sse_data(error_body(err.message, err.error_type, err.code))
     elif done.finish_reason is not None:
         yield sse_data({**_chunk(meta, {}, done.stop_kind), **usage_field})
         if include_usage:

@@ -11,15 +11,17 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import Field, field_validator
 
+from app.body import BodyLimits, parse_body
 from app.chat_pipeline import Prepared
 from app.errors import APIError, error_body
 from app.generation import Generation
 from app.generation_params import resolve_max_tokens, resolve_sampling
 from app.openai_chat import usage
+from app.openapi_doc import TEXT_COMPLETION, generation_route
 from app.protocol.output_parser import OutputParser, Syntax
-from app.schemas import GenerationFields
+from app.request_fields import ignored_fields
+from app.schemas import CompletionRequest
 from app.session_id import session_id_from
 from app.sse import KEEPALIVE_S, SSE_DONE, SSE_HEADERS, SSE_KEEPALIVE, sse_data, with_heartbeat
 from app.state import AppState
@@ -33,34 +35,14 @@ router = APIRouter()
 DEFAULT_MAX_TOKENS = 16
 
 
-class CompletionRequest(GenerationFields):
-    prompt: str | list[str] | list[int]
-    echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=10)
-    suffix: str | None = None
-
-    @field_validator("prompt")
-    @classmethod
-    def _one_prompt(cls, value: str | list[str] | list[int]) -> str | list[int]:
-        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-            if len(value) != 1:
-                raise ValueError("only one prompt per request is supported")
-            return value[0]
-        if isinstance(value, list) and not value:
-            raise ValueError("prompt must not be empty")
-        return value
-
-
-def _prompt_tokens(body: CompletionRequest, state: AppState) -> list[int]:
+def _prompt_tokens(prompt: str | list[int], state: AppState) -> list[int]:
     info = state.model_info()
-    if isinstance(body.prompt, str):
-        if not body.prompt:
-            raise APIError(400, "prompt must not be empty.", param="prompt")
-        return info.formatter.encode_prompt(body.prompt)
-    bad = [t for t in body.prompt if not 0 <= t < info.vocab_size]
+    if isinstance(prompt, str):
+        return info.formatter.encode_prompt(prompt)
+    bad = [t for t in prompt if not 0 <= t < info.vocab_size]
     if bad:
         raise APIError(400, f"token id {bad[0]} is outside the vocabulary.", param="prompt")
-    return list(body.prompt)
+    return list(prompt)
 
 
 def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Prepared:
@@ -68,56 +50,68 @@ def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Pre
         raise APIError(400, "logprobs are not supported yet.", param="logprobs")
     if body.suffix:
         raise APIError(400, "suffix (fill-in-the-middle) is not supported.", param="suffix")
-    if body.echo and not isinstance(body.prompt, str):
+    prompt = body.prompt_value
+    if body.echo and not isinstance(prompt, str):
         raise APIError(400, "echo needs a text prompt.", param="echo")
     info = state.model_info()
-    tokens = _prompt_tokens(body, state)
+    tokens = _prompt_tokens(prompt, state)
     limit = body.completion_limit or DEFAULT_MAX_TOKENS
     key = PromptKey.build(tokens)
     request = Request(
         prompt_tokens=tokens,
         max_tokens=resolve_max_tokens(limit, len(tokens), info.context_length, limit),
-        sampling=resolve_sampling(body.model_dump(), info.generation_defaults, info.vocab_size),
-        stop=tuple(body.stop or ()),
+        sampling=resolve_sampling(body.sampling(), info.generation_defaults, info.vocab_size),
+        stop=body.stops,
         ignore_eos=body.ignore_eos,
+        trim_leading_space=False,  # the text continues the prompt: keep its first space
         cache=CacheHints(
             key,
             session_id_from(body.model_extra or {}, headers) or fallback_session_id(key.canonical),
         ),
     )
-    return Prepared(request, OutputParser(Syntax(None, None)), answered=None)
-
-
-@router.post("/v1/completions")
-async def completions(body: CompletionRequest, http: HTTPRequest):
-    state: AppState = http.app.state.kvwarm
-    gen = Generation(
-        state, prepare_completion(body, state, http.headers), "completions", http.headers
+    return Prepared(
+        request, OutputParser(Syntax(None, None)), answered=None, ignored=ignored_fields(body)
     )
+
+
+def prepare(raw: bytes, state: AppState, headers: dict[str, str]):
+    info = state.model_info()
+    body = parse_body(raw, CompletionRequest, BodyLimits.for_context(info.context_length))
+    return body, prepare_completion(body, state, headers)
+
+
+@router.post("/v1/completions", **generation_route(CompletionRequest, TEXT_COMPLETION))
+async def completions(http: HTTPRequest):
+    state: AppState = http.app.state.kvwarm
+    headers = dict(http.headers)
+    body, prepared = await state.preparer.body(http, lambda raw: prepare(raw, state, headers))
+    gen = Generation(state, prepared, "completions", headers)
     meta = {
         "id": f"cmpl-{uuid.uuid4().hex[:24]}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": state.model_info().model_id,
     }
-    echo = body.prompt if body.echo and isinstance(body.prompt, str) else ""
+    echo = body.prompt_value if body.echo and isinstance(body.prompt_value, str) else ""
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
             _stream(gen, meta, echo, include_usage),
             media_type="text/event-stream",
-            headers=SSE_HEADERS,
+            headers={**SSE_HEADERS, **prepared.headers},
         )
     done = await gen.collect(http)
     if done.failed:
-        raise APIError(500, f"Generation failed: {done.error}", "server_error", "engine_error")
+        raise done.failure()
     choice = {
         "text": echo + done.content,
         "index": 0,
         "logprobs": None,
         "finish_reason": done.stop_kind,
     }
-    return JSONResponse({**meta, "choices": [choice], "usage": usage(done)})
+    return JSONResponse(
+        {**meta, "choices": [choice], "usage": usage(done)}, headers=prepared.headers
+    )
 
 
 def _choice(text: str, finish: str | None) -> dict[str, Any]:
@@ -137,9 +131,8 @@ async def _stream(
         yield sse_data({**meta, "choices": [_choice(event.text, None)], **usage_field})  # type: ignore[union-attr]
     done = gen.outcome
     if done.failed:
-        yield sse_data(
-            error_body(f"Generation failed: {done.error}", "server_error", "engine_error")
-        )
+        err = done.failure()
+        yield sse_data(error_body(err.message, err.error_type, err.code))
     elif done.finish_reason is not None:
         yield sse_data({**meta, "choices": [_choice("", done.stop_kind)], **usage_field})
         if include_usage:

@@ -16,44 +16,39 @@ from typing import Any
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
+from app.body import BodyLimits, parse_body
 from app.chat_pipeline import ChatCall, parse_openai_tool_choice, prepare_chat, template_tool_calls
 from app.content_parts import parts_text
 from app.errors import APIError
 from app.generation import Generation, Outcome
+from app.openapi_doc import DELETED, OPENAI_ERROR, RESPONSE, errors, generation_route, json_content
 from app.protocol.output_parser import Content, Reasoning
 from app.protocol.tool_formats import ToolCall
+from app.request_fields import ignored_fields
+from app.responses_schemas import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    MessageItem,
+    ReasoningItem,
+    ResponsesRequest,
+    ResponsesTool,
+)
 from app.sse import KEEPALIVE_S, SSE_HEADERS, SSE_KEEPALIVE, sse_event, with_heartbeat
 from app.state import AppState
 
 router = APIRouter()
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool = True
-    reasoning: dict[str, Any] | None = None
-    stream: bool = False
-    store: bool = True
-    previous_response_id: str | None = None
-    metadata: dict[str, Any] | None = None
-
-
 def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _parts(parts: Any) -> Any:
+    return [p.model_dump(exclude_none=True) for p in parts] if isinstance(parts, list) else parts
+
+
+def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
     """Responses input items -> template messages (function calls join the assistant turn)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
@@ -61,31 +56,18 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     reasoning: list[str] = []
     for i, item in enumerate(items):
         where = f"input.{i}"
-        if not isinstance(item, dict):
-            raise APIError(400, "input items must be objects.", param=where)
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role", "user")
-            role = "system" if role == "developer" else role
-            message = {"role": role, "content": parts_text(item.get("content"), where)}
+        if isinstance(item, MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            message = {"role": role, "content": parts_text(_parts(item.content), where)}
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = "\n".join(reasoning), []
             out.append(message)
-        elif kind == "reasoning":
-            texts = item.get("content") or item.get("summary") or []
-            reasoning.append(parts_text(texts, where))
-        elif kind == "function_call":
+        elif isinstance(item, ReasoningItem):
+            reasoning.append(parts_text(_parts(item.content or item.summary or []), where))
+        elif isinstance(item, FunctionCallItem):
+            fn = {"name": item.name, "arguments": item.arguments or "{}"}
             (call,) = template_tool_calls(
-                [
-                    {
-                        "id": item.get("call_id"),
-                        "type": "function",
-                        "function": {
-                            "name": item.get("name"),
-                            "arguments": item.get("arguments") or "{}",
-                        },
-                    }
-                ]
+                [{"id": item.call_id, "type": "function", "function": fn}]
             )
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
@@ -95,21 +77,21 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 if reasoning:
                     message["reasoning_content"], reasoning = "\n".join(reasoning), []
                 out.append(message)
-        elif kind == "function_call_output":
-            text = parts_text(item.get("output", ""), where, in_tool_result=True)
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
-        else:
-            raise APIError(400, f"Unsupported input item type {kind!r}.", param=where)
+        elif isinstance(item, FunctionCallOutputItem):
+            text = parts_text(_parts(item.output), where, in_tool_result=True)
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": text})
     return out
 
 
-def function_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def function_tools(tools: list[ResponsesTool] | None) -> list[dict[str, Any]]:
     """Flat Responses function tools in chat shape; built-in tool types are ignored."""
     out = []
     for tool in tools or ():
-        if tool.get("type") == "function" and tool.get("name"):
-            fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
-            out.append({"type": "function", "function": fn})
+        if tool.type == "function" and tool.name:
+            fn = tool.model_dump(include={"name", "description", "parameters", "strict"})
+            out.append(
+                {"type": "function", "function": {k: v for k, v in fn.items() if v is not None}}
+            )
     return out
 
 
@@ -191,15 +173,21 @@ def _response(
         "max_output_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
-        "tools": body.tools or [],
-        "tool_choice": body.tool_choice or "auto",
+        "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
+        "tool_choice": (
+            body.tool_choice.model_dump(exclude_none=True)
+            if hasattr(body.tool_choice, "model_dump")
+            else body.tool_choice or "auto"
+        ),
         "parallel_tool_calls": body.parallel_tool_calls,
         "previous_response_id": body.previous_response_id,
-        "reasoning": body.reasoning or {"effort": None, "summary": None},
+        "reasoning": body.reasoning.model_dump()
+        if body.reasoning
+        else {"effort": None, "summary": None},
         "store": body.store,
         "text": {"format": {"type": "text"}},
         "truncation": "disabled",
-        "metadata": body.metadata or {},
+        "metadata": body.metadata.model_dump(exclude_none=True) if body.metadata else {},
         "usage": None,
     }
 
@@ -216,7 +204,8 @@ def _finalise(response: dict[str, Any], done: Outcome, items: _Items) -> dict[st
     response["output"] = items.items
     if done.failed:
         response["status"] = "failed"
-        response["error"] = {"code": "server_error", "message": f"Generation failed: {done.error}"}
+        err = done.failure()
+        response["error"] = {"code": err.code or "server_error", "message": err.message}
     elif done.stop_kind == "length":
         response["status"] = "incomplete"
         response["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -226,15 +215,42 @@ def _finalise(response: dict[str, Any], done: Outcome, items: _Items) -> dict[st
         "input_tokens": done.prompt_tokens,
         "input_tokens_details": {"cached_tokens": done.cached_tokens},
         "output_tokens": done.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": done.reasoning_tokens},
         "total_tokens": done.prompt_tokens + done.completion_tokens,
     }
     return response
 
 
-@router.post("/v1/responses")
-async def create_response(body: ResponsesRequest, http: HTTPRequest):
+def _prepare(raw: bytes, state: AppState, headers: dict[str, str]):
+    """Parse and validate (worker thread); the stored history is read on the loop."""
+    info = state.model_info()
+    return parse_body(raw, ResponsesRequest, BodyLimits.for_context(info.context_length))
+
+
+def _prepare_call(body: ResponsesRequest, history: list[dict[str, Any]], state: AppState, headers):
+    conversation = history + input_messages(body.input)
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    tools = function_tools(body.tools)
+    call = ChatCall(
+        messages=system + conversation,
+        fields=body.model_dump(exclude={"input", "tools", "instructions"}),
+        tools=tools,
+        tool_choice=parse_openai_tool_choice(body.tool_choice, tools),
+        max_tokens=body.max_output_tokens,
+        sampling=body.sampling(),
+        ignored=ignored_fields(body),
+    )
+    return conversation, prepare_chat(call, state, headers)
+
+
+@router.post(
+    "/v1/responses",
+    **generation_route(ResponsesRequest, RESPONSE, statuses=(400, 404, 413, 429, 500, 503)),
+)
+async def create_response(http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
+    headers = dict(http.headers)
+    body = await state.preparer.body(http, lambda raw: _prepare(raw, state, headers))
     history: list[dict[str, Any]] = []
     if body.previous_response_id:
         stored = state.responses.get(body.previous_response_id)
@@ -247,20 +263,10 @@ async def create_response(body: ResponsesRequest, http: HTTPRequest):
                 "previous_response_id",
             )
         history = list(stored.conversation)
-    conversation = history + input_messages(body.input)
-    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    if not conversation:
-        raise APIError(400, "input must contain at least one item.", param="input")
-    tools = function_tools(body.tools)
-    call = ChatCall(
-        messages=system + conversation,
-        fields=body.model_dump(exclude={"input", "tools", "instructions"}),
-        tools=tools,
-        tool_choice=parse_openai_tool_choice(body.tool_choice, tools),
-        max_tokens=body.max_output_tokens,
+    conversation, prepared = await state.preparer.run(
+        lambda: _prepare_call(body, history, state, headers)
     )
-    prepared = prepare_chat(call, state, http.headers)
-    gen = Generation(state, prepared, "responses", http.headers)
+    gen = Generation(state, prepared, "responses", headers)
     response = _response(
         body, _new_id("resp"), int(time.time()), state.model_info().model_id, "in_progress"
     )
@@ -272,7 +278,9 @@ async def create_response(body: ResponsesRequest, http: HTTPRequest):
 
     if body.stream:
         return StreamingResponse(
-            _stream(gen, response, store), media_type="text/event-stream", headers=SSE_HEADERS
+            _stream(gen, response, store),
+            media_type="text/event-stream",
+            headers={**SSE_HEADERS, **prepared.headers},
         )
     items = _Items()
     done = await gen.collect(http)
@@ -280,9 +288,9 @@ async def create_response(body: ResponsesRequest, http: HTTPRequest):
         _apply(items, event)
     _finalise(response, done, items)
     if done.failed:
-        raise APIError(500, f"Generation failed: {done.error}", "server_error", "engine_error")
+        raise done.failure()
     store(items)
-    return JSONResponse(response)
+    return JSONResponse(response, headers=prepared.headers)
 
 
 def _apply(items: _Items, event: Reasoning | Content | ToolCall) -> tuple[dict[str, Any], bool]:
@@ -301,7 +309,13 @@ def _apply(items: _Items, event: Reasoning | Content | ToolCall) -> tuple[dict[s
     return item, new
 
 
-@router.get("/v1/responses/{response_id}")
+@router.get(
+    "/v1/responses/{response_id}",
+    responses={
+        200: {"description": "The stored response.", "content": json_content(RESPONSE)},
+        **errors(OPENAI_ERROR, [404]),
+    },
+)
 async def get_response(response_id: str, http: HTTPRequest) -> dict[str, Any]:
     state: AppState = http.app.state.kvwarm
     stored = state.responses.get(response_id)
@@ -310,7 +324,13 @@ async def get_response(response_id: str, http: HTTPRequest) -> dict[str, Any]:
     return stored.response
 
 
-@router.delete("/v1/responses/{response_id}")
+@router.delete(
+    "/v1/responses/{response_id}",
+    responses={
+        200: {"description": "Deleted.", "content": json_content(DELETED)},
+        **errors(OPENAI_ERROR, [404]),
+    },
+)
 async def delete_response(response_id: str, http: HTTPRequest) -> dict[str, Any]:
     state: AppState = http.app.state.kvwarm
     if not state.responses.delete(response_id):

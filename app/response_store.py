@@ -1,25 +1,26 @@
 """Stored Responses (``store: true``) for ``previous_response_id`` and GET/DELETE.
 
-Per process, in memory: entries expire after a TTL and the oldest-used go first
-when the byte cap is reached. A restart forgets them (clients then get 404 and
-resend the conversation).
+Per process, in memory (cachetools' TTL cache): entries expire after a TTL and
+the least recently used go first when the byte cap is reached. A restart
+forgets them (clients then get 404 and resend the conversation). Used from the
+event loop only.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from cachetools import TTLCache
 
 
 @dataclass(frozen=True)
 class StoredResponse:
     response: dict[str, Any]  # the response object as returned
     conversation: list[dict[str, Any]]  # template messages up to and including the reply
-    stored_at: float
     nbytes: int
 
 
@@ -30,39 +31,27 @@ class ResponseStore:
         max_bytes: int = 64 * 2**20,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.ttl_s = ttl_s
         self.max_bytes = max_bytes
-        self._clock = clock
-        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
-        self.nbytes = 0
+        self._items: TTLCache[str, StoredResponse] = TTLCache(
+            maxsize=max_bytes, ttl=ttl_s, timer=clock, getsizeof=lambda item: item.nbytes
+        )
 
     def __len__(self) -> int:
+        self._items.expire()
         return len(self._items)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._items.currsize)
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         size = len(json.dumps(response, default=str)) + len(json.dumps(conversation, default=str))
         if size > self.max_bytes:
-            return
-        self.delete(response["id"])
-        self._items[response["id"]] = StoredResponse(response, conversation, self._clock(), size)
-        self.nbytes += size
-        while self.nbytes > self.max_bytes:
-            _, dropped = self._items.popitem(last=False)
-            self.nbytes -= dropped.nbytes
+            return  # larger than the whole store: not kept
+        self._items[response["id"]] = StoredResponse(response, conversation, size)
 
     def get(self, response_id: str) -> StoredResponse | None:
-        item = self._items.get(response_id)
-        if item is None:
-            return None
-        if self._clock() - item.stored_at > self.ttl_s:
-            self.delete(response_id)
-            return None
-        self._items.move_to_end(response_id)
-        return item
+        return self._items.get(response_id)
 
     def delete(self, response_id: str) -> bool:
-        item = self._items.pop(response_id, None)
-        if item is None:
-            return False
-        self.nbytes -= item.nbytes
-        return True
+        return self._items.pop(response_id, None) is not None

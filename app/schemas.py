@@ -1,32 +1,108 @@
-"""OpenAI chat-completions request schema (pydantic). Unknown fields are kept:
-agents send many of their own, and later dialect features read them."""
+"""OpenAI chat-completions and legacy completions request schemas.
+
+Validation is strict (a JSON ``false`` is not a temperature) and every bound
+the server enforces is in the model, so the OpenAPI document generated from
+these models says exactly what is accepted. Unknown fields are kept (agents
+send many of their own; later dialect features read them) and reported as
+ignored when nothing reads them.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from app.request_fields import Envelope, EnvelopedSampling, StopList, StopString, bounded_list
+
+STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+MAX_TOOLS = 1024
+MAX_PARTS = 4096  # content parts in one message
+MAX_CALLS = 1024  # tool calls in one assistant message
+MAX_NAME = 256
+MaxTokens = Annotated[int, Field(ge=1, le=2**31 - 1)]
+
+
+def check_message_count(value: Any, info: ValidationInfo, what: str = "messages") -> Any:
+    """A message costs at least one token, so no request holds more messages than
+    the model has context (checked before any message is validated)."""
+    limits = (info.context or {}).get("limits")
+    if limits is not None and isinstance(value, list) and len(value) > limits.max_messages:
+        raise ValueError(
+            f"at most {limits.max_messages} {what} fit this model's context, got {len(value)}"
+        )
+    return value
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
 
-class OtherPart(BaseModel):
-    """Any non-text content part (images arrive with the vision issue)."""
+class ImageURL(BaseModel):
+    model_config = STRICT
+    url: str
+    detail: str | None = None
 
-    model_config = ConfigDict(extra="allow")
-    type: str
+
+class ImagePart(BaseModel):
+    model_config = STRICT
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class AudioPart(BaseModel):
+    model_config = STRICT
+    type: Literal["input_audio"]
+    input_audio: dict[str, Any]
+
+
+class FilePart(BaseModel):
+    model_config = STRICT
+    type: Literal["file"]
+    file: dict[str, Any]
+
+
+class RefusalPart(BaseModel):
+    model_config = STRICT
+    type: Literal["refusal"]
+    refusal: str
+
+
+ContentPart = Annotated[
+    TextPart | ImagePart | AudioPart | FilePart | RefusalPart, Field(discriminator="type")
+]
+
+
+class FunctionCall(BaseModel):
+    model_config = STRICT
+    name: str = Field(min_length=1, max_length=MAX_NAME)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, as the client echoes it."""
+
+    model_config = STRICT
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | OtherPart] | None = None
+    content: str | bounded_list(ContentPart, MAX_PARTS) | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: bounded_list(ToolCallIn, MAX_CALLS) | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
@@ -35,69 +111,71 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        unsupported = [p.type for p in self.content if not isinstance(p, TextPart)]
+        unsupported = [p.type for p in self.content if not isinstance(p, TextPart | RefusalPart)]
         if unsupported:
             raise ValueError(f"content part type {unsupported[0]!r} is not supported by this model")
-        return "\n".join(p.text for p in self.content if isinstance(p, TextPart))
+        return "\n".join(p.text if isinstance(p, TextPart) else p.refusal for p in self.content)
+
+
+class FunctionDef(BaseModel):
+    model_config = STRICT
+    name: str = Field(min_length=1, max_length=MAX_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    """A function tool; other tool types are accepted and ignored."""
+
+    model_config = STRICT
+    type: str = "function"
+    function: FunctionDef | None = None
+
+    @model_validator(mode="after")
+    def _function_has_definition(self) -> ChatTool:
+        if self.type == "function" and self.function is None:
+            raise ValueError("a function tool needs a 'function' definition")
+        return self
+
+
+class NamedFunction(BaseModel):
+    model_config = STRICT
+    name: str
+
+
+class ToolChoiceObject(BaseModel):
+    model_config = STRICT
+    type: str = "function"
+    function: NamedFunction | None = None
+    name: str | None = None  # Responses puts it at the top level
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     include_usage: bool = False
 
 
-class GenerationFields(BaseModel):
-    """Sampling and limits shared by chat and legacy completions."""
+class GenerationFields(EnvelopedSampling):
+    """Limits and streaming shared by chat and legacy completions."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
 
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0)
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = None
-    logit_bias: dict[str, float] | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
+    max_tokens: MaxTokens | None = None
+    max_completion_tokens: MaxTokens | None = None
+    stop: StopString | StopList | None = None
+    n: Literal[1] = Field(1, description="only one choice per request")
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM extension: keep generating through EOS (benchmarks, load tests)
     ignore_eos: bool = False
+    metadata: Envelope | None = None
 
-    @field_validator("stop")
-    @classmethod
-    def _stop_list(cls, value: str | list[str] | None) -> list[str] | None:
-        if value is None:
-            return None
-        stops = [value] if isinstance(value, str) else value
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences are allowed")
-        return [s for s in stops if s]
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        if value is None:
-            return None
-        for key, bias in value.items():
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError("logit_bias values must be between -100 and 100")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, value: int) -> int:
-        if value != 1:
-            raise ValueError("only n=1 is supported")
-        return value
+    @property
+    def stops(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return tuple(s for s in stops if s)
 
     @property
     def completion_limit(self) -> int | None:
@@ -106,5 +184,32 @@ class GenerationFields(BaseModel):
 
 class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: bounded_list(ChatTool, MAX_TOOLS) | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _fits_context(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_message_count(value, info)
+
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(min_length=1)]
+
+
+class CompletionRequest(GenerationFields):
+    prompt: Annotated[str, Field(min_length=1)] | bounded_list(str, 1, min_items=1) | TokenIds
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=10, description="not supported (400 above 0)")
+    suffix: str | None = Field(None, description="fill-in-the-middle: not supported (400)")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _fits_context(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_message_count(value, info, "prompt tokens")
+
+    @property
+    def prompt_value(self) -> str | list[int]:
+        """The one prompt: text, or token ids."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            return self.prompt[0]
+        return self.prompt  # type: ignore[return-value]

@@ -9,14 +9,20 @@ from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from app.anthropic_messages import router as messages_router
-from app.errors import install_error_handlers
+from app.anthropic_schemas import CountTokensRequest, MessagesRequest
+from app.errors import InternalErrorMiddleware, install_error_handlers
 from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from app.openai_chat import router as chat_router
 from app.openai_completions import router as completions_router
 from app.openai_responses import router as responses_router
+from app.openapi_doc import HEALTH, MODELS, OPENAI_ERROR, errors, install_openapi, json_content
+from app.responses_schemas import ResponsesRequest
+from app.schemas import ChatCompletionRequest, CompletionRequest
 from app.settings import Settings
 from app.state import AppState
 from observability.hub import Observability
@@ -70,23 +76,69 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
     app.include_router(responses_router)
     app.include_router(completions_router)
     _add_admin_routes(app)
+    install_openapi(
+        app,
+        settings,
+        [
+            ChatCompletionRequest,
+            CompletionRequest,
+            MessagesRequest,
+            CountTokensRequest,
+            ResponsesRequest,
+        ],
+        lambda: _context_length(app),
+    )
+    # outermost last: unknown hosts are refused before anything else runs, CORS
+    # preflights are answered before the key is asked for
+    app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_size)
+    if settings.cors_allowlist:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_allowlist,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["Retry-After", "X-Kvwarm-Ignored-Fields"],
+        )
+    app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.host_allowlist)
     return app
 
 
+def _context_length(app: FastAPI) -> int | None:
+    state = getattr(app.state, "kvwarm", None)
+    info = state.engine.model_info if state is not None else None
+    return info.context_length if info is not None else None
+
+
 def _add_admin_routes(app: FastAPI) -> None:
-    @app.get("/health")
+    @app.get(
+        "/health",
+        responses={
+            200: {"description": "Ready.", "content": json_content(HEALTH)},
+            503: {
+                "description": "Loading, draining for shutdown, or the engine died.",
+                "content": json_content(HEALTH),
+                "headers": {"Retry-After": {"schema": {"type": "string"}}},
+            },
+        },
+    )
     async def health(request: Request) -> JSONResponse:
         state: AppState = request.app.state.kvwarm
         engine = state.engine
         if not engine.alive:
             return JSONResponse({"status": "error", "error": engine.failure}, 503)
         if not engine.ready:
-            return JSONResponse({"status": "loading"}, 503)
+            return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": "5"})
+        if state.service.scheduler.draining:
+            return JSONResponse({"status": "draining"}, 503, headers={"Retry-After": "5"})
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={200: {"description": "Prometheus exposition.", "content": {"text/plain": {}}}},
+    )
     async def metrics(request: Request) -> Response:
         state: AppState = request.app.state.kvwarm
         info = state.engine.model_info
@@ -94,7 +146,13 @@ def _add_admin_routes(app: FastAPI) -> None:
             state.obs.metrics.ensure_model(info.model_id)
         return Response(state.obs.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get(
+        "/v1/models",
+        responses={
+            200: {"description": "The loaded model.", "content": json_content(MODELS)},
+            **errors(OPENAI_ERROR, [503]),
+        },
+    )
     async def models(request: Request) -> dict[str, Any]:
         state: AppState = request.app.state.kvwarm
         info = state.model_info()
@@ -147,6 +205,7 @@ def _add_admin_routes(app: FastAPI) -> None:
                 "finished": sched.finished_total,
                 "aborted": sched.aborted_total,
                 "rejected": sched.rejected_total,
+                "watchdog": sched.watchdog_aborts_total,
             },
             "engine": {
                 "alive": engine.alive,
@@ -154,6 +213,8 @@ def _add_admin_routes(app: FastAPI) -> None:
                 "steps": eng.steps,
                 "prefill_tokens": eng.prefill_tokens,
                 "generated_tokens": eng.generated_tokens,
+                "row_faults": eng.row_faults,
+                "batch_recoveries": eng.recoveries,
             },
             "prompt_cache": eng.prompt_cache,
             "healing": {"entries": len(state.healing), "healed": state.healing.healed},

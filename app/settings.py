@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import ByteSize, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from scheduler.admission import parse_size
 from scheduler.prefix_index import PromptCacheConfig, VolatilePolicy
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# Host headers a loopback server answers to (DNS rebinding: a web page must not
+# reach it through a name of its own that resolves to 127.0.0.1)
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]", "::1")
 
 
 class Settings(BaseSettings):
@@ -32,7 +36,7 @@ class Settings(BaseSettings):
         description="sequences decoding together: 1 serialises requests through one "
         "queue, N>1 runs continuous batching with up to N rows",
     )
-    memory_budget: str = Field(
+    memory_budget: ByteSize | Literal["auto"] = Field(
         "auto",
         description="memory for weights + KV + transients, e.g. 8GB, 512MiB, or auto "
         "(Metal working set / CUDA memory / 75%% of available RAM)",
@@ -60,8 +64,27 @@ class Settings(BaseSettings):
         None,
         description="require this key (Authorization: Bearer / x-api-key) on all routes but /health and /metrics",
     )
-    max_body_bytes: str = Field("32MiB", description="largest request body accepted (413 above)")
-    prompt_cache_bytes: str = Field(
+    max_body_bytes: ByteSize = Field(
+        ByteSize(32 * 2**20), gt=0, description="largest request body accepted (413 above)"
+    )
+    allowed_hosts: str | None = Field(
+        None,
+        description="comma-separated Host header values to answer (* = any); default: "
+        "the loopback names when bound to loopback (a guard against DNS rebinding), "
+        "any host otherwise",
+    )
+    cors_origins: str | None = Field(
+        None,
+        description="comma-separated origins browsers may call from (* = any); "
+        "default: none (no CORS headers)",
+    )
+    shutdown_timeout: float = Field(
+        30.0,
+        ge=0.0,
+        description="on SIGTERM/SIGINT, seconds running requests get to finish before "
+        "they are ended with an error event (new requests get 503 meanwhile)",
+    )
+    prompt_cache_bytes: ByteSize | Literal["auto"] = Field(
         "auto",
         description="memory kept for cached prompt KV (prefix reuse), carved out of the memory "
         "budget; 0 disables the prefix cache; auto = a quarter of what weights leave",
@@ -97,24 +120,16 @@ class Settings(BaseSettings):
         "reasoning_content / thinking blocks); the model still thinks",
     )
 
+    @field_validator("memory_budget", "prompt_cache_bytes", mode="before")
+    @classmethod
+    def _auto(cls, value: object) -> object:
+        return "auto" if isinstance(value, str) and value.strip().lower() == "auto" else value
+
     @field_validator("memory_budget")
     @classmethod
-    def _valid_budget(cls, value: str) -> str:
-        parse_size(value)
-        return value
-
-    @field_validator("prompt_cache_bytes")
-    @classmethod
-    def _valid_cache_size(cls, value: str) -> str:
-        if value.strip() != "0":
-            parse_size(value)
-        return value
-
-    @field_validator("max_body_bytes")
-    @classmethod
-    def _valid_body_size(cls, value: str) -> str:
-        if parse_size(value) is None:
-            raise ValueError("max body bytes needs a size, not auto")
+    def _positive_budget(cls, value: int | str) -> int | str:
+        if value == 0:
+            raise ValueError("the memory budget must be positive (or auto)")
         return value
 
     @field_validator("log_level")
@@ -126,14 +141,14 @@ class Settings(BaseSettings):
 
     @property
     def memory_budget_bytes(self) -> int | None:
-        return parse_size(self.memory_budget)
+        return None if self.memory_budget == "auto" else int(self.memory_budget)
 
     @property
     def prompt_cache(self) -> PromptCacheConfig | None:
-        if self.prompt_cache_bytes.strip() == "0":
+        if self.prompt_cache_bytes == 0:
             return None
         return PromptCacheConfig(
-            max_bytes=parse_size(self.prompt_cache_bytes),
+            max_bytes=None if self.prompt_cache_bytes == "auto" else int(self.prompt_cache_bytes),
             block_size=self.cache_block_size,
             ttl_s=self.prompt_cache_ttl,
             policy=self.volatile_policy,
@@ -141,4 +156,15 @@ class Settings(BaseSettings):
 
     @property
     def max_body_size(self) -> int:
-        return parse_size(self.max_body_bytes) or 0
+        return int(self.max_body_bytes)
+
+    @property
+    def host_allowlist(self) -> list[str]:
+        """Host header values to answer (["*"]: any)."""
+        if self.allowed_hosts:
+            return [h.strip() for h in self.allowed_hosts.split(",") if h.strip()]
+        return list(LOOPBACK_NAMES) if self.host in LOOPBACK_HOSTS else ["*"]
+
+    @property
+    def cors_allowlist(self) -> list[str]:
+        return [o.strip() for o in (self.cors_origins or "").split(",") if o.strip()]

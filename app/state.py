@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from app.body import Preparer
 from app.errors import APIError
 from app.response_store import ResponseStore
 from app.settings import Settings
@@ -22,6 +23,7 @@ class AppState:
     service: GenerationService
     healing: HealingStore = field(default_factory=HealingStore)
     responses: ResponseStore = field(default_factory=ResponseStore)
+    preparer: Preparer = field(default_factory=Preparer)  # request preparation, off the loop
     # the lifespan installs the configured hub; this default exports nothing
     obs: Observability = field(default_factory=lambda: Observability(env={}))
     started_at: float = field(default_factory=time.time)
@@ -47,6 +49,12 @@ class AppState:
         self.service.check_available()
         info = self.engine.model_info
         if info is None:  # pragma: no cover - ready implies info
-            raise APIError(503, "The model is still loading.", "server_error", "loading")
+            raise APIError(
+                503,
+                "The model is still loading.",
+                "server_error",
+                "loading",
+                headers={"Retry-After": "5"},
+            )
         self.obs.metrics.ensure_model(info.model_id)
         return info

@@ -82,6 +82,7 @@ class OutputParser:
         self._tool_text = ""
         self._scanned = 0
         self._out: list[Event] = []
+        self._truncated = False
         # the raw text minus tool-call markup that decoded: what the model wrote
         # besides its calls, for healing the echoed turn
         self._kept: list[str] = []
@@ -92,7 +93,11 @@ class OutputParser:
         self._drain(final=False)
         return self._flush()
 
-    def finish(self) -> list[Event]:
+    def finish(self, truncated: bool = False) -> list[Event]:
+        """The end of the reply. ``truncated``: max_tokens cut it, so a call whose
+        markup is still open is incomplete and goes out as the text it is (the same
+        for every markup: an agent must never run a call with cut-off arguments)."""
+        self._truncated = truncated
         self._drain(final=True)
         return self._flush()
 
@@ -108,6 +113,10 @@ class OutputParser:
     @property
     def kept_text(self) -> str:
         return "".join(self._kept)
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._mode is _Mode.REASONING
 
     @property
     def held(self) -> int:
@@ -230,7 +239,11 @@ class OutputParser:
                 self._buf = rest
                 return True
             self._scanned = len(self._tool_text)
-        if final:
+        if final and self._truncated:
+            self._tool = None
+            self._emit(Content, markup.start + self._tool_text)
+            self._mode = _Mode.CONTENT
+        elif final:
             self._close_tool(markup, self._tool_text, "")
         return False
 

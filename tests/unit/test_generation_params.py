@@ -2,13 +2,18 @@ from __future__ import annotations
 
 import pytest
 
-from app.generation_params import resolve_max_tokens, resolve_sampling
+from app.generation_params import resolve_max_tokens, resolve_sampling, valid_defaults
+from app.request_fields import SamplingFields
 from scheduler.admission import ContextLengthExceeded
+
+
+def fields(**values) -> SamplingFields:
+    return SamplingFields.model_validate(values)
 
 
 def test_request_beats_model_defaults_beats_openai_defaults():
     model = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
-    p = resolve_sampling({"temperature": 0.0, "seed": 7}, model)
+    p = resolve_sampling(fields(temperature=0.0, seed=7), model)
     assert p.temperature == 0.0 and p.greedy  # explicit 0 is not "missing"
     assert p.top_p == 0.95 and p.top_k == 20  # from generation_config.json
     assert p.min_p == 0.0 and p.repetition_penalty == 1.0  # OpenAI defaults
@@ -16,7 +21,7 @@ def test_request_beats_model_defaults_beats_openai_defaults():
 
 
 def test_no_defaults_anywhere_means_openai_sampling():
-    p = resolve_sampling({}, {})
+    p = resolve_sampling(fields(), {})
     assert (p.temperature, p.top_p, p.seed) == (1.0, 1.0, None)
 
 
@@ -31,12 +36,18 @@ def test_max_tokens_default_is_clipped_to_the_room_left():
 def test_logit_bias_is_validated_against_the_vocabulary():
     from app.errors import APIError
 
-    p = resolve_sampling({"logit_bias": {"7": -100, "3": 5}}, {}, vocab_size=10)
+    p = resolve_sampling(fields(logit_bias={"7": -100, "3": 5}), {}, vocab_size=10)
     assert p.logit_bias == ((3, 5.0), (7, -100.0))
     with pytest.raises(APIError):
-        resolve_sampling({"logit_bias": {"10": 1}}, {}, vocab_size=10)
+        resolve_sampling(fields(logit_bias={"10": 1}), {}, vocab_size=10)
 
 
-def test_any_integer_seed_maps_into_mlx_key_range():
-    assert resolve_sampling({"seed": -1}, {}).seed == 2**64 - 1
-    assert resolve_sampling({"seed": 2**70 + 5}, {}).seed == 5
+def test_any_int64_seed_maps_into_mlx_key_range():
+    assert resolve_sampling(fields(seed=-1), {}).seed == 2**64 - 1
+    assert resolve_sampling(fields(seed=2**64 - 1), {}).seed == 2**64 - 1
+
+
+def test_out_of_range_model_defaults_never_reach_the_sampler():
+    assert valid_defaults({"temperature": 0.7, "min_p": 5, "top_k": -7, "foo": 1}) == {
+        "temperature": 0.7
+    }

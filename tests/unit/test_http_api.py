@@ -348,7 +348,10 @@ def test_health_is_503_while_loading_then_200():
     with serve_app(app, wait_ready=False) as url:
         r = httpx.get(url + "/health")
         assert r.status_code == 503 and r.json() == {"status": "loading"}
-        assert_error(httpx.post(url + CHAT, json={"messages": msgs()}), 503, "engine_unavailable")
+        assert r.headers["retry-after"] == "5"
+        refused = httpx.post(url + CHAT, json={"messages": msgs()})
+        assert_error(refused, 503, "loading")
+        assert refused.headers["retry-after"] == "5"
         assert httpx.get(url + "/stats").json()["status"] == "loading"
         app.state.kvwarm.engine.loaded.set()
         assert httpx.get(url + "/health").status_code == 200

@@ -198,3 +198,28 @@ def test_unterminated_call_at_the_end_is_decoded_when_complete_enough():
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
     events = OutputParser(Syntax(), ToolCallDecoder(TOOLS, None)).parse(text)
     assert events == [ToolCall("get_weather", '{"city": "Oslo"}')]
+
+
+CUT_CALLS = {
+    "hermes": ("json_tools", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Os'),
+    "glm": ("glm47", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo"),
+    "qwen3_coder": ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nOs"),
+    "mistral": ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Os'),
+    "llama3": ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city"'),
+}
+
+
+def test_a_call_cut_by_max_tokens_is_text_in_every_format():
+    """An agent must never run a call whose arguments max_tokens cut off, whatever
+    markup the model writes: the open markup goes out as the text it is."""
+    for name, (family, text) in CUT_CALLS.items():
+        parser = OutputParser(Syntax(None, None), ToolCallDecoder(TOOLS, family))
+        events = merge(parser.feed("Checking. " + text) + parser.finish(truncated=True))
+        assert events == [Content("Checking. " + text)], name
+
+
+def test_a_complete_call_before_the_cut_is_still_a_call():
+    parser = OutputParser(Syntax(None, None), ToolCallDecoder(TOOLS, "json_tools"))
+    done = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    events = merge(parser.feed(done + " and th") + parser.finish(truncated=True))
+    assert events == [ToolCall("get_weather", '{"city": "Oslo"}'), Content("and th")]

@@ -1,0 +1,88 @@
+"""Request bodies: read on the event loop, parsed and prepared off it, within budgets.
+
+The loop only moves bytes. JSON parsing, validation, rendering and tokenising run
+in a worker thread (never MLX: that is the engine thread's), one bounded pool
+for every route. Before anything is parsed, a cheap byte scan bounds the JSON's
+size in values: C parsers hold the GIL for a whole document, so a body of a
+million tiny values would stall every other request while it parsed, and no
+prompt that fits the model's context needs that many.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+from fastapi import Request as HTTPRequest
+from pydantic import BaseModel, ValidationError
+
+from app.errors import APIError, describe_errors
+
+M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
+
+# JSON values a request may hold per token of the model's context: prose has a
+# comma every dozen tokens, JSON tool results a few values per token; 8 is far
+# above anything a prompt that fits could hold
+VALUES_PER_CONTEXT_TOKEN = 8
+VALUES_FLOOR = 16_384
+PREPARE_THREADS = 2  # preparations at once; more would only contend for the GIL
+
+
+@dataclass(frozen=True)
+class BodyLimits:
+    """What one request may contain for the loaded model (validation context)."""
+
+    max_values: int  # JSON objects + arrays + separators
+    max_messages: int  # a message costs at least one token of context
+
+    @classmethod
+    def for_context(cls, context_length: int) -> BodyLimits:
+        return cls(
+            max_values=VALUES_PER_CONTEXT_TOKEN * context_length + VALUES_FLOOR,
+            max_messages=context_length,
+        )
+
+
+def json_values(raw: bytes) -> int:
+    """An upper bound on the values in a JSON document, at memchr speed."""
+    return raw.count(b"{") + raw.count(b"[") + raw.count(b",")
+
+
+def parse_body(raw: bytes, model: type[M], limits: BodyLimits) -> M:
+    """Validate ``raw`` against ``model`` (400 on any breach, naming the field)."""
+    values = json_values(raw)
+    if values > limits.max_values:
+        raise APIError(
+            400,
+            f"The request body holds about {values} JSON values; a request for this model "
+            f"can hold at most {limits.max_values} (its context could never fit more).",
+            code="body_too_complex",
+        )
+    try:
+        return model.model_validate_json(raw, context={"limits": limits})
+    except ValidationError as exc:
+        message, param = describe_errors(exc.errors())
+        raise APIError(400, message, code="invalid_request", param=param) from exc
+
+
+def limits_of(info: Any) -> dict[str, Any]:
+    """The validation context for a model with ``info.context_length``."""
+    return {"limits": BodyLimits.for_context(info.context_length)}
+
+
+class Preparer:
+    """Runs request preparation in a small thread pool, off the event loop."""
+
+    def __init__(self, threads: int = PREPARE_THREADS):
+        self._limiter = anyio.CapacityLimiter(threads)
+
+    async def run(self, job: Callable[[], T]) -> T:
+        return await anyio.to_thread.run_sync(job, limiter=self._limiter)
+
+    async def body(self, http: HTTPRequest, job: Callable[[bytes], T]) -> T:
+        """Read the body (the loop's part), then run ``job(raw)`` in the pool."""
+        raw = await http.body()
+        return await self.run(lambda: job(raw))

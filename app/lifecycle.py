@@ -1,0 +1,90 @@
+"""Running the server until it is told to stop, and stopping without cutting streams.
+
+The first SIGTERM/SIGINT starts a drain: new requests get 503 + Retry-After and
+/health turns 503, running ones get ``--shutdown-timeout`` seconds to finish,
+whatever is left is then ended with its dialect's terminal error event, and the
+process exits 0 once the streams have been written. A second signal exits at
+once. If the engine thread dies, open streams get their terminal event the same
+way and the process exits 1, so a supervisor restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from types import FrameType
+
+import uvicorn
+from fastapi import FastAPI
+
+log = logging.getLogger("kvwarm")
+
+FLUSH_S = 5.0  # how long ended streams get to write their last event
+POLL_S = 0.05
+
+
+class GracefulServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: FastAPI, shutdown_timeout: float):
+        super().__init__(config)
+        self.app = app
+        self.shutdown_timeout = shutdown_timeout
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # not uvicorn's: it re-raises the signal after shutdown (the process then
+        # dies by SIGTERM, which a service manager reports as a crash)
+        if self._stopping or self._loop is None:
+            log.warning("second %s: exiting now", signal.Signals(sig).name)
+            self.should_exit = self.force_exit = True
+            return
+        log.info(
+            "%s: draining (new requests get 503; running ones have %.0fs to finish)",
+            signal.Signals(sig).name,
+            self.shutdown_timeout,
+        )
+        self._begin(lambda: self._drain(self.shutdown_timeout))
+
+    def engine_died(self, reason: str) -> None:
+        """Called from the engine thread: end the process once streams are flushed."""
+        self.exit_code = 1
+        if self._loop is None:  # died while loading: nothing is being served yet
+            self.should_exit = True
+            return
+        self._loop.call_soon_threadsafe(self._begin, self._flush_and_exit)
+
+    def _begin(self, job) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        assert self._loop is not None
+        self._loop.create_task(job())
+
+    async def _drain(self, timeout: float) -> None:
+        state = getattr(self.app.state, "kvwarm", None)
+        if state is not None:
+            scheduler = state.service.scheduler
+            scheduler.drain()
+            deadline = time.monotonic() + timeout
+            while scheduler.in_flight() and time.monotonic() < deadline:
+                await asyncio.sleep(POLL_S)
+            left = scheduler.in_flight()
+            if left:
+                log.warning("shutdown: ending %d unfinished requests", left)
+                scheduler.end_all()
+        await self._flush_and_exit()
+
+    async def _flush_and_exit(self) -> None:
+        state = getattr(self.app.state, "kvwarm", None)
+        if state is not None:
+            deadline = time.monotonic() + FLUSH_S
+            while len(state.service.router) and time.monotonic() < deadline:
+                await asyncio.sleep(POLL_S)
+        self.should_exit = True

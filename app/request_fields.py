@@ -1,0 +1,119 @@
+"""The sampling fields every dialect accepts, validated once with their bounds.
+
+Each dialect's request model inherits ``SamplingFields`` (OpenAI chat and
+completions, Anthropic Messages and OpenAI Responses take the same extensions:
+``top_k``, ``min_p``, ``repetition_penalty``, ``seed``, ...). The same model
+validates the ``extra_body`` and ``metadata`` envelopes some clients wrap them
+in, so a value is checked the same way whatever route or envelope carried it,
+and a breach is a 400 naming the field. The engine only ever sees values that
+passed here.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
+
+# OpenAI-style logit_bias keys: token ids as decimal strings (ASCII digits only:
+# "²".isdigit() is true and int("²") raises)
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+MAX_STOP_CHARS = 256  # stop matching costs O(len^2) per token on the engine thread
+
+
+def _bounded_list(limit: int):
+    """Reject an over-long list before its items are validated: pydantic checks
+    ``max_length`` only after validating every item, so a million bad items
+    would first build a million errors."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, list) and len(value) > limit:
+            raise ValueError(f"at most {limit} items are allowed, got {len(value)}")
+        return value
+
+    return BeforeValidator(check)
+
+
+def bounded_list(item: Any, limit: int, min_items: int = 0) -> Any:
+    """``list[item]`` with at most ``limit`` items, enforced early and documented."""
+    return Annotated[
+        list[item],  # type: ignore[valid-type]
+        _bounded_list(limit),
+        Field(max_length=limit, min_length=min_items),
+    ]
+
+
+StopString = Annotated[str, StringConstraints(max_length=MAX_STOP_CHARS)]
+StopList = bounded_list(StopString, 4)
+
+
+class SamplingFields(BaseModel):
+    """Sampling parameters (request values win over generation_config.json)."""
+
+    model_config = ConfigDict(
+        extra="allow", strict=True, allow_inf_nan=False, protected_namespaces=()
+    )
+
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0 = greedy")
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(
+        None, ge=-1, le=2**31 - 1, description="0 or -1 (vLLM's spelling) = disabled"
+    )
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="1 = off")
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    logit_bias: dict[TokenIdKey, Bias] | None = Field(
+        None, description="token id (decimal string) -> bias in [-100, 100]"
+    )
+
+
+SAMPLING_NAMES: tuple[str, ...] = tuple(SamplingFields.model_fields)
+
+
+class Envelope(SamplingFields):
+    """``extra_body`` / ``metadata``: free-form, but any sampling field inside is
+    held to the same bounds as at the top level."""
+
+
+class EnvelopedSampling(SamplingFields):
+    """A request body whose sampling fields may also arrive in an envelope."""
+
+    extra_body: Envelope | None = None
+
+    def sampling(self) -> SamplingFields:
+        """The effective values: top level over ``extra_body`` over ``metadata``."""
+        merged: dict[str, Any] = {}
+        for scope in (getattr(self, "metadata", None), self.extra_body, self):
+            if isinstance(scope, SamplingFields):
+                for name in SAMPLING_NAMES:
+                    value = getattr(scope, name)
+                    if value is not None:
+                        merged[name] = value
+        return SamplingFields.model_construct(**merged)
+
+
+# Fields outside the schemas that the server does read (thinking switches,
+# template kwargs, session ids: see app.protocol.thinking and app.session_id)
+READ_EXTRAS = frozenset(
+    {
+        "chat_template_kwargs",
+        "enable_thinking",
+        "thinking",
+        "reasoning_effort",
+        "reasoning",
+        "session_id",
+        "conversation_id",
+        "thread_id",
+        "chat_id",
+        "prompt_cache_key",
+    }
+)
+
+
+def ignored_fields(body: BaseModel) -> tuple[str, ...]:
+    """Top-level fields the client sent that nothing acts on (kv_bits, adapter,
+    response_format, ...): said in a response header and the log, never silent."""
+    return tuple(sorted(k for k in body.model_extra or {} if k not in READ_EXTRAS))

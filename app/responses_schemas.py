@@ -1,0 +1,120 @@
+"""OpenAI Responses request schemas (pydantic, strict, bounds included)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Discriminator, Field, Tag, ValidationInfo, field_validator
+
+from app.request_fields import Envelope, EnvelopedSampling, bounded_list
+from app.schemas import MAX_NAME, MAX_PARTS, MAX_TOOLS, STRICT, MaxTokens, check_message_count
+
+
+class InputPart(BaseModel):
+    """input_text / output_text / refusal / input_image / input_file / reasoning text parts."""
+
+    model_config = STRICT
+    type: Literal[
+        "input_text",
+        "output_text",
+        "text",
+        "refusal",
+        "input_image",
+        "input_file",
+        "summary_text",
+        "reasoning_text",
+    ]
+    text: str | None = None
+    refusal: str | None = None
+
+
+Parts = bounded_list(InputPart, MAX_PARTS)
+
+
+class MessageItem(BaseModel):
+    model_config = STRICT
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"] = "user"
+    content: str | Parts
+
+
+class ReasoningItem(BaseModel):
+    model_config = STRICT
+    type: Literal["reasoning"]
+    summary: Parts | None = None
+    content: Parts | None = None
+
+
+class FunctionCallItem(BaseModel):
+    model_config = STRICT
+    type: Literal["function_call"]
+    call_id: str
+    name: str = Field(min_length=1, max_length=MAX_NAME)
+    arguments: str = "{}"
+
+
+class FunctionCallOutputItem(BaseModel):
+    model_config = STRICT
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str | Parts
+
+
+def _item_type(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("type", "message")
+    return getattr(value, "type", None)
+
+
+InputItem = Annotated[
+    Annotated[MessageItem, Tag("message")]
+    | Annotated[ReasoningItem, Tag("reasoning")]
+    | Annotated[FunctionCallItem, Tag("function_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    Discriminator(_item_type),
+]
+
+
+class ResponsesTool(BaseModel):
+    """A function tool (flat, Responses style); built-in tool types are ignored."""
+
+    model_config = STRICT
+    type: str
+    name: str | None = Field(None, min_length=1, max_length=MAX_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ResponsesToolChoice(BaseModel):
+    model_config = STRICT
+    type: str
+    name: str | None = None
+
+
+class ReasoningConfig(BaseModel):
+    model_config = STRICT
+    effort: str | None = None
+    summary: str | None = None
+
+
+class ResponsesRequest(EnvelopedSampling):
+    model_config = STRICT
+
+    model: str | None = None
+    input: Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: MaxTokens | None = None
+    tools: bounded_list(ResponsesTool, MAX_TOOLS) | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    parallel_tool_calls: bool = True
+    reasoning: ReasoningConfig | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: Envelope | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _fits_context(cls, value: Any, info: ValidationInfo) -> Any:
+        return check_message_count(value, info, "input items")

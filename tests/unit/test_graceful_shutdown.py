@@ -1,0 +1,134 @@
+"""SIGTERM must not look like a crash: streams end with their terminal event, new
+requests get 503 + Retry-After meanwhile, and the process exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.helpers.http_server import free_port, wait_for_process
+
+ROOT = Path(__file__).resolve().parents[2]
+USER = [{"role": "user", "content": "hi"}]
+STREAMS = {
+    "chat": ("/v1/chat/completions", {"messages": USER, "stream": True, "ignore_eos": True}),
+    "messages": ("/v1/messages", {"messages": USER, "stream": True, "ignore_eos": True}),
+    "responses": ("/v1/responses", {"input": "hi", "stream": True, "ignore_eos": True}),
+}
+LIMIT = {"chat": "max_tokens", "messages": "max_tokens", "responses": "max_output_tokens"}
+CUT = "<connection cut>"
+
+
+def start(tmp_path: Path, shutdown_s: float):
+    port = free_port()
+    log = tmp_path / "server.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.serve_fake", str(port), "0.05", str(shutdown_s)],
+        cwd=ROOT,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_for_process(proc, url + "/health", log, "fake server", 30)
+    return proc, url, log
+
+
+def open_streams(url: str, tokens: int) -> tuple[dict[str, list[str]], list[threading.Thread]]:
+    lines: dict[str, list[str]] = {k: [] for k in STREAMS}
+
+    def read(kind: str) -> None:
+        path, body = STREAMS[kind]
+        try:
+            with httpx.stream(
+                "POST", url + path, json={**body, LIMIT[kind]: tokens}, timeout=60
+            ) as r:
+                for line in r.iter_lines():
+                    lines[kind].append(line)
+        except httpx.TransportError:
+            lines[kind].append(CUT)
+
+    threads = [threading.Thread(target=read, args=(k,)) for k in STREAMS]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 10
+    while not all(len(v) > 3 for v in lines.values()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return lines, threads
+
+
+def events(lines: list[str]) -> list[str]:
+    return [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
+
+
+def data(lines: list[str]) -> list:
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            raw = line[6:]
+            out.append(raw if raw == "[DONE]" else json.loads(raw))
+    return out
+
+
+def test_sigterm_lets_running_streams_finish_and_exits_zero(tmp_path):
+    proc, url, log = start(tmp_path, shutdown_s=30)
+    try:
+        lines, threads = open_streams(url, tokens=40)  # ~2 s each at 50 ms a step
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        refused = httpx.post(url + "/v1/chat/completions", json={"messages": USER})
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        assert refused.json()["error"]["code"] == "server_shutdown"
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        for t in threads:
+            t.join(30)
+        assert proc.wait(30) == 0, log.read_text()[-2000:]
+    finally:
+        proc.kill()
+    assert not any(CUT in v for v in lines.values())
+    chat = data(lines["chat"])
+    assert chat[-1] == "[DONE]" and chat[-2]["choices"][0]["finish_reason"] == "length"
+    assert events(lines["messages"])[-1] == "message_stop"
+    assert events(lines["responses"])[-1] == "response.incomplete"  # cut by max_output_tokens
+
+
+def test_streams_past_the_shutdown_timeout_end_with_their_error_event(tmp_path):
+    proc, url, log = start(tmp_path, shutdown_s=0.5)
+    try:
+        lines, threads = open_streams(url, tokens=2000)  # far longer than the timeout
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(30)
+        assert proc.wait(30) == 0, log.read_text()[-2000:]
+    finally:
+        proc.kill()
+    assert not any(CUT in v for v in lines.values())
+    chat = data(lines["chat"])
+    assert chat[-1] == "[DONE]" and chat[-2]["error"]["code"] == "server_shutdown"
+    assert events(lines["messages"])[-1] == "error"
+    assert data(lines["messages"])[-1]["error"]["type"] == "overloaded_error"
+    assert events(lines["responses"])[-1] == "response.failed"
+    assert data(lines["responses"])[-1]["response"]["error"]["code"] == "server_shutdown"
+
+
+def test_a_second_signal_exits_at_once(tmp_path):
+    proc, url, log = start(tmp_path, shutdown_s=30)
+    try:
+        lines, threads = open_streams(url, tokens=2000)
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(15)
+        assert time.monotonic() - started < 10  # not the 30 s drain
+        for t in threads:
+            t.join(15)
+    finally:
+        proc.kill()

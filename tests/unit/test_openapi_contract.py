@@ -1,0 +1,60 @@
+"""The OpenAPI document is part of the API: schemathesis checks that the server
+does what it says, with every check on, against a model-free engine.
+
+Statuses a schema-valid body may still get: 400 (a prompt over the context, a
+forced tool that is not in ``tools``, an image for a text model: semantics no
+JSON schema states) and 404 (a ``previous_response_id`` nobody stored). No 5xx
+is ever acceptable here: the fake engine is healthy and the queue is large.
+"""
+
+from __future__ import annotations
+
+import schemathesis
+from hypothesis import settings
+
+from app.server import create_app
+from app.settings import Settings
+from tests.helpers.fake_engine import FakeEngine
+
+CONFIG = schemathesis.Config.from_dict(
+    {
+        "generation": {"max-examples": 6, "deterministic": True, "database": "none"},
+        "output": {"sanitization": {"enabled": False}},
+        "phases": {
+            "stateful": {"max-steps": 6},
+            # responses echo request fields: feeding them back makes runs flaky
+            "fuzzing": {"extra-data-sources": {"responses": False}},
+        },
+        "checks": {
+            "enabled": True,
+            "max_response_time": 10.0,
+            "positive_data_acceptance": {"expected-statuses": ["2xx", "400", "404"]},
+            # a body over --max-body-bytes is refused before it is read: 413
+            "negative_data_rejection": {"expected-statuses": ["400", "404", "405", "413"]},
+            "not_a_server_error": {"expected-statuses": ["2xx", "3xx", "4xx"]},
+        },
+    }
+)
+
+
+def _app():
+    settings = Settings(_env_file=None, allowed_hosts="*", max_queue=4096, batch=16)
+    return create_app(
+        settings, lambda s, r: FakeEngine(s, r, step_delay=0.0, eos_after=3, context_length=4096)
+    )
+
+
+schema = schemathesis.openapi.from_asgi("/openapi.json", _app(), config=CONFIG)
+
+
+@schema.parametrize()
+@settings(deadline=None)
+def test_every_operation_keeps_its_documented_contract(case):
+    case.call_and_validate()
+
+
+Workflow = schema.as_state_machine()
+Workflow.TestCase.settings = settings(
+    max_examples=4, stateful_step_count=6, deadline=None, database=None
+)
+TestStoredResponsesWorkflow = Workflow.TestCase

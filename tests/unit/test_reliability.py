@@ -1,0 +1,260 @@
+"""One client's bad request must never reach the engine or stall the server.
+
+Every input here was reported reaching the engine unvalidated (killing it for
+every agent) or answering 500: each must now be a 400 in the route's own error
+shape, naming the field, whatever envelope carried it; the server stays healthy.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import httpx
+import pytest
+
+from app.server import create_app
+from app.settings import Settings
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.http_server import serve_app
+
+USER = [{"role": "user", "content": "hi"}]
+CHAT = "/v1/chat/completions"
+MESSAGES = "/v1/messages"
+RESPONSES = "/v1/responses"
+COMPLETIONS = "/v1/completions"
+
+
+def chat(**extra):
+    return {"messages": USER, "max_tokens": 2, **extra}
+
+
+def anthropic(**extra):
+    return {"messages": USER, "max_tokens": 2, **extra}
+
+
+def responses(**extra):
+    return {"input": "hi", "max_output_tokens": 2, **extra}
+
+
+def completion(**extra):
+    return {"prompt": "hi", "max_tokens": 2, **extra}
+
+
+def fn_tool(name):
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+
+
+def assistant_call(function):
+    return chat(
+        messages=[
+            {"role": "user", "content": "q"},
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "c", "type": "function", "function": function}],
+            },
+            {"role": "tool", "tool_call_id": "c", "content": "r"},
+        ]
+    )
+
+
+BAD = [
+    # reported to kill the engine
+    (MESSAGES, anthropic(min_p=5), "min_p"),
+    (RESPONSES, responses(min_p=-1), "min_p"),
+    (MESSAGES, anthropic(repetition_penalty=-1), "repetition_penalty"),
+    (MESSAGES, anthropic(repetition_penalty=-1, temperature=0.7), "repetition_penalty"),
+    # reported as 500s
+    (CHAT, chat(tools=[fn_tool({"x": 1})]), "tools.0.function.name"),
+    (MESSAGES, anthropic(tools=[{"name": {"x": 1}, "input_schema": {}}]), "tools.0"),
+    (RESPONSES, responses(tools=[{"type": "function", "name": {"x": 1}}]), "tools.0.name"),
+    (CHAT, assistant_call("get_weather"), "messages.1.tool_calls.0.function"),
+    (CHAT, assistant_call(7), "messages.1.tool_calls.0.function"),
+    (COMPLETIONS, completion(logit_bias={"²": 5}), "logit_bias"),
+    (MESSAGES, anthropic(logit_bias=[1, 2]), "logit_bias"),
+    (RESPONSES, responses(logit_bias="x"), "logit_bias"),
+    (MESSAGES, anthropic(seed=1.5), "seed"),
+    (MESSAGES, anthropic(seed=1e20), "seed"),
+    (RESPONSES, responses(seed=1.5), "seed"),
+    (RESPONSES, responses(seed=1e20), "seed"),
+    # the same field, the same bounds, whatever envelope carried it
+    (CHAT, chat(extra_body={"min_p": 5}), "extra_body.min_p"),
+    (CHAT, chat(metadata={"top_p": 0}), "metadata.top_p"),
+    (MESSAGES, anthropic(metadata={"temperature": 9}), "metadata.temperature"),
+    (RESPONSES, responses(extra_body={"seed": "x"}), "extra_body.seed"),
+    (
+        COMPLETIONS,
+        completion(extra_body={"repetition_penalty": 0}),
+        "extra_body.repetition_penalty",
+    ),
+    # strict types: a JSON false is not a temperature, a string is not a count
+    (CHAT, chat(temperature=False), "temperature"),
+    (CHAT, chat(max_tokens="7"), "max_tokens"),
+    (MESSAGES, anthropic(stream="yes"), "stream"),
+    (CHAT, chat(stop=["a", "b", "c", "d", "e"]), "stop"),
+    (CHAT, chat(stop="x" * 300), "stop"),
+]
+
+
+@pytest.fixture(scope="module")
+def base():
+    app = create_app(
+        Settings(_env_file=None), lambda s, r: FakeEngine(s, r, eos_after=3, context_length=512)
+    )
+    with serve_app(app) as url:
+        yield url
+
+
+@pytest.mark.parametrize("path, body, param", BAD, ids=[f"{p}:{f}" for p, _, f in BAD])
+def test_bad_fields_are_400_naming_the_field(base, path, body, param):
+    r = httpx.post(base + path, json=body)
+    assert r.status_code == 400, r.text
+    if path == MESSAGES:
+        err = r.json()
+        assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+        assert param in err["error"]["message"]
+    else:
+        err = r.json()["error"]
+        assert err["param"] is not None and err["param"].startswith(param), err
+    assert httpx.get(base + "/health").status_code == 200
+
+
+def test_good_requests_still_pass_through_every_envelope(base):
+    for path, body in [
+        (CHAT, chat(extra_body={"min_p": 0.1, "top_k": 20}, metadata={"session_id": "s"})),
+        (MESSAGES, anthropic(min_p=0.05, seed=3, metadata={"user_id": "u"})),
+        (RESPONSES, responses(top_k=-1, seed=2**63, metadata={"k": "v"})),
+        (COMPLETIONS, completion(logit_bias={"7": -100}, seed=-5)),
+    ]:
+        r = httpx.post(base + path, json=body)
+        assert r.status_code == 200, (path, r.text)
+
+
+def test_a_million_tiny_values_are_refused_before_parsing(base):
+    body = (
+        b'{"messages": ['
+        + b'{"role":"user","content":"x"},' * 200_000
+        + b'{"role":"user","content":"x"}]}'
+    )
+    r = httpx.post(base + CHAT, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "body_too_complex"
+
+
+def test_more_messages_than_the_context_holds_is_400(base):
+    r = httpx.post(base + CHAT, json=chat(messages=USER * 513))
+    assert r.status_code == 400 and "at most 512 messages" in r.json()["error"]["message"]
+
+
+def test_unknown_fields_are_reported_not_silently_dropped(base, caplog):
+    with caplog.at_level(logging.INFO, logger="kvwarm.http"):
+        r = httpx.post(base + CHAT, json=chat(kv_bits=4, adapter="x", enable_thinking=False))
+    assert r.status_code == 200
+    assert r.headers["x-kvwarm-ignored-fields"] == "adapter, kv_bits"  # enable_thinking is read
+    with httpx.stream("POST", base + MESSAGES, json=anthropic(stream=True, kv_bits=8)) as s:
+        assert s.headers["x-kvwarm-ignored-fields"] == "kv_bits"
+
+
+def test_preparation_runs_off_the_event_loop():
+    """While one request's preparation is stuck, /health and other requests answer."""
+    release = threading.Event()
+    entered = threading.Event()
+    app = create_app(Settings(_env_file=None), lambda s, r: FakeEngine(s, r, eos_after=2))
+    with serve_app(app) as url:
+        formatter = app.state.kvwarm.engine.info.formatter
+        plain = formatter.render_chat
+
+        def slow(messages, **kw):
+            if messages[-1]["content"] == "slow":
+                entered.set()
+                release.wait(10)
+            return plain(messages, **kw)
+
+        formatter.render_chat = slow
+        stuck = threading.Thread(
+            target=lambda: httpx.post(
+                url + CHAT, json=chat(messages=[{"role": "user", "content": "slow"}]), timeout=30
+            )
+        )
+        stuck.start()
+        try:
+            assert entered.wait(10)
+            started = time.monotonic()
+            assert httpx.get(url + "/health", timeout=5).status_code == 200
+            assert httpx.post(url + CHAT, json=chat(), timeout=5).status_code == 200
+            assert time.monotonic() - started < 5
+        finally:
+            release.set()
+            stuck.join(10)
+
+
+def test_unexpected_errors_are_one_500_logged_once(base, caplog):
+    app = create_app(Settings(_env_file=None), lambda s, r: FakeEngine(s, r, eos_after=2))
+    with serve_app(app) as url:
+
+        def broken(messages):
+            raise KeyError("boom")
+
+        app.state.kvwarm.healing.heal_all = broken
+        with caplog.at_level(logging.ERROR):
+            r = httpx.post(url + CHAT, json=chat())
+        assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
+        errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+        assert len(errors) == 1, [rec.getMessage() for rec in errors]
+
+
+def test_watchdog_cuts_running_requests_short_and_refuses_queued_ones():
+    settings = Settings(_env_file=None, batch=1, request_timeout=0.5)
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, step_delay=1.0))
+    with serve_app(app) as url:
+        results: dict[str, httpx.Response] = {}
+
+        def post(name: str) -> None:
+            body = chat(max_tokens=50, ignore_eos=True)
+            results[name] = httpx.post(url + CHAT, json=body, timeout=30)
+
+        first = threading.Thread(target=post, args=("running",))
+        first.start()
+        time.sleep(0.2)
+        post("queued")
+        first.join(30)
+        stats = httpx.get(url + "/stats").json()["requests"]
+    running, queued = results["running"], results["queued"]
+    assert running.status_code == 200, running.text
+    assert running.json()["choices"][0]["finish_reason"] == "length"  # as the seed server
+    assert queued.status_code == 503 and queued.headers["retry-after"]
+    assert queued.json()["error"]["code"] == "queue_timeout"
+    assert stats["watchdog"] == 2 and stats["aborted"] == 2
+
+
+def test_dns_rebinding_hosts_are_refused_on_loopback(base):
+    assert httpx.get(base + "/v1/models", headers={"Host": "evil.example"}).status_code == 400
+    assert httpx.get(base + "/v1/models", headers={"Host": "localhost:8080"}).status_code == 200
+    assert httpx.get(base + "/v1/models", headers={"Host": "[::1]:8080"}).status_code == 200
+
+
+def test_allowed_hosts_and_cors_are_opt_in():
+    settings = Settings(
+        _env_file=None, allowed_hosts="kv.lan, 127.0.0.1", cors_origins="http://app.lan"
+    )
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, eos_after=2))
+    with serve_app(app) as url:
+        hosted = {"Host": "kv.lan"}
+        assert httpx.get(url + "/health", headers=hosted).status_code == 200
+        assert httpx.get(url + "/health", headers={"Host": "localhost"}).status_code == 400
+        pre = httpx.options(
+            url + CHAT,
+            headers={
+                **hosted,
+                "Origin": "http://app.lan",
+                "Access-Control-Request-Method": "POST",
+            },
+        )
+        assert pre.headers["access-control-allow-origin"] == "http://app.lan"
+        other = httpx.get(url + "/health", headers={**hosted, "Origin": "http://evil.lan"})
+        assert "access-control-allow-origin" not in other.headers
+
+
+def test_no_cors_headers_by_default(base):
+    r = httpx.get(base + "/health", headers={"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
