@@ -24,6 +24,7 @@ from app.protocol.tool_schema import ToolChoice
 from app.request_fields import SamplingFields
 from app.session_id import session_id_from
 from app.state import AppState
+from scheduler.admission import AdmissionError
 from scheduler.contracts import ModelInfo, TextSyntax
 from scheduler.healing import context_of
 from scheduler.prefix_index import VolatilePolicy
@@ -183,6 +184,8 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
     messages = state.healing.heal_all(call.messages)
     try:
         rendered = info.formatter.render_chat(messages, relocate_volatile=relocate, **kwargs)
+    except AdmissionError:
+        raise  # a prompt no context could hold: 400 context_length_exceeded
     except Exception as exc:  # jinja errors of the model's own template
         raise APIError(400, f"The chat template rejected these messages: {exc}") from exc
     key, parser = _output_side(call, info, rendered)

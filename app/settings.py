@@ -106,8 +106,9 @@ class Settings(BaseSettings):
     request_timeout: float = Field(
         0.0,
         ge=0.0,
-        description="watchdog: end requests still unfinished this many seconds after "
-        "arrival (queue wait included) with an error; 0 = never",
+        description="watchdog: seconds after arrival (queue wait included) at which a "
+        "running request ends with finish_reason length and what it generated, and a "
+        "queued one gets 503 + Retry-After; 0 = never",
     )
     thinking: Literal["on", "off"] = Field(
         "on",

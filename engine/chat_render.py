@@ -241,7 +241,7 @@ class OffsetEncoder:
     def encode(self, text: str) -> Tokens | None:
         """None for tokenizers without offsets."""
         if self._raw is not None:
-            enc = self._raw.encode(text, add_special_tokens=False)
+            enc = self._raw_encode(text)
             return self._tokens(enc.ids, enc.offsets)
         try:
             enc = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -265,7 +265,7 @@ class OffsetEncoder:
     def _splice(self, old: Tokens, text: str, j: int) -> Tokens | None:
         i = old.cuts[j]
         c = old.starts[i]
-        enc = self._raw.encode(text[c:], add_special_tokens=False)
+        enc = self._raw_encode(text[c:])
         if not enc.ids or enc.ids[0] != old.ids[i] or enc.offsets[0] != (0, old.ends[i] - c):
             return None  # the added token did not match the same way: tokenise whole
         tail = self._tokens(enc.ids, enc.offsets, c, i)
@@ -276,6 +276,12 @@ class OffsetEncoder:
             old.cuts[:j] + tail.cuts,
             tail.monotone,  # old.monotone is required, and the seam is the checked token
         )
+
+    def _raw_encode(self, text: str) -> Any:
+        # encode_batch releases the GIL while it runs (encode does not): a long
+        # prompt tokenising in a worker thread must not stall the event loop
+        (enc,) = self._raw.encode_batch([text], add_special_tokens=False)
+        return enc
 
     def _splices(self, sample: str) -> bool:
         full = self.encode(sample)

@@ -187,7 +187,7 @@ class EngineThread(threading.Thread):
             context_length=loaded.context_length,
             budget=budget,
             generation_defaults=loaded.generation_defaults,
-            formatter=ChatFormatter(loaded.tokenizer),
+            formatter=ChatFormatter(loaded.tokenizer, loaded.context_length),
             vocab_size=len(loaded.tokenizer),
             blas=cfg.blas,
             device=device,

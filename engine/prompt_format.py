@@ -34,6 +34,7 @@ from engine.chat_render import (
     snapshot_key,
     token_range,
 )
+from scheduler.admission import ContextLengthExceeded
 from scheduler.healing import canonical_tool_calls
 from scheduler.prompt_key import PromptKey, RenderedPrompt, token_spans
 from scheduler.volatile_rules import (
@@ -65,11 +66,24 @@ class ChatFormatter:
     Messages passed in must not be mutated afterwards (snapshots compare them).
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, context_length: int | None = None):
         self._tokenizer = tokenizer
         self._hf = getattr(tokenizer, "_tokenizer", tokenizer)
         self._encoder = OffsetEncoder(self._hf, self._sample_text())
         self._snapshots = SnapshotStore()
+        self._context_length = context_length
+        self._max_chars = max_prompt_chars(self._hf, context_length)
+
+    def check_length(self, text: str) -> None:
+        """Refuse, before tokenising it, a text no tokenisation could fit into the
+        context (so a body of 30 MB of text costs a length check, not seconds)."""
+        if self._max_chars is not None and len(text) > self._max_chars:
+            raise ContextLengthExceeded(
+                f"This model's maximum context length is {self._context_length} tokens. "
+                f"However, your prompt renders to {len(text)} characters, more than any "
+                f"{self._context_length} tokens can hold. Please reduce the length of the "
+                f"messages."
+            )
 
     def render_chat(
         self,
@@ -88,8 +102,10 @@ class ChatFormatter:
             # No template: a plain transcript the base model can continue.
             text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
             text += "assistant:"
+            self.check_length(text)
             return RenderedPrompt(PromptKey.build(self.encode(text)), tail=text[-TAIL_CHARS:])
         text = self._template(messages, True, template_kwargs)
+        self.check_length(text)
         key = snapshot_key(messages, template_kwargs)
         base, reused = self._reusable(key, messages, template_kwargs, text)
         walk = base.walk.prefix(reused) if base else Walk()
@@ -115,10 +131,18 @@ class ChatFormatter:
         )
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        return self._encode(text, add_special_tokens=False)
 
     def encode_prompt(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text))
+        self.check_length(text)
+        return self._encode(text, add_special_tokens=True)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        raw = getattr(self._hf, "_tokenizer", None)
+        if hasattr(raw, "encode_batch"):  # releases the GIL, unlike encode
+            (enc,) = raw.encode_batch([text], add_special_tokens=add_special_tokens)
+            return list(enc.ids)
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     # -- helpers -------------------------------------------------------------
     def _template(self, messages, generation_prompt: bool, kwargs) -> str:
@@ -194,6 +218,21 @@ class ChatFormatter:
                 break
             system_end = p.end_token
         return PromptKey.build(tokens.ids, spans, [p.end_token for p in parts], system_end)
+
+
+def max_prompt_chars(hf: Any, context_length: int | None) -> int | None:
+    """The most characters ``context_length`` tokens can stand for: no token
+    decodes to more characters than its vocabulary string has, and a normaliser
+    may shrink text (NFC composes up to 3 characters into 1) before it is split."""
+    if not context_length:
+        return None
+    try:
+        longest = max(map(len, hf.get_vocab()))
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary view: no bound
+        return None
+    raw = getattr(hf, "_tokenizer", None)
+    shrink = 1 if raw is not None and getattr(raw, "normalizer", None) is None else 4
+    return context_length * longest * shrink
 
 
 def _place(part: Part, tokens: Tokens) -> Part:

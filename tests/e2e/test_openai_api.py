@@ -227,3 +227,12 @@ def test_model_that_fails_to_load_exits_nonzero(tmp_path):
     )
     assert proc.returncode == 1
     assert "model load failed" in proc.stderr and "no_such_architecture" in proc.stderr
+
+
+def test_completion_continues_the_prompt_with_its_own_spacing(client):
+    prompt = "The capital of France is"
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0, echo=True)
+    text = r.choices[0].text
+    assert text.startswith(prompt) and len(text) > len(prompt)
+    # the first generated word is not glued to the prompt ("...isParis.")
+    assert not text[len(prompt)].isalnum(), text

@@ -34,6 +34,7 @@ from engine.chat_render import (
     token_range,
 )
 from engine.prompt_format import ChatFormatter
+from scheduler.admission import ContextLengthExceeded
 from scheduler.healing import canonical_tool_calls
 from scheduler.prompt_key import PromptKey, RenderedPrompt, token_spans
 from scheduler.volatile_rules import (
@@ -556,3 +557,18 @@ def test_snapshot_store_is_bounded():
     for s in snaps:
         small.put(s)
     assert len(small.candidates(b"k")) == 2
+
+
+def test_a_prompt_no_context_could_hold_is_refused_before_tokenising(tokenizers):
+    tokenizer = tokenizers["smollm2"]
+    formatter = ChatFormatter(tokenizer, context_length=64)
+    longest = max(map(len, tokenizer._tokenizer.get_vocab()))
+    fits = "word " * 20
+    assert formatter.render_chat([{"role": "user", "content": fits}]).tokens
+    calls = []
+    formatter._encoder.encode = lambda text: calls.append(text)  # must not be reached
+    with pytest.raises(ContextLengthExceeded, match="64 tokens"):
+        formatter.render_chat([{"role": "user", "content": "x" * (64 * longest + 1)}])
+    with pytest.raises(ContextLengthExceeded):
+        formatter.encode_prompt("y" * (64 * longest + 1))
+    assert calls == []

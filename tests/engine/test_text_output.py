@@ -51,3 +51,14 @@ def test_stop_string_cuts_output_exactly(byte_tokenizer, text, stop):
     chunks = _stream(byte_tokenizer, text, (stop,))
     expected = text[: text.find(stop)] if stop in text else text
     assert "".join(chunks) == expected
+
+
+def test_a_completion_keeps_the_space_before_its_first_word(byte_tokenizer):
+    tokens = byte_tokenizer.encode(" Paris.", add_special_tokens=False)
+
+    def text(trim: bool) -> str:
+        out = TextOutput(byte_tokenizer.detokenizer, (), trim_leading_space=trim)
+        return "".join(out.add_token(t) for t in tokens) + out.finish()
+
+    assert text(trim=True) == "Paris."  # a chat reply starts at its first word
+    assert text(trim=False) == " Paris."  # "The capital of France is" + " Paris."

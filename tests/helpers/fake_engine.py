@@ -56,6 +56,7 @@ class FakeEngine(threading.Thread):
         step_delay: float = 0.005,
         eos_after: int | None = None,
         script: Script | None = None,
+        on_fatal: Callable[[str], None] | None = None,
     ):
         super().__init__(daemon=True, name="fake-engine")
         self.scheduler = scheduler
@@ -63,6 +64,7 @@ class FakeEngine(threading.Thread):
         self.step_delay = step_delay
         self.eos_after = eos_after
         self.script = script
+        self.on_fatal = on_fatal  # as EngineThread: the process should exit non-zero
         budget = MemoryBudget(
             total_bytes=1000 + 500 + kv_budget_tokens * 10,
             weights_bytes=1000,
@@ -168,3 +170,5 @@ class FakeEngine(threading.Thread):
             self._failure = f"engine step failed: {exc}"
             dropped = self.scheduler.fail_all(self._failure)
             self.router.publish(RequestOutput.failure(r.request_id, self._failure) for r in dropped)
+            if self.on_fatal is not None:
+                self.on_fatal(self._failure)

@@ -1,9 +1,12 @@
 """`kvwarm serve`'s server loop around a model-free engine, for tests that need a
-real process (signals, exit codes): python -m tests.helpers.serve_fake PORT [STEP_S] [SHUTDOWN_S]"""
+real process (signals, exit codes): python -m tests.helpers.serve_fake PORT [STEP_S] [SHUTDOWN_S]
+
+SIGUSR1 makes the engine thread die (as a fault no request owns would)."""
 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 import uvicorn
@@ -17,10 +20,20 @@ from tests.helpers.fake_engine import FakeEngine
 def main(port: int, step_s: float = 0.05, shutdown_s: float = 30.0) -> int:
     logging.basicConfig(level=logging.INFO)
     settings = Settings(_env_file=None, port=port, shutdown_timeout=shutdown_s)
-    app = create_app(settings, lambda s, r: FakeEngine(s, r, step_delay=step_s))
+    engines: list[FakeEngine] = []
+
+    def engine(scheduler, router) -> FakeEngine:
+        engines.append(FakeEngine(scheduler, router, step_delay=step_s, on_fatal=on_fatal))
+        return engines[-1]
+
+    def on_fatal(reason: str) -> None:
+        server.engine_died(reason)
+
+    app = create_app(settings, engine)
     server = GracefulServer(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None), app, shutdown_s
     )
+    signal.signal(signal.SIGUSR1, lambda *_: engines[0].inject_fault(RuntimeError("injected")))
     server.run()
     return server.exit_code
 

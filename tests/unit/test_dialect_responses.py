@@ -23,6 +23,8 @@ def test_responses_items_and_previous_response_id(server):
     assert call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris", "days": 3}
     assert first.status == "completed"
     assert first.usage.input_tokens > 0
+    # "<think>", "Need the ", "weather.</thi", "nk>\n\n": one token each
+    assert first.usage.output_tokens_details.reasoning_tokens == 4
     second = client.responses.create(
         model="m",
         previous_response_id=first.id,

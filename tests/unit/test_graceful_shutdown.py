@@ -132,3 +132,20 @@ def test_a_second_signal_exits_at_once(tmp_path):
             t.join(15)
     finally:
         proc.kill()
+
+
+def test_engine_death_ends_every_stream_and_exits_nonzero(tmp_path):
+    proc, url, log = start(tmp_path, shutdown_s=30)
+    try:
+        lines, threads = open_streams(url, tokens=2000)
+        proc.send_signal(signal.SIGUSR1)  # the engine thread dies
+        for t in threads:
+            t.join(30)
+        assert proc.wait(30) == 1, log.read_text()[-2000:]  # a supervisor restarts it
+    finally:
+        proc.kill()
+    assert not any(CUT in v for v in lines.values())
+    chat = data(lines["chat"])
+    assert chat[-1] == "[DONE]" and chat[-2]["error"]["code"] == "engine_error"
+    assert events(lines["messages"])[-1] == "error"
+    assert events(lines["responses"])[-1] == "response.failed"

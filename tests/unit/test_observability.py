@@ -339,3 +339,18 @@ def test_an_http_request_with_traceparent_joins_the_callers_trace(monkeypatch):
         }
     finally:
         receiver.close()
+
+
+def test_log_lines_tell_an_aborted_request_from_a_miss():
+    from observability.request_log import plain_line
+    from scheduler.request import CacheReport
+
+    def line(**kw) -> str:
+        fields = dict(request_id="r", dialect="chat", model="m", prompt_tokens=40)
+        fields.update(cached_tokens=0, completion_tokens=0, finish="abort", e2e_s=1.0)
+        return plain_line(RequestRecord(**fields, started_at=0.0, **kw))
+
+    assert "cache=-" in line()  # left before reaching the prefix cache
+    reused = CacheReport(layer="global", depth=24)
+    assert "cache=global:24" in line(cache=reused)  # left mid-decode, after a hit
+    assert "cache=miss" in line(cache=CacheReport())
