@@ -181,6 +181,12 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
     thinking = resolve_thinking(call.fields, default)
     kwargs = _template_kwargs(call, info.syntax, thinking)
     relocate = settings.volatile_policy is VolatilePolicy.RELOCATE
+    for message in call.messages:
+        # every template renders what the user and tools said: a message longer than
+        # any prompt that fits is refused before it is rendered (copying 30 MB through
+        # a template holds the GIL for tens of ms)
+        if message["role"] in ("user", "tool") and isinstance(message.get("content"), str):
+            info.formatter.check_length(message["content"])
     messages = state.healing.heal_all(call.messages)
     try:
         rendered = info.formatter.render_chat(messages, relocate_volatile=relocate, **kwargs)

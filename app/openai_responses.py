@@ -221,7 +221,7 @@ def _finalise(response: dict[str, Any], done: Outcome, items: _Items) -> dict[st
     return response
 
 
-def _prepare(raw: bytes, state: AppState, headers: dict[str, str]):
+def _parse(raw: bytes, state: AppState) -> ResponsesRequest:
     """Parse and validate (worker thread); the stored history is read on the loop."""
     info = state.model_info()
     return parse_body(raw, ResponsesRequest, BodyLimits.for_context(info.context_length))
@@ -250,7 +250,7 @@ def _prepare_call(body: ResponsesRequest, history: list[dict[str, Any]], state: 
 async def create_response(http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
     headers = dict(http.headers)
-    body = await state.preparer.body(http, lambda raw: _prepare(raw, state, headers))
+    body = await state.preparer.body(http, lambda raw: _parse(raw, state))
     history: list[dict[str, Any]] = []
     if body.previous_response_id:
         stored = state.responses.get(body.previous_response_id)

@@ -26,6 +26,10 @@ class PromptFormatter(Protocol):
         """A raw completion prompt, with the special tokens (BOS) the model expects."""
         ...
 
+    def check_length(self, text: str) -> None:
+        """Raise ContextLengthExceeded if no tokenisation of ``text`` fits the context."""
+        ...
+
 
 @dataclass(frozen=True)
 class TextSyntax:

@@ -1,0 +1,345 @@
+"""Soak: four agents for N minutes, with one request in twenty a bad one.
+
+Starts `kvwarm serve --batch 4` on the default model. Four agents hold
+multi-turn conversations through chat completions, Anthropic Messages and
+Responses (streaming and not, alternately); before each turn an agent sends,
+one time in twenty, a bad request instead: a fuzzed sampling field (also inside
+extra_body / metadata), a malformed tool, invalid JSON, a body over the size
+limit, or a stream it drops after the first event. Every 10 s it samples
+/health, the server's RSS and the prefix cache's bytes.
+
+Prints: engine deaths, good requests lost / hung / failed, bad requests by
+status (none may be a 5xx), good-request latency p95 in the first and last
+5 minutes and its drift, RSS and cache bytes over the run.
+
+    python bench/soak.py [--minutes 20] [--bad-rate 0.05]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+from _common import BIN, pct, prepare_model, server_env, start, stop
+
+PORT = 8393
+URL = f"http://127.0.0.1:{PORT}"
+SYSTEM = (
+    "You are a coding agent working in a repository. Read the task, think briefly, then "
+    "answer with the next concrete step. Keep answers short. "
+) * 6
+DIALECTS = ("chat", "messages", "responses", "chat")
+TURNS_PER_CONVERSATION = 6
+MAX_TOKENS = 40
+REQUEST_TIMEOUT_S = 120.0
+BODY_LIMIT = "1MiB"
+GARBAGE = [-1, 5, 1e20, 1.5, "x", [], {}, True, None, -1e9, "0.5"]
+FUZZED = [
+    "temperature",
+    "top_p",
+    "min_p",
+    "top_k",
+    "repetition_penalty",
+    "seed",
+    "logit_bias",
+    "max_tokens",
+    "presence_penalty",
+    "stop",
+]
+
+
+@dataclass
+class Good:
+    at: float  # seconds since the start
+    latency: float
+    ok: bool
+    status: str
+
+
+@dataclass
+class Tally:
+    good: list[Good] = field(default_factory=list)
+    bad: Counter = field(default_factory=Counter)
+    samples: list[tuple[float, int, int, int]] = field(
+        default_factory=list
+    )  # t, health, rss, cache
+    deaths: int = 0
+
+
+def good_body(dialect: str, history: list[dict], stream: bool, session: str) -> tuple[str, dict]:
+    if dialect == "chat":
+        body = {
+            "model": "m",
+            "messages": [{"role": "system", "content": SYSTEM}, *history],
+            "max_tokens": MAX_TOKENS,
+            "stream": stream,
+            "temperature": 0.7,
+            "metadata": {"session_id": session},
+        }
+        return "/v1/chat/completions", body
+    if dialect == "messages":
+        body = {
+            "model": "m",
+            "system": SYSTEM,
+            "messages": history,
+            "max_tokens": MAX_TOKENS,
+            "stream": stream,
+            "temperature": 0.7,
+            "metadata": {"user_id": f"u_session_{session}"},
+        }
+        return "/v1/messages", body
+    items = [{"role": m["role"], "content": m["content"]} for m in history]
+    body = {
+        "model": "m",
+        "instructions": SYSTEM,
+        "input": items,
+        "max_output_tokens": MAX_TOKENS,
+        "stream": stream,
+        "temperature": 0.7,
+        "prompt_cache_key": session,
+    }
+    return "/v1/responses", body
+
+
+def reply_text(dialect: str, data: dict) -> str:
+    if dialect == "chat":
+        return data["choices"][0]["message"]["content"] or ""
+    if dialect == "messages":
+        return "".join(b.get("text", "") for b in data["content"] if b["type"] == "text")
+    return "".join(
+        part["text"]
+        for item in data["output"]
+        if item["type"] == "message"
+        for part in item["content"]
+    )
+
+
+def streamed_text(dialect: str, lines: list[str]) -> tuple[str, bool]:
+    """The reply's text and whether the stream ended with its terminal event."""
+    text, done = [], False
+    for line in lines:
+        if not line.startswith("data: "):
+            continue
+        raw = line[6:]
+        if raw == "[DONE]":
+            done = True
+            continue
+        event = json.loads(raw)
+        if dialect == "chat" and event.get("choices"):
+            text.append(event["choices"][0]["delta"].get("content") or "")
+        elif dialect == "messages":
+            if event.get("type") == "content_block_delta":
+                text.append(event["delta"].get("text", ""))
+            done = done or event.get("type") == "message_stop"
+        elif dialect == "responses":
+            if event.get("type") == "response.output_text.delta":
+                text.append(event["delta"])
+            done = done or event.get("type") in ("response.completed", "response.incomplete")
+        if "error" in event and event.get("type") != "response.failed":
+            done = False
+    return "".join(text), done
+
+
+async def good_turn(
+    client: httpx.AsyncClient,
+    dialect: str,
+    history: list[dict],
+    stream: bool,
+    session: str,
+    tally: Tally,
+    t0: float,
+) -> str | None:
+    path, body = good_body(dialect, history, stream, session)
+    started = time.monotonic()
+    ok, status, text = False, "?", None
+    try:
+        if stream:
+            async with client.stream("POST", URL + path, json=body) as r:
+                status = str(r.status_code)
+                lines = [line async for line in r.aiter_lines()]
+            text, done = streamed_text(dialect, lines)
+            ok = status == "200" and done
+        else:
+            r = await client.post(URL + path, json=body)
+            status = str(r.status_code)
+            if r.status_code == 200:
+                text, ok = reply_text(dialect, r.json()), True
+    except httpx.TimeoutException:
+        status = "hung"
+    except httpx.HTTPError as exc:
+        status = type(exc).__name__
+    tally.good.append(Good(started - t0, time.monotonic() - started, ok, status))
+    return text if ok else None
+
+
+async def bad_turn(
+    client: httpx.AsyncClient, dialect: str, rng: random.Random, tally: Tally
+) -> None:
+    path, body = good_body(dialect, [{"role": "user", "content": "hi"}], False, "bad")
+    kind = rng.choice(["field", "envelope", "tool", "json", "oversize", "disconnect"])
+    content = None
+    if kind == "field":
+        body[rng.choice(FUZZED)] = rng.choice(GARBAGE)
+    elif kind == "envelope":
+        body[rng.choice(["extra_body", "metadata"])] = {rng.choice(FUZZED): rng.choice(GARBAGE)}
+    elif kind == "tool":
+        body["tools"] = [{"type": "function", "function": {"name": {"x": 1}}, "name": 7}]
+    elif kind == "json":
+        content = json.dumps(body)[:-7].encode()
+    elif kind == "oversize":
+        body["padding"] = "x" * (2 * 2**20)
+    try:
+        if kind == "disconnect":
+            body["stream"] = True
+            body["max_tokens"] = body["max_output_tokens"] = 200
+            async with client.stream("POST", URL + path, json=body) as r:
+                async for _ in r.aiter_lines():
+                    break  # the client goes away after the first event
+            tally.bad[f"{kind}:dropped"] += 1
+            return
+        if content is not None:
+            r = await client.post(
+                URL + path, content=content, headers={"content-type": "application/json"}
+            )
+        else:
+            r = await client.post(URL + path, json=body)
+        tally.bad[f"{kind}:{r.status_code}"] += 1
+    except httpx.HTTPError as exc:
+        tally.bad[f"{kind}:{type(exc).__name__}"] += 1
+
+
+async def agent(k: int, deadline: float, bad_rate: float, tally: Tally, t0: float) -> None:
+    rng = random.Random(k)
+    dialect = DIALECTS[k]
+    conversation = 0
+    async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT_S) as client:
+        while time.monotonic() < deadline:
+            conversation += 1
+            session = f"agent{k}-{conversation}"
+            history: list[dict] = []
+            for turn in range(TURNS_PER_CONVERSATION):
+                if time.monotonic() >= deadline:
+                    return
+                if rng.random() < bad_rate:
+                    await bad_turn(client, dialect, rng, tally)
+                history.append(
+                    {
+                        "role": "user",
+                        "content": f"Task {conversation}.{turn}: "
+                        f"list the files to change for feature {rng.randrange(1000)}.",
+                    }
+                )
+                reply = await good_turn(client, dialect, history, turn % 2 == 0, session, tally, t0)
+                if reply is None:
+                    break
+                history.append({"role": "assistant", "content": reply})
+
+
+async def monitor(pid: int, deadline: float, tally: Tally, t0: float) -> None:
+    proc = psutil.Process(pid)
+    async with httpx.AsyncClient(timeout=10) as client:
+        while time.monotonic() < deadline:
+            health, cache = 0, 0
+            try:
+                health = (await client.get(URL + "/health")).status_code
+                stats = (await client.get(URL + "/stats")).json()
+                cache = (stats.get("prompt_cache") or {}).get("bytes", 0)
+                if not stats["engine"]["alive"]:
+                    tally.deaths += 1
+            except httpx.HTTPError:
+                tally.deaths += 1
+            rss = proc.memory_info().rss if proc.is_running() else 0
+            tally.samples.append((time.monotonic() - t0, health, rss, cache))
+            await asyncio.sleep(10)
+
+
+async def soak(pid: int, minutes: float, bad_rate: float) -> Tally:
+    tally = Tally()
+    t0 = time.monotonic()
+    deadline = t0 + minutes * 60
+    await asyncio.gather(
+        monitor(pid, deadline, tally, t0),
+        *(agent(k, deadline, bad_rate, tally, t0) for k in range(4)),
+    )
+    return tally
+
+
+def report(tally: Tally, minutes: float) -> None:
+    good = tally.good
+    lost = [g for g in good if not g.ok]
+    hung = [g for g in good if g.status == "hung"]
+    window = min(5.0, minutes / 4) * 60
+    end = max((g.at for g in good), default=0.0)
+    first = [g.latency for g in good if g.ok and g.at < window]
+    last = [g.latency for g in good if g.ok and g.at >= end - window]
+    p95_first, p95_last = pct(first, 95), pct(last, 95)
+    print(f"\nsoak: {minutes:.0f} min, 4 agents (chat, Messages, Responses, chat), batch 4")
+    print(
+        f"engine deaths: {tally.deaths}; /health non-200 samples: "
+        f"{sum(1 for s in tally.samples if s[1] != 200)} of {len(tally.samples)}"
+    )
+    print(
+        f"good requests: {len(good)}, failed or lost: {len(lost)} "
+        f"({Counter(g.status for g in lost)}), hung: {len(hung)}"
+    )
+    bad5xx = sum(n for k, n in tally.bad.items() if k.split(":")[1].startswith("5"))
+    print(f"bad requests: {sum(tally.bad.values())}, answered 5xx: {bad5xx}")
+    for key, n in sorted(tally.bad.items()):
+        print(f"  {key:28} {n}")
+    drift = (p95_last - p95_first) / p95_first * 100 if first and last else float("nan")
+    print(
+        f"good latency p95: first {window / 60:.0f} min {p95_first:.2f} s ({len(first)} req), "
+        f"last {window / 60:.0f} min {p95_last:.2f} s ({len(last)} req), drift {drift:+.1f}%"
+    )
+    rss = [s[2] for s in tally.samples]
+    cache = [s[3] for s in tally.samples]
+    if rss:
+        print(
+            f"server RSS MiB: first {rss[0] / 2**20:.0f}, last {rss[-1] / 2**20:.0f}, "
+            f"max {max(rss) / 2**20:.0f}"
+        )
+        print(
+            f"prefix cache MiB: first {cache[0] / 2**20:.1f}, last {cache[-1] / 2**20:.1f}, "
+            f"max {max(cache) / 2**20:.1f}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=20.0)
+    parser.add_argument("--bad-rate", type=float, default=0.05)
+    args = parser.parse_args()
+    prepare_model()
+    log = Path(tempfile.gettempdir()) / "kvwarm-soak.log"
+    cmd = [
+        str(BIN / "kvwarm"),
+        "serve",
+        "--port",
+        str(PORT),
+        "--batch",
+        "4",
+        "--max-body-bytes",
+        BODY_LIMIT,
+        "--request-timeout",
+        "300",
+    ]
+    proc = start(cmd, PORT, log, server_env(for_mlx_lm=False))
+    try:
+        tally = asyncio.run(soak(proc.pid, args.minutes, args.bad_rate))
+    finally:
+        stop(proc)
+    report(tally, args.minutes)
+    print(f"server log: {log}")
+
+
+if __name__ == "__main__":
+    main()
