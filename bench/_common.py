@@ -48,8 +48,10 @@ def server_env(for_mlx_lm: bool) -> dict[str, str]:
     return env
 
 
-def start(cmd: list[str], port: int, log: Path, env: dict[str, str]) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+def start(
+    cmd: list[str], port: int, log: Path, env: dict[str, str], cwd: Path = ROOT
+) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=cwd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from _common import ROOT, pct, prepare_model, server_env, stop
+from _common import ROOT, pct, prepare_model, server_env, start, stop
 
 PORT = 8391
 COUNT = "/v1/messages/count_tokens"
@@ -163,22 +163,9 @@ def run_cases(cwd: Path, log: Path, turns: int) -> list[Case]:
 
 
 def serve(cwd: Path, log: Path) -> subprocess.Popen:
+    """`kvwarm serve` from the source tree at ``cwd`` (this venv's packages)."""
     cmd = [sys.executable, "-m", "app.cli", "serve", "--port", str(PORT)]
-    env = server_env(for_mlx_lm=False)
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=cwd)
-    # reuse _common.start's readiness wait without its fixed cwd
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited; see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise TimeoutError(f"server did not start; see {log}")
+    return start(cmd, PORT, log, server_env(for_mlx_lm=False), cwd=cwd)
 
 
 def main() -> None:

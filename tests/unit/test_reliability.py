@@ -196,8 +196,13 @@ def test_unexpected_errors_are_one_500_logged_once(base, caplog):
             raise KeyError("boom")
 
         app.state.kvwarm.healing.heal_all = broken
-        with caplog.at_level(logging.ERROR):
-            r = httpx.post(url + CHAT, json=chat())
+        server_log = logging.getLogger("uvicorn.error")  # kvwarm serve lets it propagate
+        server_log.addHandler(caplog.handler)
+        try:
+            with caplog.at_level(logging.ERROR):
+                r = httpx.post(url + CHAT, json=chat())
+        finally:
+            server_log.removeHandler(caplog.handler)
         assert r.status_code == 500 and r.json()["error"]["code"] == "internal_error"
         errors = [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
         assert len(errors) == 1, [rec.getMessage() for rec in errors]
