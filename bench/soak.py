@@ -317,6 +317,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=20.0)
     parser.add_argument("--bad-rate", type=float, default=0.05)
+    parser.add_argument(
+        "--prompt-cache-bytes",
+        default="512MiB",
+        help="the prefix cache's cap: small enough that the run fills it and evicts",
+    )
     args = parser.parse_args()
     prepare_model()
     log = Path(tempfile.gettempdir()) / "kvwarm-soak.log"
