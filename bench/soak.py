@@ -303,14 +303,12 @@ def report(tally: Tally, minutes: float) -> None:
     rss = [s[2] for s in tally.samples]
     cache = [s[3] for s in tally.samples]
     if rss:
-        print(
-            f"server RSS MiB: first {rss[0] / 2**20:.0f}, last {rss[-1] / 2**20:.0f}, "
-            f"max {max(rss) / 2**20:.0f}"
-        )
-        print(
-            f"prefix cache MiB: first {cache[0] / 2**20:.1f}, last {cache[-1] / 2**20:.1f}, "
-            f"max {max(cache) / 2**20:.1f}"
-        )
+        step = max(1, len(tally.samples) // 8)
+        marks = tally.samples[::step] + tally.samples[-1:]
+        print("    min   RSS MiB   prefix cache MiB")
+        for t, _, r, c in marks:
+            print(f"{t / 60:7.1f} {r / 2**20:9.0f} {c / 2**20:18.1f}")
+        print(f"RSS max {max(rss) / 2**20:.0f} MiB; prefix cache max {max(cache) / 2**20:.1f} MiB")
 
 
 def main() -> None:
@@ -336,8 +334,12 @@ def main() -> None:
         BODY_LIMIT,
         "--request-timeout",
         "300",
+        "--prompt-cache-bytes",
+        args.prompt_cache_bytes,
     ]
-    proc = start(cmd, PORT, log, server_env(for_mlx_lm=False))
+    # request lines in the log: where the time went, if latency drifts
+    env = {**server_env(for_mlx_lm=False), "KVWARM_LOG_LEVEL": "info"}
+    proc = start(cmd, PORT, log, env)
     try:
         tally = asyncio.run(soak(proc.pid, args.minutes, args.bad_rate))
     finally:
