@@ -25,7 +25,7 @@ from app.anthropic_schemas import (
     MessagesRequest,
     ServerTool,
 )
-from app.body import BodyLimits, parse_body
+from app.body import parse_body
 from app.chat_pipeline import ChatCall, forced_tool, prepare_chat
 from app.content_parts import parts_text
 from app.errors import APIError, anthropic_error_body
@@ -163,8 +163,7 @@ def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:
 
 
 def _prepare(raw: bytes, state: AppState, headers: dict[str, str], model: type[CountTokensRequest]):
-    info = state.model_info()
-    body = parse_body(raw, model, BodyLimits.for_context(info.context_length))
+    body = parse_body(raw, model, state.model_info().context_length)
     max_tokens = body.max_tokens if isinstance(body, MessagesRequest) else 1
     return body, prepare_chat(chat_call(body, max_tokens), state, headers)
 

@@ -61,8 +61,10 @@ def json_values(raw: bytes, stop_above: int | None = None) -> int:
     return total
 
 
-def parse_body(raw: bytes, model: type[M], limits: BodyLimits) -> M:
-    """Validate ``raw`` against ``model`` (400 on any breach, naming the field)."""
+def parse_body(raw: bytes, model: type[M], context_length: int) -> M:
+    """Validate ``raw`` against ``model`` for a model with ``context_length`` tokens of
+    context (400 on any breach, naming the field)."""
+    limits = BodyLimits.for_context(context_length)
     values = json_values(raw, stop_above=limits.max_values)
     if values > limits.max_values:
         raise APIError(

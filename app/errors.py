@@ -210,7 +210,7 @@ def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
     the first matching route's)."""
     methods: set[str] = set()
     for route in app.router.routes:
-        match, _ = route.matches({**scope, "method": "GET"})
+        match, _ = route.matches(scope)  # PARTIAL: the path matches, the method not
         route_methods = getattr(route, "methods", None)
         if match is not Match.NONE and route_methods:
             methods |= set(route_methods)

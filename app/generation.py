@@ -23,13 +23,13 @@ from app.protocol.output_parser import Content, Event, Reasoning, merge
 from app.protocol.tool_formats import ToolCall
 from app.state import AppState
 from observability.records import RequestRecord
+from scheduler.admission import RETRY_AFTER_S
 from scheduler.request import CacheReport, FinishReason, RequestOutput, RequestStats
 
 log = logging.getLogger("kvwarm.http")
 
 DISCONNECT_POLL_S = 0.25
 RETRYABLE = frozenset({"queue_timeout", "server_shutdown"})
-RETRY_AFTER_S = 5
 
 
 @dataclass

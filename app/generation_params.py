@@ -6,6 +6,7 @@ generation_config.json > OpenAI's documented defaults.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -49,16 +50,26 @@ def resolve_logit_bias(
 
 def valid_defaults(model_defaults: dict[str, Any]) -> dict[str, Any]:
     """generation_config.json values held to the bounds requests are: one that is
-    out of range is dropped (with a warning), never handed to the sampler."""
-    out: dict[str, Any] = {}
-    for name, value in model_defaults.items():
+    out of range is dropped (with a warning), never handed to the sampler. The
+    model's defaults never change, so they are checked (and warned about) once."""
+    items = tuple(model_defaults.items())
+    try:
+        return dict(_checked_defaults(items))
+    except TypeError:  # an unhashable value: check it uncached
+        return dict(_checked_defaults.__wrapped__(items))
+
+
+@functools.lru_cache(maxsize=8)
+def _checked_defaults(items: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    out: list[tuple[str, Any]] = []
+    for name, value in items:
         if name not in SAMPLING_NAMES:
             continue
         try:
-            out[name] = getattr(SamplingFields.model_validate({name: value}), name)
+            out.append((name, getattr(SamplingFields.model_validate({name: value}), name)))
         except ValidationError:
             log.warning("ignoring generation_config.json %s=%r: out of range", name, value)
-    return out
+    return tuple(out)
 
 
 def resolve_sampling(

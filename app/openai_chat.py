@@ -11,7 +11,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.body import BodyLimits, parse_body
+from app.body import parse_body
 from app.chat_pipeline import (
     ChatCall,
     parse_openai_tool_choice,
@@ -23,8 +23,9 @@ from app.generation import Generation, Outcome, openai_tool_calls
 from app.openapi_doc import CHAT_COMPLETION, generation_route
 from app.protocol.output_parser import Content, Reasoning
 from app.protocol.tool_formats import ToolCall
+from app.protocol.tool_schema import function_tools
 from app.request_fields import ignored_fields
-from app.schemas import ChatCompletionRequest, ChatMessage, ChatTool
+from app.schemas import ChatCompletionRequest, ChatMessage
 from app.sse import KEEPALIVE_S, SSE_DONE, SSE_HEADERS, SSE_KEEPALIVE, sse_data, with_heartbeat
 from app.state import AppState
 
@@ -49,17 +50,8 @@ def template_message(message: ChatMessage, index: int) -> dict[str, Any]:
     return out
 
 
-def function_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]]:
-    """Function tools in OpenAI's shape; other tool types are ignored."""
-    return [
-        {"type": "function", "function": t.function.model_dump(exclude_none=True)}
-        for t in tools or ()
-        if t.type == "function" and t.function is not None
-    ]
-
-
 def chat_call(body: ChatCompletionRequest) -> ChatCall:
-    tools = function_tools(body.tools)
+    tools = function_tools([t.model_dump(exclude_none=True) for t in body.tools or ()])
     return ChatCall(
         messages=[template_message(m, i) for i, m in enumerate(body.messages)],
         fields=body.model_dump(exclude={"messages", "tools"}),
@@ -75,8 +67,7 @@ def chat_call(body: ChatCompletionRequest) -> ChatCall:
 
 def prepare(raw: bytes, state: AppState, headers: dict[str, str]):
     """Everything before the engine (worker thread): parse, translate, render, tokenise."""
-    info = state.model_info()
-    body = parse_body(raw, ChatCompletionRequest, BodyLimits.for_context(info.context_length))
+    body = parse_body(raw, ChatCompletionRequest, state.model_info().context_length)
     return body, prepare_chat(chat_call(body), state, headers)
 
 

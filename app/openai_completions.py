@@ -12,7 +12,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.body import BodyLimits, parse_body
+from app.body import parse_body
 from app.chat_pipeline import Prepared
 from app.errors import APIError, error_body
 from app.generation import Generation
@@ -75,8 +75,7 @@ def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Pre
 
 
 def prepare(raw: bytes, state: AppState, headers: dict[str, str]):
-    info = state.model_info()
-    body = parse_body(raw, CompletionRequest, BodyLimits.for_context(info.context_length))
+    body = parse_body(raw, CompletionRequest, state.model_info().context_length)
     return body, prepare_completion(body, state, headers)
 
 

@@ -17,7 +17,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from app.body import BodyLimits, parse_body
+from app.body import parse_body
 from app.chat_pipeline import ChatCall, parse_openai_tool_choice, prepare_chat, template_tool_calls
 from app.content_parts import parts_text
 from app.errors import APIError
@@ -223,8 +223,7 @@ def _finalise(response: dict[str, Any], done: Outcome, items: _Items) -> dict[st
 
 def _parse(raw: bytes, state: AppState) -> ResponsesRequest:
     """Parse and validate (worker thread); the stored history is read on the loop."""
-    info = state.model_info()
-    return parse_body(raw, ResponsesRequest, BodyLimits.for_context(info.context_length))
+    return parse_body(raw, ResponsesRequest, state.model_info().context_length)
 
 
 def _prepare_call(body: ResponsesRequest, history: list[dict[str, Any]], state: AppState, headers):

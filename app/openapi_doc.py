@@ -212,23 +212,22 @@ def install_openapi(
         components.update(_ERROR_SCHEMAS)
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
-        for path, ops in doc.get("paths", {}).items():
-            for op in ops.values():
-                op.get("responses", {}).pop("422", None)
-                if settings.api_key and path not in PROTECTED_EXEMPT:
-                    error = ANTHROPIC_ERROR if path.startswith("/v1/messages") else OPENAI_ERROR
-                    op["responses"]["401"] = errors(error, [401])[401]
         if settings.api_key:
-            components_root = doc["components"]
-            components_root["securitySchemes"] = {
+            doc["components"]["securitySchemes"] = {
                 "bearer": {"type": "http", "scheme": "bearer"},
                 "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
             }
-            for path, ops in doc.get("paths", {}).items():
-                for op in ops.values():
-                    op["security"] = (
-                        [] if path in PROTECTED_EXEMPT else [{"bearer": []}, {"apiKey": []}]
-                    )
+        for path, ops in doc.get("paths", {}).items():
+            for op in ops.values():
+                op.get("responses", {}).pop("422", None)
+                if not settings.api_key:
+                    continue
+                if path in PROTECTED_EXEMPT:
+                    op["security"] = []
+                    continue
+                op["security"] = [{"bearer": []}, {"apiKey": []}]
+                error = ANTHROPIC_ERROR if path.startswith("/v1/messages") else OPENAI_ERROR
+                op["responses"]["401"] = errors(error, [401])[401]
         limit = context_length()
         if limit is not None:
             for model, field in _COUNTED:

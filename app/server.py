@@ -21,19 +21,29 @@ from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from app.openai_chat import router as chat_router
 from app.openai_completions import router as completions_router
 from app.openai_responses import router as responses_router
-from app.openapi_doc import HEALTH, MODELS, OPENAI_ERROR, errors, install_openapi, json_content
+from app.openapi_doc import (
+    HEALTH,
+    MODELS,
+    OPENAI_ERROR,
+    RETRY_AFTER,
+    errors,
+    install_openapi,
+    json_content,
+)
 from app.responses_schemas import ResponsesRequest
 from app.schemas import ChatCompletionRequest, CompletionRequest
 from app.settings import Settings
 from app.state import AppState
 from observability.hub import Observability
 from observability.metrics import CONTENT_TYPE
+from scheduler.admission import RETRY_AFTER_S
 from scheduler.contracts import EngineHandle
 from scheduler.scheduler import Scheduler
 from scheduler.service import GenerationService
 from scheduler.streams import OutputRouter
 
 log = logging.getLogger("kvwarm.http")
+RETRY_LATER = {"Retry-After": str(RETRY_AFTER_S)}
 
 
 class StartableEngine(EngineHandle, Protocol):
@@ -131,7 +141,7 @@ def _add_admin_routes(app: FastAPI) -> None:
             503: {
                 "description": "Loading, draining for shutdown, or the engine died.",
                 "content": json_content(HEALTH),
-                "headers": {"Retry-After": {"schema": {"type": "string"}}},
+                "headers": RETRY_AFTER,
             },
         },
     )
@@ -141,9 +151,9 @@ def _add_admin_routes(app: FastAPI) -> None:
         if not engine.alive:
             return JSONResponse({"status": "error", "error": engine.failure}, 503)
         if not engine.ready:
-            return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": "5"})
+            return JSONResponse({"status": "loading"}, 503, headers=RETRY_LATER)
         if state.service.scheduler.draining:
-            return JSONResponse({"status": "draining"}, 503, headers={"Retry-After": "5"})
+            return JSONResponse({"status": "draining"}, 503, headers=RETRY_LATER)
         return JSONResponse({"status": "ok"})
 
     @app.get(

@@ -6,11 +6,11 @@ import time
 from dataclasses import dataclass, field
 
 from app.body import Preparer
-from app.errors import APIError
 from app.response_store import ResponseStore
 from app.settings import Settings
 from observability.hub import Observability
 from observability.records import ServerSnapshot
+from scheduler.admission import EngineUnavailable
 from scheduler.contracts import EngineHandle, ModelInfo
 from scheduler.healing import HealingStore
 from scheduler.service import GenerationService
@@ -49,12 +49,6 @@ class AppState:
         self.service.check_available()
         info = self.engine.model_info
         if info is None:  # pragma: no cover - ready implies info
-            raise APIError(
-                503,
-                "The model is still loading.",
-                "server_error",
-                "loading",
-                headers={"Retry-After": "5"},
-            )
+            raise EngineUnavailable.loading()
         self.obs.metrics.ensure_model(info.model_id)
         return info

@@ -101,6 +101,9 @@ class QueueFull(AdmissionError):
         self.retry_after: int | None = retry_after
 
 
+RETRY_AFTER_S = 5  # what a 503 that is worth retrying tells the client to wait
+
+
 class EngineUnavailable(AdmissionError):
     status = 503
     error_type = "server_error"
@@ -111,6 +114,14 @@ class EngineUnavailable(AdmissionError):
         self.retry_after = retry_after  # seconds; None: nobody knows (the engine died)
         if code is not None:
             self.code = code
+
+    @classmethod
+    def loading(cls) -> EngineUnavailable:
+        return cls("The model is still loading; retry shortly.", RETRY_AFTER_S, "loading")
+
+    @classmethod
+    def shutting_down(cls) -> EngineUnavailable:
+        return cls("The server is shutting down; retry shortly.", RETRY_AFTER_S, "server_shutdown")
 
 
 class AdmissionController:

@@ -81,9 +81,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         """Queue a request or raise an AdmissionError (400 / 429 / 503)."""
         if self.admission is None:
-            raise EngineUnavailable(
-                "The model is still loading; retry shortly.", retry_after=5, code="loading"
-            )
+            raise EngineUnavailable.loading()
         try:
             self.admission.check_ever_fits(len(request.prompt_tokens), request.max_tokens)
         except Exception:
@@ -94,11 +92,7 @@ class Scheduler:
             if self._closed is not None:
                 raise EngineUnavailable(f"The inference engine is not running: {self._closed}")
             if self._draining:
-                raise EngineUnavailable(
-                    "The server is shutting down; retry shortly.",
-                    retry_after=5,
-                    code="server_shutdown",
-                )
+                raise EngineUnavailable.shutting_down()
             if len(self._waiting) >= self.max_queue:
                 self._rejected += 1
                 raise QueueFull(
@@ -150,13 +144,8 @@ class Scheduler:
         with self._lock:
             if self._shutdown_pending:
                 self._shutdown_pending = False
-                plan.shutdown = [r.request_id for r in (*self._waiting, *self._running.values())]
-                for req in (*self._waiting, *self._running.values()):
-                    req.state = RequestState.ABORTED
+                plan.shutdown = [r.request_id for r in self._drop_all()]
                 self._aborted += len(plan.shutdown)
-                self._waiting.clear()
-                self._running.clear()
-                self._pending_aborts.clear()
                 return plan
             plan.expired, plan.timed_out = self._expire(time.monotonic())
             plan.abort = sorted(self._pending_aborts)
@@ -210,12 +199,16 @@ class Scheduler:
         """Drop every waiting and running request and refuse new ones (the engine died)."""
         with self._lock:
             self._closed = reason
-            dropped = [*self._running.values(), *self._waiting]
-            self._running.clear()
-            self._waiting.clear()
-            self._pending_aborts.clear()
-            for req in dropped:
-                req.state = RequestState.ABORTED
+            return self._drop_all()
+
+    def _drop_all(self) -> list[Request]:
+        """Every running and waiting request, taken out and marked aborted (lock held)."""
+        dropped = [*self._running.values(), *self._waiting]
+        self._running.clear()
+        self._waiting.clear()
+        self._pending_aborts.clear()
+        for req in dropped:
+            req.state = RequestState.ABORTED
         return dropped
 
     def has_work(self) -> bool:

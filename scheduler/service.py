@@ -23,15 +23,9 @@ class GenerationService:
                 f"The inference engine is not running: {self.engine.failure or 'stopped'}"
             )
         if not self.engine.ready:
-            raise EngineUnavailable(
-                "The model is still loading; retry shortly.", retry_after=5, code="loading"
-            )
+            raise EngineUnavailable.loading()
         if self.scheduler.draining:
-            raise EngineUnavailable(
-                "The server is shutting down; retry shortly.",
-                retry_after=5,
-                code="server_shutdown",
-            )
+            raise EngineUnavailable.shutting_down()
 
     def submit(self, request: Request) -> AsyncIterator[RequestOutput]:
         """Admit ``request`` now (raising AdmissionError at once) and return its stream.

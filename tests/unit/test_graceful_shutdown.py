@@ -76,6 +76,16 @@ def data(lines: list[str]) -> list:
     return out
 
 
+def assert_each_stream_failed(lines: dict[str, list[str]], code: str) -> None:
+    """Every stream was written to its end, which is its dialect's error event."""
+    assert not any(CUT in v for v in lines.values())
+    chat = data(lines["chat"])
+    assert chat[-1] == "[DONE]" and chat[-2]["error"]["code"] == code
+    assert events(lines["messages"])[-1] == "error"
+    assert events(lines["responses"])[-1] == "response.failed"
+    assert data(lines["responses"])[-1]["response"]["error"]["code"] == code
+
+
 def test_sigterm_lets_running_streams_finish_and_exits_zero(tmp_path):
     proc, url, log = start(tmp_path, shutdown_s=30)
     try:
@@ -109,13 +119,8 @@ def test_streams_past_the_shutdown_timeout_end_with_their_error_event(tmp_path):
         assert proc.wait(30) == 0, log.read_text()[-2000:]
     finally:
         proc.kill()
-    assert not any(CUT in v for v in lines.values())
-    chat = data(lines["chat"])
-    assert chat[-1] == "[DONE]" and chat[-2]["error"]["code"] == "server_shutdown"
-    assert events(lines["messages"])[-1] == "error"
+    assert_each_stream_failed(lines, "server_shutdown")
     assert data(lines["messages"])[-1]["error"]["type"] == "overloaded_error"
-    assert events(lines["responses"])[-1] == "response.failed"
-    assert data(lines["responses"])[-1]["response"]["error"]["code"] == "server_shutdown"
 
 
 def test_a_second_signal_exits_at_once(tmp_path):
@@ -144,8 +149,4 @@ def test_engine_death_ends_every_stream_and_exits_nonzero(tmp_path):
         assert proc.wait(30) == 1, log.read_text()[-2000:]  # a supervisor restarts it
     finally:
         proc.kill()
-    assert not any(CUT in v for v in lines.values())
-    chat = data(lines["chat"])
-    assert chat[-1] == "[DONE]" and chat[-2]["error"]["code"] == "engine_error"
-    assert events(lines["messages"])[-1] == "error"
-    assert events(lines["responses"])[-1] == "response.failed"
+    assert_each_stream_failed(lines, "engine_error")
