@@ -24,13 +24,13 @@ from app.protocol.tool_schema import ToolChoice
 from app.request_fields import SamplingFields
 from app.session_id import session_id_from
 from app.state import AppState
+from kvcache.healing import context_of
+from kvcache.index import VolatilePolicy
+from kvcache.prompt_key import PromptKey, RenderedPrompt
+from kvcache.sessions import fallback_session_id
 from scheduler.admission import AdmissionError
 from scheduler.contracts import ModelInfo, TextSyntax
-from scheduler.healing import context_of
-from scheduler.prefix_index import VolatilePolicy
-from scheduler.prompt_key import PromptKey, RenderedPrompt
 from scheduler.request import CacheHints, Request, SamplingParams
-from scheduler.sessions import fallback_session_id
 
 log = logging.getLogger("kvwarm.http")
 

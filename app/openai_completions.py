@@ -25,9 +25,9 @@ from app.schemas import CompletionRequest
 from app.session_id import session_id_from
 from app.sse import KEEPALIVE_S, SSE_DONE, SSE_HEADERS, SSE_KEEPALIVE, sse_data, with_heartbeat
 from app.state import AppState
-from scheduler.prompt_key import PromptKey
+from kvcache.prompt_key import PromptKey
+from kvcache.sessions import fallback_session_id
 from scheduler.request import CacheHints, Request
-from scheduler.sessions import fallback_session_id
 
 router = APIRouter()
 

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import ByteSize, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from scheduler.prefix_index import PromptCacheConfig, VolatilePolicy
+from kvcache.index import PromptCacheConfig, VolatilePolicy
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Host headers a loopback server answers to (DNS rebinding: a web page must not

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 from app.body import Preparer
 from app.response_store import ResponseStore
 from app.settings import Settings
+from kvcache.healing import HealingStore
 from observability.hub import Observability
 from observability.records import ServerSnapshot
 from scheduler.admission import EngineUnavailable
 from scheduler.contracts import EngineHandle, ModelInfo
-from scheduler.healing import HealingStore
 from scheduler.service import GenerationService
 
 

@@ -1,6 +1,6 @@
 """Eviction-policy benchmark: which entries should a full prefix cache drop?
 
-Replays synthetic agent traffic through the real index (scheduler.prefix_index,
+Replays synthetic agent traffic through the real index (kvcache.index,
 no model: an entry's size is its token count) under a tight byte budget and
 prints the share of prompt tokens each policy reuses. Traffic: several agents
 whose conversations grow turn by turn on top of a few shared system prompts,
@@ -21,8 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scheduler.prefix_index import CacheEntry, PrefixIndex  # noqa: E402
-from scheduler.prompt_key import PromptKey  # noqa: E402
+from kvcache.index import CacheEntry, PrefixIndex  # noqa: E402
+from kvcache.prompt_key import PromptKey  # noqa: E402
 
 
 class LRU(PrefixIndex):

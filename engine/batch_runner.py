@@ -23,14 +23,15 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
+from engine.loader import always_trimmable
 from engine.prefix_cache import PrefixCache
 from engine.row_faults import FaultLedger, GuardedProcessor, GuardedSampler
 from engine.sampling import SamplerFactory
 from engine.text_output import TextOutput
+from kvcache.prompt_key import PromptKey
 from scheduler.admission import round_up
-from scheduler.prompt_key import PromptKey
 from scheduler.request import CacheReport, FinishReason, Request, RequestOutput, RequestStats
 
 log = logging.getLogger("kvwarm.engine")
@@ -99,11 +100,14 @@ class BatchRunner:
         prefill_step_size: int,
         prefill_batch: int,
         prefix_cache: PrefixCache | None = None,
+        trimmable: bool | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
-        self._trimmable = can_trim_prompt_cache(make_prompt_cache(model))
+        # whether every layer can be cut back to any depth (sliding windows and
+        # recurrent states cannot once filled): entries then hit only whole
+        self._trimmable = always_trimmable(model) if trimmable is None else trimmable
         # prompt tokens one step may prefill, shared by all rows joining at once
         self.prefill_budget = prefill_step_size
         self._max_batch = max_batch

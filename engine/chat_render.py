@@ -31,8 +31,8 @@ from typing import Any
 
 from tokenizers import Tokenizer as FastTokenizer
 
-from scheduler.prompt_key import TokenSpan
-from scheduler.volatile_rules import CharSpan, MessageSlice
+from kvcache.prompt_key import TokenSpan
+from kvcache.volatile_rules import CharSpan, MessageSlice
 
 log = logging.getLogger("kvwarm.prompt")
 
@@ -307,7 +307,7 @@ def token_range(tokens: Tokens, span: CharSpan) -> tuple[int, int, int]:
 
 def merge_ranges(ranges: Iterable[tuple[int, int, int]]) -> list[TokenSpan]:
     """Token spans from ``token_range``s in text order: exactly what
-    ``scheduler.prompt_key.token_spans`` gives for monotone offsets (empty ones
+    ``kvcache.prompt_key.token_spans`` gives for monotone offsets (empty ones
     vanish; ranges that touch or overlap merge, the first naming the rule)."""
     out: list[TokenSpan] = []
     for start, end, rule in ranges:

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.model_source import ModelSource
+from kvcache.index import PromptCacheConfig
 from scheduler.admission import AdmissionController, MemoryBudget, transient_reserve
 from scheduler.contracts import EngineStats, ModelInfo
-from scheduler.prefix_index import PromptCacheConfig
 from scheduler.request import FinishReason, RequestOutput
 from scheduler.scheduler import Scheduler
 from scheduler.streams import OutputRouter
@@ -161,9 +161,11 @@ class EngineThread(threading.Thread):
             total_bytes=total,
             weights_bytes=loaded.weights_bytes,
             reserve_bytes=reserve,
-            kv_bytes_per_token=loaded.kv_bytes_per_token,
+            kv_bytes_per_token=loaded.layout.bytes_per_token,
             source="--memory-budget" if measured is None else measured.source,
             prompt_cache_bytes=cache_bytes,
+            layout=loaded.layout,
+            prefill_chunk=max(cfg.prefill_step_size, 16 * prefill_rows),
         )
         self.scheduler.admission = AdmissionController(budget, loaded.context_length)
         prefix_cache = None
@@ -202,14 +204,14 @@ class EngineThread(threading.Thread):
             ", ".join(sorted(syntax.template_vars)) or "no thinking switches",
         )
         log.info(
-            "model %s ready in %.1fs: context %d, weights %.0f MiB, KV %d B/token, "
+            "model %s ready in %.1fs: context %d, weights %.0f MiB, KV %s, "
             "budget %.0f MiB (%s), KV ceiling %d tokens/request, batch %d, "
             "prompt cache %.0f MiB (%s)",
             loaded.model_id,
             time.monotonic() - started,
             loaded.context_length,
             loaded.weights_bytes / 2**20,
-            loaded.kv_bytes_per_token,
+            loaded.layout.describe(),
             total / 2**20,
             budget.source,
             budget.ceiling_tokens,

@@ -11,12 +11,19 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm import load as mlx_lm_load
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    QuantizedKVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
 
 from engine.gguf_convert import convert_gguf
 from engine.model_errors import UnsupportedModelError
 from engine.model_source import ModelSource
-from scheduler.admission import kv_bytes_per_token
+from kvcache.layout import KVLayout, LayerKind, LayerKV
 
 log = logging.getLogger("kvwarm.engine.loader")
 
@@ -32,7 +39,7 @@ class LoadedModel:
     config: dict[str, Any]
     context_length: int
     weights_bytes: int
-    kv_bytes_per_token: int
+    layout: KVLayout
     num_heads: int
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
@@ -71,25 +78,56 @@ def _context_length(config: dict[str, Any], tokenizer) -> int:
     return limit if isinstance(limit, int) and limit < 10**7 else 4096
 
 
-def _probe_kv(model) -> tuple[int, int]:
-    """KV bytes per token and attention heads, read off a real one-token forward:
-    the cache shapes and dtype are the truth, whatever the config calls them."""
+def _position_bytes(cache: KVCache | RotatingKVCache) -> int:
+    """Keys + values of one position (their head dims may differ)."""
+    return sum(a.shape[1] * a.shape[3] * a.dtype.size for a in (cache.keys, cache.values))
+
+
+def _layer_costs(cache: object) -> list[LayerKV]:
+    # QuantizedKVCache subclasses nothing here; checked first so it is named, not mis-sized
+    if isinstance(cache, QuantizedKVCache):
+        raise UnsupportedModelError("quantized KV caches in the model itself are not supported")
+    if isinstance(cache, RotatingKVCache):
+        return [LayerKV(LayerKind.WINDOW, _position_bytes(cache), window=cache.max_size)]
+    if isinstance(cache, KVCache):
+        return [LayerKV(LayerKind.ATTENTION, _position_bytes(cache))]
+    if isinstance(cache, ArraysCache):
+        state = sum(a.nbytes for a in cache.cache if a is not None)
+        return [LayerKV(LayerKind.STATE, state_bytes=state)]
+    if isinstance(cache, CacheList):
+        return [cost for part in cache.caches for cost in _layer_costs(part)]
+    raise UnsupportedModelError(
+        f"{type(cache).__name__} caches are not supported (KVCache, RotatingKVCache, "
+        "ArraysCache and CacheList are)"
+    )
+
+
+def probe_layout(model: Any) -> KVLayout:
+    """Each layer's cache cost, read off a real one-token forward: the cache
+    types, shapes and dtypes are the truth, whatever the config calls them."""
     cache = make_prompt_cache(model)
     model(mx.array([[0]]), cache=cache)
     mx.eval([c.state for c in cache])
-    per_token = 0
-    heads = 0
-    for layer in cache:
-        keys = getattr(layer, "keys", None)
-        if keys is None or not hasattr(keys, "shape"):
-            raise UnsupportedModelError(
-                f"{type(layer).__name__} caches are not supported yet (plain KV caches only)"
-            )
-        _, n_kv, _, head_dim = keys.shape
-        per_token += kv_bytes_per_token(1, n_kv, head_dim, keys.dtype.size)
+    layers = tuple(cost for layer in cache for cost in _layer_costs(layer))
+    return KVLayout(layers, tuple(type(c).__name__ for c in cache))
+
+
+def always_trimmable(model: Any) -> bool:
+    """Every cache layer can be cut back to any depth (plain KV caches only); read
+    off the cache types, no forward pass."""
+
+    def trimmable(cache: object) -> bool:
+        if isinstance(cache, CacheList):
+            return all(trimmable(part) for part in cache.caches)
+        return isinstance(cache, KVCache) and not isinstance(cache, RotatingKVCache)
+
+    return all(trimmable(c) for c in make_prompt_cache(model))
+
+
+def _num_heads(model: Any, config: dict[str, Any]) -> int:
     args = getattr(model, "args", None)
-    heads = int(getattr(args, "num_attention_heads", 0) or 0)
-    return per_token, heads or 1
+    heads = getattr(args, "num_attention_heads", 0) or config.get("num_attention_heads", 0)
+    return int(heads or 1)
 
 
 def load_model(source: ModelSource) -> LoadedModel:
@@ -99,7 +137,7 @@ def load_model(source: ModelSource) -> LoadedModel:
     except (ValueError, FileNotFoundError, KeyError) as exc:
         raise UnsupportedModelError(f"mlx-lm cannot load {model_dir}: {exc}") from exc
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    per_token, heads = _probe_kv(model)
+    layout = probe_layout(model)
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -108,7 +146,7 @@ def load_model(source: ModelSource) -> LoadedModel:
         config=config,
         context_length=_context_length(config, tokenizer),
         weights_bytes=weights,
-        kv_bytes_per_token=per_token,
-        num_heads=heads,
+        layout=layout,
+        num_heads=_num_heads(model, config),
         generation_defaults=_generation_defaults(model_dir),
     )

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from scheduler.prefix_index import PrefixIndex, PromptCacheConfig
-from scheduler.prompt_key import PromptKey
+from kvcache.index import PrefixIndex, PromptCacheConfig
+from kvcache.prompt_key import PromptKey
+from kvcache.sessions import SessionStore
 from scheduler.request import CacheHints, CacheReport
-from scheduler.sessions import SessionStore
 
 log = logging.getLogger("kvwarm.prefix_cache")
 

@@ -2,7 +2,7 @@
 
 The model tokens are the chat template's rendering of the messages exactly as
 sent (after healing). Volatile spans are located in that rendered text message
-by message (``scheduler.volatile_rules``) and mapped onto tokens through the
+by message (``kvcache.volatile_rules``) and mapped onto tokens through the
 tokenizer's offsets, so the cache key is derived from the very tokens the model
 reads and the two views can never drift apart. Per-message boundaries are those
 of cumulative rendering (message k ends where the rendering of the first k + 1
@@ -34,16 +34,16 @@ from engine.chat_render import (
     snapshot_key,
     token_range,
 )
-from scheduler.admission import ContextLengthExceeded
-from scheduler.healing import canonical_tool_calls
-from scheduler.prompt_key import PromptKey, RenderedPrompt, token_spans
-from scheduler.volatile_rules import (
+from kvcache.healing import canonical_tool_calls
+from kvcache.prompt_key import PromptKey, RenderedPrompt, token_spans
+from kvcache.volatile_rules import (
     CharSpan,
     MessageSlice,
     canonical_text,
     prompt_spans,
     relocate_volatile_lines,
 )
+from scheduler.admission import ContextLengthExceeded
 
 log = logging.getLogger("kvwarm.prompt")
 TAIL_CHARS = 64

@@ -4,7 +4,10 @@ The engine decodes admitted sequences in one left-padded batch cache (mlx-lm's
 ``BatchKVCache``): every row is as wide as the widest, and buffers grow in
 256-position steps. The KV a running set S can ever occupy is therefore
 
-    |S| * round_up(max over S of (prompt + max_tokens), 256) * kv_bytes_per_token
+    |S| * layout.sequence_bytes(round_up(max over S of (prompt + max_tokens), 256))
+
+where the layout counts each cache type as it grows: attention layers per
+position, sliding windows up to their window, recurrent layers a constant state.
 
 Admitting only sets whose bound fits the KV budget makes an out-of-memory in the
 KV cache impossible by construction; transients (attention scores of a prefill
@@ -14,9 +17,12 @@ chunk, concatenations when a row joins) are covered by a separate reserve.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-KV_ALLOCATION_STEP = 256  # mlx-lm's KVCache / BatchKVCache growth step
+from kvcache.layout import KV_ALLOCATION_STEP, KVLayout, round_up
+
+__all__ = ["KV_ALLOCATION_STEP", "KVLayout", "round_up"]
+MAX_CEILING = 1 << 24  # positions: a bound for models whose state does not grow
 
 
 def format_size(nbytes: float) -> str:
@@ -32,10 +38,6 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_
     return num_layers * num_kv_heads * head_dim * 2 * dtype_bytes
 
 
-def round_up(n: int, step: int = KV_ALLOCATION_STEP) -> int:
-    return -(-n // step) * step
-
-
 @dataclass(frozen=True)
 class MemoryBudget:
     """How the memory budget splits into weights, a transient reserve and KV."""
@@ -46,6 +48,18 @@ class MemoryBudget:
     kv_bytes_per_token: int
     source: str = "configured"  # where total_bytes came from (flag, Metal, CUDA, RAM)
     prompt_cache_bytes: int = 0  # held by the prefix cache, never by running requests
+    # per-layer costs; None: plain KV caches at kv_bytes_per_token
+    layout: KVLayout | None = None
+    prefill_chunk: int = 0  # tokens one step may append (sliding windows overshoot by it)
+    _layout: KVLayout = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        layout = self.layout or KVLayout.attention_only(self.kv_bytes_per_token)
+        object.__setattr__(self, "_layout", layout)
+
+    def sequence_bytes(self, positions: int) -> int:
+        """KV bytes one batch row of ``positions`` positions can occupy."""
+        return self._layout.sequence_bytes(positions, self.prefill_chunk)
 
     @property
     def kv_budget_bytes(self) -> int:
@@ -57,8 +71,17 @@ class MemoryBudget:
     @property
     def ceiling_tokens(self) -> int:
         """The most KV positions a single request can ever reserve."""
-        positions = self.kv_budget_bytes // max(1, self.kv_bytes_per_token)
-        return positions - positions % KV_ALLOCATION_STEP
+        budget = self.kv_budget_bytes
+        if self.sequence_bytes(KV_ALLOCATION_STEP) > budget:
+            return 0
+        lo, hi = 1, MAX_CEILING // KV_ALLOCATION_STEP  # in allocation steps
+        while lo < hi:  # sequence_bytes is monotonic in positions
+            mid = (lo + hi + 1) // 2
+            if self.sequence_bytes(mid * KV_ALLOCATION_STEP) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * KV_ALLOCATION_STEP
 
 
 def transient_reserve(
@@ -136,7 +159,7 @@ class AdmissionController:
         sizes = list(reserved_tokens)
         if not sizes:
             return 0
-        return len(sizes) * round_up(max(sizes)) * self.budget.kv_bytes_per_token
+        return len(sizes) * self.budget.sequence_bytes(round_up(max(sizes)))
 
     def check_ever_fits(self, prompt_tokens: int, max_tokens: int) -> None:
         total = prompt_tokens + max_tokens
@@ -154,7 +177,8 @@ class AdmissionController:
                 f"{self.budget.ceiling_tokens} per request "
                 f"(KV budget {format_size(self.budget.kv_budget_bytes)} of "
                 f"{format_size(self.budget.total_bytes)} total, "
-                f"{self.budget.kv_bytes_per_token} bytes per token). "
+                f"{self.budget.kv_bytes_per_token} bytes per token, "
+                f"{self.budget.sequence_bytes(0)} bytes of fixed state per sequence). "
                 f"Lower max_tokens or shorten the prompt."
             )
 

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvcache.prompt_key import RenderedPrompt
 from scheduler.admission import MemoryBudget
-from scheduler.prompt_key import RenderedPrompt
 
 
 class PromptFormatter(Protocol):

@@ -7,7 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
-from scheduler.prompt_key import PromptKey
+from kvcache.prompt_key import PromptKey
 
 _ids = itertools.count(1)
 

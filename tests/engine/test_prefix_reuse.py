@@ -14,8 +14,8 @@ from mlx_lm import load
 from engine.batch_runner import BatchRunner
 from engine.prefix_cache import PrefixCache
 from engine.prompt_format import ChatFormatter
-from scheduler.prefix_index import PromptCacheConfig, VolatilePolicy
-from scheduler.prompt_key import PromptKey
+from kvcache.index import PromptCacheConfig, VolatilePolicy
+from kvcache.prompt_key import PromptKey
 from scheduler.request import CacheHints, Request, SamplingParams
 from tests.helpers.tiny_models import KVSumModel, RecurrentSumModel
 

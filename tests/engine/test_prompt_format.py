@@ -34,16 +34,16 @@ from engine.chat_render import (
     token_range,
 )
 from engine.prompt_format import ChatFormatter
-from scheduler.admission import ContextLengthExceeded
-from scheduler.healing import canonical_tool_calls
-from scheduler.prompt_key import PromptKey, RenderedPrompt, token_spans
-from scheduler.volatile_rules import (
+from kvcache.healing import canonical_tool_calls
+from kvcache.prompt_key import PromptKey, RenderedPrompt, token_spans
+from kvcache.volatile_rules import (
     CharSpan,
     MessageSlice,
     canonical_text,
     prompt_spans,
     relocate_volatile_lines,
 )
+from scheduler.admission import ContextLengthExceeded
 
 QWEN3_LIKE = (
     "{%- if tools %}<|im_start|>system\n"

@@ -8,9 +8,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvcache.prompt_key import PromptKey, RenderedPrompt
 from scheduler.admission import AdmissionController, MemoryBudget
 from scheduler.contracts import EngineStats, ModelInfo
-from scheduler.prompt_key import PromptKey, RenderedPrompt
 from scheduler.request import FinishReason, Request, RequestOutput, RequestStats
 from scheduler.scheduler import Scheduler
 from scheduler.streams import OutputRouter

@@ -96,7 +96,7 @@ class KVSumModel(nn.Module):
     def __call__(self, inputs: mx.array, cache=None, **_) -> mx.array:
         B, L = inputs.shape
         c = cache[0]
-        mask = c.make_mask(L, return_array=True)
+        mask = c.make_mask(L, return_array=True, window_size=None)
         vals = inputs.astype(mx.float32).reshape(B, 1, L, 1)
         _, values = c.update_and_fetch(mx.zeros((B, 1, L, 1)), vals)
         S = values.shape[2]
@@ -140,3 +140,94 @@ class RecurrentSumModel(nn.Module):
         c.advance(L)
         nxt = (total * 7 + count * 3).astype(mx.int32) % BYTE_VOCAB
         return mx.where(mx.arange(self.vocab_size) == nxt[..., None], 10.0, -10.0)
+
+
+# Tiny random-weight instances of mlx-lm's own model classes, one per cache
+# type the engine must serve (what make_prompt_cache gives each layer):
+#   qwen3_next / lfm2: ArraysCache (recurrent) + KVCache, mixed per layer
+#   gemma3_text / gpt_oss: RotatingKVCache (sliding window) + KVCache
+#   falcon_h1: CacheList(ArraysCache, KVCache) in every layer
+_BASE = {
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+    "rope_theta": 10000.0,
+}
+TINY_WINDOW = 24  # sliding window of the tiny rotating-cache models
+ARCHITECTURES: dict[str, dict] = {
+    "qwen3_next": {
+        "linear_num_value_heads": 2,
+        "linear_num_key_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "shared_expert_intermediate_size": 64,
+        "moe_intermediate_size": 32,
+        "mlp_only_layers": [],
+        "norm_topk_prob": True,
+        "partial_rotary_factor": 0.5,
+    },
+    "lfm2": {
+        "conv_bias": False,
+        "conv_L_cache": 3,
+        "block_dim": 64,
+        "block_ff_dim": 128,
+        "block_multiple_of": 16,
+        "block_ffn_dim_multiplier": 1.0,
+        "block_auto_adjust_ff_dim": False,
+        "full_attn_idxs": [1, 3],
+        "norm_eps": 1e-5,
+        "layer_types": ["conv", "full_attention", "conv", "full_attention"],
+    },
+    "gemma3_text": {
+        "sliding_window": TINY_WINDOW,
+        "sliding_window_pattern": 2,
+        "query_pre_attn_scalar": 16,
+        "rope_local_base_freq": 10000.0,
+    },
+    "gpt_oss": {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": TINY_WINDOW,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "swiglu_limit": 7.0,
+    },
+    "falcon_h1": {
+        "num_hidden_layers": 2,
+        "mamba_d_ssm": 64,
+        "mamba_n_heads": 4,
+        "mamba_d_head": 16,
+        "mamba_d_state": 8,
+        "mamba_chunk_size": 16,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+    },
+}
+
+
+def write_tiny_arch(path: Path, arch: str, seed: int = 0) -> Path:
+    """A random-weight ``arch`` model saved as an mlx-lm directory (byte tokenizer)."""
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    config = {**_BASE, **ARCHITECTURES[arch], "model_type": arch}
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    params = dict(tree_flatten(model.parameters()))
+    path.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(path / "model.safetensors"), params)
+    (path / "config.json").write_text(json.dumps(config))
+    write_byte_tokenizer(path)
+    return path

@@ -2,7 +2,7 @@
 ``str.find`` examines, not by timing: the block scans (system reminders, think
 blocks) run on ``str.find`` alone, and their total must stay within one pass.
 The regex rules cannot be counted this way; each is linear by construction (see
-``scheduler.volatile_rules``)."""
+``kvcache.volatile_rules``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.healing import visible_form
-from scheduler.volatile_rules import find_in_text
+from kvcache.healing import visible_form
+from kvcache.volatile_rules import find_in_text
 
 N = 200_000
 

@@ -6,9 +6,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from scheduler.prefix_index import MAX_CANDIDATES, PrefixIndex, VolatilePolicy
-from scheduler.prompt_key import PromptKey, TokenSpan, align, chain_hashes
-from scheduler.volatile_rules import RULE_INDEX
+from kvcache.index import MAX_CANDIDATES, PrefixIndex, VolatilePolicy
+from kvcache.prompt_key import PromptKey, TokenSpan, align, chain_hashes
+from kvcache.volatile_rules import RULE_INDEX
 from tests.unit.test_prompt_key import outside_spans
 
 TS = RULE_INDEX["timestamp"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.prompt_key import (
+from kvcache.prompt_key import (
     PromptKey,
     TokenSpan,
     align,
@@ -13,7 +13,7 @@ from scheduler.prompt_key import (
     chain_hashes,
     token_spans,
 )
-from scheduler.volatile_rules import RULE_INDEX, CharSpan
+from kvcache.volatile_rules import RULE_INDEX, CharSpan
 
 TS = RULE_INDEX["timestamp"]  # sentinel rule
 SR = RULE_INDEX["system_reminder"]  # droppable rule

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.session_id import session_id_from
-from scheduler.healing import HealingStore, context_of, visible_form
-from scheduler.sessions import ANCHOR_TOKENS, SessionStore, fallback_session_id
+from kvcache.healing import HealingStore, context_of, visible_form
+from kvcache.sessions import ANCHOR_TOKENS, SessionStore, fallback_session_id
 
 
 def test_turn_records_are_written_only_on_strict_appends():

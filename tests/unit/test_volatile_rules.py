@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.volatile_rules import (
+from kvcache.volatile_rules import (
     RULE_INDEX,
     RULES,
     Block,

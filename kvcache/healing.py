@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from scheduler.volatile_rules import tag_blocks
+from kvcache.volatile_rules import tag_blocks
 
 _OPEN, _CLOSE = "<think>", "</think>"
 

@@ -14,7 +14,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from scheduler.volatile_rules import RULES, Canonical, CharSpan
+from kvcache.volatile_rules import RULES, Canonical, CharSpan
 
 # Canonical ids of sentinels: negative, so they can never collide with a vocabulary id.
 _SENTINEL_BASE = -1

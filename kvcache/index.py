@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from scheduler.prompt_key import Alignment, PromptKey, align, chain_hashes
+from kvcache.prompt_key import Alignment, PromptKey, align, chain_hashes
 
 MAX_CANDIDATES = 16
 
