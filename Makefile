@@ -81,9 +81,11 @@ serve: install
 	$(VENV)/bin/kvwarm serve --host $(HOST) --port $(PORT)
 
 test: install-dev test-tools
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest
 
 test-fast: install-dev
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -m "not e2e"
 
 bench: install-dev
@@ -97,6 +99,7 @@ bench-dialects: install-dev
 
 lint: install-dev
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -36,6 +36,10 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "prompt_cache_ttl": {"type": float, "metavar": "SECONDS"},
     "cache_block_size": {"type": int, "metavar": "N"},
     "volatile_policy": {"choices": ["reuse", "strict", "relocate"]},
+    "kv_dir": {"metavar": "DIR"},
+    "kv_disk_bytes": {"metavar": "SIZE"},
+    "kv_block_size": {"type": int, "metavar": "N"},
+    "kv_eviction": {"choices": ["cost-aware", "lru"]},
     "request_timeout": {"type": float, "metavar": "SECONDS"},
     "thinking": {"choices": ["on", "off"]},
     "strip_thinking": {"action": "store_true"},
@@ -142,6 +146,8 @@ def cmd_serve(settings: Settings) -> int:
         memory_budget_bytes=settings.memory_budget_bytes,
         blas=blas.describe(),
         prompt_cache=settings.prompt_cache,
+        kv_dir=settings.kv_disk_path,
+        kv_disk_bytes=settings.kv_disk_limit,
     )
     server: GracefulServer | None = None
     load_failure: list[str] = []

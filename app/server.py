@@ -238,6 +238,6 @@ def _add_admin_routes(app: FastAPI) -> None:
                 "row_faults": eng.row_faults,
                 "batch_recoveries": eng.recoveries,
             },
-            "prompt_cache": eng.prompt_cache,
+            "prompt_cache": eng.prompt_cache.as_dict() if eng.prompt_cache else None,
             "healing": {"entries": len(state.healing), "healed": state.healing.healed},
         }

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import ByteSize, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from kvcache.eviction import EVICTION_POLICIES
 from kvcache.index import PromptCacheConfig, VolatilePolicy
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -103,6 +105,30 @@ class Settings(BaseSettings):
         "prompt's end so the prefix stays stable and the model reads current values",
     )
 
+    kv_dir: str | None = Field(
+        None,
+        description="SSD tier of the prefix cache: cached KV is written here (one folder "
+        "per model fingerprint, cache layout and format) and found again after a restart; "
+        "default: kv/ in the cache dir ($KVWARM_CACHE_DIR or ~/.cache/kvwarm)",
+    )
+    kv_disk_bytes: ByteSize | Literal["auto"] = Field(
+        "auto",
+        description="bytes the SSD tier may hold; 0 turns it off (RAM only); auto = a "
+        "quarter of the free disk at start, at most 64 GiB",
+    )
+    kv_block_size: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="model tokens per stored KV block; entries sharing a prefix share its "
+        "blocks (in RAM and on disk)",
+    )
+    kv_eviction: str = Field(
+        "cost-aware",
+        description="which cached entry leaves a tier first: cost-aware (old, short, rarely "
+        "reused first) or lru",
+    )
+
     request_timeout: float = Field(
         0.0,
         ge=0.0,
@@ -121,7 +147,7 @@ class Settings(BaseSettings):
         "reasoning_content / thinking blocks); the model still thinks",
     )
 
-    @field_validator("memory_budget", "prompt_cache_bytes", mode="before")
+    @field_validator("memory_budget", "prompt_cache_bytes", "kv_disk_bytes", mode="before")
     @classmethod
     def _auto(cls, value: object) -> object:
         return "auto" if isinstance(value, str) and value.strip().lower() == "auto" else value
@@ -131,6 +157,13 @@ class Settings(BaseSettings):
     def _positive_budget(cls, value: int | str) -> int | str:
         if value == 0:
             raise ValueError("the memory budget must be positive (or auto)")
+        return value
+
+    @field_validator("kv_eviction")
+    @classmethod
+    def _known_policy(cls, value: str) -> str:
+        if value not in EVICTION_POLICIES:
+            raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}")
         return value
 
     @field_validator("log_level")
@@ -153,7 +186,22 @@ class Settings(BaseSettings):
             block_size=self.cache_block_size,
             ttl_s=self.prompt_cache_ttl,
             policy=self.volatile_policy,
+            kv_block_size=self.kv_block_size,
+            eviction=self.kv_eviction,
         )
+
+    @property
+    def kv_disk_path(self) -> Path:
+        if self.kv_dir:
+            return Path(self.kv_dir).expanduser()
+        from engine.gguf_convert import cache_root  # the one place the cache dir is decided
+
+        return cache_root() / "kv"
+
+    @property
+    def kv_disk_limit(self) -> int | None:
+        """Bytes for the SSD tier; None: auto (decided once the folder exists)."""
+        return None if self.kv_disk_bytes == "auto" else int(self.kv_disk_bytes)
 
     @property
     def max_body_size(self) -> int:

@@ -6,6 +6,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -15,6 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 OPENBLAS = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3"
 RESULTS = ROOT / "bench" / "results"
+# servers a bench starts write their SSD KV tier to a fresh folder, so a "cold"
+# run is never warmed by the KV of an earlier bench (benches of the tier set it)
+os.environ.setdefault("KVWARM_KV_DIR", tempfile.mkdtemp(prefix="kvwarm-bench-kv-"))
 
 
 def pct(values: list[float], q: float) -> float:

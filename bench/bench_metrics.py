@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
+from kvcache.stats import KVCacheStats  # noqa: E402
 from observability.metrics import Metrics  # noqa: E402
 from observability.records import RequestRecord, ServerSnapshot  # noqa: E402
 from scheduler.contracts import EngineStats  # noqa: E402
@@ -33,14 +34,14 @@ def snapshot() -> ServerSnapshot:
         active_rows=4,
         prefill_tokens=10**8,
         generated_tokens=10**7,
-        prompt_cache={
-            "entries": 120,
-            "bytes": 3 * 2**30,
-            "max_bytes": 4 * 2**30,
-            "evictions": 40,
-            "exact_key_rejected_by_model_lcp": 2,
-            "hybrid_trim_miss": 1,
-        },
+        prompt_cache=KVCacheStats(
+            entries=120,
+            bytes=3 * 2**30,
+            max_bytes=4 * 2**30,
+            evictions=40,
+            exact_key_rejected_by_model_lcp=2,
+            hybrid_trim_miss=1,
+        ),
         batch_sizes=tuple(random.randint(0, 10**5) for _ in range(9)),
         memory={"active": 9 * 2**30, "peak": 11 * 2**30, "cache": 2**30},
     )

@@ -26,10 +26,10 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.loader import always_trimmable
-from engine.prefix_cache import PrefixCache
 from engine.row_faults import FaultLedger, GuardedProcessor, GuardedSampler
 from engine.sampling import SamplerFactory
 from engine.text_output import TextOutput
+from kvcache.manager import TieredKVManager
 from kvcache.prompt_key import PromptKey
 from scheduler.admission import round_up
 from scheduler.request import CacheReport, FinishReason, Request, RequestOutput, RequestStats
@@ -99,7 +99,7 @@ class BatchRunner:
         max_batch: int,
         prefill_step_size: int,
         prefill_batch: int,
-        prefix_cache: PrefixCache | None = None,
+        prefix_cache: TieredKVManager | None = None,
         trimmable: bool | None = None,
     ):
         self.model = model
@@ -465,3 +465,5 @@ class BatchRunner:
 
     def close(self) -> None:
         self._generator.close()
+        if self.prefix_cache is not None:
+            self.prefix_cache.close()  # queued KV writes reach the disk

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.model_source import ModelSource
 from kvcache.index import PromptCacheConfig
@@ -36,6 +37,8 @@ class EngineConfig:
     memory_budget_bytes: int | None = None  # None: auto
     blas: str = ""
     prompt_cache: PromptCacheConfig | None = None  # None: no prefix cache
+    kv_dir: Path | None = None  # the prefix cache's SSD tier; None: RAM only
+    kv_disk_bytes: int | None = None  # None: auto (a share of the free disk); 0: off
 
 
 class EngineThread(threading.Thread):
@@ -130,13 +133,15 @@ class EngineThread(threading.Thread):
 
     def _load(self) -> None:
         import mlx.core as mx
+        from mlx_lm.models.cache import make_prompt_cache
 
         from engine.batch_runner import BatchRunner
         from engine.device_memory import auto_budget
-        from engine.loader import load_model
-        from engine.prefix_cache import PrefixCache
+        from engine.loader import kv_namespace, load_model
         from engine.prompt_format import ChatFormatter
         from engine.text_syntax import probe_syntax
+        from kvcache.disk_budget import resolve_disk_bytes
+        from kvcache.manager import DiskConfig, TieredKVManager
 
         device = str(mx.default_device())
         measured = auto_budget() if self.config.memory_budget_bytes is None else None
@@ -170,10 +175,16 @@ class EngineThread(threading.Thread):
         self.scheduler.admission = AdmissionController(budget, loaded.context_length)
         prefix_cache = None
         if pc is not None and cache_bytes > 0:
-            prefix_cache = PrefixCache(
+            disk = None
+            if cfg.kv_dir is not None and cfg.kv_disk_bytes != 0:
+                disk_bytes = resolve_disk_bytes(cfg.kv_dir, cfg.kv_disk_bytes)
+                disk = DiskConfig(cfg.kv_dir, disk_bytes) if disk_bytes > 0 else None
+            prefix_cache = TieredKVManager(
                 pc,
                 cache_bytes,
-                namespace=f"{loaded.model_id}|{loaded.model_dir}",
+                kv_namespace(loaded.model_dir, loaded.layout),
+                make_prompt_cache(loaded.model),
+                disk,
             )
         self._runner = BatchRunner(
             loaded.model,
@@ -219,6 +230,18 @@ class EngineThread(threading.Thread):
             cache_bytes / 2**20,
             f"policy {pc.policy.value}, blocks of {pc.block_size}" if prefix_cache else "off",
         )
+        if prefix_cache is not None:
+            st = prefix_cache.stats()
+            log.info(
+                "KV store: RAM %.0f MiB in blocks of %d tokens, eviction %s; SSD tier %s",
+                cache_bytes / 2**20,
+                pc.kv_block_size,
+                pc.eviction,
+                f"{st.disk_dir} ({st.disk.max_bytes / 2**30:.1f} GiB, {st.restored_entries} "
+                f"entries restored)"
+                if st.disk_enabled
+                else "off",
+            )
         if budget.kv_budget_bytes <= 0:
             raise MemoryError(
                 f"memory budget {total / 2**20:.0f} MiB leaves no room for KV after "

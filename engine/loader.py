@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from mlx_lm.models.cache import (
 from engine.gguf_convert import convert_gguf
 from engine.model_errors import UnsupportedModelError
 from engine.model_source import ModelSource
+from kvcache.disk import FORMAT_VERSION
 from kvcache.layout import KVLayout, LayerKind, LayerKV
 
 log = logging.getLogger("kvwarm.engine.loader")
@@ -122,6 +124,28 @@ def always_trimmable(model: Any) -> bool:
         return isinstance(cache, KVCache) and not isinstance(cache, RotatingKVCache)
 
     return all(trimmable(c) for c in make_prompt_cache(model))
+
+
+def model_fingerprint(model_dir: Path) -> str:
+    """Names the weights without reading them all: config + each weight file's
+    name, size and first and last MiB. Stored KV of other weights is never read."""
+    h = hashlib.blake2b(digest_size=8)
+    config = model_dir / "config.json"
+    if config.exists():
+        h.update(config.read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(2**20))
+            f.seek(max(0, size - 2**20))
+            h.update(f.read(2**20))
+    return h.hexdigest()
+
+
+def kv_namespace(model_dir: Path, layout: KVLayout) -> str:
+    """Where stored KV of this model belongs: weights, cache layout, file format."""
+    return f"{model_fingerprint(model_dir)}-{layout.fingerprint()}-v{FORMAT_VERSION}"
 
 
 def _num_heads(model: Any, config: dict[str, Any]) -> int:

@@ -1,21 +1,30 @@
-"""Global prefix-cache index: block-hash chains over cache-key tokens.
+"""Global prefix-cache index: block-hash chains over cache-key tokens, two tiers.
 
-Pure bookkeeping (no MLX): each entry stands for a KV payload the engine keeps
-under the same id. Cache-key tokens are split into fixed blocks whose hashes are
-chained, so one dict lookup per block walks the request's chain to the deepest
-depth any entry shares. The candidates found there are then aligned in
-model-token space (``prompt_key.align``), which alone decides how much KV is
-reused; the deepest accepted alignment wins.
+Pure bookkeeping (no MLX): each entry stands for KV the engine keeps under the
+same id. Cache-key tokens are split into fixed blocks whose hashes are chained,
+so one dict lookup per block walks the request's chain to the deepest depth any
+entry shares. The candidates found there are then aligned in model-token space
+(``prompt_key.align``), which alone decides how much KV is reused; the deepest
+accepted alignment wins.
+
+Each entry lives in RAM, on disk, or both. Its bytes are counted per tier by a
+``TierLedger`` (shared KV blocks once per tier). RAM eviction demotes an entry
+whose KV is on disk (or being written) instead of dropping it; a disk hit is
+promoted back. The listener hears which entries left which tier and which
+blocks no entry there uses any more, so the payload side frees exactly those.
 """
 
 from __future__ import annotations
 
 import enum
-import math
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from kvcache.blocks import Digest, EntryBytes, TierLedger
+from kvcache.eviction import EVICTION_POLICIES, EvictionPolicy
 from kvcache.prompt_key import Alignment, PromptKey, align, chain_hashes
 
 MAX_CANDIDATES = 16
@@ -35,13 +44,16 @@ def _strict_prefix(short: PromptKey, long: PromptKey) -> bool:
 
 @dataclass(frozen=True)
 class PromptCacheConfig:
-    """The prefix cache's knobs (``--prompt-cache-*``, ``--cache-block-size``, ``--volatile-policy``)."""
+    """The prefix cache's knobs (``--prompt-cache-*``, ``--cache-block-size``,
+    ``--volatile-policy``, ``--kv-*``)."""
 
     max_bytes: int | None = None  # None: a quarter of what weights and reserve leave
-    block_size: int = 16
+    block_size: int = 16  # cache-key tokens per lookup block
     ttl_s: float = 0.0  # 0: entries never expire
     policy: VolatilePolicy = VolatilePolicy.REUSE
-    max_entries: int = 256
+    max_entries: int = 256  # entries in RAM
+    kv_block_size: int = 64  # model tokens per stored (shared) KV block
+    eviction: str = "cost-aware"
 
     def resolve_bytes(self, free_bytes: int) -> int:
         return self.max_bytes if self.max_bytes is not None else max(0, free_bytes // 4)
@@ -51,7 +63,7 @@ class PromptCacheConfig:
 class CacheEntry:
     entry_id: int
     key: PromptKey
-    nbytes: int
+    held: EntryBytes
     trimmable: bool
     hashes: list[bytes]
     session: str | None = None
@@ -60,10 +72,40 @@ class CacheEntry:
     hits: int = 0
     refs: int = 0  # requests currently reading this entry's KV
     superseded: bool = False  # a longer entry covers it; removed once no longer read
+    uid: str = field(default_factory=lambda: uuid.uuid4().hex)  # its name on disk
+    in_ram: bool = True
+    on_disk: bool = False  # fully written: a restart finds it
+    persisting: bool = False  # disk bytes reserved, the write not finished
+    pinned: bool = False  # saved by a user: never evicted from disk
 
     @property
     def length(self) -> int:
         return len(self.key.model_tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return self.held.total
+
+    @property
+    def loadable(self) -> bool:
+        """Its KV can be had now: in RAM, or fully on disk."""
+        return self.in_ram or self.on_disk
+
+
+class TierListener(Protocol):
+    """Told when an entry leaves a tier, with the blocks nobody there uses any more."""
+
+    def left_ram(self, entry: CacheEntry, freed: list[Digest]) -> None: ...
+
+    def left_disk(self, entry: CacheEntry, freed: list[Digest]) -> None: ...
+
+
+class _Ignore:
+    def left_ram(self, entry: CacheEntry, freed: list[Digest]) -> None:
+        pass
+
+    def left_disk(self, entry: CacheEntry, freed: list[Digest]) -> None:
+        pass
 
 
 @dataclass(frozen=True)
@@ -85,6 +127,13 @@ class Lookup:
     rejected: list[str] = field(default_factory=list)  # why candidates were turned down
     layer: str = "global"  # which layer found the hit: global (block chain) or session
 
+    @property
+    def tier(self) -> str:
+        """Where the hit's KV is: ram, disk, or none (a miss)."""
+        if self.hit is None:
+            return "none"
+        return "ram" if self.hit.entry.in_ram else "disk"
+
 
 @dataclass
 class IndexCounters:
@@ -98,7 +147,12 @@ class IndexCounters:
     exact_key_rejected_by_model_lcp: int = 0
     hybrid_trim_miss: int = 0
     inserts: int = 0
-    evictions: int = 0
+    evictions: int = 0  # entries dropped from RAM with nowhere else to go
+    demotions: int = 0  # entries moved from RAM to disk
+    promotions: int = 0  # disk entries brought back into RAM by a hit
+    disk_hits: int = 0
+    disk_tokens_reused: int = 0
+    disk_evictions: int = 0
     expired: int = 0
     superseded: int = 0  # shorter strict prefixes removed when a longer entry arrived
 
@@ -113,26 +167,47 @@ class PrefixIndex:
         ttl_s: float = 0.0,
         namespace: str = "",
         policy: VolatilePolicy = VolatilePolicy.REUSE,
-        on_remove: Callable[[int], None] | None = None,
+        listener: TierListener | None = None,
         clock: Callable[[], float] = time.monotonic,
+        disk_bytes: int = 0,
+        eviction: str | EvictionPolicy = "cost-aware",
     ):
         if block_size < 1:
             raise ValueError("block size must be >= 1")
-        self.max_bytes = max_bytes
         self.max_entries = max_entries
         self.block_size = block_size
         self.ttl_s = ttl_s
         self.namespace = namespace
         self.policy = policy
-        self._on_remove = on_remove or (lambda _id: None)
+        self.eviction = EVICTION_POLICIES[eviction] if isinstance(eviction, str) else eviction
+        self.listener: TierListener = listener or _Ignore()
         self._clock = clock
         self._entries: dict[int, CacheEntry] = {}
         self._by_hash: dict[bytes, set[int]] = {}
         self._next_id = 1
-        self.nbytes = 0
+        self._ram_entries = 0
+        self.ram = TierLedger(max_bytes)
+        self.disk = TierLedger(disk_bytes)  # max_bytes 0: no disk tier
         self.counters = IndexCounters()
 
     # -- queries -------------------------------------------------------------
+    @property
+    def max_bytes(self) -> int:
+        return self.ram.max_bytes
+
+    @max_bytes.setter
+    def max_bytes(self, value: int) -> None:
+        self.ram.max_bytes = value
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held in RAM (shared blocks once)."""
+        return self.ram.nbytes
+
+    @property
+    def disk_enabled(self) -> bool:
+        return self.disk.max_bytes > 0
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -141,6 +216,9 @@ class PrefixIndex:
 
     def entries(self) -> list[CacheEntry]:
         return list(self._entries.values())
+
+    def ram_entries(self) -> int:
+        return self._ram_entries
 
     def get(self, entry_id: int) -> CacheEntry | None:
         return self._entries.get(entry_id)
@@ -157,7 +235,7 @@ class PrefixIndex:
         out: list[tuple[int, int]] = []
         for d in range(depth, 0, -1):
             for entry_id in sorted(self._by_hash[hashes[d - 1]], reverse=True):
-                if entry_id not in seen:
+                if entry_id not in seen and self._entries[entry_id].loadable:
                     seen.add(entry_id)
                     out.append((d, entry_id))
             if len(out) >= MAX_CANDIDATES:
@@ -178,7 +256,8 @@ class PrefixIndex:
         tried too. ``max_growth`` bounds how many more KV positions than prompt
         tokens a hit may hold (stale volatile values longer than the current
         ones): the request's admitted KV reservation must still cover it. An
-        acquired hit must be ``release``d."""
+        acquired hit must be ``release``d; a hit on disk is ``promote``d by the
+        caller once its KV is loaded."""
         self.expire()
         self.counters.lookups += 1
         self.counters.tokens_queried += len(key.model_tokens)
@@ -186,7 +265,11 @@ class PrefixIndex:
         best = self._best(self._candidates(self.hashes(key)), key, result, max_growth)
         reused = best.alignment.request_depth if best else 0
         if reused < min(promised, len(key.model_tokens) - 1):
-            extra = [(0, e) for e in session_candidates if e in self._entries]
+            extra = [
+                (0, e)
+                for e in session_candidates
+                if e in self._entries and self._entries[e].loadable
+            ]
             deeper = self._best(extra, key, result, max_growth)
             if deeper is not None and deeper.alignment.request_depth > reused:
                 best = deeper
@@ -203,6 +286,9 @@ class PrefixIndex:
         self.counters.hits += 1
         if result.layer == "session":
             self.counters.session_hits += 1
+        if not entry.in_ram:
+            self.counters.disk_hits += 1
+            self.counters.disk_tokens_reused += best.alignment.request_depth
         self.counters.tokens_reused += best.alignment.request_depth
         self.counters.stale_volatile_reuse += best.alignment.stale_tokens
         return result
@@ -233,7 +319,15 @@ class PrefixIndex:
                 continue
             if al.request_depth == 0:
                 continue
-            if best is None or al.request_depth > best.alignment.request_depth:
+            better = best is None or al.request_depth > best.alignment.request_depth
+            # at equal depth, KV already in RAM beats KV to be read from disk
+            tie_in_ram = (
+                best is not None
+                and al.request_depth == best.alignment.request_depth
+                and entry.in_ram
+                and not best.entry.in_ram
+            )
+            if better or tie_in_ram:
                 best = CacheHit(entry, al)
         return best
 
@@ -266,12 +360,17 @@ class PrefixIndex:
 
     # -- updates -------------------------------------------------------------
     def insert(
-        self, key: PromptKey, nbytes: int, trimmable: bool, session: str | None = None
+        self,
+        key: PromptKey,
+        nbytes: int | EntryBytes,
+        trimmable: bool,
+        session: str | None = None,
     ) -> int | None:
-        """Index a new payload; returns its id, or None if it is not worth keeping
-        or cannot fit (the caller then drops the payload)."""
+        """Index a new payload in RAM; returns its id, or None if it is not worth
+        keeping or cannot fit (the caller then drops the payload)."""
         self.expire()
-        if len(key.model_tokens) < self.block_size or nbytes > self.max_bytes:
+        held = nbytes if isinstance(nbytes, EntryBytes) else EntryBytes(private=nbytes)
+        if len(key.model_tokens) < self.block_size or held.total > self.ram.max_bytes:
             return None
         for entry in self._entries.values():
             if entry.key.model_tokens == key.model_tokens or (
@@ -282,18 +381,60 @@ class PrefixIndex:
         hashes = self.hashes(key)
         if trimmable:
             self._remove_prefixes_of(key, hashes)
-        if not self._make_room(nbytes):
+        if not self._make_room(held):
             return None
+        entry = self._new_entry(key, held, trimmable, hashes, session)
+        self.ram.add(held)
+        self._ram_entries += 1
+        self.counters.inserts += 1
+        return entry.entry_id
+
+    def _new_entry(
+        self,
+        key: PromptKey,
+        held: EntryBytes,
+        trimmable: bool,
+        hashes: list[bytes],
+        session: str | None,
+        **state: object,
+    ) -> CacheEntry:
         now = self._clock()
         entry_id = self._next_id
         self._next_id += 1
-        entry = CacheEntry(entry_id, key, nbytes, trimmable, hashes, session, now, now)
+        entry = CacheEntry(entry_id, key, held, trimmable, hashes, session, now, now)
+        for name, value in state.items():
+            setattr(entry, name, value)
         self._entries[entry_id] = entry
         for h in hashes:
             self._by_hash.setdefault(h, set()).add(entry_id)
-        self.nbytes += nbytes
-        self.counters.inserts += 1
-        return entry_id
+        return entry
+
+    def restore(
+        self,
+        key: PromptKey,
+        held: EntryBytes,
+        trimmable: bool,
+        session: str | None,
+        uid: str,
+        pinned: bool = False,
+    ) -> int | None:
+        """Index an entry found on disk at start (not in RAM); None if the disk
+        tier has no room for it (the caller deletes its files)."""
+        if not self.disk.fits(held):
+            return None
+        entry = self._new_entry(
+            key,
+            held,
+            trimmable,
+            self.hashes(key),
+            session,
+            uid=uid,
+            in_ram=False,
+            on_disk=True,
+            pinned=pinned,
+        )
+        self.disk.add(held)
+        return entry.entry_id
 
     def _remove_prefixes_of(self, key: PromptKey, hashes: list[bytes]) -> None:
         """A longer trimmable entry can serve every strict prefix of itself: keep it, drop them."""
@@ -301,40 +442,113 @@ class PrefixIndex:
             return
         for entry_id in list(self._by_hash.get(hashes[0], ())):
             entry = self._entries[entry_id]
-            if entry.trimmable and _strict_prefix(entry.key, key):
+            if entry.trimmable and not entry.pinned and _strict_prefix(entry.key, key):
                 if entry.refs:  # being read right now: goes when released
                     entry.superseded = True
                     continue
                 self.counters.superseded += 1
                 self.remove(entry_id)
 
-    def _make_room(self, nbytes: int) -> bool:
-        while self.nbytes + nbytes > self.max_bytes or len(self._entries) >= self.max_entries:
-            victim = self._victim()
+    def _make_room(self, held: EntryBytes) -> bool:
+        """Evict (or demote to disk) RAM entries until ``held`` fits."""
+        while not self.ram.fits(held) or self._ram_entries >= self.max_entries:
+            victim = self._victim(lambda e: e.in_ram)
             if victim is None:
                 return False
-            self.counters.evictions += 1
-            self.remove(victim)
+            self._leave_ram(victim)
         return True
 
-    def eviction_score(self, entry: CacheEntry, now: float) -> float:
-        """Higher is evicted first: old, short, rarely reused branches go before
-        long, hot prefixes (a long prefix costs the most to recompute)."""
-        age = max(now - entry.last_used, 1e-3)
-        return age / (math.sqrt(max(entry.length, 1)) * math.log(math.e + entry.hits))
+    def _leave_ram(self, entry: CacheEntry) -> None:
+        if entry.on_disk or entry.persisting:
+            self.counters.demotions += 1
+            self._drop_ram(entry)
+        else:
+            self.counters.evictions += 1
+            self.remove(entry.entry_id)
 
-    def _victim(self) -> int | None:
+    def _drop_ram(self, entry: CacheEntry) -> None:
+        entry.in_ram = False
+        self._ram_entries -= 1
+        self.listener.left_ram(entry, self.ram.remove(entry.held))
+
+    def _drop_disk(self, entry: CacheEntry) -> None:
+        entry.on_disk = entry.persisting = False
+        self.listener.left_disk(entry, self.disk.remove(entry.held))
+
+    def eviction_score(self, entry: CacheEntry, now: float) -> float:
+        """Higher is evicted first (the configured policy)."""
+        return self.eviction.score(entry, now)
+
+    def _victim(self, where: Callable[[CacheEntry], bool]) -> CacheEntry | None:
         now = self._clock()
-        idle = [e for e in self._entries.values() if e.refs == 0]
+        idle = [e for e in self._entries.values() if e.refs == 0 and where(e)]
         if not idle:
             return None
-        return max(idle, key=lambda e: (self.eviction_score(e, now), -e.entry_id)).entry_id
+        return max(idle, key=lambda e: (self.eviction_score(e, now), -e.entry_id))
+
+    # -- the disk tier -------------------------------------------------------
+    def begin_persist(self, entry_id: int) -> bool:
+        """Reserve disk bytes for an entry about to be written (evicting disk
+        entries to make room); False if it cannot fit."""
+        entry = self._entries.get(entry_id)
+        if entry is None or not self.disk_enabled or entry.on_disk or entry.persisting:
+            return False
+        if self.disk.max_bytes < entry.held.total:
+            return False
+        while not self.disk.fits(entry.held):
+            victim = self._victim(lambda e: e.on_disk and not e.pinned and e.entry_id != entry_id)
+            if victim is None:
+                return False
+            self.counters.disk_evictions += 1
+            if victim.in_ram:
+                self._drop_disk(victim)
+            else:
+                self.remove(victim.entry_id)
+        self.disk.add(entry.held)
+        entry.persisting = True
+        return True
+
+    def end_persist(self, entry_id: int, ok: bool) -> None:
+        """The write of an entry finished (or failed: its reservation is returned)."""
+        entry = self._entries.get(entry_id)
+        if entry is None or not entry.persisting:
+            return
+        if ok:
+            entry.persisting = False
+            entry.on_disk = True
+            return
+        self._drop_disk(entry)
+        if not entry.in_ram:
+            self.remove(entry_id)
+
+    def promote(self, entry_id: int) -> bool:
+        """Count a disk entry back into RAM once its KV is loaded; False if RAM has
+        no room (the caller uses the loaded KV once and lets it go)."""
+        entry = self._entries.get(entry_id)
+        if entry is None or entry.in_ram:
+            return entry is not None
+        if entry.held.total > self.ram.max_bytes or not self._make_room(entry.held):
+            return False
+        self.ram.add(entry.held)
+        entry.in_ram = True
+        self._ram_entries += 1
+        self.counters.promotions += 1
+        return True
+
+    def set_pinned(self, entry_id: int, pinned: bool) -> None:
+        entry = self._entries.get(entry_id)
+        if entry is not None:
+            entry.pinned = pinned
 
     def expire(self) -> int:
         if self.ttl_s <= 0:
             return 0
         cutoff = self._clock() - self.ttl_s
-        old = [e.entry_id for e in self._entries.values() if e.refs == 0 and e.last_used < cutoff]
+        old = [
+            e.entry_id
+            for e in self._entries.values()
+            if e.refs == 0 and not e.pinned and e.last_used < cutoff
+        ]
         for entry_id in old:
             self.counters.expired += 1
             self.remove(entry_id)
@@ -350,8 +564,10 @@ class PrefixIndex:
                 ids.discard(entry_id)
                 if not ids:
                     del self._by_hash[h]
-        self.nbytes -= entry.nbytes
-        self._on_remove(entry_id)
+        if entry.in_ram:
+            self._drop_ram(entry)
+        if entry.on_disk or entry.persisting:
+            self._drop_disk(entry)
 
     def clear(self) -> None:
         for entry_id in list(self._entries):

@@ -198,8 +198,8 @@ def relocate_volatile_lines(contents: list[str | None], roles: list[str]) -> lis
         kept.append(content[keep_from:])
         out.append("".join(kept))
     if moved and out:
-        last = out[-1] or ""
-        out[-1] = last + ("\n\n" if last else "") + "\n".join(m for m in moved if m)
+        final = out[-1] or ""
+        out[-1] = final + ("\n\n" if final else "") + "\n".join(m for m in moved if m)
     return out
 
 

@@ -22,8 +22,10 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from kvcache.stats import KVCacheStats
 from observability.records import RequestRecord, ServerSnapshot
 
 P = "kvwarm:"
@@ -116,7 +118,7 @@ class _StateCollector(Collector):
             c.add_metric(m, value)
             return c
 
-        eng, cache = snap.engine, snap.engine.prompt_cache or {}
+        eng, cache = snap.engine, snap.engine.prompt_cache or KVCacheStats()
         yield gauge("num_requests_running", "Requests in the running batch.", snap.running)
         yield gauge("num_requests_waiting", "Requests waiting for admission.", snap.waiting)
         usage = snap.reserved_kv_bytes / snap.kv_budget_bytes if snap.kv_budget_bytes else 0.0
@@ -129,29 +131,26 @@ class _StateCollector(Collector):
         yield gauge(
             "kv_cache_budget_bytes", "Bytes of the memory budget left for KV.", snap.kv_budget_bytes
         )
-        yield gauge(
-            "prompt_cache_bytes", "Bytes of KV held by the prefix cache.", cache.get("bytes", 0)
-        )
-        yield gauge(
-            "prompt_cache_max_bytes", "Byte cap of the prefix cache.", cache.get("max_bytes", 0)
-        )
-        yield gauge("prompt_cache_entries", "Cached prefixes.", cache.get("entries", 0))
+        yield gauge("prompt_cache_bytes", "Bytes of KV held by the prefix cache.", cache.bytes)
+        yield gauge("prompt_cache_max_bytes", "Byte cap of the prefix cache.", cache.max_bytes)
+        yield gauge("prompt_cache_entries", "Cached prefixes.", cache.entries)
         yield counter(
             "prompt_cache_evictions",
             "Prefix-cache entries evicted for room.",
-            cache.get("evictions", 0),
+            cache.evictions,
         )
         # the cache's own lookups: every request that reached it, finished or not
         yield counter(
             "prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache.",
-            cache.get("tokens_queried", 0),
+            cache.tokens_queried,
         )
         yield counter(
             "prefix_cache_hits",
             "Prompt tokens served from the prefix cache.",
-            cache.get("tokens_reused", 0),
+            cache.tokens_reused,
         )
+        yield from _kv_tier_metrics(snap.model, cache)
         yield counter(
             "prefill_computed_tokens",
             "Prompt tokens run through the model (not reused).",
@@ -177,13 +176,66 @@ class _StateCollector(Collector):
             labels=["model_name", "kind"],
         )
         for kind in CORRECTNESS_KINDS:
-            kinds.add_metric([snap.model, kind], cache.get(kind, 0))
+            kinds.add_metric([snap.model, kind], getattr(cache, kind))
         yield kinds
         for name, key in (("active", "active"), ("peak", "peak"), ("cache", "cache")):
             yield gauge(
                 f"mlx_{name}_memory_bytes", f"MLX allocator: {name} bytes.", eng.memory.get(key, 0)
             )
         yield _batch_histogram(snap.model, eng.batch_sizes)
+
+
+def _kv_tier_metrics(model: str, cache: KVCacheStats) -> Iterable[Metric]:
+    """The KV store by tier (ram, disk): bytes, shared blocks, and the disk's traffic."""
+    tiers = (("ram", cache.ram), ("disk", cache.disk))
+    families: list[Metric] = []
+    for name, doc, read in (
+        ("kv_tier_bytes", "Bytes of cached KV held per tier (shared blocks once).", "bytes"),
+        ("kv_tier_max_bytes", "Byte cap per tier.", "max_bytes"),
+        ("kv_tier_blocks", "Shared KV blocks held per tier.", "blocks"),
+        ("kv_tier_entries", "Cached prefixes per tier.", "entries"),
+        (
+            "kv_shared_saved_bytes",
+            "Bytes the tier would hold more if entries did not share blocks.",
+            "shared_saved_bytes",
+        ),
+    ):
+        g = GaugeMetricFamily(P + name, doc, labels=["model_name", "tier"])
+        for tier, st in tiers:
+            g.add_metric([model, tier], getattr(st, read))
+        families.append(g)
+    for name, doc, value in (
+        ("kv_disk_hits", "Prefix-cache hits whose KV was read from disk.", cache.disk_hits),
+        (
+            "kv_disk_load_tokens",
+            "Tokens of KV loaded from disk instead of recomputed.",
+            cache.disk_load_tokens,
+        ),
+        ("kv_disk_load_seconds", "Seconds spent reading KV from disk.", cache.disk_load_seconds),
+        ("kv_disk_load_bytes", "Bytes of KV read from disk.", cache.disk_load_bytes),
+        ("kv_disk_bytes_written", "Bytes of KV written to disk.", cache.disk_bytes_written),
+        ("kv_spills", "Entries moved from RAM to disk to make room.", cache.demotions),
+        ("kv_promotions", "Disk entries brought back into RAM by a hit.", cache.promotions),
+        (
+            "kv_disk_files_discarded",
+            "Torn, corrupt, foreign or orphaned KV files removed, never loaded.",
+            cache.disk_files_discarded,
+        ),
+        (
+            "kv_disk_writes_skipped",
+            "Entries not written to disk (write back-pressure or a disk 90% full).",
+            cache.disk_writes_skipped,
+        ),
+        (
+            "kv_disk_write_errors",
+            "KV writes that failed (the tier turns off).",
+            cache.disk_write_errors,
+        ),
+    ):
+        c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+        c.add_metric([model], value)
+        families.append(c)
+    return families
 
 
 def _batch_histogram(model: str, counts: tuple[int, ...]) -> HistogramMetricFamily:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from kvcache.prompt_key import RenderedPrompt
+from kvcache.stats import KVCacheStats
 from scheduler.admission import MemoryBudget
 
 
@@ -69,7 +70,7 @@ class EngineStats:
     active_rows: int
     prefill_tokens: int
     generated_tokens: int
-    prompt_cache: dict[str, Any] | None = None  # PrefixCache.stats(); None when disabled
+    prompt_cache: KVCacheStats | None = None  # None: no prefix cache
     batch_sizes: tuple[int, ...] = ()  # decode steps by rows decoding together (index = rows)
     # MLX allocator bytes (active, peak, cache), sampled by the engine thread
     memory: dict[str, int] = field(default_factory=dict)

@@ -92,6 +92,7 @@ class CacheReport:
     stale_tokens: int = 0  # volatile tokens reused with their older values
     candidates: int = 0
     rejected: tuple[str, ...] = ()  # why candidates were turned down
+    tier: str = "none"  # where the reused KV was: ram, disk, none (a miss)
 
 
 @dataclass(frozen=True)

@@ -156,9 +156,10 @@ class Scheduler:
                     req.state = RequestState.ABORTED
                     self._aborted += 1
             reserved = [r.reserved_tokens for r in self._running.values()]
-            while self._waiting and len(self._running) < self.max_running:
+            admission = self.admission
+            while admission and self._waiting and len(self._running) < self.max_running:
                 head = self._waiting[0]
-                if not self.admission.fits_with(reserved, head.reserved_tokens):
+                if not admission.fits_with(reserved, head.reserved_tokens):
                     break  # FIFO: the head waits for memory; nobody overtakes it
                 self._waiting.popleft()
                 head.state = RequestState.RUNNING

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from scheduler.admission import EngineUnavailable
@@ -47,7 +48,9 @@ class GenerationService:
         self.router.close(request_id)
         self.scheduler.abort(request_id)
 
-    async def _stream(self, request_id: str, queue) -> AsyncIterator[RequestOutput]:
+    async def _stream(
+        self, request_id: str, queue: asyncio.Queue[RequestOutput]
+    ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:

@@ -35,7 +35,8 @@ def model_cache(tmp_path_factory) -> Path:
 @contextmanager
 def kvwarm_server(cache: Path, *args: str, log: Path) -> Iterator[str]:
     port = free_port()
-    env = {**os.environ, "KVWARM_CACHE_DIR": str(cache)}
+    # each server its own SSD tier: one test's cached KV never warms another's
+    env = {**os.environ, "KVWARM_CACHE_DIR": str(cache), "KVWARM_KV_DIR": str(log.parent / "kv")}
     env.pop("KVWARM_API_KEY", None)
     with log.open("w") as out:
         proc = subprocess.Popen(

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 from mlx_lm import load
+from mlx_lm.models.cache import make_prompt_cache
 
 from engine.batch_runner import BatchRunner
-from engine.prefix_cache import PrefixCache
 from engine.prompt_format import ChatFormatter
 from kvcache.index import PromptCacheConfig, VolatilePolicy
+from kvcache.manager import TieredKVManager
 from kvcache.prompt_key import PromptKey
 from scheduler.request import CacheHints, Request, SamplingParams
 from tests.helpers.tiny_models import KVSumModel, RecurrentSumModel
@@ -35,12 +36,27 @@ def tiny(request, tiny_llama_dir, byte_tokenizer):
 
 
 class Harness:
-    def __init__(self, tiny, policy=VolatilePolicy.REUSE, cache=True, prefill_step=64):
+    def __init__(
+        self,
+        tiny,
+        policy=VolatilePolicy.REUSE,
+        cache=True,
+        prefill_step=64,
+        disk=None,
+        kv_block=16,
+        namespace="tiny",
+    ):
         model, tokenizer = tiny
         self.formatter = ChatFormatter(tokenizer)
         self.policy = policy
         self.cache = (
-            PrefixCache(PromptCacheConfig(block_size=8, policy=policy), 64 * 2**20, "tiny")
+            TieredKVManager(
+                PromptCacheConfig(block_size=8, policy=policy, kv_block_size=kv_block),
+                64 * 2**20,
+                namespace,
+                make_prompt_cache(model),
+                disk,
+            )
             if cache
             else None
         )
@@ -114,7 +130,7 @@ def test_strict_hit_gives_exactly_the_cacheless_output(tiny):
     ((cold, _),) = cold_h.run(cold_h.request(turn2))
     assert warm == cold
     stats = h.cache.stats()
-    assert stats["hits"] == 1 and stats["exact_key_rejected_by_model_lcp"] == 0
+    assert stats.hits == 1 and stats.exact_key_rejected_by_model_lcp == 0
 
 
 def test_strict_policy_does_not_reuse_past_a_changed_timestamp(tiny):
@@ -138,7 +154,7 @@ def test_volatile_reuse_equals_a_fresh_prefill_of_what_the_kv_stands_for(tiny):
     spans = new.cache.key.spans
     assert cached == len(new.prompt_tokens) - 1  # everything but the last token
     stats = h.cache.stats()
-    assert stats["stale_volatile_reuse"] > 0 and stats["exact_key_rejected_by_model_lcp"] == 0
+    assert stats.stale_volatile_reuse > 0 and stats.exact_key_rejected_by_model_lcp == 0
     # the KV holds the old timestamp: a fresh prefill of that prompt must agree exactly
     cold_h = Harness(tiny, cache=False)
     stands_for = cold_h.request(conversation("10:00", turns=1))
@@ -160,7 +176,7 @@ def test_relocate_keeps_the_prefix_stable_and_the_values_current(tiny):
         i for i, (a, b) in enumerate(zip(old.prompt_tokens, req.prompt_tokens)) if a != b
     )
     assert cached == first_diff > req.cache.key.stable_prefix_end  # system prompt and question
-    assert h.cache.stats()["stale_volatile_reuse"] == 0
+    assert h.cache.stats().stale_volatile_reuse == 0
 
 
 def test_a_difference_outside_volatile_spans_ends_reuse(tiny):
@@ -203,8 +219,8 @@ def test_cache_stays_inside_its_byte_budget(tiny):
         if budget is None:  # room for one conversation and a bit
             budget = h.cache.index.max_bytes = int(h.cache.index.nbytes * 1.25)
         assert h.cache.index.nbytes <= budget
-    assert h.cache.stats()["evictions"] > 0
-    assert set(h.cache._payloads) == {e.entry_id for e in h.cache.index.entries()}
+    assert h.cache.stats().evictions > 0
+    assert set(h.cache._private) == {e.entry_id for e in h.cache.index.entries()}
 
 
 # -- caches that cannot be cut back (recurrent / hybrid layers) ----------------
@@ -237,7 +253,7 @@ def test_recurrent_cache_reuses_whole_entries(byte_tokenizer):
     cold = _recurrent_harness(byte_tokenizer, cache=False)
     ((expected, _),) = cold.run(_raw_request(second, (), 0, "c"))
     assert warm == expected
-    assert h.cache.stats()["hybrid_trim_miss"] == 0
+    assert h.cache.stats().hybrid_trim_miss == 0
 
 
 def test_recurrent_cache_falls_back_to_a_message_boundary_checkpoint(byte_tokenizer):
@@ -250,7 +266,7 @@ def test_recurrent_cache_falls_back_to_a_message_boundary_checkpoint(byte_tokeni
     second = first + [99, 98, 97] + [201, 202]
     ((warm, cached),) = h.run(_raw_request(second, (40, 60, 64), 40, "b"))
     assert cached == 60  # end of the user message: the checkpoint taken mid-prefill
-    assert h.cache.stats()["hybrid_trim_miss"] >= 1
+    assert h.cache.stats().hybrid_trim_miss >= 1
     cold = _recurrent_harness(byte_tokenizer, cache=False)
     ((expected, _),) = cold.run(_raw_request(second, (), 0, "c"))
     assert warm == expected

@@ -12,6 +12,7 @@ import pytest
 
 from app.server import create_app
 from app.settings import Settings
+from kvcache.stats import KVCacheStats
 from observability.logging_setup import JsonFormatter
 from observability.metrics import Metrics, _batch_histogram
 from observability.records import RequestRecord, ServerSnapshot
@@ -83,7 +84,9 @@ def sample(metrics: Metrics, name: str, **labels) -> float | None:
 
 
 def _snapshot(**cache) -> ServerSnapshot:
-    engine = EngineStats(1, 0, 0, 0, prompt_cache=cache, batch_sizes=(0, 1), memory={})
+    engine = EngineStats(
+        1, 0, 0, 0, prompt_cache=KVCacheStats(**cache), batch_sizes=(0, 1), memory={}
+    )
     return ServerSnapshot("m", 0, 0, 0, 100, 0, engine)
 
 

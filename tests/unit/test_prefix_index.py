@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvcache.blocks import EntryBytes, block_digests
 from kvcache.index import MAX_CANDIDATES, PrefixIndex, VolatilePolicy
 from kvcache.prompt_key import PromptKey, TokenSpan, align, chain_hashes
 from kvcache.volatile_rules import RULE_INDEX
@@ -29,26 +32,66 @@ def keys(draw):
     return PromptKey.build(tokens, spans)
 
 
+KV_BLOCK = 2  # model tokens per stored block; 1 byte per token
+
+
+def held_for(key: PromptKey) -> EntryBytes:
+    digests = block_digests(key.model_tokens, KV_BLOCK, "m")
+    return EntryBytes(tuple((d, KV_BLOCK) for d in digests), len(key.model_tokens) % KV_BLOCK)
+
+
+class Listener:
+    """Checks, at the moment a tier frees blocks, that no entry there still uses them."""
+
+    def __init__(self, machine):
+        self.machine = machine
+
+    def _users(self, tier):
+        index = self.machine.index
+        for e in index.entries():
+            here = e.in_ram if tier == "ram" else (e.on_disk or e.persisting)
+            if here:
+                yield from (d for d, _ in e.held.blocks)
+
+    def left_ram(self, entry, freed):
+        assert not entry.in_ram
+        assert not set(freed) & set(self._users("ram"))
+
+    def left_disk(self, entry, freed):
+        assert not (entry.on_disk or entry.persisting)
+        assert not set(freed) & set(self._users("disk"))
+
+
 class IndexMachine(RuleBasedStateMachine):
+    """The tiered, block-shared index against brute-force references."""
+
     def __init__(self):
         super().__init__()
         self.now = 0.0
-        self.removed: list[int] = []
         self.index = PrefixIndex(
-            max_bytes=60,
+            max_bytes=24,
             max_entries=6,
             block_size=BLOCK,
             ttl_s=50.0,
             namespace="m",
             policy=VolatilePolicy.REUSE,
-            on_remove=self.removed.append,
+            listener=Listener(self),
             clock=lambda: self.now,
+            disk_bytes=40,
         )
         self.in_use: dict[int, int] = {}  # entry id -> acquired count
 
-    @rule(key=keys(), trimmable=st.booleans())
-    def insert(self, key, trimmable):
-        self.index.insert(key, nbytes=len(key.model_tokens), trimmable=trimmable)
+    @rule(key=keys(), trimmable=st.booleans(), persist=st.booleans())
+    def insert(self, key, trimmable, persist):
+        entry_id = self.index.insert(key, held_for(key), trimmable=trimmable)
+        if entry_id is not None and persist:
+            self.index.begin_persist(entry_id)
+
+    @precondition(lambda self: any(e.persisting for e in self.index.entries()))
+    @rule(data=st.data(), ok=st.booleans())
+    def write_finishes(self, data, ok):
+        pending = sorted(e.entry_id for e in self.index.entries() if e.persisting)
+        self.index.end_persist(data.draw(st.sampled_from(pending)), ok)
 
     @rule(key=keys())
     def lookup(self, key):
@@ -56,7 +99,8 @@ class IndexMachine(RuleBasedStateMachine):
         candidates = [
             e
             for e in self.index.entries()
-            if chain_hashes(e.key.canonical, BLOCK, "m")[:1]
+            if e.loadable
+            and chain_hashes(e.key.canonical, BLOCK, "m")[:1]
             and chain_hashes(e.key.canonical, BLOCK, "m")[0]
             == (chain_hashes(key.canonical, BLOCK, "m") or [None])[0]
         ]
@@ -80,6 +124,16 @@ class IndexMachine(RuleBasedStateMachine):
             assert al.entry_depth == entry.length
         if len(candidates) <= MAX_CANDIDATES:
             assert al.request_depth == best  # the deepest entry wins
+        # the blocks handed out are those of the tokens the KV stands for, and
+        # where no volatile span intervenes, of the request's own tokens
+        own = block_digests(entry.key.model_tokens, KV_BLOCK, "m")
+        assert [d for d, _ in entry.held.blocks] == own
+        clean = min([s.start for s in (*entry.key.spans, *key.spans)] + [al.request_depth])
+        theirs = block_digests(key.model_tokens[:clean], KV_BLOCK, "m")
+        assert own[: len(theirs)] == theirs
+        if not entry.in_ram:
+            assert entry.on_disk  # only fully written entries are read from disk
+            self.index.promote(entry.entry_id)
         self.in_use[entry.entry_id] = self.in_use.get(entry.entry_id, 0) + 1
 
     @precondition(lambda self: self.in_use)
@@ -96,11 +150,32 @@ class IndexMachine(RuleBasedStateMachine):
         self.now += dt
         self.index.expire()
 
+    def _reference(self, here):
+        """Brute-force bytes of a tier: each distinct block once, plus private bytes."""
+        blocks, private, refs = {}, 0, Counter()
+        for e in self.index.entries():
+            if here(e):
+                private += e.held.private
+                for d, n in e.held.blocks:
+                    blocks[d] = n
+                    refs[d] += 1
+        return sum(blocks.values()) + private, refs
+
     @invariant()
-    def byte_budget_holds(self):
-        assert self.index.nbytes <= self.index.max_bytes
-        assert self.index.nbytes == sum(e.nbytes for e in self.index.entries())
-        assert len(self.index) <= self.index.max_entries
+    def budgets_hold_per_tier(self):
+        ram, disk = self.index.ram, self.index.disk
+        assert ram.nbytes <= ram.max_bytes
+        assert disk.nbytes <= disk.max_bytes
+        assert self.index.ram_entries() <= self.index.max_entries
+        ram_bytes, ram_refs = self._reference(lambda e: e.in_ram)
+        disk_bytes, disk_refs = self._reference(lambda e: e.on_disk or e.persisting)
+        assert (ram.nbytes, dict(ram.refs)) == (ram_bytes, dict(ram_refs))
+        assert (disk.nbytes, dict(disk.refs)) == (disk_bytes, dict(disk_refs))
+
+    @invariant()
+    def every_entry_is_somewhere(self):
+        for e in self.index.entries():
+            assert e.in_ram or e.on_disk or e.persisting
 
     @invariant()
     def entries_in_use_are_never_evicted(self):
@@ -118,7 +193,7 @@ class IndexMachine(RuleBasedStateMachine):
                     assert long.key.model_tokens[: short.length] != short.key.model_tokens
 
 
-IndexMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+IndexMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 TestIndexMachine = IndexMachine.TestCase
 
 

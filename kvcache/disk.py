@@ -1,0 +1,310 @@
+"""The SSD tier: KV blocks and entries as safetensors files that survive restarts.
+
+Layout under ``--kv-dir``, one folder per namespace (model fingerprint, cache
+layout, dtype, file format version), so another model's files are never even
+looked at::
+
+    <kv-dir>/<namespace>/blocks/ab/<digest>.safetensors   one shared KV block
+    <kv-dir>/<namespace>/entries/<uid>.safetensors        an entry: its private
+                                                          arrays + a JSON manifest
+
+A writer thread does every file operation, in submission order (an entry's
+blocks before its manifest; a delete after the write it undoes), so decode
+steps never wait on the disk. It holds numpy views of arrays the engine thread
+made and never writes to; no MLX runs here. Back-pressure: when queued bytes
+pass a cap, or the disk is 90% full, new writes are skipped (the entry stays
+RAM-only) and counted. Crash safety: temp file, fsync, rename; on start,
+temp files are deleted, entries whose blocks are missing are discarded, and
+every file is verified again (size, CRC, namespace) when it is read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvcache.blocks import Digest
+from kvcache.safetensors_io import CorruptFile, encode, read_verified, write_atomic
+
+log = logging.getLogger("kvwarm.kvcache.disk")
+FORMAT_VERSION = 1
+MAX_OCCUPANCY = 0.90  # stop writing when the file system is this full
+DEFAULT_PENDING_BYTES = 1 << 30
+
+
+@dataclass
+class Arrays:
+    """Named arrays for one file; names in ``bf16`` hold bfloat16 bits as uint16."""
+
+    arrays: dict[str, np.ndarray]
+    bf16: frozenset[str] = frozenset()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.arrays.values())
+
+
+@dataclass
+class WriteEntry:
+    entry_id: int
+    uid: str
+    blocks: list[tuple[Digest, Arrays]]  # the blocks not yet on disk
+    private: Arrays
+    manifest: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return self.private.nbytes + sum(a.nbytes for _, a in self.blocks)
+
+
+@dataclass
+class Delete:
+    paths: list[Path]
+
+
+@dataclass
+class DiskCounters:
+    files_written: int = 0
+    bytes_written: int = 0
+    write_errors: int = 0
+    writes_skipped: int = 0  # back-pressure or a full disk: the entry stayed RAM-only
+    files_discarded: int = 0  # torn, corrupt, foreign or orphaned files removed
+    loads: int = 0
+    load_tokens: int = 0
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+
+
+@dataclass
+class ScannedEntry:
+    uid: str
+    manifest: dict[str, Any]
+
+
+@dataclass
+class Scan:
+    entries: list[ScannedEntry] = field(default_factory=list)
+    discarded: int = 0
+
+
+class DiskTier:
+    def __init__(
+        self,
+        root: Path,
+        namespace: str,
+        max_pending_bytes: int = DEFAULT_PENDING_BYTES,
+        max_occupancy: float = MAX_OCCUPANCY,
+    ):
+        self.namespace = namespace
+        self.dir = root / namespace
+        self.max_pending_bytes = max_pending_bytes
+        self.max_occupancy = max_occupancy
+        self.counters = DiskCounters()
+        self.degraded: str | None = None  # why the tier turned itself off
+        self._jobs: queue.Queue[WriteEntry | Delete | None] = queue.Queue()
+        self._done: queue.Queue[tuple[int, bool]] = queue.Queue()
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._occupancy_at = 0.0
+        self._full = False
+        (self.dir / "blocks").mkdir(parents=True, exist_ok=True)
+        (self.dir / "entries").mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._run, name="kvwarm-kv-writer", daemon=True)
+        self._thread.start()
+
+    # -- paths ---------------------------------------------------------------
+    def block_path(self, digest: Digest) -> Path:
+        name = digest.hex()
+        return self.dir / "blocks" / name[:2] / f"{name}.safetensors"
+
+    def entry_path(self, uid: str) -> Path:
+        return self.dir / "entries" / f"{uid}.safetensors"
+
+    # -- engine-thread side --------------------------------------------------
+    @property
+    def usable(self) -> bool:
+        return self.degraded is None
+
+    def room_for(self, nbytes: int) -> bool:
+        """Whether a write of ``nbytes`` may be queued now (back-pressure, disk guard)."""
+        if not self.usable:
+            return False
+        with self._lock:
+            if self._pending_bytes + nbytes > self.max_pending_bytes:
+                return False
+        return not self.disk_nearly_full()
+
+    def disk_nearly_full(self) -> bool:
+        now = time.monotonic()
+        if now - self._occupancy_at > 1.0:
+            self._occupancy_at = now
+            try:
+                usage = shutil.disk_usage(self.dir)
+                self._full = usage.used >= self.max_occupancy * usage.total
+            except OSError:
+                self._full = True
+        return self._full
+
+    def submit(self, job: WriteEntry) -> None:
+        with self._lock:
+            self._pending_bytes += job.nbytes
+        self._jobs.put(job)
+
+    def delete_entry(self, uid: str, blocks: list[Digest]) -> None:
+        paths = [self.entry_path(uid)] + [self.block_path(d) for d in blocks]
+        self._jobs.put(Delete(paths))
+
+    def delete_blocks(self, blocks: list[Digest]) -> None:
+        if blocks:
+            self._jobs.put(Delete([self.block_path(d) for d in blocks]))
+
+    def completed(self) -> list[tuple[int, bool]]:
+        """(entry id, written) for every write finished since the last call."""
+        out: list[tuple[int, bool]] = []
+        while True:
+            try:
+                out.append(self._done.get_nowait())
+            except queue.Empty:
+                return out
+
+    def pending_bytes(self) -> int:
+        with self._lock:
+            return self._pending_bytes
+
+    def flush(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued job is done (shutdown, tests)."""
+        deadline = time.monotonic() + timeout
+        while self._jobs.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return not self._jobs.unfinished_tasks
+
+    def close(self, timeout: float = 30.0) -> None:
+        self.flush(timeout)
+        self._jobs.put(None)
+        self._thread.join(timeout=1.0)
+
+    # -- reads (engine thread: the arrays become MLX arrays there) -----------
+    def read_block(self, digest: Digest) -> Arrays:
+        arrays, _, bf16 = read_verified(self.block_path(digest), self.namespace)
+        return Arrays(arrays, bf16)
+
+    def read_entry(self, uid: str) -> tuple[Arrays, dict[str, Any]]:
+        arrays, meta, bf16 = read_verified(self.entry_path(uid), self.namespace)
+        try:
+            manifest = json.loads(meta["manifest"])
+        except (KeyError, ValueError) as exc:
+            raise CorruptFile(f"{uid}: bad manifest: {exc}") from exc
+        return Arrays(arrays, bf16), manifest
+
+    # -- start-up ------------------------------------------------------------
+    def scan(self) -> Scan:
+        """Every complete entry whose blocks are all present; the rest is deleted."""
+        out = Scan()
+        for tmp in self._files(".*.tmp-*"):
+            out.discarded += self._unlink(tmp)
+        referenced: set[str] = set()
+        for path in sorted((self.dir / "entries").glob("*.safetensors")):
+            manifest = self._manifest(path)
+            blocks = manifest.get("blocks") if manifest else None
+            if manifest is None or not isinstance(blocks, list):
+                out.discarded += self._unlink(path)
+                continue
+            names = [str(b[0]) for b in blocks]
+            if not all(self.block_path(bytes.fromhex(n)).exists() for n in names):
+                out.discarded += self._unlink(path)
+                continue
+            referenced.update(names)
+            out.entries.append(ScannedEntry(path.stem, manifest))
+        for block in (self.dir / "blocks").glob("*/*.safetensors"):
+            if block.stem not in referenced:
+                out.discarded += self._unlink(block)
+        self.counters.files_discarded += out.discarded
+        return out
+
+    def _files(self, pattern: str) -> Iterator[Path]:
+        yield from (self.dir / "entries").glob(pattern)
+        yield from (self.dir / "blocks").glob(f"*/{pattern}")
+
+    def _manifest(self, path: Path) -> dict[str, Any] | None:
+        """The manifest from a file's header alone (the data is verified on load)."""
+        try:
+            with open(path, "rb") as f:
+                head = f.read(8)
+                hlen = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if not 0 < hlen < 64 * 2**20:
+                    return None
+                header = json.loads(f.read(hlen))
+            meta = header["__metadata__"]
+            if meta.get("namespace") != self.namespace:
+                return None
+            manifest = json.loads(meta["manifest"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+            return None
+        return manifest
+
+    @staticmethod
+    def _unlink(path: Path) -> int:
+        try:
+            path.unlink()
+            return 1
+        except OSError:
+            return 0
+
+    # -- the writer thread ---------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                if isinstance(job, Delete):
+                    for path in job.paths:
+                        self._unlink(path)
+                else:
+                    self._write(job)
+            finally:
+                self._jobs.task_done()
+
+    def _write(self, job: WriteEntry) -> None:
+        ok = False
+        try:
+            if self.degraded is None:
+                meta = {"namespace": self.namespace}
+                for digest, arrays in job.blocks:
+                    path = self.block_path(digest)
+                    if path.exists():
+                        continue  # written for an entry that since left; same bytes
+                    path.parent.mkdir(exist_ok=True)
+                    self._count(write_atomic(path, encode(arrays.arrays, meta, arrays.bf16)))
+                manifest = json.dumps(job.manifest, separators=(",", ":"))
+                parts = encode(job.private.arrays, {**meta, "manifest": manifest}, job.private.bf16)
+                self._count(write_atomic(self.entry_path(job.uid), parts))
+                ok = True
+        except OSError as exc:
+            self.counters.write_errors += 1
+            self.degraded = f"{type(exc).__name__}: {exc}"
+            log.warning(
+                "the KV disk tier at %s is off (%s); cached KV stays in RAM only",
+                self.dir,
+                self.degraded,
+            )
+        finally:
+            with self._lock:
+                self._pending_bytes -= job.nbytes
+            self._done.put((job.entry_id, ok))
+
+    def _count(self, size: int) -> None:
+        self.counters.files_written += 1
+        self.counters.bytes_written += size

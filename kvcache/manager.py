@@ -1,0 +1,469 @@
+"""The KV manager: one object the engine asks for reusable KV and hands KV to keep.
+
+Runs on the engine thread (it touches MLX arrays through ``kvcache.payloads``).
+The pure-Python index decides what is reused and what leaves which tier; this
+class keeps the payloads in step with it: RAM blocks shared between entries,
+files on disk written by the disk tier's writer thread, loads from disk on a
+hit, and the session layer that remembers which entry each conversation turn
+left behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from kvcache.blocks import Digest, EntryBytes, block_digests
+from kvcache.disk import FORMAT_VERSION, Arrays, DiskTier, WriteEntry
+from kvcache.index import CacheEntry, PrefixIndex, PromptCacheConfig
+from kvcache.payloads import BlockArrays, KVLayoutOps, PrivatePart, Split, rebuild_private
+from kvcache.prompt_key import PromptKey, TokenSpan
+from kvcache.safetensors_io import CorruptFile
+from kvcache.sessions import SessionStore
+from kvcache.stats import KVCacheStats, TierStats
+from scheduler.request import CacheHints, CacheReport
+
+log = logging.getLogger("kvwarm.kvcache")
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    """``--kv-dir`` / ``--kv-disk-bytes``: where and how much (0 bytes: no disk tier)."""
+
+    root: Path
+    max_bytes: int
+    max_pending_bytes: int = 1 << 30
+
+
+@dataclass
+class Reuse:
+    """What a request starts from: KV for ``kv_key`` and the prompt tokens after it."""
+
+    entry_id: int
+    caches: list[Any]
+    kv_key: PromptKey  # the prompt the reused KV stands for (old volatile values)
+    kv_depth: int  # KV positions reused (== entry depth)
+    request_depth: int  # the request's prompt tokens this KV stands for
+    layer: str
+    tier: str  # ram or disk
+
+
+def _to_numpy(a: mx.array) -> tuple[np.ndarray, bool]:
+    """A zero-copy numpy view (bfloat16 as its bits) for the writer thread."""
+    if a.dtype == mx.bfloat16:
+        bits = a.view(mx.uint16)
+        mx.eval(bits)
+        return np.asarray(bits), True
+    return np.asarray(a), False
+
+
+def _arrays(named: dict[str, mx.array]) -> Arrays:
+    out: dict[str, np.ndarray] = {}
+    bf16: set[str] = set()
+    for name, a in named.items():
+        out[name], is_bf16 = _to_numpy(a)
+        if is_bf16:
+            bf16.add(name)
+    return Arrays(out, frozenset(bf16))
+
+
+def _to_mlx(arrays: Arrays) -> dict[str, mx.array]:
+    out = {}
+    for name, a in arrays.arrays.items():
+        x = mx.array(a)
+        out[name] = x.view(mx.bfloat16) if name in arrays.bf16 else x
+    return out
+
+
+def _key_manifest(key: PromptKey) -> dict[str, Any]:
+    return {
+        "model_tokens": list(key.model_tokens),
+        "spans": [[s.start, s.end, s.rule] for s in key.spans],
+        "message_ends": list(key.message_ends),
+        "stable_prefix_end": key.stable_prefix_end,
+    }
+
+
+def _key_from(manifest: dict[str, Any]) -> PromptKey:
+    return PromptKey.build(
+        [int(t) for t in manifest["model_tokens"]],
+        [TokenSpan(int(a), int(b), int(r)) for a, b, r in manifest["spans"]],
+        [int(e) for e in manifest["message_ends"]],
+        int(manifest["stable_prefix_end"]),
+    )
+
+
+class TieredKVManager:
+    """RAM tier of shared blocks, optional SSD tier, one index over both."""
+
+    def __init__(
+        self,
+        config: PromptCacheConfig,
+        max_bytes: int,
+        namespace: str,
+        template: Sequence[Any],
+        disk: DiskConfig | None = None,
+    ):
+        self.config = config
+        self.namespace = namespace
+        self.ops = KVLayoutOps(template, config.kv_block_size)
+        self._template = list(template)
+        self._blocks: dict[Digest, BlockArrays] = {}
+        self._private: dict[int, PrivatePart] = {}
+        self._freed = False
+        self.restored = 0
+        self.disk: DiskTier | None = None
+        disk_bytes = 0
+        if disk is not None and disk.max_bytes > 0:
+            try:
+                self.disk = DiskTier(disk.root, namespace, disk.max_pending_bytes)
+                disk_bytes = disk.max_bytes
+            except OSError as exc:
+                log.warning("KV disk tier off: %s is not usable (%s)", disk.root, exc)
+        self.index = PrefixIndex(
+            max_bytes=max_bytes,
+            max_entries=config.max_entries,
+            block_size=config.block_size,
+            ttl_s=config.ttl_s,
+            namespace=namespace,
+            policy=config.policy,
+            listener=self,
+            disk_bytes=disk_bytes,
+            eviction=config.eviction,
+        )
+        self.sessions = SessionStore()
+        if self.disk is not None:
+            self._restore()
+
+    @property
+    def trimmable(self) -> bool:
+        return self.ops.trimmable
+
+    # -- TierListener (called by the index) ------------------------------------
+    def left_ram(self, entry: CacheEntry, freed: list[Digest]) -> None:
+        self._private.pop(entry.entry_id, None)
+        for digest in freed:
+            self._blocks.pop(digest, None)
+        self._freed = True
+
+    def left_disk(self, entry: CacheEntry, freed: list[Digest]) -> None:
+        if self.disk is not None:  # its manifest goes whether or not it stays in RAM
+            self.disk.delete_entry(entry.uid, freed)
+
+    def _return_memory(self) -> None:
+        if self._freed:
+            mx.clear_cache()  # give freed KV buffers back to the OS
+            self._freed = False
+
+    # -- lookup ----------------------------------------------------------------
+    def lookup(
+        self, request_id: str, hints: CacheHints, max_growth: int
+    ) -> tuple[Reuse | None, CacheReport]:
+        self.poll()
+        key = hints.key
+        promised = self.sessions.promised_tokens(
+            hints.session_id, hints.message_hashes, key.message_ends
+        )
+        result = self.index.lookup(
+            key, self.sessions.candidates(hints.session_id), promised, max_growth=max_growth
+        )
+        for reason in result.rejected:
+            log.info("%s: prefix cache rejected %s", request_id, reason)
+        rejected = tuple(str(r) for r in result.rejected)
+        miss = CacheReport(candidates=result.candidates, rejected=rejected)
+        if result.hit is None:
+            log.info(
+                "%s: prefix cache miss (%d candidates, session %s)",
+                request_id,
+                result.candidates,
+                hints.session_id,
+            )
+            self._return_memory()
+            return None, miss
+        entry, al = result.hit.entry, result.hit.alignment
+        tier = result.tier
+        try:
+            caches = self._caches(entry, al.entry_depth)
+        except CorruptFile as exc:
+            log.warning("%s: cached KV on disk discarded: %s", request_id, exc)
+            self.index.release(entry.entry_id)
+            self._discard(entry)
+            return None, miss
+        log.info(
+            "%s: prefix cache hit (%s layer, %s): %d of %d prompt tokens from entry %d "
+            "(%d tokens), %d stale volatile tokens, session %s",
+            request_id,
+            result.layer,
+            tier,
+            al.request_depth,
+            len(key.model_tokens),
+            entry.entry_id,
+            entry.length,
+            al.stale_tokens,
+            hints.session_id,
+        )
+        reuse = Reuse(
+            entry.entry_id,
+            caches,
+            entry.key.spliced(al.entry_depth, key, al.request_depth),
+            al.entry_depth,
+            al.request_depth,
+            result.layer,
+            tier,
+        )
+        report = CacheReport(
+            result.layer,
+            al.request_depth,
+            entry.length,
+            al.stale_tokens,
+            result.candidates,
+            rejected,
+            tier=tier,
+        )
+        self._return_memory()
+        return reuse, report
+
+    def _caches(self, entry: CacheEntry, keep: int) -> list[Any]:
+        """Fresh caches of the entry's first ``keep`` positions (from disk if need be)."""
+        if entry.in_ram:
+            blocks = [self._blocks[d] for d, _ in entry.held.blocks]
+            private = self._private[entry.entry_id]
+        else:
+            blocks, private = self._load(entry)
+        bs = self.ops.block_size
+        used = blocks if keep >= len(blocks) * bs else blocks[: -(-keep // bs)]
+        if len(used) < len(blocks):  # a trimmable hit short of the stored tail
+            return self.ops.assemble(used, _empty_tail(private), len(used) * bs, keep)
+        return self.ops.assemble(blocks, private, entry.length, keep)
+
+    def _load(self, entry: CacheEntry) -> tuple[list[BlockArrays], PrivatePart]:
+        """Read a disk entry's files (verified), then count it back into RAM."""
+        assert self.disk is not None
+        started = time.monotonic()
+        nbytes = 0
+        blocks: list[BlockArrays] = []
+        for digest, _ in entry.held.blocks:
+            arrays = self._blocks.get(digest)
+            if arrays is None:
+                raw = self.disk.read_block(digest)
+                nbytes += raw.nbytes
+                named = _to_mlx(raw)
+                arrays = [named[f"{kv}{i}"] for i in range(len(self.ops.plain)) for kv in "kv"]
+            blocks.append(arrays)
+        raw, manifest = self.disk.read_entry(entry.uid)
+        nbytes += raw.nbytes
+        private = rebuild_private(
+            self._template, _to_mlx(raw), manifest["private_meta"], entry.held.private
+        )
+        mx.eval([a for blk in blocks for a in blk] + list(private.arrays().values()))
+        c = self.disk.counters
+        c.loads += 1
+        c.load_tokens += entry.length
+        c.load_bytes += nbytes
+        c.load_seconds += time.monotonic() - started
+        if self.index.promote(entry.entry_id):
+            for (digest, _), arrays in zip(entry.held.blocks, blocks):
+                self._blocks.setdefault(digest, arrays)
+            self._private[entry.entry_id] = private
+        return blocks, private
+
+    def _discard(self, entry: CacheEntry) -> None:
+        if self.disk is not None:
+            self.disk.counters.files_discarded += 1
+        self.index.remove(entry.entry_id)
+
+    def release(self, entry_id: int) -> None:
+        self.index.release(entry_id)
+
+    # -- store -----------------------------------------------------------------
+    def store(self, key: PromptKey, caches: list[Any], session: str | None = None) -> int | None:
+        """Keep ``caches`` (KV of exactly ``key.model_tokens``) for later requests."""
+        self.poll()
+        length = len(key.model_tokens)
+        digests = (
+            block_digests(key.model_tokens, self.ops.block_size, self.namespace)
+            if self.ops.plain
+            else []
+        )
+        held = self.ops.measure(caches, length, digests)
+        entry_id = self.index.insert(key, held, self.ops.trimmable, session)
+        if entry_id is not None:
+            want = {d for d, _ in held.blocks if d not in self._blocks}
+            split = self.ops.split(caches, length, held, want)
+            self._blocks.update(split.blocks)
+            assert split.private is not None
+            self._private[entry_id] = split.private
+            self._persist(entry_id, split)
+        self._return_memory()
+        return entry_id
+
+    def _persist(self, entry_id: int, split: Split) -> None:
+        """Queue the entry's new blocks and manifest for the writer (never waits)."""
+        disk = self.disk
+        entry = self.index.get(entry_id)
+        if disk is None or entry is None or not disk.usable:
+            return
+        new_on_disk = [d for d, _ in entry.held.blocks if d not in self.index.disk.refs]
+        nbytes = entry.held.private + sum(n for d, n in entry.held.blocks if d in new_on_disk)
+        if not disk.room_for(nbytes) or not self.index.begin_persist(entry_id):
+            disk.counters.writes_skipped += 1
+            return
+        assert split.private is not None
+        blocks = []
+        for digest in new_on_disk:
+            arrays = self._blocks[digest]
+            names = [f"{kv}{i}" for i in range(len(self.ops.plain)) for kv in "kv"]
+            blocks.append((digest, _arrays(dict(zip(names, arrays)))))
+        manifest = {
+            "format": FORMAT_VERSION,
+            "key": _key_manifest(entry.key),
+            "blocks": [[d.hex(), n] for d, n in entry.held.blocks],
+            "private_bytes": entry.held.private,
+            "private_meta": split.private.meta(),
+            "trimmable": entry.trimmable,
+            "session": entry.session,
+            "created": time.time(),
+            "pinned": entry.pinned,
+        }
+        disk.submit(
+            WriteEntry(entry_id, entry.uid, blocks, _arrays(split.private.arrays()), manifest)
+        )
+
+    def poll(self) -> None:
+        """Apply the disk writes that finished since the last call."""
+        if self.disk is None:
+            return
+        for entry_id, ok in self.disk.completed():
+            self.index.end_persist(entry_id, ok)
+
+    def _restore(self) -> None:
+        """Index every complete entry on disk: the first turn after a restart is warm."""
+        assert self.disk is not None
+        scan = self.disk.scan()
+        for found in sorted(scan.entries, key=lambda e: e.manifest.get("created", 0)):
+            m = found.manifest
+            try:
+                key = _key_from(m["key"])
+                held = EntryBytes(
+                    tuple((bytes.fromhex(d), int(n)) for d, n in m["blocks"]),
+                    int(m["private_bytes"]),
+                )
+                entry_id = self.index.restore(
+                    key,
+                    held,
+                    bool(m["trimmable"]),
+                    m.get("session"),
+                    found.uid,
+                    bool(m.get("pinned")),
+                )
+            except (KeyError, ValueError, TypeError):
+                entry_id = None
+            if entry_id is None:
+                self.disk.delete_entry(found.uid, [])
+                self.disk.counters.files_discarded += 1
+                continue
+            self.restored += 1
+        if scan.entries or scan.discarded:
+            log.info(
+                "KV disk tier %s: %d entries restored (%.0f MiB), %d files discarded",
+                self.disk.dir,
+                self.restored,
+                self.index.disk.nbytes / 2**20,
+                scan.discarded,
+            )
+
+    def record_turn(self, hints: CacheHints, entry_id: int | None) -> None:
+        self.sessions.record_turn(
+            hints.session_id, hints.message_hashes, hints.key.message_ends, entry_id
+        )
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait for queued disk writes and apply them (shutdown, tests)."""
+        if self.disk is not None:
+            self.disk.flush(timeout)
+            self.poll()
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+            self.poll()
+
+    # -- stats -----------------------------------------------------------------
+    def stats(self) -> KVCacheStats:
+        idx = self.index
+        c = idx.counters
+        disk = self.disk
+        dc = disk.counters if disk is not None else None
+        entries = idx.entries()
+        return KVCacheStats(
+            policy=self.config.policy.value,
+            block_size=self.config.block_size,
+            kv_block_size=self.ops.block_size,
+            eviction=idx.eviction.name,
+            entries=idx.ram_entries(),
+            bytes=idx.ram.nbytes,
+            max_bytes=idx.ram.max_bytes,
+            sessions=len(self.sessions),
+            lookups=c.lookups,
+            tokens_queried=c.tokens_queried,
+            hits=c.hits,
+            misses=c.misses,
+            session_hits=c.session_hits,
+            tokens_reused=c.tokens_reused,
+            inserts=c.inserts,
+            evictions=c.evictions,
+            expired=c.expired,
+            superseded=c.superseded,
+            stale_volatile_reuse=c.stale_volatile_reuse,
+            exact_key_rejected_by_model_lcp=c.exact_key_rejected_by_model_lcp,
+            hybrid_trim_miss=c.hybrid_trim_miss,
+            ram=TierStats(
+                idx.ram.nbytes,
+                idx.ram.max_bytes,
+                idx.ram.blocks,
+                idx.ram_entries(),
+                idx.ram.shared_saved_bytes,
+            ),
+            disk=TierStats(
+                idx.disk.nbytes,
+                idx.disk.max_bytes,
+                idx.disk.blocks,
+                sum(1 for e in entries if e.on_disk),
+                idx.disk.shared_saved_bytes,
+            ),
+            disk_enabled=idx.disk_enabled,
+            disk_dir=str(disk.dir) if disk is not None else "",
+            disk_degraded=disk.degraded if disk is not None else None,
+            demotions=c.demotions,
+            promotions=c.promotions,
+            disk_hits=c.disk_hits,
+            disk_tokens_reused=c.disk_tokens_reused,
+            disk_evictions=c.disk_evictions,
+            disk_loads=dc.loads if dc else 0,
+            disk_load_tokens=dc.load_tokens if dc else 0,
+            disk_load_bytes=dc.load_bytes if dc else 0,
+            disk_load_seconds=dc.load_seconds if dc else 0.0,
+            disk_files_written=dc.files_written if dc else 0,
+            disk_bytes_written=dc.bytes_written if dc else 0,
+            disk_write_errors=dc.write_errors if dc else 0,
+            disk_writes_skipped=dc.writes_skipped if dc else 0,
+            disk_files_discarded=dc.files_discarded if dc else 0,
+            disk_pending_bytes=disk.pending_bytes() if disk is not None else 0,
+            restored_entries=self.restored,
+        )
+
+
+def _empty_tail(private: PrivatePart) -> PrivatePart:
+    """The private part with its plain-KV tails dropped (a hit within the blocks)."""
+    layers = [
+        (layer[0][..., :0, :], layer[1][..., :0, :]) if isinstance(layer, tuple) else layer
+        for layer in private.layers
+    ]
+    return PrivatePart(layers, 0)

@@ -1,0 +1,191 @@
+"""KV payloads on the engine thread: a sequence's caches cut into shared blocks
+plus a private part, and put back together for a hit.
+
+Only the engine thread imports this module (it touches MLX arrays). A plain
+``KVCache`` layer is cut along positions: each full block of ``block_size``
+positions (all such layers together) is one shared block; the positions after
+the last full block are the entry's tail. Any other layer (a sliding window, a
+recurrent state, a ``CacheList``) is kept whole as the entry's own: its state
+is not a function of position ranges.
+
+Stored arrays are fresh contiguous copies (never views of a batch buffer) and
+are never written to: a hit hands BatchGenerator new caches built from them,
+which it copies again into its batch.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from kvcache.blocks import Digest, EntryBytes
+
+# one block: keys and values of every plain-KV layer, in layer order
+BlockArrays = list[mx.array]
+
+
+def _is_plain_kv(cache: object) -> bool:
+    return isinstance(cache, KVCache) and not isinstance(cache, RotatingKVCache)
+
+
+def _leaves(state: Any) -> list[tuple[str, Any]]:
+    """A cache state's leaves by dotted path (arrays, ints, None, class names)."""
+    return cast(list[tuple[str, Any]], tree_flatten(state))
+
+
+def _own(x: mx.array) -> mx.array:
+    """A copy that keeps no view of a larger buffer alive."""
+    return mx.contiguous(x)
+
+
+@dataclass
+class PrivatePart:
+    """What only this entry holds: per layer, the tail (keys, values) of a plain-KV
+    layer, or the whole cache object of any other layer."""
+
+    layers: list[tuple[mx.array, mx.array] | Any]
+    nbytes: int
+
+    def arrays(self) -> dict[str, mx.array]:
+        """Flat name -> array, for a file (other layers by the arrays of their state)."""
+        out: dict[str, mx.array] = {}
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer, tuple):
+                out[f"tail.{i}.k"] = layer[0]
+                out[f"tail.{i}.v"] = layer[1]
+            else:
+                for name, value in _leaves(layer.state):
+                    if isinstance(value, mx.array):
+                        out[f"state.{i}.{name}"] = value
+        return out
+
+    def meta(self) -> list[Any]:
+        """Per layer: "tail", or the non-array leaves of its state (offsets, window
+        sizes, class names of CacheList parts), JSON-able, for a rebuild."""
+        out: list[Any] = []
+        for layer in self.layers:
+            if isinstance(layer, tuple):
+                out.append("tail")
+                continue
+            leaves = _leaves(layer.state)
+            out.append({name: v for name, v in leaves if not isinstance(v, mx.array)})
+        return out
+
+
+@dataclass
+class Split:
+    """A sequence's KV as stored: addressed blocks + what is its own."""
+
+    held: EntryBytes
+    blocks: dict[Digest, BlockArrays] = field(default_factory=dict)  # only those asked for
+    private: PrivatePart | None = None
+
+
+class KVLayoutOps:
+    """Cutting and assembling the caches of one model (the layout is fixed at load)."""
+
+    def __init__(self, template: Sequence[Any], block_size: int):
+        self.block_size = block_size
+        self.plain = [i for i, c in enumerate(template) if _is_plain_kv(c)]
+        self.n_layers = len(template)
+        # every layer plain KV: any depth can be cut; else entries hit only whole
+        self.trimmable = len(self.plain) == self.n_layers
+
+    # -- cutting ---------------------------------------------------------------
+    def _position_bytes(self, caches: Sequence[Any]) -> int:
+        total = 0
+        for i in self.plain:
+            k, v = caches[i].keys, caches[i].values
+            total += (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * k.dtype.size
+        return total
+
+    def measure(self, caches: Sequence[Any], length: int, digests: Sequence[Digest]) -> EntryBytes:
+        """What storing ``caches`` (``length`` positions) would hold: no copying."""
+        bs = self.block_size
+        n_blocks = min(len(digests), length // bs) if self.plain else 0
+        per_pos = self._position_bytes(caches) if self.plain else 0
+        private = per_pos * (length - n_blocks * bs)
+        private += sum(int(caches[i].nbytes) for i in range(self.n_layers) if i not in self.plain)
+        return EntryBytes(tuple((d, per_pos * bs) for d in digests[:n_blocks]), private)
+
+    def split(
+        self, caches: Sequence[Any], length: int, held: EntryBytes, want: set[Digest]
+    ) -> Split:
+        """Copy out the blocks in ``want`` and the private part."""
+        bs = self.block_size
+        out = Split(held)
+        for b, (digest, _) in enumerate(held.blocks):
+            if digest in want:
+                arrays: BlockArrays = []
+                for i in self.plain:
+                    c = caches[i]
+                    arrays.append(_own(c.keys[..., b * bs : (b + 1) * bs, :]))
+                    arrays.append(_own(c.values[..., b * bs : (b + 1) * bs, :]))
+                out.blocks[digest] = arrays
+        start = len(held.blocks) * bs
+        layers: list[tuple[mx.array, mx.array] | Any] = []
+        for i in range(self.n_layers):
+            c = caches[i]
+            if i in self.plain:
+                layers.append(
+                    (_own(c.keys[..., start:length, :]), _own(c.values[..., start:length, :]))
+                )
+            else:
+                layers.append(c)  # already this sequence's own copy (extracted)
+        out.private = PrivatePart(layers, held.private)
+        mx.eval(list(_all_arrays(out)))
+        return out
+
+    # -- assembling ----------------------------------------------------------
+    def assemble(
+        self, blocks: Sequence[BlockArrays], private: PrivatePart, length: int, keep: int
+    ) -> list[Any]:
+        """Fresh caches holding the first ``keep`` of ``length`` stored positions."""
+        out: list[Any] = []
+        for j, layer in enumerate(private.layers):
+            if isinstance(layer, tuple):
+                slot = self.plain.index(j)
+                keys = [blk[2 * slot] for blk in blocks] + [layer[0]]
+                values = [blk[2 * slot + 1] for blk in blocks] + [layer[1]]
+                c = KVCache()
+                k = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
+                v = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
+                c.keys, c.values, c.offset = k[..., :keep, :], v[..., :keep, :], keep
+                out.append(c)
+            else:
+                out.append(copy.copy(layer))  # the batch copies it in; never written to
+        return out
+
+
+def _all_arrays(split: Split) -> Iterator[mx.array]:
+    for arrays in split.blocks.values():
+        yield from arrays
+    if split.private is not None:
+        yield from split.private.arrays().values()
+
+
+def rebuild_private(
+    template: Sequence[Any], arrays: dict[str, mx.array], meta: list[Any], nbytes: int
+) -> PrivatePart:
+    """A private part read from a file, on fresh cache objects of the model's own types."""
+    layers: list[tuple[mx.array, mx.array] | Any] = []
+    for i, layer_meta in enumerate(meta):
+        if layer_meta == "tail":
+            layers.append((arrays[f"tail.{i}.k"], arrays[f"tail.{i}.v"]))
+            continue
+        prefix = f"state.{i}."
+        flat: list[tuple[str, Any]] = [
+            (k[len(prefix) :], v) for k, v in arrays.items() if k.startswith(prefix)
+        ]
+        flat += list(layer_meta.items())
+        flat.sort(key=lambda kv: [int(p) if p.isdigit() else p for p in kv[0].split(".")])
+        fresh = copy.deepcopy(template[i])
+        fresh.state = tree_unflatten(flat)
+        layers.append(fresh)
+    return PrivatePart(layers, nbytes)

@@ -1,0 +1,123 @@
+"""Safetensors files written and verified without MLX (any thread may run this).
+
+The format is the public one (8-byte header length, JSON header, raw bytes),
+so ``mx.load`` and the ``safetensors`` package read these files too. Each file
+also carries, in its metadata, a CRC-32 of its data and the namespace it was
+written for: a torn write, a flipped bit or a file of another model or cache
+format is refused before any byte of it is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+DTYPES = {  # numpy dtype name -> safetensors dtype
+    "float32": "F32",
+    "float16": "F16",
+    "float64": "F64",
+    "int8": "I8",
+    "int16": "I16",
+    "int32": "I32",
+    "int64": "I64",
+    "uint8": "U8",
+    "uint16": "U16",
+    "uint32": "U32",
+    "uint64": "U64",
+    "bool": "BOOL",
+}
+NUMPY = {v: k for k, v in DTYPES.items()}
+NUMPY["BF16"] = "uint16"  # numpy has no bfloat16: carried as its bits
+MAX_HEADER = 64 * 2**20
+
+
+class CorruptFile(Exception):
+    """A file that must not be used (torn, altered, or written for something else)."""
+
+
+def encode(
+    arrays: Mapping[str, np.ndarray],
+    metadata: Mapping[str, str],
+    bf16: frozenset[str] = frozenset(),
+) -> list[bytes | memoryview]:
+    """The file's parts in order: header then each array's bytes (no copies)."""
+    header: dict[str, object] = {}
+    parts: list[bytes | memoryview] = []
+    offset = 0
+    crc = 0
+    for name, arr in arrays.items():
+        data = np.ascontiguousarray(arr).data.cast("B")
+        dtype = "BF16" if name in bf16 else DTYPES[arr.dtype.name]
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(arr.shape),
+            "data_offsets": [offset, offset + data.nbytes],
+        }
+        offset += data.nbytes
+        crc = zlib.crc32(data, crc)
+        parts.append(data)
+    header["__metadata__"] = {**metadata, "crc32": str(crc), "nbytes": str(offset)}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return [struct.pack("<Q", len(text)), text, *parts]
+
+
+def write_atomic(path: Path, parts: list[bytes | memoryview]) -> int:
+    """Write to a temp file, fsync, rename: readers see the whole file or none."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    size = 0
+    with open(tmp, "wb") as f:
+        for part in parts:
+            f.write(part)
+            size += len(part) if isinstance(part, bytes) else part.nbytes
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return size
+
+
+def read_verified(
+    path: Path, namespace: str
+) -> tuple[dict[str, np.ndarray], dict[str, str], frozenset[str]]:
+    """Arrays, metadata and the names stored as bfloat16; raises CorruptFile."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise CorruptFile(f"{path.name}: unreadable: {exc}") from exc
+    if len(raw) < 8:
+        raise CorruptFile(f"{path.name}: truncated")
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    if hlen > MAX_HEADER or 8 + hlen > len(raw):
+        raise CorruptFile(f"{path.name}: truncated header")
+    try:
+        header = json.loads(raw[8 : 8 + hlen])
+        meta = header.pop("__metadata__")
+        want_crc, nbytes = int(meta["crc32"]), int(meta["nbytes"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptFile(f"{path.name}: bad header: {exc}") from exc
+    if meta.get("namespace") != namespace:
+        raise CorruptFile(f"{path.name}: written for another model or cache format")
+    data = memoryview(raw)[8 + hlen :]
+    if data.nbytes != nbytes:
+        raise CorruptFile(f"{path.name}: {data.nbytes} data bytes, header says {nbytes}")
+    if zlib.crc32(data) != want_crc:
+        raise CorruptFile(f"{path.name}: checksum mismatch")
+    arrays: dict[str, np.ndarray] = {}
+    bf16: set[str] = set()
+    try:
+        for name, info in header.items():
+            start, end = info["data_offsets"]
+            dtype = np.dtype(NUMPY[info["dtype"]])
+            arr = np.frombuffer(data[start:end], dtype=dtype).reshape(info["shape"])
+            arrays[name] = arr
+            if info["dtype"] == "BF16":
+                bf16.add(name)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CorruptFile(f"{path.name}: bad tensor entry: {exc}") from exc
+    return arrays, meta, frozenset(bf16)

@@ -1,0 +1,223 @@
+"""The KV store on real (tiny, random-weight) models: shared blocks, the SSD tier,
+restarts, and files that must never be used (torn, corrupt, foreign).
+
+Greedy output is a function of the KV the model reads, so every warm turn is
+checked against a cache-less run of the same prompt."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from mlx_lm import load
+
+from engine.loader import kv_namespace, probe_layout
+from kvcache.disk import FORMAT_VERSION
+from kvcache.index import VolatilePolicy
+from kvcache.manager import DiskConfig
+from kvcache.safetensors_io import CorruptFile, read_verified
+from tests.engine.test_prefix_reuse import Harness, conversation, decode
+from tests.helpers.tiny_models import write_tiny_llama
+
+STRICT = VolatilePolicy.STRICT
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama_dir):
+    return load(str(tiny_llama_dir))
+
+
+def disk_harness(model, root: Path, ram: int | None = None, disk_bytes: int = GiB, **kw):
+    h = Harness(model, STRICT, disk=DiskConfig(root, disk_bytes), kv_block=16, **kw)
+    if ram is not None:
+        h.cache.index.max_bytes = ram
+    return h
+
+
+def second_turn(h, first_reply):
+    return conversation(turns=1) + [
+        {"role": "assistant", "content": decode(h, first_reply)},
+        {"role": "user", "content": "and then?"},
+    ]
+
+
+def cold_output(model, messages):
+    cold = Harness(model, STRICT, cache=False)
+    ((out, _),) = cold.run(cold.request(messages))
+    return out
+
+
+def distinct_tokens(token_lists) -> int:
+    """Positions in the trie of these token sequences (shared prefixes once)."""
+    seen: set[int] = set()
+    for tokens in token_lists:
+        h = 0
+        for t in tokens:
+            h = hash((h, t))
+            seen.add(h)
+    return len(seen)
+
+
+def test_agents_sharing_a_system_prompt_hold_it_once(llama):
+    h = Harness(llama, STRICT, kv_block=16)
+    conversations = []
+    for i in range(8):
+        msgs = conversation(turns=1)
+        msgs[1]["content"] = f"agent {i} has its own task number {i * 7919}"
+        conversations.append(msgs)
+    agents = [h.request(m, session=f"agent-{i}") for i, m in enumerate(conversations)]
+    results = h.run(*agents)
+    st = h.cache.stats()
+    entries = h.cache.index.entries()
+    assert len(entries) >= 8
+    logical = st.ram.bytes + st.ram.shared_saved_bytes  # what full copies would hold
+    per_token = logical / sum(e.length for e in entries)
+    distinct = distinct_tokens(e.key.model_tokens for e in entries)
+    assert st.ram.bytes <= 1.2 * distinct * per_token
+    assert st.ram.shared_saved_bytes > 3 * st.ram.bytes  # the system prompt, held once
+    for msgs, (out, _) in zip(conversations, results):  # sharing changed no output
+        assert out == cold_output(llama, msgs)
+
+
+def test_restart_finds_the_kv_on_disk_and_the_warm_turn_equals_a_cold_one(llama, tmp_path):
+    h = disk_harness(llama, tmp_path)
+    ((first, _),) = h.run(h.request(conversation(turns=1)))
+    h.cache.close()  # a clean shutdown flushes the writer
+    assert h.cache.stats().disk.entries >= 1
+    turn2 = second_turn(h, first)
+
+    again = disk_harness(llama, tmp_path)  # a new process: nothing in RAM
+    st = again.cache.stats()
+    assert st.restored_entries >= 1 and st.ram.entries == 0
+    ((warm, cached),) = again.run(again.request(turn2))
+    st = again.cache.stats()
+    assert cached > len(again.request(conversation(turns=1)).prompt_tokens)
+    assert st.disk_hits == 1 and st.disk_load_tokens > 0 and st.promotions == 1
+    assert warm == cold_output(llama, turn2)
+
+
+def test_an_entry_evicted_from_ram_is_served_from_disk(llama, tmp_path):
+    h = disk_harness(llama, tmp_path)
+    ((first, _),) = h.run(h.request(conversation(turns=1)))
+    h.cache.flush()
+    h.cache.index.max_bytes = h.cache.index.nbytes + 1  # room for about one conversation
+    other = conversation(turns=1)
+    other[0]["content"] = "Someone else entirely. " + other[0]["content"]
+    h.run(h.request(other, session="s2"))
+    h.cache.flush()
+    st = h.cache.stats()
+    assert st.demotions >= 1 and st.evictions == 0
+    turn2 = second_turn(h, first)
+    ((warm, cached),) = h.run(h.request(turn2))
+    assert h.cache.stats().disk_hits == 1 and cached > 0
+    assert warm == cold_output(llama, turn2)
+
+
+def _kv_files(root: Path, namespace: str = "tiny") -> tuple[list[Path], list[Path]]:
+    ns = root / namespace
+    return sorted(ns.glob("blocks/*/*.safetensors")), sorted(ns.glob("entries/*.safetensors"))
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate"])
+def test_a_damaged_block_is_discarded_never_loaded(llama, tmp_path, damage):
+    h = disk_harness(llama, tmp_path)
+    ((first, _),) = h.run(h.request(conversation(turns=1)))
+    h.cache.close()
+    blocks, _ = _kv_files(tmp_path)
+    for path in blocks:  # damage every block: whatever the hit reads is bad
+        data = bytearray(path.read_bytes())
+        if damage == "flip":
+            data[-5] ^= 0xFF
+            path.write_bytes(bytes(data))
+        else:
+            path.write_bytes(bytes(data[: len(data) // 2]))
+    again = disk_harness(llama, tmp_path)
+    turn2 = second_turn(h, first)
+    ((warm, cached),) = again.run(again.request(turn2))
+    st = again.cache.stats()
+    assert st.disk_files_discarded >= 1 and st.disk_load_tokens == 0
+    assert warm == cold_output(llama, turn2)  # recomputed, not read from a bad file
+
+
+def test_torn_writes_and_foreign_files_are_deleted_at_start(llama, tmp_path):
+    h = disk_harness(llama, tmp_path)
+    h.run(h.request(conversation(turns=1)))
+    h.cache.close()
+    blocks, entries = _kv_files(tmp_path)
+    torn = entries[0].with_name(f".{entries[0].name}.tmp-123")
+    torn.write_bytes(entries[0].read_bytes()[:100])  # a write cut by kill -9
+    orphan = blocks[0].with_name("00" * 16 + ".safetensors")
+    orphan.write_bytes(blocks[0].read_bytes())  # a block no manifest names
+    os.remove(blocks[-1])  # an entry whose block is gone
+    again = disk_harness(llama, tmp_path)
+    st = again.cache.stats()
+    assert st.disk_files_discarded >= 3
+    assert not torn.exists() and not orphan.exists()
+    assert st.restored_entries < len(entries)  # the entry that lost a block
+
+
+def test_another_model_never_reads_these_files(tmp_path, llama, tiny_llama_dir):
+    other_dir = write_tiny_llama(tmp_path / "other", seed=4)  # same shapes, other weights
+    other = load(str(other_dir))
+    ns_a = kv_namespace(tiny_llama_dir, probe_layout(llama[0]))
+    ns_b = kv_namespace(other_dir, probe_layout(other[0]))
+    assert ns_a != ns_b and ns_a.endswith(f"-v{FORMAT_VERSION}")
+    h = disk_harness(llama, tmp_path / "kv", namespace=ns_a)
+    h.run(h.request(conversation(turns=1)))
+    h.cache.close()
+    b = disk_harness(other, tmp_path / "kv", namespace=ns_b)
+    assert b.cache.stats().restored_entries == 0
+    b.cache.close()
+    # files moved into the other model's folder are refused, never loaded
+    blocks, entries = _kv_files(tmp_path / "kv", ns_a)
+    theirs = tmp_path / "kv" / ns_b
+    shutil.copy(entries[0], theirs / "entries" / entries[0].name)
+    with pytest.raises(CorruptFile, match="another model"):
+        read_verified(blocks[0], ns_b)
+    b = disk_harness(other, tmp_path / "kv", namespace=ns_b)
+    st = b.cache.stats()
+    assert st.restored_entries == 0 and st.disk_files_discarded == 1
+    ((out, _),) = b.run(b.request(conversation(turns=1)))
+    assert out == cold_output(other, conversation(turns=1))
+
+
+def test_an_unusable_kv_dir_leaves_the_cache_in_ram(llama, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the KV folder should be")
+    h = disk_harness(llama, blocker / "kv")
+    ((out, _),) = h.run(h.request(conversation(turns=1)))
+    st = h.cache.stats()
+    assert not st.disk_enabled and st.ram.entries >= 1
+    assert out == cold_output(llama, conversation(turns=1))
+
+
+def test_a_failing_disk_turns_the_tier_off_and_no_request_fails(llama, tmp_path, monkeypatch):
+    import errno
+
+    import kvcache.disk as disk_module
+
+    def full(*_a, **_k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_module, "write_atomic", full)
+    h = disk_harness(llama, tmp_path)
+    ((first, _),) = h.run(h.request(conversation(turns=1)))
+    h.cache.flush()
+    st = h.cache.stats()
+    assert "No space left" in (st.disk_degraded or "") and st.disk_write_errors == 1
+    assert st.disk.entries == 0 and st.ram.entries >= 1  # kept in RAM, nothing on disk
+    turn2 = second_turn(h, first)
+    ((warm, cached),) = h.run(h.request(turn2))
+    assert cached > 0 and warm == cold_output(llama, turn2)
+
+
+def test_writes_stop_at_the_disk_occupancy_guard(llama, tmp_path):
+    h = disk_harness(llama, tmp_path)
+    h.cache.disk.max_occupancy = 0.0  # as if the file system were past 90% full
+    h.run(h.request(conversation(turns=1)))
+    h.cache.flush()
+    st = h.cache.stats()
+    assert st.disk_writes_skipped >= 1 and st.disk_files_written == 0
