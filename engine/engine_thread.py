@@ -17,8 +17,8 @@ from pathlib import Path
 
 from engine.model_source import ModelSource
 from kvcache.index import PromptCacheConfig
-from scheduler.admission import AdmissionController, MemoryBudget, transient_reserve
-from scheduler.contracts import EngineStats, ModelInfo
+from scheduler.admission import AdmissionController
+from scheduler.contracts import EngineStats, ModelInfo, Runner, StepPlan
 from scheduler.request import FinishReason, RequestOutput
 from scheduler.scheduler import Scheduler
 from scheduler.streams import OutputRouter
@@ -27,6 +27,18 @@ log = logging.getLogger("kvwarm.engine")
 QUEUE_TIMEOUT = "the request waited in the queue past --request-timeout; retry later"
 SHUTTING_DOWN = "the server is shutting down"
 MEMORY_SAMPLE_S = 1.0  # allocator readings for /metrics; a scrape needs no fresher
+
+
+@dataclass(frozen=True)
+class Booted:
+    """What bringing an engine up yields: the runner the loop drives, the model
+    as the HTTP layer sees it, and the admission rules for its memory."""
+
+    runner: Runner
+    info: ModelInfo
+    admission: AdmissionController
+    # allocator readings (active, peak, cache bytes) for /metrics; None: none to read
+    memory: Callable[[], dict[str, int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -49,8 +61,12 @@ class EngineThread(threading.Thread):
         router: OutputRouter,
         on_load_failure: Callable[[str], None] | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        boot: Callable[[EngineConfig], Booted] | None = None,
     ):
         super().__init__(name="kvwarm-engine", daemon=True)
+        # how the engine comes up: the real model (engine.boot) unless a test
+        # hands in a model-free runner that runs under this same loop
+        self._boot = boot
         self.config = config
         self.scheduler = scheduler
         self.router = router
@@ -60,10 +76,11 @@ class EngineThread(threading.Thread):
         self._stopping = threading.Event()
         self._failure: str | None = None
         self._model_info: ModelInfo | None = None
-        self._runner = None
+        self._runner: Runner | None = None
         self._steps = 0
         self._memory: dict[str, int] = {}
         self._memory_at = 0.0
+        self._read_memory: Callable[[], dict[str, int]] | None = None
         self._fault: BaseException | None = None
 
     # -- EngineHandle --------------------------------------------------------
@@ -132,122 +149,15 @@ class EngineThread(threading.Thread):
             self._fail_open_requests(SHUTTING_DOWN, "server_shutdown")
 
     def _load(self) -> None:
-        import mlx.core as mx
-        from mlx_lm.models.cache import make_prompt_cache
+        if self._boot is None:
+            from engine.boot import boot_mlx  # mlx: imported on this thread only
 
-        from engine.batch_runner import BatchRunner
-        from engine.device_memory import auto_budget
-        from engine.loader import kv_namespace, load_model
-        from engine.prompt_format import ChatFormatter
-        from engine.text_syntax import probe_syntax
-        from kvcache.disk_budget import resolve_disk_bytes
-        from kvcache.manager import DiskConfig, TieredKVManager
-
-        device = str(mx.default_device())
-        measured = auto_budget() if self.config.memory_budget_bytes is None else None
-        started = time.monotonic()
-        log.info(
-            "loading model %s (%s) on %s", self.config.source.path, self.config.source.kind, device
-        )
-        loaded = load_model(self.config.source)
-        cfg = self.config
-        total = cfg.memory_budget_bytes or measured.total_bytes
-        prefill_rows = min(cfg.max_batch, 8)
-        reserve = transient_reserve(
-            total,
-            # the runner never prefills more than this per step (16-token floor per row)
-            max(cfg.prefill_step_size, 16 * prefill_rows),
-            loaded.context_length,
-            loaded.num_heads,
-        )
-        pc = cfg.prompt_cache
-        cache_bytes = pc.resolve_bytes(total - loaded.weights_bytes - reserve) if pc else 0
-        budget = MemoryBudget(
-            total_bytes=total,
-            weights_bytes=loaded.weights_bytes,
-            reserve_bytes=reserve,
-            kv_bytes_per_token=loaded.layout.bytes_per_token,
-            source="--memory-budget" if measured is None else measured.source,
-            prompt_cache_bytes=cache_bytes,
-            layout=loaded.layout,
-            prefill_chunk=max(cfg.prefill_step_size, 16 * prefill_rows),
-        )
-        self.scheduler.admission = AdmissionController(budget, loaded.context_length)
-        prefix_cache = None
-        if pc is not None and cache_bytes > 0:
-            disk = None
-            if cfg.kv_dir is not None and cfg.kv_disk_bytes != 0:
-                disk_bytes = resolve_disk_bytes(cfg.kv_dir, cfg.kv_disk_bytes)
-                disk = DiskConfig(cfg.kv_dir, disk_bytes) if disk_bytes > 0 else None
-            prefix_cache = TieredKVManager(
-                pc,
-                cache_bytes,
-                kv_namespace(loaded.model_dir, loaded.layout),
-                make_prompt_cache(loaded.model),
-                disk,
-            )
-        self._runner = BatchRunner(
-            loaded.model,
-            loaded.tokenizer,
-            max_batch=cfg.max_batch,
-            prefill_step_size=cfg.prefill_step_size,
-            prefill_batch=prefill_rows,
-            prefix_cache=prefix_cache,
-        )
-        self._model_info = ModelInfo(
-            model_id=loaded.model_id,
-            path=str(loaded.model_dir),
-            context_length=loaded.context_length,
-            budget=budget,
-            generation_defaults=loaded.generation_defaults,
-            formatter=ChatFormatter(loaded.tokenizer, loaded.context_length),
-            vocab_size=len(loaded.tokenizer),
-            blas=cfg.blas,
-            device=device,
-            syntax=probe_syntax(loaded.tokenizer),
-        )
-        syntax = self._model_info.syntax
-        log.info(
-            "text syntax: reasoning %s...%s, tool calls %s, template reads %s",
-            syntax.think_start,
-            syntax.think_end,
-            syntax.tool_family or "in any known format (no family in the template)",
-            ", ".join(sorted(syntax.template_vars)) or "no thinking switches",
-        )
-        log.info(
-            "model %s ready in %.1fs: context %d, weights %.0f MiB, KV %s, "
-            "budget %.0f MiB (%s), KV ceiling %d tokens/request, batch %d, "
-            "prompt cache %.0f MiB (%s)",
-            loaded.model_id,
-            time.monotonic() - started,
-            loaded.context_length,
-            loaded.weights_bytes / 2**20,
-            loaded.layout.describe(),
-            total / 2**20,
-            budget.source,
-            budget.ceiling_tokens,
-            cfg.max_batch,
-            cache_bytes / 2**20,
-            f"policy {pc.policy.value}, blocks of {pc.block_size}" if prefix_cache else "off",
-        )
-        if prefix_cache is not None:
-            st = prefix_cache.stats()
-            log.info(
-                "KV store: RAM %.0f MiB in blocks of %d tokens, eviction %s; SSD tier %s",
-                cache_bytes / 2**20,
-                pc.kv_block_size,
-                pc.eviction,
-                f"{st.disk_dir} ({st.disk.max_bytes / 2**30:.1f} GiB, {st.restored_entries} "
-                f"entries restored)"
-                if st.disk_enabled
-                else "off",
-            )
-        if budget.kv_budget_bytes <= 0:
-            raise MemoryError(
-                f"memory budget {total / 2**20:.0f} MiB leaves no room for KV after "
-                f"{loaded.weights_bytes / 2**20:.0f} MiB of weights and "
-                f"{budget.reserve_bytes / 2**20:.0f} MiB reserve"
-            )
+            self._boot = boot_mlx
+        booted = self._boot(self.config)
+        self.scheduler.admission = booted.admission
+        self._runner = booted.runner
+        self._model_info = booted.info
+        self._read_memory = booted.memory
         self._sample_memory()
         self._ready.set()
 
@@ -282,7 +192,7 @@ class EngineThread(threading.Thread):
                     scheduler.finish(output.request_id)
             self.router.publish(outputs)
 
-    def _apply_plan_exits(self, plan) -> list[RequestOutput]:
+    def _apply_plan_exits(self, plan: StepPlan) -> list[RequestOutput]:
         """Rows leaving the batch before this step, and the outputs that end them."""
         runner = self._runner
         outputs: list[RequestOutput] = []
@@ -302,11 +212,8 @@ class EngineThread(threading.Thread):
 
     def _sample_memory(self) -> None:
         now = time.monotonic()
-        if now - self._memory_at >= MEMORY_SAMPLE_S:
-            from engine.device_memory import sample_memory  # mlx: never at import time
-
-            m = sample_memory()
-            self._memory = {"active": m.active_bytes, "peak": m.peak_bytes, "cache": m.cache_bytes}
+        if self._read_memory is not None and now - self._memory_at >= MEMORY_SAMPLE_S:
+            self._memory = self._read_memory()
             self._memory_at = now
 
     def _die(self, reason: str, exc: BaseException) -> None:

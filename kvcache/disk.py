@@ -73,6 +73,12 @@ class Delete:
 
 
 @dataclass
+class WriteFile:
+    path: Path
+    data: bytes
+
+
+@dataclass
 class DiskCounters:
     files_written: int = 0
     bytes_written: int = 0
@@ -111,7 +117,7 @@ class DiskTier:
         self.max_occupancy = max_occupancy
         self.counters = DiskCounters()
         self.degraded: str | None = None  # why the tier turned itself off
-        self._jobs: queue.Queue[WriteEntry | Delete | None] = queue.Queue()
+        self._jobs: queue.Queue[WriteEntry | Delete | WriteFile | None] = queue.Queue()
         self._done: queue.Queue[tuple[int, bool]] = queue.Queue()
         self._pending_bytes = 0
         self._lock = threading.Lock()
@@ -193,6 +199,23 @@ class DiskTier:
         self._jobs.put(None)
         self._thread.join(timeout=1.0)
 
+    @property
+    def pins_path(self) -> Path:
+        return self.dir / "saved.json"
+
+    def write_pins(self, pins: dict[str, dict[str, Any]]) -> None:
+        """Saved conversations (id -> entry uid, title, time), after the entry's own writes."""
+        self._jobs.put(WriteFile(self.pins_path, json.dumps(pins, indent=1).encode()))
+
+    def read_pins(self) -> dict[str, dict[str, Any]]:
+        try:
+            pins = json.loads(self.pins_path.read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(pins, dict):
+            return {}
+        return {str(k): v for k, v in pins.items() if isinstance(v, dict) and "uid" in v}
+
     # -- reads (engine thread: the arrays become MLX arrays there) -----------
     def read_block(self, digest: Digest) -> Arrays:
         arrays, _, bf16 = read_verified(self.block_path(digest), self.namespace)
@@ -272,6 +295,8 @@ class DiskTier:
                 if isinstance(job, Delete):
                     for path in job.paths:
                         self._unlink(path)
+                elif isinstance(job, WriteFile):
+                    self._write_file(job)
                 else:
                     self._write(job)
             finally:
@@ -304,6 +329,13 @@ class DiskTier:
             with self._lock:
                 self._pending_bytes -= job.nbytes
             self._done.put((job.entry_id, ok))
+
+    def _write_file(self, job: WriteFile) -> None:
+        try:
+            write_atomic(job.path, [job.data])
+        except OSError as exc:
+            self.counters.write_errors += 1
+            log.warning("could not write %s: %s", job.path, exc)
 
     def _count(self, size: int) -> None:
         self.counters.files_written += 1

@@ -23,7 +23,8 @@ import numpy as np
 from kvcache.blocks import Digest, EntryBytes, block_digests
 from kvcache.disk import FORMAT_VERSION, Arrays, DiskTier, WriteEntry
 from kvcache.index import CacheEntry, PrefixIndex, PromptCacheConfig
-from kvcache.payloads import BlockArrays, KVLayoutOps, PrivatePart, Split, rebuild_private
+from kvcache.interface import ConversationNotFound, SavedConversation, StorageFull
+from kvcache.payloads import BlockArrays, KVLayoutOps, PrivatePart, rebuild_private
 from kvcache.prompt_key import PromptKey, TokenSpan
 from kvcache.safetensors_io import CorruptFile
 from kvcache.sessions import SessionStore
@@ -119,6 +120,7 @@ class TieredKVManager:
         self._private: dict[int, PrivatePart] = {}
         self._freed = False
         self.restored = 0
+        self._pins: dict[str, dict[str, Any]] = {}  # saved conversations -> entry uid, title
         self.disk: DiskTier | None = None
         disk_bytes = 0
         if disk is not None and disk.max_bytes > 0:
@@ -300,41 +302,36 @@ class TieredKVManager:
             self._blocks.update(split.blocks)
             assert split.private is not None
             self._private[entry_id] = split.private
-            self._persist(entry_id, split)
+            self._persist(entry_id)
         self._return_memory()
         return entry_id
 
-    def _persist(self, entry_id: int, split: Split) -> None:
-        """Queue the entry's new blocks and manifest for the writer (never waits)."""
+    def _persist(self, entry_id: int) -> bool:
+        """Queue a RAM entry's new blocks and manifest for the writer (never waits)."""
         disk = self.disk
         entry = self.index.get(entry_id)
-        if disk is None or entry is None or not disk.usable:
-            return
+        if disk is None or entry is None or not disk.usable or not entry.in_ram:
+            return False
         new_on_disk = [d for d, _ in entry.held.blocks if d not in self.index.disk.refs]
         nbytes = entry.held.private + sum(n for d, n in entry.held.blocks if d in new_on_disk)
         if not disk.room_for(nbytes) or not self.index.begin_persist(entry_id):
             disk.counters.writes_skipped += 1
-            return
-        assert split.private is not None
-        blocks = []
-        for digest in new_on_disk:
-            arrays = self._blocks[digest]
-            names = [f"{kv}{i}" for i in range(len(self.ops.plain)) for kv in "kv"]
-            blocks.append((digest, _arrays(dict(zip(names, arrays)))))
+            return False
+        private = self._private[entry_id]
+        names = [f"{kv}{i}" for i in range(len(self.ops.plain)) for kv in "kv"]
+        blocks = [(d, _arrays(dict(zip(names, self._blocks[d])))) for d in new_on_disk]
         manifest = {
             "format": FORMAT_VERSION,
             "key": _key_manifest(entry.key),
             "blocks": [[d.hex(), n] for d, n in entry.held.blocks],
             "private_bytes": entry.held.private,
-            "private_meta": split.private.meta(),
+            "private_meta": private.meta(),
             "trimmable": entry.trimmable,
             "session": entry.session,
             "created": time.time(),
-            "pinned": entry.pinned,
         }
-        disk.submit(
-            WriteEntry(entry_id, entry.uid, blocks, _arrays(split.private.arrays()), manifest)
-        )
+        disk.submit(WriteEntry(entry_id, entry.uid, blocks, _arrays(private.arrays()), manifest))
+        return True
 
     def poll(self) -> None:
         """Apply the disk writes that finished since the last call."""
@@ -347,7 +344,14 @@ class TieredKVManager:
         """Index every complete entry on disk: the first turn after a restart is warm."""
         assert self.disk is not None
         scan = self.disk.scan()
-        for found in sorted(scan.entries, key=lambda e: e.manifest.get("created", 0)):
+        self._pins = self.disk.read_pins()
+        pinned_uids = {pin["uid"] for pin in self._pins.values()}
+        # saved conversations first, then the newest: what a smaller budget keeps
+        order = sorted(
+            scan.entries,
+            key=lambda e: (e.uid not in pinned_uids, -float(e.manifest.get("created", 0))),
+        )
+        for found in order:
             m = found.manifest
             try:
                 key = _key_from(m["key"])
@@ -361,7 +365,7 @@ class TieredKVManager:
                     bool(m["trimmable"]),
                     m.get("session"),
                     found.uid,
-                    bool(m.get("pinned")),
+                    pinned=found.uid in pinned_uids,
                 )
             except (KeyError, ValueError, TypeError):
                 entry_id = None
@@ -370,6 +374,8 @@ class TieredKVManager:
                 self.disk.counters.files_discarded += 1
                 continue
             self.restored += 1
+        known = {e.uid for e in self.index.entries()}
+        self._pins = {c: p for c, p in self._pins.items() if p["uid"] in known}
         if scan.entries or scan.discarded:
             log.info(
                 "KV disk tier %s: %d entries restored (%.0f MiB), %d files discarded",
@@ -378,6 +384,110 @@ class TieredKVManager:
                 self.index.disk.nbytes / 2**20,
                 scan.discarded,
             )
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    # -- conversations (save/load for people who resume work later) -----------
+    def _entry_of(self, conversation_id: str) -> CacheEntry:
+        """The conversation's latest cached turn: the saved one, the session's last
+        entry, or (after a restart) its longest entry on disk."""
+        pin = self._pins.get(conversation_id)
+        if pin is not None:
+            for e in self.index.entries():
+                if e.uid == pin["uid"]:
+                    return e
+        record = self.sessions.get(conversation_id)
+        if record is not None and record.entry_id is not None:
+            entry = self.index.get(record.entry_id)
+            if entry is not None:
+                return entry
+        own = [e for e in self.index.entries() if e.session == conversation_id]
+        if not own:
+            raise ConversationNotFound(f"no cached KV for conversation {conversation_id!r}")
+        return max(own, key=lambda e: (e.length, e.created))
+
+    def _describe(self, conversation_id: str, entry: CacheEntry) -> SavedConversation:
+        pin = self._pins.get(conversation_id)
+        tier = "+".join(t for t, here in (("ram", entry.in_ram), ("disk", entry.on_disk)) if here)
+        return SavedConversation(
+            conversation_id,
+            pin.get("title") if pin else None,
+            entry.length,
+            entry.held.total,
+            tier or "writing",
+            pin.get("saved_at") if pin else None,
+        )
+
+    def save_conversation(self, conversation_id: str, title: str | None) -> SavedConversation:
+        """Pin the conversation's KV on disk beyond eviction."""
+        self.poll()
+        disk = self.disk
+        if disk is None or not disk.usable:
+            why = disk.degraded if disk is not None else "--kv-disk-bytes 0 or no usable --kv-dir"
+            raise StorageFull(f"the SSD tier is off ({why}): nothing can be saved")
+        entry = self._entry_of(conversation_id)
+        pinned = sum(
+            e.held.total for e in self.index.entries() if e.pinned and e.entry_id != entry.entry_id
+        )
+        limit = self.index.disk.max_bytes
+        if pinned + entry.held.total > limit:
+            raise StorageFull(
+                f"saving {entry.held.total / 2**20:.1f} MiB would put saved conversations at "
+                f"{(pinned + entry.held.total) / 2**20:.1f} MiB, over the SSD tier's limit of "
+                f"{limit / 2**20:.1f} MiB (--kv-disk-bytes)"
+            )
+        if not (entry.on_disk or entry.persisting):
+            if disk.disk_nearly_full():
+                raise StorageFull(
+                    f"the file system holding {disk.dir} is over "
+                    f"{disk.max_occupancy:.0%} full: nothing more is written"
+                )
+            if not self._persist(entry.entry_id):
+                raise StorageFull(
+                    f"no room for {entry.held.total / 2**20:.1f} MiB in the SSD tier "
+                    f"(limit {limit / 2**20:.1f} MiB, --kv-disk-bytes)"
+                )
+        self.index.set_pinned(entry.entry_id, True)
+        self._pins[conversation_id] = {"uid": entry.uid, "title": title, "saved_at": time.time()}
+        disk.write_pins(self._pins)
+        return self._describe(conversation_id, entry)
+
+    def load_conversation(self, conversation_id: str) -> SavedConversation:
+        """Bring the conversation's KV into RAM ahead of its next turn."""
+        self.poll()
+        entry = self._entry_of(conversation_id)
+        if not entry.in_ram:
+            try:
+                self._load(entry)
+            except CorruptFile as exc:
+                self._discard(entry)
+                raise ConversationNotFound(
+                    f"the saved KV of {conversation_id!r} was damaged and is discarded ({exc})"
+                ) from exc
+        return self._describe(conversation_id, entry)
+
+    def saved_conversations(self) -> list[SavedConversation]:
+        self.poll()
+        out = []
+        for conversation_id in sorted(self._pins):
+            try:
+                out.append(self._describe(conversation_id, self._entry_of(conversation_id)))
+            except ConversationNotFound:
+                continue
+        return out
+
+    def delete_conversation(self, conversation_id: str) -> SavedConversation:
+        """Forget a conversation's saved KV (its files go; a running turn keeps its copy)."""
+        entry = self._entry_of(conversation_id)
+        described = self._describe(conversation_id, entry)
+        if self._pins.pop(conversation_id, None) is not None and self.disk is not None:
+            self.disk.write_pins(self._pins)
+        self.index.set_pinned(entry.entry_id, False)
+        if entry.refs == 0:
+            self.index.remove(entry.entry_id)
+        return described
 
     def record_turn(self, hints: CacheHints, entry_id: int | None) -> None:
         self.sessions.record_turn(

@@ -6,9 +6,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvcache.interface import KVCacheManager
 from kvcache.prompt_key import RenderedPrompt
 from kvcache.stats import KVCacheStats
 from scheduler.admission import MemoryBudget
+from scheduler.request import Request, RequestOutput
 
 
 class PromptFormatter(Protocol):
@@ -76,6 +78,59 @@ class EngineStats:
     memory: dict[str, int] = field(default_factory=dict)
     row_faults: int = 0  # requests failed alone by a fault of their own
     recoveries: int = 0  # batches rebuilt after a step fault no row owned
+
+
+@dataclass
+class StepPlan:
+    """What the engine must change in its batch before the next step."""
+
+    admit: list[Request] = field(default_factory=list)
+    abort: list[str] = field(default_factory=list)  # the client left: just drop them
+    # past --request-timeout while running: end as if max_tokens was hit
+    timed_out: list[str] = field(default_factory=list)
+    # past --request-timeout before they ever ran: refused (retry later)
+    expired: list[str] = field(default_factory=list)
+    # the server is shutting down and they did not finish in time
+    shutdown: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.admit or self.abort or self.timed_out or self.expired or self.shutdown)
+
+
+class Runner(Protocol):
+    """What the engine loop drives each step (engine.batch_runner.BatchRunner;
+    tests hand in a model-free one that runs under the same loop)."""
+
+    prefix_cache: KVCacheManager | None
+    prefill_tokens: int  # prompt tokens run through the model so far
+    generated_tokens: int
+    batch_sizes: list[int]  # decode steps by rows decoding together (index = rows)
+    row_faults: int
+    recoveries: int
+
+    @property
+    def active(self) -> int:
+        """Rows in the batch (prefilling or decoding)."""
+        ...
+
+    def add(self, request: Request) -> None:
+        """Join the batch (its prefix-cache lookup happens here); may raise for
+        this request alone."""
+        ...
+
+    def step(self) -> list[RequestOutput]:
+        """One step: a prefill slice for joiners, one token for each decoding row."""
+        ...
+
+    def remove(self, request_id: str) -> object:
+        """Leave the batch now (client gone); its KV is not kept."""
+        ...
+
+    def cut_short(self, request_id: str) -> RequestOutput | None:
+        """End as if max_tokens was hit (the watchdog): what it generated is delivered."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class EngineHandle(Protocol):

@@ -10,27 +10,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from scheduler.admission import AdmissionController, EngineUnavailable, QueueFull
+from scheduler.contracts import StepPlan
 from scheduler.request import Request, RequestState
-
-
-@dataclass
-class StepPlan:
-    """What the engine must change in its batch before the next step."""
-
-    admit: list[Request] = field(default_factory=list)
-    abort: list[str] = field(default_factory=list)  # the client left: just drop them
-    # past --request-timeout while running: end as if max_tokens was hit
-    timed_out: list[str] = field(default_factory=list)
-    # past --request-timeout before they ever ran: refused (retry later)
-    expired: list[str] = field(default_factory=list)
-    # the server is shutting down and they did not finish in time
-    shutdown: list[str] = field(default_factory=list)
-
-    def __bool__(self) -> bool:
-        return bool(self.admit or self.abort or self.timed_out or self.expired or self.shutdown)
 
 
 @dataclass(frozen=True)

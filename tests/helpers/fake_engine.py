@@ -3,14 +3,14 @@ tokens are words "w0 w1 ..." produced at a controlled pace."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from engine.engine_thread import Booted, EngineConfig, EngineThread
 from kvcache.prompt_key import PromptKey, RenderedPrompt
 from scheduler.admission import AdmissionController, MemoryBudget
-from scheduler.contracts import EngineStats, ModelInfo
+from scheduler.contracts import ModelInfo
 from scheduler.request import FinishReason, Request, RequestOutput, RequestStats
 from scheduler.scheduler import Scheduler
 from scheduler.streams import OutputRouter
@@ -49,7 +49,84 @@ def prompt_text(req: Request) -> str:
 Script = Callable[[Request], Sequence[str] | None]
 
 
-class FakeEngine(threading.Thread):
+class FakeRunner:
+    """A model-free Runner: each step every row gets its next word (or scripted
+    piece), so the real engine loop, scheduler and streams run unchanged."""
+
+    def __init__(
+        self, scheduler: Scheduler, step_delay: float, eos_after: int | None, script: Script | None
+    ):
+        self.scheduler = scheduler
+        self.step_delay = step_delay
+        self.eos_after = eos_after
+        self.script = script
+        self.prefix_cache = None
+        self.prefill_tokens = 0
+        self.generated_tokens = 0
+        self.batch_sizes = [0] * 9
+        self.row_faults = 0
+        self.recoveries = 0
+        self._active: dict[str, list] = {}
+
+    @property
+    def active(self) -> int:
+        return len(self._active)
+
+    def add(self, request: Request) -> None:
+        pieces = self.script(request) if self.script else None
+        self._active[request.request_id] = [request, 0, pieces, time.monotonic()]
+
+    def remove(self, request_id: str) -> object:
+        return self._active.pop(request_id, None)
+
+    def cut_short(self, request_id: str) -> RequestOutput | None:
+        entry = self._active.pop(request_id, None)
+        if entry is None:
+            return None
+        return RequestOutput(
+            request_id,
+            finish_reason=FinishReason.LENGTH,
+            completion_tokens=entry[1],
+            timed_out=True,
+        )
+
+    def step(self) -> list[RequestOutput]:
+        outputs = []
+        for rid, entry in list(self._active.items()):
+            req, n, pieces, joined = entry
+            entry[1] = n = n + 1
+            finish = None
+            eos = self.eos_after is not None and n >= self.eos_after and not req.ignore_eos
+            if (n >= len(pieces)) if pieces else eos:
+                finish = FinishReason.STOP
+            elif n >= req.max_tokens:
+                finish = FinishReason.LENGTH
+            text = pieces[n - 1] if pieces else f"w{n - 1} "
+            stats = None
+            if finish is not None:
+                now = time.monotonic()
+                waited = joined - req.arrival_time
+                stats = RequestStats(
+                    waited, self.step_delay, max(0.0, now - joined - self.step_delay)
+                )
+            outputs.append(
+                RequestOutput(rid, text, (n,), finish, len(req.prompt_tokens), n, stats=stats)
+            )
+            if finish:
+                del self._active[rid]
+        self.generated_tokens += len(outputs)
+        self.batch_sizes[min(len(outputs), 8)] += 1
+        time.sleep(self.step_delay)
+        return outputs
+
+    def close(self) -> None:
+        self._active.clear()
+
+
+class FakeEngine(EngineThread):
+    """The real engine loop (plan exits, faults, shutdown, engine death) over a
+    FakeRunner: HTTP-contract tests without a model."""
+
     def __init__(
         self,
         scheduler: Scheduler,
@@ -61,20 +138,13 @@ class FakeEngine(threading.Thread):
         script: Script | None = None,
         on_fatal: Callable[[str], None] | None = None,
     ):
-        super().__init__(daemon=True, name="fake-engine")
-        self.scheduler = scheduler
-        self.router = router
-        self.step_delay = step_delay
-        self.eos_after = eos_after
-        self.script = script
-        self.on_fatal = on_fatal  # as EngineThread: the process should exit non-zero
         budget = MemoryBudget(
             total_bytes=1000 + 500 + kv_budget_tokens * 10,
             weights_bytes=1000,
             reserve_bytes=500,
             kv_bytes_per_token=10,
         )
-        self.info = ModelInfo(
+        info = ModelInfo(
             model_id="fake-model",
             path="/fake",
             context_length=context_length,
@@ -82,96 +152,27 @@ class FakeEngine(threading.Thread):
             formatter=CharFormatter(),
             vocab_size=256,
         )
+        self.fake = FakeRunner(scheduler, step_delay, eos_after, script)
+
+        def boot(_config: EngineConfig) -> Booted:
+            return Booted(self.fake, info, AdmissionController(budget, context_length))
+
+        super().__init__(
+            EngineConfig(source=None),  # type: ignore[arg-type]  # nothing to load
+            scheduler,
+            router,
+            on_fatal=on_fatal,
+            boot=boot,
+        )
+        # handlers may submit before the thread runs: admission exists from the start
         scheduler.admission = AdmissionController(budget, context_length)
-        self._active: dict[str, list] = {}
-        self._halt = threading.Event()
-        self._failure: str | None = None
-        self._fault: BaseException | None = None
-        self.steps = 0
+        self._model_info = info
 
-    ready = property(lambda self: self.alive)
-    alive = property(lambda self: self._failure is None and not self._halt.is_set())
-    failure = property(lambda self: self._failure)
-    model_info = property(lambda self: self.info)
+    @property
+    def info(self) -> ModelInfo:
+        assert self._model_info is not None
+        return self._model_info
 
-    def engine_stats(self) -> EngineStats:
-        return EngineStats(self.steps, len(self._active), 0, 0)
-
-    def inject_fault(self, exc: BaseException) -> None:
-        self._fault = exc
-        self.scheduler.wake()
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.scheduler.wake()
-
-    def run(self) -> None:
-        try:
-            while not self._halt.is_set():
-                if self._fault is not None:
-                    raise self._fault
-                plan = self.scheduler.schedule()
-                ended = []
-                for rid in (*plan.abort, *plan.shutdown):
-                    self._active.pop(rid, None)
-                for rid in plan.timed_out:  # as the real engine: cut short, not failed
-                    entry = self._active.pop(rid, None)
-                    n = entry[1] if entry else 0
-                    ended.append(
-                        RequestOutput(
-                            rid,
-                            finish_reason=FinishReason.LENGTH,
-                            completion_tokens=n,
-                            timed_out=True,
-                        )
-                    )
-                ended += [
-                    RequestOutput.failure(r, "waited past --request-timeout", "queue_timeout")
-                    for r in plan.expired
-                ]
-                ended += [
-                    RequestOutput.failure(r, "the server is shutting down", "server_shutdown")
-                    for r in plan.shutdown
-                ]
-                self.router.publish(ended)
-                for req in plan.admit:
-                    pieces = self.script(req) if self.script else None
-                    self._active[req.request_id] = [req, 0, pieces, time.monotonic()]
-                if not self._active:
-                    self.scheduler.wait_for_work(0.05)
-                    continue
-                outputs = []
-                for rid, entry in list(self._active.items()):
-                    req, n, pieces, joined = entry
-                    entry[1] = n = n + 1
-                    finish = None
-                    eos = self.eos_after is not None and n >= self.eos_after and not req.ignore_eos
-                    if (n >= len(pieces)) if pieces else eos:
-                        finish = FinishReason.STOP
-                    elif n >= req.max_tokens:
-                        finish = FinishReason.LENGTH
-                    text = pieces[n - 1] if pieces else f"w{n - 1} "
-                    stats = None
-                    if finish is not None:
-                        now = time.monotonic()
-                        waited = joined - req.arrival_time
-                        stats = RequestStats(
-                            waited, self.step_delay, max(0.0, now - joined - self.step_delay)
-                        )
-                    outputs.append(
-                        RequestOutput(
-                            rid, text, (n,), finish, len(req.prompt_tokens), n, stats=stats
-                        )
-                    )
-                    if finish:
-                        del self._active[rid]
-                        self.scheduler.finish(rid)
-                self.steps += 1
-                self.router.publish(outputs)
-                time.sleep(self.step_delay)
-        except BaseException as exc:  # noqa: BLE001
-            self._failure = f"engine step failed: {exc}"
-            dropped = self.scheduler.fail_all(self._failure)
-            self.router.publish(RequestOutput.failure(r.request_id, self._failure) for r in dropped)
-            if self.on_fatal is not None:
-                self.on_fatal(self._failure)
+    @info.setter
+    def info(self, value: ModelInfo) -> None:
+        self._model_info = value

@@ -1,0 +1,139 @@
+"""Bringing the real engine up on the engine thread: model, budget, KV store, runner."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from engine.engine_thread import Booted, EngineConfig
+from scheduler.admission import AdmissionController, MemoryBudget, transient_reserve
+from scheduler.contracts import ModelInfo
+
+log = logging.getLogger("kvwarm.engine")
+
+
+def boot_mlx(config: EngineConfig) -> Booted:
+    """Load the model with mlx-lm and build the batch runner and its KV store (engine thread)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from engine.batch_runner import BatchRunner
+    from engine.device_memory import auto_budget
+    from engine.loader import kv_namespace, load_model
+    from engine.prompt_format import ChatFormatter
+    from engine.text_syntax import probe_syntax
+    from kvcache.disk_budget import resolve_disk_bytes
+    from kvcache.manager import DiskConfig, TieredKVManager
+
+    device = str(mx.default_device())
+    measured = auto_budget() if config.memory_budget_bytes is None else None
+    started = time.monotonic()
+    log.info("loading model %s (%s) on %s", config.source.path, config.source.kind, device)
+    loaded = load_model(config.source)
+    cfg = config
+    total = cfg.memory_budget_bytes or measured.total_bytes
+    prefill_rows = min(cfg.max_batch, 8)
+    reserve = transient_reserve(
+        total,
+        # the runner never prefills more than this per step (16-token floor per row)
+        max(cfg.prefill_step_size, 16 * prefill_rows),
+        loaded.context_length,
+        loaded.num_heads,
+    )
+    pc = cfg.prompt_cache
+    cache_bytes = pc.resolve_bytes(total - loaded.weights_bytes - reserve) if pc else 0
+    budget = MemoryBudget(
+        total_bytes=total,
+        weights_bytes=loaded.weights_bytes,
+        reserve_bytes=reserve,
+        kv_bytes_per_token=loaded.layout.bytes_per_token,
+        source="--memory-budget" if measured is None else measured.source,
+        prompt_cache_bytes=cache_bytes,
+        layout=loaded.layout,
+        prefill_chunk=max(cfg.prefill_step_size, 16 * prefill_rows),
+    )
+    prefix_cache = None
+    if pc is not None and cache_bytes > 0:
+        disk = None
+        if cfg.kv_dir is not None and cfg.kv_disk_bytes != 0:
+            disk_bytes = resolve_disk_bytes(cfg.kv_dir, cfg.kv_disk_bytes)
+            disk = DiskConfig(cfg.kv_dir, disk_bytes) if disk_bytes > 0 else None
+        prefix_cache = TieredKVManager(
+            pc,
+            cache_bytes,
+            kv_namespace(loaded.model_dir, loaded.layout),
+            make_prompt_cache(loaded.model),
+            disk,
+        )
+    runner = BatchRunner(
+        loaded.model,
+        loaded.tokenizer,
+        max_batch=cfg.max_batch,
+        prefill_step_size=cfg.prefill_step_size,
+        prefill_batch=prefill_rows,
+        prefix_cache=prefix_cache,
+    )
+    info = ModelInfo(
+        model_id=loaded.model_id,
+        path=str(loaded.model_dir),
+        context_length=loaded.context_length,
+        budget=budget,
+        generation_defaults=loaded.generation_defaults,
+        formatter=ChatFormatter(loaded.tokenizer, loaded.context_length),
+        vocab_size=len(loaded.tokenizer),
+        blas=cfg.blas,
+        device=device,
+        syntax=probe_syntax(loaded.tokenizer),
+    )
+    syntax = info.syntax
+    log.info(
+        "text syntax: reasoning %s...%s, tool calls %s, template reads %s",
+        syntax.think_start,
+        syntax.think_end,
+        syntax.tool_family or "in any known format (no family in the template)",
+        ", ".join(sorted(syntax.template_vars)) or "no thinking switches",
+    )
+    log.info(
+        "model %s ready in %.1fs: context %d, weights %.0f MiB, KV %s, "
+        "budget %.0f MiB (%s), KV ceiling %d tokens/request, batch %d, "
+        "prompt cache %.0f MiB (%s)",
+        loaded.model_id,
+        time.monotonic() - started,
+        loaded.context_length,
+        loaded.weights_bytes / 2**20,
+        loaded.layout.describe(),
+        total / 2**20,
+        budget.source,
+        budget.ceiling_tokens,
+        cfg.max_batch,
+        cache_bytes / 2**20,
+        f"policy {pc.policy.value}, blocks of {pc.block_size}" if prefix_cache else "off",
+    )
+    if prefix_cache is not None:
+        st = prefix_cache.stats()
+        log.info(
+            "KV store: RAM %.0f MiB in blocks of %d tokens, eviction %s; SSD tier %s",
+            cache_bytes / 2**20,
+            pc.kv_block_size,
+            pc.eviction,
+            f"{st.disk_dir} ({st.disk.max_bytes / 2**30:.1f} GiB, {st.restored_entries} "
+            f"entries restored)"
+            if st.disk_enabled
+            else "off",
+        )
+    if budget.kv_budget_bytes <= 0:
+        raise MemoryError(
+            f"memory budget {total / 2**20:.0f} MiB leaves no room for KV after "
+            f"{loaded.weights_bytes / 2**20:.0f} MiB of weights and "
+            f"{budget.reserve_bytes / 2**20:.0f} MiB reserve"
+        )
+    return Booted(
+        runner, info, AdmissionController(budget, loaded.context_length), read_allocator
+    )
+
+
+def read_allocator() -> dict[str, int]:
+    from engine.device_memory import sample_memory
+
+    m = sample_memory()
+    return {"active": m.active_bytes, "peak": m.peak_bytes, "cache": m.cache_bytes}
