@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.anthropic_schemas import (
     AnthropicMessage,
@@ -158,6 +158,7 @@ def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:
         thinking_default=False,
         stop=tuple(s for s in stops if s),
         sampling=body.sampling(),
+        use_kv_cache=body.kv_cache_enabled(),
         ignored=ignored_fields(body),
     )
 
@@ -233,10 +234,12 @@ async def messages(http: HTTPRequest):
         "model": state.model_info().model_id,
     }
     if body.stream:
+        if not await gen.start(http):
+            return Response(status_code=499)  # the client left while queued
         return StreamingResponse(
             _stream(gen, message),
             media_type="text/event-stream",
-            headers={**SSE_HEADERS, **prepared.headers},
+            headers={**SSE_HEADERS, **gen.response_headers()},
         )
     done = await gen.collect(http)
     if done.failed:
@@ -250,7 +253,7 @@ async def messages(http: HTTPRequest):
             "stop_sequence": done.stop_sequence,
             "usage": usage(done),
         },
-        headers=prepared.headers,
+        headers=gen.response_headers(),
     )
 
 

@@ -54,6 +54,7 @@ class ChatCall:
     thinking_default: bool | None = None
     sampling: SamplingFields = field(default_factory=SamplingFields)  # validated at the boundary
     ignored: tuple[str, ...] = ()  # fields the client sent that nothing acts on
+    use_kv_cache: bool = True  # false: neither reuse nor store KV for this request
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Prepared:
     parser: OutputParser
     answered: str | None  # healing context (what the reply answers); None: not a chat turn
     ignored: tuple[str, ...] = ()  # fields the client sent that nothing acts on
+    conversation_id: str = ""  # the session the KV cache files this turn under
 
     @property
     def headers(self) -> dict[str, str]:
@@ -203,8 +205,8 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
         sampling=_sampling(call, info),
         stop=call.stop,
         ignore_eos=call.ignore_eos,
-        cache=CacheHints(key, session, rendered.message_hashes),
+        cache=CacheHints(key, session, rendered.message_hashes) if call.use_kv_cache else None,
     )
     if call.ignored:
         log.info("%s: ignored fields: %s", request.request_id, ", ".join(call.ignored))
-    return Prepared(request, parser, context_of(call.messages[-1]), call.ignored)
+    return Prepared(request, parser, context_of(call.messages[-1]), call.ignored, session)

@@ -29,6 +29,9 @@ from scheduler.request import CacheReport, FinishReason, RequestOutput, RequestS
 log = logging.getLogger("kvwarm.http")
 
 DISCONNECT_POLL_S = 0.25
+# how long a streamed response's headers wait for admission (and the cache's
+# answer) before going out without it: a queued client still gets bytes at once
+HEADER_WAIT_S = 2.0
 RETRYABLE = frozenset({"queue_timeout", "server_shutdown"})
 
 
@@ -108,6 +111,11 @@ class Outcome:
         return self.finish_reason.value if self.finish_reason else "abort"
 
 
+def _header_safe(value: str) -> str:
+    """A client-chosen id as a header value: ASCII, bounded."""
+    return value.encode("unicode_escape").decode("ascii")[:256]
+
+
 def openai_tool_calls(calls: list[ToolCall], ids: list[str]) -> list[dict[str, Any]]:
     return [
         {"id": i, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -134,17 +142,77 @@ class Generation:
         self._last_token_at: float | None = None
         # admission errors raise here, before any byte of a response is sent
         self._outputs = state.service.submit(prepared.request)
+        self._pending: asyncio.Future[RequestOutput | None] | None = None  # start()'s read-ahead
+        self._closed = False
 
     @property
     def request_id(self) -> str:
         return self.prepared.request.request_id
+
+    async def start(self, http: HTTPRequest, wait_s: float = HEADER_WAIT_S) -> bool:
+        """Wait (up to ``wait_s``) for the engine's first output, which says what
+        the KV cache did, so a streamed response's headers can carry it; a request
+        still queued after that gets its headers without (X-Conv-KV: queued).
+        False: the client left first (the request is aborted)."""
+        self._pending = asyncio.ensure_future(anext(self._outputs, None))
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = deadline - time.monotonic()
+            done, _ = await asyncio.wait(
+                {self._pending}, timeout=max(0.0, min(DISCONNECT_POLL_S, left))
+            )
+            if done:
+                first = self._pending.result()
+                if first is not None:
+                    self.outcome.add_output(first)  # again in events(): idempotent
+                return True
+            if await http.is_disconnected():
+                log.info("%s: client disconnected before admission, aborting", self.request_id)
+                self._pending.cancel()
+                self._pending = None
+                self._close()
+                return False
+            if left <= 0:
+                return True
+
+    async def _all_outputs(self) -> AsyncIterator[RequestOutput]:
+        if self._pending is not None:
+            first = await self._pending
+            self._pending = None
+            if first is None:
+                return
+            yield first
+            if first.finished:
+                return
+        async for out in self._outputs:
+            yield out
+
+    def response_headers(self) -> dict[str, str]:
+        """The request's own headers: ignored fields, and the conversation's KV
+        (``X-Conv-*``: its id, fresh|hit|disk|none|disabled, cached and computed tokens)."""
+        req, done = self.prepared.request, self.outcome
+        report = done.cache
+        if report is not None:
+            conv = report.conv_kv
+        elif req.cache is None:
+            conv = "disabled"
+        else:
+            conv = "queued"  # headers went out before the engine took the request
+        prompt = done.prompt_tokens or len(req.prompt_tokens)
+        return {
+            **self.prepared.headers,
+            "X-Conv-Id": _header_safe(self.prepared.conversation_id),
+            "X-Conv-KV": conv,
+            "X-Conv-Cached-Tokens": str(done.cached_tokens),
+            "X-Conv-Processing-Tokens": str(max(0, prompt - done.cached_tokens)),
+        }
 
     async def events(self) -> AsyncIterator[Event]:
         """Parser events as the engine produces text; ends after the final output
         (``outcome.finish_reason`` set) or when the reader stops early (aborted)."""
         parser = self.prepared.parser
         try:
-            async for out in self._outputs:
+            async for out in self._all_outputs():
                 self._observe_itl(out)
                 self.outcome.add_output(out)
                 reasoning_before = parser.in_reasoning
@@ -215,6 +283,9 @@ class Generation:
         )
 
     def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         done = self.outcome
         if done.finish_reason is None:
             log.info("%s: closed early, aborting", self.request_id)

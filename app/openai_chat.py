@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.body import parse_body
 from app.chat_pipeline import (
@@ -61,6 +61,7 @@ def chat_call(body: ChatCompletionRequest) -> ChatCall:
         stop=body.stops,
         ignore_eos=body.ignore_eos,
         sampling=body.sampling(),
+        use_kv_cache=body.kv_cache_enabled(),
         ignored=ignored_fields(body),
     )
 
@@ -98,15 +99,21 @@ async def chat_completions(http: HTTPRequest):
     }
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if not await gen.start(http):
+            return Response(status_code=499)  # the client left while queued
         return StreamingResponse(
             _stream_chunks(gen, meta, include_usage),
             media_type="text/event-stream",
-            headers={**SSE_HEADERS, **prepared.headers},
+            headers={**SSE_HEADERS, **gen.response_headers()},
         )
     done = await gen.collect(http)
     if done.failed:
         raise done.failure()
-    message: dict[str, Any] = {"role": "assistant", "content": done.content}
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": done.content,
+        "message_id": gen.request_id,  # names this turn (logs, X-Conv-Id, traces)
+    }
     if done.reasoning:
         message["reasoning_content"] = done.reasoning
     if done.tool_calls:
@@ -123,7 +130,7 @@ async def chat_completions(http: HTTPRequest):
             ],
             "usage": usage(done),
         },
-        headers=prepared.headers,
+        headers=gen.response_headers(),
     )
 
 
@@ -141,7 +148,8 @@ async def _stream_chunks(
     usage_field = {"usage": None} if include_usage else {}
     done = gen.outcome
     calls = 0
-    yield sse_data({**_chunk(meta, {"role": "assistant", "content": ""}, None), **usage_field})
+    first = {"role": "assistant", "content": "", "message_id": gen.request_id}
+    yield sse_data({**_chunk(meta, first, None), **usage_field})
     async for event in with_heartbeat(gen.events(), KEEPALIVE_S):
         if event is None:
             yield SSE_KEEPALIVE

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.body import parse_body
 from app.chat_pipeline import Prepared
@@ -70,7 +70,11 @@ def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Pre
         ),
     )
     return Prepared(
-        request, OutputParser(Syntax(None, None)), answered=None, ignored=ignored_fields(body)
+        request,
+        OutputParser(Syntax(None, None)),
+        answered=None,
+        ignored=ignored_fields(body),
+        conversation_id=request.cache.session_id if request.cache else "",
     )
 
 
@@ -94,10 +98,12 @@ async def completions(http: HTTPRequest):
     echo = body.prompt_value if body.echo and isinstance(body.prompt_value, str) else ""
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if not await gen.start(http):
+            return Response(status_code=499)  # the client left while queued
         return StreamingResponse(
             _stream(gen, meta, echo, include_usage),
             media_type="text/event-stream",
-            headers={**SSE_HEADERS, **prepared.headers},
+            headers={**SSE_HEADERS, **gen.response_headers()},
         )
     done = await gen.collect(http)
     if done.failed:
@@ -109,7 +115,7 @@ async def completions(http: HTTPRequest):
         "finish_reason": done.stop_kind,
     }
     return JSONResponse(
-        {**meta, "choices": [choice], "usage": usage(done)}, headers=prepared.headers
+        {**meta, "choices": [choice], "usage": usage(done)}, headers=gen.response_headers()
     )
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.body import parse_body
 from app.chat_pipeline import ChatCall, parse_openai_tool_choice, prepare_chat, template_tool_calls
@@ -237,6 +237,7 @@ def _prepare_call(body: ResponsesRequest, history: list[dict[str, Any]], state: 
         tool_choice=parse_openai_tool_choice(body.tool_choice, tools),
         max_tokens=body.max_output_tokens,
         sampling=body.sampling(),
+        use_kv_cache=body.kv_cache_enabled(),
         ignored=ignored_fields(body),
     )
     return conversation, prepare_chat(call, state, headers)
@@ -276,10 +277,12 @@ async def create_response(http: HTTPRequest):
             state.responses.put(response, conversation + [reply])
 
     if body.stream:
+        if not await gen.start(http):
+            return Response(status_code=499)  # the client left while queued
         return StreamingResponse(
             _stream(gen, response, store),
             media_type="text/event-stream",
-            headers={**SSE_HEADERS, **prepared.headers},
+            headers={**SSE_HEADERS, **gen.response_headers()},
         )
     items = _Items()
     done = await gen.collect(http)
@@ -289,7 +292,7 @@ async def create_response(http: HTTPRequest):
     if done.failed:
         raise done.failure()
     store(items)
-    return JSONResponse(response, headers=prepared.headers)
+    return JSONResponse(response, headers=gen.response_headers())
 
 
 def _apply(items: _Items, event: Reasoning | Content | ToolCall) -> tuple[dict[str, Any], bool]:

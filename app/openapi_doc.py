@@ -44,7 +44,25 @@ IGNORED = {
     "X-Kvwarm-Ignored-Fields": {
         "description": "Request fields this server accepted but did not act on.",
         "schema": {"type": "string"},
-    }
+    },
+    "X-Conv-Id": {
+        "description": "The conversation the KV cache filed this turn under.",
+        "schema": {"type": "string"},
+    },
+    "X-Conv-KV": {
+        "description": "What the KV cache did: hit (RAM), disk, fresh (new conversation), "
+        "none (nothing reusable), disabled (use_kv_cache false or no cache), queued "
+        "(streamed headers sent before admission).",
+        "schema": {"enum": ["hit", "disk", "fresh", "none", "disabled", "queued"]},
+    },
+    "X-Conv-Cached-Tokens": {
+        "description": "Prompt tokens whose KV was reused.",
+        "schema": {"type": "string"},
+    },
+    "X-Conv-Processing-Tokens": {
+        "description": "Prompt tokens run through the model.",
+        "schema": {"type": "string"},
+    },
 }
 _ERROR_SCHEMAS: dict[str, dict[str, Any]] = {
     OPENAI_ERROR: {

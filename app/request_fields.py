@@ -73,15 +73,31 @@ class SamplingFields(BaseModel):
 SAMPLING_NAMES: tuple[str, ...] = tuple(SamplingFields.model_fields)
 
 
-class Envelope(SamplingFields):
+class CacheSwitch(BaseModel):
+    use_kv_cache: bool | None = Field(
+        None,
+        strict=True,
+        description="false: this request neither reuses nor stores cached KV",
+    )
+
+
+class Envelope(SamplingFields, CacheSwitch):
     """``extra_body`` / ``metadata``: free-form, but any sampling field inside is
     held to the same bounds as at the top level."""
 
 
-class EnvelopedSampling(SamplingFields):
+class EnvelopedSampling(SamplingFields, CacheSwitch):
     """A request body whose sampling fields may also arrive in an envelope."""
 
     extra_body: Envelope | None = None
+
+    def kv_cache_enabled(self) -> bool:
+        """``use_kv_cache``: top level over ``extra_body`` over ``metadata``; default on."""
+        for scope in (self, self.extra_body, getattr(self, "metadata", None)):
+            value = getattr(scope, "use_kv_cache", None) if scope is not None else None
+            if value is not None:
+                return bool(value)
+        return True
 
     def sampling(self) -> SamplingFields:
         """The effective values: top level over ``extra_body`` over ``metadata``."""
@@ -105,6 +121,7 @@ READ_EXTRAS = frozenset(
         "reasoning_effort",
         "reasoning",
         "session_id",
+        "conversation",
         "conversation_id",
         "thread_id",
         "chat_id",

@@ -16,6 +16,8 @@ from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from app.anthropic_messages import router as messages_router
 from app.anthropic_schemas import CountTokensRequest, MessagesRequest
+from app.conv_kv import ConvLoadRequest, ConvSaveRequest
+from app.conv_kv import router as conv_kv_router
 from app.errors import InternalErrorMiddleware, install_error_handlers
 from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from app.openai_chat import router as chat_router
@@ -79,7 +81,8 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
         finally:
             freezer.cancel()
             engine.stop()
-            await asyncio.to_thread(engine.join, 10.0)  # waiting on a thread, not MLX work
+            # waiting on a thread, not MLX work; it flushes queued KV writes first
+            await asyncio.to_thread(engine.join, 20.0)
             await asyncio.to_thread(state.obs.shutdown)  # flushes the last spans
 
     app = FastAPI(title="kvwarm", version="0.1.0", lifespan=lifespan)
@@ -88,6 +91,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
     app.include_router(messages_router)
     app.include_router(responses_router)
     app.include_router(completions_router)
+    app.include_router(conv_kv_router)
     _add_admin_routes(app)
     install_openapi(
         app,
@@ -98,6 +102,8 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
             MessagesRequest,
             CountTokensRequest,
             ResponsesRequest,
+            ConvSaveRequest,
+            ConvLoadRequest,
         ],
         lambda: _context_length(app),
     )

@@ -7,7 +7,14 @@ from collections.abc import Mapping
 from typing import Any
 
 # prompt_cache_key: OpenAI's own field for "requests that share a prefix" (Codex sets it)
-SESSION_FIELDS = ("session_id", "conversation_id", "thread_id", "chat_id", "prompt_cache_key")
+SESSION_FIELDS = (
+    "session_id",
+    "conversation_id",
+    "conversation",  # a string, or {"id": ...} (OpenAI Responses)
+    "thread_id",
+    "chat_id",
+    "prompt_cache_key",
+)
 # Codex sends session_id / conversation_id headers without the x- prefix
 SESSION_HEADERS = ("x-session-id", "x-conversation-id", "session_id", "conversation_id")
 _CLAUDE_CODE_USER = "_session_"  # metadata.user_id: "user_<hash>_account_<id>_session_<uuid>"
@@ -19,6 +26,8 @@ def _from_mapping(data: Mapping[str, Any] | None) -> str | None:
         return None
     for name in SESSION_FIELDS:
         value = data.get(name)
+        if isinstance(value, Mapping):
+            value = value.get("id")
         if isinstance(value, (str, int)) and str(value).strip():
             return str(value).strip()[:MAX_LEN]
     return None

@@ -142,7 +142,7 @@ class BatchRunner:
     def active(self) -> int:
         return len(self._rows)
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request) -> RequestOutput:
         params = request.sampling
         rid = request.request_id
         processors = [
@@ -180,6 +180,15 @@ class BatchRunner:
             self._release(row)
             raise
         self._prefilled[uid] = 0
+        if hints is None:
+            row.report = CacheReport(tier="disabled")
+        # what the cache did, before any token: the HTTP layer's X-Conv-* headers
+        return RequestOutput(
+            request.request_id,
+            prompt_tokens=len(prompt),
+            cached_tokens=row.cached,
+            cache=row.report,
+        )
 
     def _insert(self, row: _Row, segments, cache, cached_tokens, generator=None) -> int:
         request = row.request

@@ -127,9 +127,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
             f"{loaded.weights_bytes / 2**20:.0f} MiB of weights and "
             f"{budget.reserve_bytes / 2**20:.0f} MiB reserve"
         )
-    return Booted(
-        runner, info, AdmissionController(budget, loaded.context_length), read_allocator
-    )
+    return Booted(runner, info, AdmissionController(budget, loaded.context_length), read_allocator)
 
 
 def read_allocator() -> dict[str, int]:

@@ -9,15 +9,19 @@ step's outputs with one hop into the event loop.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from engine.model_source import ModelSource
 from kvcache.index import PromptCacheConfig
-from scheduler.admission import AdmissionController
+from kvcache.interface import KVCacheDisabled, KVCacheManager
+from scheduler.admission import AdmissionController, EngineUnavailable
 from scheduler.contracts import EngineStats, ModelInfo, Runner, StepPlan
 from scheduler.request import FinishReason, RequestOutput
 from scheduler.scheduler import Scheduler
@@ -26,7 +30,8 @@ from scheduler.streams import OutputRouter
 log = logging.getLogger("kvwarm.engine")
 QUEUE_TIMEOUT = "the request waited in the queue past --request-timeout; retry later"
 SHUTTING_DOWN = "the server is shutting down"
-MEMORY_SAMPLE_S = 1.0  # allocator readings for /metrics; a scrape needs no fresher
+MEMORY_SAMPLE_S = 1.0
+T = TypeVar("T")  # allocator readings for /metrics; a scrape needs no fresher
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,9 @@ class EngineThread(threading.Thread):
         self._memory: dict[str, int] = {}
         self._memory_at = 0.0
         self._read_memory: Callable[[], dict[str, int]] | None = None
+        # KV operations from HTTP routes (save/load a conversation), run between steps
+        self._controls: queue.SimpleQueue[tuple[Callable[[KVCacheManager], Any], Future[Any]]]
+        self._controls = queue.SimpleQueue()
         self._fault: BaseException | None = None
 
     # -- EngineHandle --------------------------------------------------------
@@ -114,6 +122,49 @@ class EngineThread(threading.Thread):
             recoveries=runner.recoveries if runner else 0,
         )
 
+    def kv(self, op: Callable[[KVCacheManager], T]) -> Future[T]:
+        """Run ``op`` on the KV manager between two steps (the engine thread owns
+        its arrays); the future fails with EngineUnavailable or KVCacheDisabled."""
+        future: Future[T] = Future()
+        runner = self._runner
+        if not self.ready or runner is None:
+            future.set_exception(
+                EngineUnavailable.loading()
+                if self.alive
+                else EngineUnavailable(f"The inference engine is not running: {self._failure}")
+            )
+        elif runner.prefix_cache is None:
+            future.set_exception(KVCacheDisabled())
+        else:
+            self._controls.put((op, future))  # type: ignore[arg-type]
+            self.scheduler.wake()
+        return future
+
+    def _run_controls(self) -> None:
+        while True:
+            try:
+                op, future = self._controls.get_nowait()
+            except queue.Empty:
+                return
+            cache = self._runner.prefix_cache if self._runner else None
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                if cache is None:
+                    raise KVCacheDisabled()
+                future.set_result(op(cache))
+            except Exception as exc:  # noqa: BLE001 - the caller's to report
+                future.set_exception(exc)
+
+    def _fail_controls(self, reason: str) -> None:
+        while True:
+            try:
+                _, future = self._controls.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(EngineUnavailable(reason))
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         self._ready.wait(timeout)
         return self.ready
@@ -145,6 +196,7 @@ class EngineThread(threading.Thread):
         finally:
             if self._runner is not None:
                 self._runner.close()
+            self._fail_controls(self._failure or SHUTTING_DOWN)
         if self._stopping.is_set():  # orderly shutdown: end every open stream
             self._fail_open_requests(SHUTTING_DOWN, "server_shutdown")
 
@@ -167,19 +219,23 @@ class EngineThread(threading.Thread):
         while not self._stopping.is_set():
             if self._fault is not None:
                 raise self._fault
+            self._run_controls()
             plan = scheduler.schedule()
             self.router.publish(self._apply_plan_exits(plan))
             failed = []
+            started = []
             for request in plan.admit:
                 try:
-                    runner.add(request)
+                    first = runner.add(request)
+                    if first is not None:
+                        started.append(first)
                 except Exception as exc:  # one bad request must not take the engine down
                     log.exception("%s: could not start", request.request_id)
                     scheduler.finish(request.request_id)
                     failed.append(
                         RequestOutput.failure(request.request_id, f"{type(exc).__name__}: {exc}")
                     )
-            self.router.publish(failed)
+            self.router.publish(started + failed)
             if runner.active == 0:
                 self._sample_memory()  # idle gauges still move (freed cache, clear_cache)
                 scheduler.wait_for_work(timeout=0.5)

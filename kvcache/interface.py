@@ -20,6 +20,13 @@ class ConversationNotFound(LookupError):
     """No cached KV is known for this conversation id (HTTP 404)."""
 
 
+class KVCacheDisabled(Exception):
+    """The prefix cache is off (--prompt-cache-bytes 0): there is no KV to save or load."""
+
+    def __init__(self) -> None:
+        super().__init__("the prefix cache is off (--prompt-cache-bytes 0): no KV is kept")
+
+
 class StorageFull(Exception):
     """The SSD tier cannot take this (HTTP 507): off, or its byte limit reached."""
 

@@ -179,7 +179,8 @@ class TieredKVManager:
         for reason in result.rejected:
             log.info("%s: prefix cache rejected %s", request_id, reason)
         rejected = tuple(str(r) for r in result.rejected)
-        miss = CacheReport(candidates=result.candidates, rejected=rejected)
+        known = self._known_session(hints.session_id)
+        miss = CacheReport(candidates=result.candidates, rejected=rejected, known_session=known)
         if result.hit is None:
             log.info(
                 "%s: prefix cache miss (%d candidates, session %s)",
@@ -228,9 +229,15 @@ class TieredKVManager:
             result.candidates,
             rejected,
             tier=tier,
+            known_session=known,
         )
         self._return_memory()
         return reuse, report
+
+    def _known_session(self, session: str) -> bool:
+        if self.sessions.get(session) is not None:
+            return True
+        return any(e.session == session for e in self.index.entries())
 
     def _caches(self, entry: CacheEntry, keep: int) -> list[Any]:
         """Fresh caches of the entry's first ``keep`` positions (from disk if need be)."""
@@ -500,9 +507,10 @@ class TieredKVManager:
             self.disk.flush(timeout)
             self.poll()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 15.0) -> None:
+        """Let queued writes reach the disk (bounded: a restart discards what is torn)."""
         if self.disk is not None:
-            self.disk.close()
+            self.disk.close(timeout)
             self.poll()
 
     # -- stats -----------------------------------------------------------------

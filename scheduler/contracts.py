@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from kvcache.interface import KVCacheManager
 from kvcache.prompt_key import RenderedPrompt
 from kvcache.stats import KVCacheStats
 from scheduler.admission import MemoryBudget
 from scheduler.request import Request, RequestOutput
+
+T = TypeVar("T")
 
 
 class PromptFormatter(Protocol):
@@ -113,9 +116,10 @@ class Runner(Protocol):
         """Rows in the batch (prefilling or decoding)."""
         ...
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request) -> RequestOutput | None:
         """Join the batch (its prefix-cache lookup happens here); may raise for
-        this request alone."""
+        this request alone. Returns a first, token-less output carrying what the
+        cache did (or None)."""
         ...
 
     def step(self) -> list[RequestOutput]:
@@ -149,3 +153,7 @@ class EngineHandle(Protocol):
     def model_info(self) -> ModelInfo | None: ...
 
     def engine_stats(self) -> EngineStats: ...
+
+    def kv(self, op: Callable[[KVCacheManager], T]) -> Future[T]:
+        """Run ``op`` on the KV manager on the engine thread, between two steps."""
+        ...

@@ -92,7 +92,16 @@ class CacheReport:
     stale_tokens: int = 0  # volatile tokens reused with their older values
     candidates: int = 0
     rejected: tuple[str, ...] = ()  # why candidates were turned down
-    tier: str = "none"  # where the reused KV was: ram, disk, none (a miss)
+    tier: str = "none"  # where the reused KV was: ram, disk, none (a miss), disabled
+    known_session: bool = False  # the conversation had cached KV before this request
+
+    @property
+    def conv_kv(self) -> str:
+        """X-Conv-KV: hit (RAM), disk, fresh (a conversation new to the cache),
+        none (known, but nothing reusable), disabled (no cache for this request)."""
+        if self.tier in ("ram", "disk", "disabled"):
+            return "hit" if self.tier == "ram" else self.tier
+        return "none" if self.known_session else "fresh"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from engine.engine_thread import Booted, EngineConfig, EngineThread
 from kvcache.prompt_key import PromptKey, RenderedPrompt
 from scheduler.admission import AdmissionController, MemoryBudget
 from scheduler.contracts import ModelInfo
-from scheduler.request import FinishReason, Request, RequestOutput, RequestStats
+from scheduler.request import CacheReport, FinishReason, Request, RequestOutput, RequestStats
 from scheduler.scheduler import Scheduler
 from scheduler.streams import OutputRouter
 
@@ -72,9 +72,13 @@ class FakeRunner:
     def active(self) -> int:
         return len(self._active)
 
-    def add(self, request: Request) -> None:
+    def add(self, request: Request) -> RequestOutput | None:
         pieces = self.script(request) if self.script else None
-        self._active[request.request_id] = [request, 0, pieces, time.monotonic()]
+        report = CacheReport(tier="none" if request.cache is not None else "disabled")
+        self._active[request.request_id] = [request, 0, pieces, time.monotonic(), report]
+        return RequestOutput(
+            request.request_id, prompt_tokens=len(request.prompt_tokens), cache=report
+        )
 
     def remove(self, request_id: str) -> object:
         return self._active.pop(request_id, None)
@@ -93,7 +97,7 @@ class FakeRunner:
     def step(self) -> list[RequestOutput]:
         outputs = []
         for rid, entry in list(self._active.items()):
-            req, n, pieces, joined = entry
+            req, n, pieces, joined, report = entry
             entry[1] = n = n + 1
             finish = None
             eos = self.eos_after is not None and n >= self.eos_after and not req.ignore_eos
@@ -107,7 +111,7 @@ class FakeRunner:
                 now = time.monotonic()
                 waited = joined - req.arrival_time
                 stats = RequestStats(
-                    waited, self.step_delay, max(0.0, now - joined - self.step_delay)
+                    waited, self.step_delay, max(0.0, now - joined - self.step_delay), report
                 )
             outputs.append(
                 RequestOutput(rid, text, (n,), finish, len(req.prompt_tokens), n, stats=stats)

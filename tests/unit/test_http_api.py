@@ -52,7 +52,13 @@ def test_non_streaming_completion_shape(base):
     assert body["object"] == "chat.completion"
     assert body["model"] == "fake-model"  # whatever the client asked for
     choice = body["choices"][0]
-    assert choice["message"] == {"role": "assistant", "content": "w0 w1 w2 "}
+    message = choice["message"]
+    assert message == {
+        "role": "assistant",
+        "content": "w0 w1 w2 ",
+        "message_id": message["message_id"],
+    }
+    assert message["message_id"].startswith("req-")
     assert choice["finish_reason"] == "length"
     usage = body["usage"]
     assert usage["completion_tokens"] == 3
@@ -97,6 +103,21 @@ def sse_events(resp: httpx.Response) -> list:
     return events
 
 
+def test_conv_headers_and_use_kv_cache_false(base):
+    r = httpx.post(
+        base + CHAT, json={"messages": msgs(), "max_tokens": 2, "conversation_id": "c-1"}
+    )
+    assert r.headers["x-conv-id"] == "c-1" and r.headers["x-conv-kv"] == "fresh"
+    assert r.json()["choices"][0]["message"]["message_id"]
+    r = httpx.post(
+        base + CHAT,
+        json={"messages": msgs(), "max_tokens": 2, "extra_body": {"use_kv_cache": False}},
+    )
+    assert r.status_code == 200 and r.headers["x-conv-kv"] == "disabled"
+    r = httpx.post(base + CHAT, json={"messages": msgs(), "use_kv_cache": "no"})
+    assert_error(r, 400, None)
+
+
 def test_streaming_framing_and_usage(base):
     body = {
         "messages": msgs(),
@@ -107,10 +128,14 @@ def test_streaming_framing_and_usage(base):
     with httpx.stream("POST", base + CHAT, json=body) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
+        # the engine admitted it before the headers went: they say what the cache did
+        assert r.headers["x-conv-kv"] == "fresh" and r.headers["x-conv-cached-tokens"] == "0"
+        assert int(r.headers["x-conv-processing-tokens"]) > 0 and r.headers["x-conv-id"]
         events = sse_events(r)
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    first = chunks[0]["choices"][0]["delta"]
+    assert first == {"role": "assistant", "content": "", "message_id": first["message_id"]}
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == "w0 w1 w2 "
     finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]

@@ -1,0 +1,146 @@
+"""Conversation KV save/load (for people who resume work later).
+
+POST /v1/conv_kv/save pins a conversation's KV on disk beyond eviction,
+POST /v1/conv_kv/load brings it back into RAM ahead of the next turn,
+GET /v1/conv_kv/stats lists the saved ones, DELETE /v1/conv_kv/{id} forgets one.
+The KV manager does the work on the engine thread; these routes only wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any, TypeVar
+
+from fastapi import APIRouter
+from fastapi import Request as HTTPRequest
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.body import parse_body
+from app.errors import APIError
+from app.openapi_doc import OPENAI_ERROR, errors, json_content, ref
+from app.state import AppState
+from kvcache.interface import (
+    ConversationNotFound,
+    KVCacheDisabled,
+    KVCacheManager,
+    SavedConversation,
+    StorageFull,
+)
+from scheduler.admission import EngineUnavailable
+
+router = APIRouter()
+T = TypeVar("T")
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class ConvSaveRequest(BaseModel):
+    model_config = _STRICT
+    conversation_id: str = Field(min_length=1, max_length=256)
+    title: str | None = Field(None, max_length=256)
+
+
+class ConvLoadRequest(BaseModel):
+    model_config = _STRICT
+    conversation_id: str = Field(min_length=1, max_length=256)
+
+
+SAVED = {
+    "type": "object",
+    "required": ["conversation_id", "tokens", "bytes", "tier"],
+    "properties": {
+        "conversation_id": {"type": "string"},
+        "title": {"type": ["string", "null"]},
+        "tokens": {"type": "integer"},
+        "bytes": {"type": "integer"},
+        "tier": {"type": "string"},
+        "saved_at": {"type": ["number", "null"]},
+    },
+}
+SAVED_LIST = {
+    "type": "object",
+    "required": ["object", "data"],
+    "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": SAVED}},
+}
+WHY = {
+    400: "Invalid body, or the prefix cache is off (--prompt-cache-bytes 0).",
+    404: "No cached KV for this conversation id.",
+    507: "The SSD tier is off or full (the message names the limit).",
+}
+
+
+def _responses(ok: dict[str, Any], statuses: tuple[int, ...]) -> dict[int | str, Any]:
+    out: dict[int | str, Any] = {200: {"description": "Done.", "content": json_content(ok)}}
+    for status, doc in errors(OPENAI_ERROR, [s for s in statuses if s in (503,)]).items():
+        out[status] = doc
+    for status in statuses:
+        if status in WHY:
+            out[status] = {"description": WHY[status], "content": json_content(ref(OPENAI_ERROR))}
+    return out
+
+
+def _body(model: type[BaseModel]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": json_content(ref(model.__name__))}}
+
+
+async def _on_engine(http: HTTPRequest, op: Callable[[KVCacheManager], T]) -> T:
+    state: AppState = http.app.state.kvwarm
+    try:
+        return await asyncio.wrap_future(state.engine.kv(op))
+    except ConversationNotFound as exc:
+        raise APIError(404, str(exc), code="conversation_not_found") from exc
+    except StorageFull as exc:
+        raise APIError(507, str(exc), "server_error", "insufficient_storage") from exc
+    except KVCacheDisabled as exc:
+        raise APIError(400, str(exc), code="prompt_cache_disabled") from exc
+    except EngineUnavailable as exc:
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+        raise APIError(503, exc.message, "server_error", exc.code, headers=headers) from exc
+
+
+def _view(saved: SavedConversation) -> dict[str, Any]:
+    return asdict(saved)
+
+
+async def _parsed(http: HTTPRequest, model: type[BaseModel]) -> Any:
+    state: AppState = http.app.state.kvwarm
+    return await state.preparer.body(
+        http, lambda raw: parse_body(raw, model, state.model_info().context_length)
+    )
+
+
+@router.post(
+    "/v1/conv_kv/save",
+    openapi_extra=_body(ConvSaveRequest),
+    responses=_responses(SAVED, (400, 404, 503, 507)),
+)
+async def save(http: HTTPRequest) -> dict[str, Any]:
+    body: ConvSaveRequest = await _parsed(http, ConvSaveRequest)
+    saved = await _on_engine(
+        http, lambda kv: kv.save_conversation(body.conversation_id, body.title)
+    )
+    return _view(saved)
+
+
+@router.post(
+    "/v1/conv_kv/load",
+    openapi_extra=_body(ConvLoadRequest),
+    responses=_responses(SAVED, (400, 404, 503)),
+)
+async def load(http: HTTPRequest) -> dict[str, Any]:
+    body: ConvLoadRequest = await _parsed(http, ConvLoadRequest)
+    loaded = await _on_engine(http, lambda kv: kv.load_conversation(body.conversation_id))
+    return _view(loaded)
+
+
+@router.get("/v1/conv_kv/stats", responses=_responses(SAVED_LIST, (400, 503)))
+async def stats(http: HTTPRequest) -> dict[str, Any]:
+    saved = await _on_engine(http, lambda kv: kv.saved_conversations())
+    return {"object": "list", "data": [_view(s) for s in saved]}
+
+
+@router.delete("/v1/conv_kv/{conversation_id}", responses=_responses(SAVED, (400, 404, 503)))
+async def delete(conversation_id: str, http: HTTPRequest) -> dict[str, Any]:
+    deleted = await _on_engine(http, lambda kv: kv.delete_conversation(conversation_id))
+    return {**_view(deleted), "deleted": True}
