@@ -486,14 +486,20 @@ class TieredKVManager:
         return out
 
     def delete_conversation(self, conversation_id: str) -> SavedConversation:
-        """Forget a conversation's saved KV (its files go; a running turn keeps its copy)."""
+        """Forget a conversation's cached KV, saved or not, in every tier (a turn
+        running now keeps its own copy)."""
         entry = self._entry_of(conversation_id)
         described = self._describe(conversation_id, entry)
         if self._pins.pop(conversation_id, None) is not None and self.disk is not None:
             self.disk.write_pins(self._pins)
-        self.index.set_pinned(entry.entry_id, False)
-        if entry.refs == 0:
-            self.index.remove(entry.entry_id)
+        own = [e for e in self.index.entries() if e.session == conversation_id]
+        for e in {entry.entry_id: entry, **{x.entry_id: x for x in own}}.values():
+            self.index.set_pinned(e.entry_id, False)
+            if e.refs == 0:
+                self.index.remove(e.entry_id)
+            else:
+                e.superseded = True  # goes when its reader lets go
+        self.sessions.forget(conversation_id)
         return described
 
     def record_turn(self, hints: CacheHints, entry_id: int | None) -> None:

@@ -57,6 +57,9 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._records)
 
+    def forget(self, session: str) -> None:
+        self._records.pop(session, None)
+
     def get(self, session: str) -> TurnRecord | None:
         return self._records.get(session)
 
