@@ -40,6 +40,9 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "kv_disk_bytes": {"metavar": "SIZE"},
     "kv_block_size": {"type": int, "metavar": "N"},
     "kv_eviction": {"choices": ["cost-aware", "lru"]},
+    "kv_bits": {"type": int, "choices": [4, 8]},
+    "kv_group_size": {"type": int, "choices": [32, 64, 128]},
+    "quantized_kv_start": {"type": int, "metavar": "N"},
     "request_timeout": {"type": float, "metavar": "SECONDS"},
     "thinking": {"choices": ["on", "off"]},
     "strip_thinking": {"action": "store_true"},
@@ -148,6 +151,7 @@ def cmd_serve(settings: Settings) -> int:
         prompt_cache=settings.prompt_cache,
         kv_dir=settings.kv_disk_path,
         kv_disk_bytes=settings.kv_disk_limit,
+        kv_quant=settings.kv_quant,
     )
     server: GracefulServer | None = None
     load_failure: list[str] = []

@@ -10,6 +10,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvcache.eviction import EVICTION_POLICIES
 from kvcache.index import PromptCacheConfig, VolatilePolicy
+from kvcache.layout import KVQuant
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Host headers a loopback server answers to (DNS rebinding: a web page must not
@@ -123,6 +124,19 @@ class Settings(BaseSettings):
         description="model tokens per stored KV block; entries sharing a prefix share its "
         "blocks (in RAM and on disk)",
     )
+    kv_bits: int | None = Field(
+        None,
+        description="store cached KV blocks quantized to 4 or 8 bits (RAM and SSD tiers; "
+        "dequantized on a hit; the running batch stays full precision); default: off",
+    )
+    kv_group_size: int = Field(
+        64, ge=32, le=128, description="values per quantization group of --kv-bits (32, 64, 128)"
+    )
+    quantized_kv_start: int = Field(
+        0,
+        ge=0,
+        description="positions kept full precision before stored blocks are quantized",
+    )
     kv_eviction: str = Field(
         "cost-aware",
         description="which cached entry leaves a tier first: cost-aware (old, short, rarely "
@@ -189,6 +203,26 @@ class Settings(BaseSettings):
             kv_block_size=self.kv_block_size,
             eviction=self.kv_eviction,
         )
+
+    @property
+    def kv_quant(self) -> KVQuant | None:
+        if self.kv_bits is None:
+            return None
+        return KVQuant(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
+
+    @field_validator("kv_bits")
+    @classmethod
+    def _bits(cls, value: int | None) -> int | None:
+        if value not in (None, 4, 8):
+            raise ValueError("KV quantization takes 4 or 8 bits")
+        return value
+
+    @field_validator("kv_group_size")
+    @classmethod
+    def _group(cls, value: int) -> int:
+        if value not in (32, 64, 128):
+            raise ValueError("the KV quantization group size must be 32, 64 or 128")
+        return value
 
     @property
     def kv_disk_path(self) -> Path:

@@ -64,6 +64,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
             kv_namespace(loaded.model_dir, loaded.layout),
             make_prompt_cache(loaded.model),
             disk,
+            cfg.kv_quant,
         )
     runner = BatchRunner(
         loaded.model,
@@ -112,9 +113,13 @@ def boot_mlx(config: EngineConfig) -> Booted:
     if prefix_cache is not None:
         st = prefix_cache.stats()
         log.info(
-            "KV store: RAM %.0f MiB in blocks of %d tokens, eviction %s; SSD tier %s",
+            "KV store: RAM %.0f MiB in blocks of %d tokens%s, eviction %s; SSD tier %s",
             cache_bytes / 2**20,
             pc.kv_block_size,
+            f" ({cfg.kv_quant.bits}-bit, groups of {cfg.kv_quant.group_size}, from position "
+            f"{cfg.kv_quant.start})"
+            if cfg.kv_quant
+            else "",
             pc.eviction,
             f"{st.disk_dir} ({st.disk.max_bytes / 2**30:.1f} GiB, {st.restored_entries} "
             f"entries restored)"

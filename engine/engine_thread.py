@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from engine.model_source import ModelSource
 from kvcache.index import PromptCacheConfig
 from kvcache.interface import KVCacheDisabled, KVCacheManager
+from kvcache.layout import KVQuant
 from scheduler.admission import AdmissionController, EngineUnavailable
 from scheduler.contracts import EngineStats, ModelInfo, Runner, StepPlan
 from scheduler.request import FinishReason, RequestOutput
@@ -56,6 +57,7 @@ class EngineConfig:
     prompt_cache: PromptCacheConfig | None = None  # None: no prefix cache
     kv_dir: Path | None = None  # the prefix cache's SSD tier; None: RAM only
     kv_disk_bytes: int | None = None  # None: auto (a share of the free disk); 0: off
+    kv_quant: KVQuant | None = None  # stored blocks quantized (--kv-bits)
 
 
 class EngineThread(threading.Thread):

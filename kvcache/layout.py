@@ -96,3 +96,20 @@ class KVLayout:
         """Names the cache format: stored KV of another layout is never read back."""
         text = "|".join(layer.tag() for layer in self.layers)
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    """``--kv-bits`` / ``--kv-group-size`` / ``--quantized-kv-start``: stored blocks
+    past ``start`` positions hold quantized keys and values (dequantized on a hit)."""
+
+    bits: int = 8
+    group_size: int = 64
+    start: int = 0
+
+    def tag(self) -> str:
+        return f"q{self.bits}g{self.group_size}s{self.start}"
+
+    def bytes_per_value_group(self) -> float:
+        """Bytes per ``group_size`` values: packed bits plus a float scale and bias."""
+        return self.group_size * self.bits / 8 + 2 * 4

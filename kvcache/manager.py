@@ -24,6 +24,7 @@ from kvcache.blocks import Digest, EntryBytes, block_digests
 from kvcache.disk import FORMAT_VERSION, Arrays, DiskTier, WriteEntry
 from kvcache.index import CacheEntry, PrefixIndex, PromptCacheConfig
 from kvcache.interface import ConversationNotFound, SavedConversation, StorageFull
+from kvcache.layout import KVQuant
 from kvcache.payloads import BlockArrays, KVLayoutOps, PrivatePart, rebuild_private
 from kvcache.prompt_key import PromptKey, TokenSpan
 from kvcache.safetensors_io import CorruptFile
@@ -111,10 +112,12 @@ class TieredKVManager:
         namespace: str,
         template: Sequence[Any],
         disk: DiskConfig | None = None,
+        quant: KVQuant | None = None,
     ):
         self.config = config
-        self.namespace = namespace
-        self.ops = KVLayoutOps(template, config.kv_block_size)
+        # quantized blocks are other bytes than full-precision ones: their own namespace
+        self.namespace = f"{namespace}-{quant.tag()}" if quant else namespace
+        self.ops = KVLayoutOps(template, config.kv_block_size, quant)
         self._template = list(template)
         self._blocks: dict[Digest, BlockArrays] = {}
         self._private: dict[int, PrivatePart] = {}
@@ -125,7 +128,7 @@ class TieredKVManager:
         disk_bytes = 0
         if disk is not None and disk.max_bytes > 0:
             try:
-                self.disk = DiskTier(disk.root, namespace, disk.max_pending_bytes)
+                self.disk = DiskTier(disk.root, self.namespace, disk.max_pending_bytes)
                 disk_bytes = disk.max_bytes
             except OSError as exc:
                 log.warning("KV disk tier off: %s is not usable (%s)", disk.root, exc)
@@ -134,7 +137,7 @@ class TieredKVManager:
             max_entries=config.max_entries,
             block_size=config.block_size,
             ttl_s=config.ttl_s,
-            namespace=namespace,
+            namespace=self.namespace,
             policy=config.policy,
             listener=self,
             disk_bytes=disk_bytes,
@@ -263,15 +266,14 @@ class TieredKVManager:
             if arrays is None:
                 raw = self.disk.read_block(digest)
                 nbytes += raw.nbytes
-                named = _to_mlx(raw)
-                arrays = [named[f"{kv}{i}"] for i in range(len(self.ops.plain)) for kv in "kv"]
+                arrays = _to_mlx(raw)
             blocks.append(arrays)
         raw, manifest = self.disk.read_entry(entry.uid)
         nbytes += raw.nbytes
         private = rebuild_private(
             self._template, _to_mlx(raw), manifest["private_meta"], entry.held.private
         )
-        mx.eval([a for blk in blocks for a in blk] + list(private.arrays().values()))
+        mx.eval([a for blk in blocks for a in blk.values()] + list(private.arrays().values()))
         c = self.disk.counters
         c.loads += 1
         c.load_tokens += entry.length
@@ -325,8 +327,7 @@ class TieredKVManager:
             disk.counters.writes_skipped += 1
             return False
         private = self._private[entry_id]
-        names = [f"{kv}{i}" for i in range(len(self.ops.plain)) for kv in "kv"]
-        blocks = [(d, _arrays(dict(zip(names, self._blocks[d])))) for d in new_on_disk]
+        blocks = [(d, _arrays(self._blocks[d])) for d in new_on_disk]
         manifest = {
             "format": FORMAT_VERSION,
             "key": _key_manifest(entry.key),
@@ -554,6 +555,7 @@ class TieredKVManager:
                 idx.ram.blocks,
                 idx.ram_entries(),
                 idx.ram.shared_saved_bytes,
+                sum(e.length for e in entries if e.in_ram),
             ),
             disk=TierStats(
                 idx.disk.nbytes,
@@ -561,6 +563,7 @@ class TieredKVManager:
                 idx.disk.blocks,
                 sum(1 for e in entries if e.on_disk),
                 idx.disk.shared_saved_bytes,
+                sum(e.length for e in entries if e.on_disk),
             ),
             disk_enabled=idx.disk_enabled,
             disk_dir=str(disk.dir) if disk is not None else "",

@@ -25,9 +25,27 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import KVCache, RotatingKVCache
 
 from kvcache.blocks import Digest, EntryBytes
+from kvcache.layout import KVQuant
 
-# one block: keys and values of every plain-KV layer, in layer order
-BlockArrays = list[mx.array]
+# one block: keys and values of every plain-KV layer by name ("k0", "v0", ...); a
+# quantized block holds "k0.w", "k0.s", "k0.b" (mx.quantize) and "q" = [bits, group]
+BlockArrays = dict[str, mx.array]
+
+
+def _quantized(x: mx.array, q: KVQuant) -> tuple[mx.array, mx.array, mx.array]:
+    w, scales, biases = mx.quantize(x, group_size=q.group_size, bits=q.bits)
+    return w, scales, biases
+
+
+def _plain(blk: BlockArrays, name: str, dtype: mx.Dtype) -> mx.array:
+    if name in blk:
+        return blk[name]
+    q = blk["q"]
+    bits, group = int(cast(int, q[0].item())), int(cast(int, q[1].item()))
+    x = mx.dequantize(
+        blk[f"{name}.w"], blk[f"{name}.s"], blk[f"{name}.b"], group_size=group, bits=bits
+    )
+    return x.astype(dtype)
 
 
 def _is_plain_kv(cache: object) -> bool:
@@ -90,8 +108,9 @@ class Split:
 class KVLayoutOps:
     """Cutting and assembling the caches of one model (the layout is fixed at load)."""
 
-    def __init__(self, template: Sequence[Any], block_size: int):
+    def __init__(self, template: Sequence[Any], block_size: int, quant: KVQuant | None = None):
         self.block_size = block_size
+        self.quant = quant
         self.plain = [i for i, c in enumerate(template) if _is_plain_kv(c)]
         self.n_layers = len(template)
         # every layer plain KV: any depth can be cut; else entries hit only whole
@@ -105,6 +124,21 @@ class KVLayoutOps:
             total += (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * k.dtype.size
         return total
 
+    def _quantizes(self, block: int, head_dim: int) -> bool:
+        q = self.quant
+        return q is not None and block * self.block_size >= q.start and head_dim % q.group_size == 0
+
+    def _block_bytes(self, caches: Sequence[Any], block: int) -> int:
+        bs, q, total = self.block_size, self.quant, 0
+        for i in self.plain:
+            for a in (caches[i].keys, caches[i].values):
+                values = a.shape[1] * bs * a.shape[3]
+                if q is not None and self._quantizes(block, a.shape[3]):
+                    total += int(values / q.group_size * q.bytes_per_value_group())
+                else:
+                    total += values * a.dtype.size
+        return total
+
     def measure(self, caches: Sequence[Any], length: int, digests: Sequence[Digest]) -> EntryBytes:
         """What storing ``caches`` (``length`` positions) would hold: no copying."""
         bs = self.block_size
@@ -112,7 +146,8 @@ class KVLayoutOps:
         per_pos = self._position_bytes(caches) if self.plain else 0
         private = per_pos * (length - n_blocks * bs)
         private += sum(int(caches[i].nbytes) for i in range(self.n_layers) if i not in self.plain)
-        return EntryBytes(tuple((d, per_pos * bs) for d in digests[:n_blocks]), private)
+        blocks = tuple((d, self._block_bytes(caches, b)) for b, d in enumerate(digests[:n_blocks]))
+        return EntryBytes(blocks, private)
 
     def split(
         self, caches: Sequence[Any], length: int, held: EntryBytes, want: set[Digest]
@@ -122,11 +157,21 @@ class KVLayoutOps:
         out = Split(held)
         for b, (digest, _) in enumerate(held.blocks):
             if digest in want:
-                arrays: BlockArrays = []
-                for i in self.plain:
+                arrays: BlockArrays = {}
+                for slot, i in enumerate(self.plain):
                     c = caches[i]
-                    arrays.append(_own(c.keys[..., b * bs : (b + 1) * bs, :]))
-                    arrays.append(_own(c.values[..., b * bs : (b + 1) * bs, :]))
+                    for name, a in ((f"k{slot}", c.keys), (f"v{slot}", c.values)):
+                        x = a[..., b * bs : (b + 1) * bs, :]
+                        if self.quant is not None and self._quantizes(b, a.shape[3]):
+                            w, sc, bi = _quantized(x, self.quant)
+                            arrays[f"{name}.w"], arrays[f"{name}.s"], arrays[f"{name}.b"] = (
+                                w,
+                                sc,
+                                bi,
+                            )
+                            arrays["q"] = mx.array([self.quant.bits, self.quant.group_size])
+                        else:
+                            arrays[name] = _own(x)
                 out.blocks[digest] = arrays
         start = len(held.blocks) * bs
         layers: list[tuple[mx.array, mx.array] | Any] = []
@@ -151,8 +196,9 @@ class KVLayoutOps:
         for j, layer in enumerate(private.layers):
             if isinstance(layer, tuple):
                 slot = self.plain.index(j)
-                keys = [blk[2 * slot] for blk in blocks] + [layer[0]]
-                values = [blk[2 * slot + 1] for blk in blocks] + [layer[1]]
+                dtype = layer[0].dtype
+                keys = [_plain(blk, f"k{slot}", dtype) for blk in blocks] + [layer[0]]
+                values = [_plain(blk, f"v{slot}", dtype) for blk in blocks] + [layer[1]]
                 c = KVCache()
                 k = mx.concatenate(keys, axis=2) if len(keys) > 1 else keys[0]
                 v = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
@@ -165,7 +211,7 @@ class KVLayoutOps:
 
 def _all_arrays(split: Split) -> Iterator[mx.array]:
     for arrays in split.blocks.values():
-        yield from arrays
+        yield from arrays.values()
     if split.private is not None:
         yield from split.private.arrays().values()
 

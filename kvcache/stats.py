@@ -13,6 +13,12 @@ class TierStats:
     blocks: int = 0  # shared blocks held (each once)
     entries: int = 0
     shared_saved_bytes: int = 0  # what the same entries would hold more without sharing
+    tokens: int = 0  # positions of KV the tier's entries stand for
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes one cached position costs, as stored (before sharing)."""
+        return (self.bytes + self.shared_saved_bytes) / self.tokens if self.tokens else 0.0
 
 
 @dataclass(frozen=True)

@@ -10,12 +10,14 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mlx_lm import load
 
 from engine.loader import kv_namespace, probe_layout
 from kvcache.disk import FORMAT_VERSION
 from kvcache.index import VolatilePolicy
+from kvcache.layout import KVQuant
 from kvcache.manager import DiskConfig
 from kvcache.safetensors_io import CorruptFile, read_verified
 from tests.engine.test_prefix_reuse import Harness, conversation, decode
@@ -221,3 +223,56 @@ def test_writes_stop_at_the_disk_occupancy_guard(llama, tmp_path):
     h.cache.flush()
     st = h.cache.stats()
     assert st.disk_writes_skipped >= 1 and st.disk_files_written == 0
+
+
+@pytest.fixture(scope="module")
+def llama_hd64(tmp_path_factory):
+    """Head dim 64: what mx.quantize's groups of 32/64 divide."""
+    return load(str(write_tiny_llama(tmp_path_factory.mktemp("llama-hd64"), seed=5, hidden=256)))
+
+
+@pytest.mark.parametrize("bits,tolerance", [(8, 0.02), (4, 0.2)])
+def test_quantized_blocks_are_smaller_close_and_survive_a_restart(
+    llama_hd64, tmp_path, bits, tolerance
+):
+    quant = KVQuant(bits, 64)
+    full = Harness(llama_hd64, STRICT, kv_block=16)
+    small = disk_harness(llama_hd64, tmp_path, quant=quant)
+    msgs = conversation(turns=1)
+    full.run(full.request(msgs))
+    small.run(small.request(msgs))
+    (f,) = [e for e in full.cache.index.entries() if e.length > 100]
+    (q,) = [e for e in small.cache.index.entries() if e.length > 100]
+    assert f.key.model_tokens == q.key.model_tokens
+    # bytes per cached token: packed values + a scale and a bias per group
+    ratio = q.nbytes / f.nbytes
+    expected = (64 * bits / 8 + 8) / (64 * 4)  # float32 KV
+    assert ratio == pytest.approx(expected, rel=0.15)
+    exact, approx = _kv(full.cache, f), _kv(small.cache, q)
+    for a, b in zip(exact, approx):
+        assert np.max(np.abs(a - b)) <= tolerance * np.max(np.abs(a))
+    small.cache.close()
+    again = disk_harness(llama_hd64, tmp_path, quant=quant)
+    (r,) = [e for e in again.cache.index.entries() if e.length > 100]
+    for a, b in zip(approx, _kv(again.cache, r)):  # the files hold the quantized blocks
+        assert np.array_equal(a, b)
+
+
+def _kv(cache, entry):
+    caches = cache._caches(entry, entry.length)
+    return [np.array(x) for c in caches for x in (c.keys, c.values)]
+
+
+def test_kv_files_are_plain_safetensors(llama, tmp_path):
+    """Inspectable with the usual tools: mx.load reads a block file as written."""
+    import mlx.core as mx
+
+    h = disk_harness(llama, tmp_path)
+    h.run(h.request(conversation(turns=1)))
+    h.cache.close()
+    blocks, entries = _kv_files(tmp_path)
+    arrays, meta = mx.load(str(blocks[0]), return_metadata=True)
+    assert set(arrays) == {"k0", "v0", "k1", "v1"} and meta["namespace"] == "tiny"
+    mine, _, _ = read_verified(blocks[0], "tiny")
+    assert all(np.array_equal(np.array(arrays[n]), mine[n]) for n in arrays)
+    assert "manifest" in mx.load(str(entries[0]), return_metadata=True)[1]

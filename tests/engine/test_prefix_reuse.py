@@ -45,6 +45,7 @@ class Harness:
         disk=None,
         kv_block=16,
         namespace="tiny",
+        quant=None,
     ):
         model, tokenizer = tiny
         self.formatter = ChatFormatter(tokenizer)
@@ -56,6 +57,7 @@ class Harness:
                 namespace,
                 make_prompt_cache(model),
                 disk,
+                quant,
             )
             if cache
             else None

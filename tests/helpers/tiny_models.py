@@ -48,12 +48,16 @@ def write_byte_tokenizer(path: Path) -> None:
 
 
 def write_tiny_llama(
-    path: Path, seed: int = 0, context: int = 8192, generation: dict | None = None
+    path: Path,
+    seed: int = 0,
+    context: int = 8192,
+    generation: dict | None = None,
+    hidden: int = 64,
 ) -> Path:
     """A random-weight llama (hidden 64, 2 layers) saved as an mlx-lm directory."""
     config = {
         "model_type": "llama",
-        "hidden_size": 64,
+        "hidden_size": hidden,
         "num_hidden_layers": 2,
         "intermediate_size": 128,
         "num_attention_heads": 4,
