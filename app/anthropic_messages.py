@@ -159,6 +159,7 @@ def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:
         stop=tuple(s for s in stops if s),
         sampling=body.sampling(),
         use_kv_cache=body.kv_cache_enabled(),
+        kv_bits=body.kv_bits_requested(),
         ignored=ignored_fields(body),
     )
 

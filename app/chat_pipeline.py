@@ -55,6 +55,7 @@ class ChatCall:
     sampling: SamplingFields = field(default_factory=SamplingFields)  # validated at the boundary
     ignored: tuple[str, ...] = ()  # fields the client sent that nothing acts on
     use_kv_cache: bool = True  # false: neither reuse nor store KV for this request
+    kv_bits: int | None = None  # store (and reuse) this request's KV at this precision
 
 
 @dataclass
@@ -205,7 +206,9 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
         sampling=_sampling(call, info),
         stop=call.stop,
         ignore_eos=call.ignore_eos,
-        cache=CacheHints(key, session, rendered.message_hashes) if call.use_kv_cache else None,
+        cache=CacheHints(key, session, rendered.message_hashes, call.kv_bits)
+        if call.use_kv_cache
+        else None,
     )
     if call.ignored:
         log.info("%s: ignored fields: %s", request.request_id, ", ".join(call.ignored))

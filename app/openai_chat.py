@@ -62,6 +62,7 @@ def chat_call(body: ChatCompletionRequest) -> ChatCall:
         ignore_eos=body.ignore_eos,
         sampling=body.sampling(),
         use_kv_cache=body.kv_cache_enabled(),
+        kv_bits=body.kv_bits_requested(),
         ignored=ignored_fields(body),
     )
 

@@ -11,7 +11,7 @@ passed here.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
@@ -79,6 +79,11 @@ class CacheSwitch(BaseModel):
         strict=True,
         description="false: this request neither reuses nor stores cached KV",
     )
+    kv_bits: Literal[4, 8] | None = Field(
+        None,
+        description="store this request's cached KV quantized to 4 or 8 bits (it then "
+        "reuses only KV stored at the same precision); default: the server's --kv-bits",
+    )
 
 
 class Envelope(SamplingFields, CacheSwitch):
@@ -90,6 +95,14 @@ class EnvelopedSampling(SamplingFields, CacheSwitch):
     """A request body whose sampling fields may also arrive in an envelope."""
 
     extra_body: Envelope | None = None
+
+    def kv_bits_requested(self) -> int | None:
+        """``kv_bits``: top level over ``extra_body`` over ``metadata``."""
+        for scope in (self, self.extra_body, getattr(self, "metadata", None)):
+            value = getattr(scope, "kv_bits", None) if scope is not None else None
+            if value is not None:
+                return int(value)
+        return None
 
     def kv_cache_enabled(self) -> bool:
         """``use_kv_cache``: top level over ``extra_body`` over ``metadata``; default on."""
@@ -131,6 +144,6 @@ READ_EXTRAS = frozenset(
 
 
 def ignored_fields(body: BaseModel) -> tuple[str, ...]:
-    """Top-level fields the client sent that nothing acts on (kv_bits, adapter,
+    """Top-level fields the client sent that nothing acts on (adapter,
     response_format, ...): said in a response header and the log, never silent."""
     return tuple(sorted(k for k in body.model_extra or {} if k not in READ_EXTRAS))

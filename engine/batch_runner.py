@@ -259,7 +259,8 @@ class BatchRunner:
         """Store the KV of the prompt so far, the moment prefill reaches a checkpoint."""
         ((caches, _tokens),) = self._generator.extract_cache([uid]).values()
         key = row.kv_key.truncated(row.kv_offset + row.checkpoints.pop(0))
-        self.prefix_cache.store(key, caches, row.request.cache.session_id)
+        hints = row.request.cache
+        self.prefix_cache.store(key, caches, hints.session_id, hints.kv_bits)
 
     def _store_final(self, row: _Row, caches, all_tokens) -> None:
         """Keep prompt + reply KV: the next turn of this conversation starts with it."""
@@ -270,7 +271,7 @@ class BatchRunner:
             return  # should not happen; never store KV under the wrong tokens
         key = row.kv_key.extended(all_tokens[len(base) :])
         hints = row.request.cache
-        entry_id = self.prefix_cache.store(key, caches, hints.session_id)
+        entry_id = self.prefix_cache.store(key, caches, hints.session_id, hints.kv_bits)
         self.prefix_cache.record_turn(hints, entry_id)
 
     def _chunk_per_row(self) -> int:

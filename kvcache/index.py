@@ -77,6 +77,7 @@ class CacheEntry:
     on_disk: bool = False  # fully written: a restart finds it
     persisting: bool = False  # disk bytes reserved, the write not finished
     pinned: bool = False  # saved by a user: never evicted from disk
+    variant: str = ""  # how its KV is stored ("" full precision, "q8g64s0", ...)
 
     @property
     def length(self) -> int:
@@ -226,8 +227,9 @@ class PrefixIndex:
     def hashes(self, key: PromptKey) -> list[bytes]:
         return chain_hashes(key.canonical, self.block_size, self.namespace)
 
-    def _candidates(self, hashes: list[bytes]) -> list[tuple[int, int]]:
-        """(canonical blocks shared, entry id), deepest chain first."""
+    def _candidates(self, hashes: list[bytes], variant: str = "") -> list[tuple[int, int]]:
+        """(canonical blocks shared, entry id), deepest chain first, of entries
+        stored as ``variant`` (KV of another precision is never handed out)."""
         depth = 0
         while depth < len(hashes) and hashes[depth] in self._by_hash:
             depth += 1
@@ -235,7 +237,8 @@ class PrefixIndex:
         out: list[tuple[int, int]] = []
         for d in range(depth, 0, -1):
             for entry_id in sorted(self._by_hash[hashes[d - 1]], reverse=True):
-                if entry_id not in seen and self._entries[entry_id].loadable:
+                entry = self._entries[entry_id]
+                if entry_id not in seen and entry.loadable and entry.variant == variant:
                     seen.add(entry_id)
                     out.append((d, entry_id))
             if len(out) >= MAX_CANDIDATES:
@@ -249,6 +252,7 @@ class PrefixIndex:
         promised: int = 0,
         acquire: bool = True,
         max_growth: int | None = None,
+        variant: str = "",
     ) -> Lookup:
         """The deepest reusable entry for ``key``. The block-hash chain is searched
         first; when it reuses less than ``promised`` tokens (what the session
@@ -262,13 +266,15 @@ class PrefixIndex:
         self.counters.lookups += 1
         self.counters.tokens_queried += len(key.model_tokens)
         result = Lookup()
-        best = self._best(self._candidates(self.hashes(key)), key, result, max_growth)
+        best = self._best(self._candidates(self.hashes(key), variant), key, result, max_growth)
         reused = best.alignment.request_depth if best else 0
         if reused < min(promised, len(key.model_tokens) - 1):
             extra = [
                 (0, e)
                 for e in session_candidates
-                if e in self._entries and self._entries[e].loadable
+                if e in self._entries
+                and self._entries[e].loadable
+                and self._entries[e].variant == variant
             ]
             deeper = self._best(extra, key, result, max_growth)
             if deeper is not None and deeper.alignment.request_depth > reused:
@@ -365,6 +371,7 @@ class PrefixIndex:
         nbytes: int | EntryBytes,
         trimmable: bool,
         session: str | None = None,
+        variant: str = "",
     ) -> int | None:
         """Index a new payload in RAM; returns its id, or None if it is not worth
         keeping or cannot fit (the caller then drops the payload)."""
@@ -373,6 +380,8 @@ class PrefixIndex:
         if len(key.model_tokens) < self.block_size or held.total > self.ram.max_bytes:
             return None
         for entry in self._entries.values():
+            if entry.variant != variant:
+                continue
             if entry.key.model_tokens == key.model_tokens or (
                 trimmable and entry.trimmable and _strict_prefix(key, entry.key)
             ):
@@ -380,10 +389,10 @@ class PrefixIndex:
                 return None  # already cached, or served by a longer entry
         hashes = self.hashes(key)
         if trimmable:
-            self._remove_prefixes_of(key, hashes)
+            self._remove_prefixes_of(key, hashes, variant)
         if not self._make_room(held):
             return None
-        entry = self._new_entry(key, held, trimmable, hashes, session)
+        entry = self._new_entry(key, held, trimmable, hashes, session, variant=variant)
         self.ram.add(held)
         self._ram_entries += 1
         self.counters.inserts += 1
@@ -417,6 +426,7 @@ class PrefixIndex:
         session: str | None,
         uid: str,
         pinned: bool = False,
+        variant: str = "",
     ) -> int | None:
         """Index an entry found on disk at start (not in RAM); None if the disk
         tier has no room for it (the caller deletes its files)."""
@@ -432,17 +442,23 @@ class PrefixIndex:
             in_ram=False,
             on_disk=True,
             pinned=pinned,
+            variant=variant,
         )
         self.disk.add(held)
         return entry.entry_id
 
-    def _remove_prefixes_of(self, key: PromptKey, hashes: list[bytes]) -> None:
+    def _remove_prefixes_of(self, key: PromptKey, hashes: list[bytes], variant: str) -> None:
         """A longer trimmable entry can serve every strict prefix of itself: keep it, drop them."""
         if not hashes:
             return
         for entry_id in list(self._by_hash.get(hashes[0], ())):
             entry = self._entries[entry_id]
-            if entry.trimmable and not entry.pinned and _strict_prefix(entry.key, key):
+            if (
+                entry.trimmable
+                and not entry.pinned
+                and entry.variant == variant
+                and _strict_prefix(entry.key, key)
+            ):
                 if entry.refs:  # being read right now: goes when released
                     entry.superseded = True
                     continue

@@ -115,9 +115,10 @@ class TieredKVManager:
         quant: KVQuant | None = None,
     ):
         self.config = config
-        # quantized blocks are other bytes than full-precision ones: their own namespace
-        self.namespace = f"{namespace}-{quant.tag()}" if quant else namespace
+        self.namespace = namespace
+        self.quant = quant  # --kv-bits: how stored blocks are kept unless a request says
         self.ops = KVLayoutOps(template, config.kv_block_size, quant)
+        self._ops: dict[str, KVLayoutOps] = {self._variant(quant): self.ops}
         self._template = list(template)
         self._blocks: dict[Digest, BlockArrays] = {}
         self._private: dict[int, PrivatePart] = {}
@@ -151,6 +152,24 @@ class TieredKVManager:
     def trimmable(self) -> bool:
         return self.ops.trimmable
 
+    @staticmethod
+    def _variant(quant: KVQuant | None) -> str:
+        return quant.tag() if quant else ""
+
+    def _quant_for(self, kv_bits: int | None) -> KVQuant | None:
+        """A request's ``kv_bits`` over the server's --kv-bits (same groups and start)."""
+        if kv_bits is None:
+            return self.quant
+        base = self.quant or KVQuant()
+        return KVQuant(kv_bits, base.group_size, base.start)
+
+    def _ops_for(self, kv_bits: int | None) -> tuple[str, KVLayoutOps]:
+        quant = self._quant_for(kv_bits)
+        variant = self._variant(quant)
+        if variant not in self._ops:
+            self._ops[variant] = KVLayoutOps(self._template, self.config.kv_block_size, quant)
+        return variant, self._ops[variant]
+
     # -- TierListener (called by the index) ------------------------------------
     def left_ram(self, entry: CacheEntry, freed: list[Digest]) -> None:
         self._private.pop(entry.entry_id, None)
@@ -177,7 +196,11 @@ class TieredKVManager:
             hints.session_id, hints.message_hashes, key.message_ends
         )
         result = self.index.lookup(
-            key, self.sessions.candidates(hints.session_id), promised, max_growth=max_growth
+            key,
+            self.sessions.candidates(hints.session_id),
+            promised,
+            max_growth=max_growth,
+            variant=self._variant(self._quant_for(hints.kv_bits)),
         )
         for reason in result.rejected:
             log.info("%s: prefix cache rejected %s", request_id, reason)
@@ -294,20 +317,29 @@ class TieredKVManager:
         self.index.release(entry_id)
 
     # -- store -----------------------------------------------------------------
-    def store(self, key: PromptKey, caches: list[Any], session: str | None = None) -> int | None:
-        """Keep ``caches`` (KV of exactly ``key.model_tokens``) for later requests."""
+    def store(
+        self,
+        key: PromptKey,
+        caches: list[Any],
+        session: str | None = None,
+        kv_bits: int | None = None,
+    ) -> int | None:
+        """Keep ``caches`` (KV of exactly ``key.model_tokens``) for later requests,
+        at the precision ``kv_bits`` asks for (None: the server's --kv-bits)."""
         self.poll()
         length = len(key.model_tokens)
+        variant, ops = self._ops_for(kv_bits)
+        # blocks of another precision are other bytes: their own address space
         digests = (
-            block_digests(key.model_tokens, self.ops.block_size, self.namespace)
-            if self.ops.plain
+            block_digests(key.model_tokens, ops.block_size, f"{self.namespace}/{variant}")
+            if ops.plain
             else []
         )
-        held = self.ops.measure(caches, length, digests)
-        entry_id = self.index.insert(key, held, self.ops.trimmable, session)
+        held = ops.measure(caches, length, digests)
+        entry_id = self.index.insert(key, held, ops.trimmable, session, variant)
         if entry_id is not None:
             want = {d for d, _ in held.blocks if d not in self._blocks}
-            split = self.ops.split(caches, length, held, want)
+            split = ops.split(caches, length, held, want)
             self._blocks.update(split.blocks)
             assert split.private is not None
             self._private[entry_id] = split.private
@@ -336,6 +368,7 @@ class TieredKVManager:
             "private_meta": private.meta(),
             "trimmable": entry.trimmable,
             "session": entry.session,
+            "variant": entry.variant,
             "created": time.time(),
         }
         disk.submit(WriteEntry(entry_id, entry.uid, blocks, _arrays(private.arrays()), manifest))
@@ -374,6 +407,7 @@ class TieredKVManager:
                     m.get("session"),
                     found.uid,
                     pinned=found.uid in pinned_uids,
+                    variant=str(m.get("variant", "")),
                 )
             except (KeyError, ValueError, TypeError):
                 entry_id = None

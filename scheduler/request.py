@@ -57,6 +57,7 @@ class CacheHints:
     key: PromptKey  # model tokens (== Request.prompt_tokens) + volatile spans + cache key
     session_id: str
     message_hashes: tuple[str, ...] = ()  # canonical hash per message (session layer)
+    kv_bits: int | None = None  # None: the server's --kv-bits
 
 
 @dataclass

@@ -258,6 +258,21 @@ def test_quantized_blocks_are_smaller_close_and_survive_a_restart(
         assert np.array_equal(a, b)
 
 
+def test_a_requests_kv_bits_keeps_its_own_precision(llama_hd64):
+    """KV stored at 8 bits is reused only by requests asking for 8 bits; the
+    full-precision entry of the same prompt is kept beside it."""
+    h = Harness(llama_hd64, STRICT, kv_block=16)
+    msgs = conversation(turns=1)
+    ((_, cached),) = h.run(h.request(msgs, kv_bits=8))
+    assert cached == 0
+    ((_, cached),) = h.run(h.request(msgs))  # full precision: the 8-bit entry is not offered
+    assert cached == 0
+    ((_, cached),) = h.run(h.request(msgs, kv_bits=8))
+    assert cached == len(h.request(msgs).prompt_tokens) - 1
+    variants = {e.variant: e.nbytes for e in h.cache.index.entries() if e.length > 100}
+    assert set(variants) == {"", "q8g64s0"} and variants["q8g64s0"] < variants[""] / 3
+
+
 def _kv(cache, entry):
     caches = cache._caches(entry, entry.length)
     return [np.array(x) for c in caches for x in (c.keys, c.values)]

@@ -72,7 +72,7 @@ class Harness:
         )
         self._n = 0
 
-    def request(self, messages, max_tokens=12, session="s1"):
+    def request(self, messages, max_tokens=12, session="s1", kv_bits=None):
         rendered = self.formatter.render_chat(
             messages, relocate_volatile=self.policy is VolatilePolicy.RELOCATE
         )
@@ -83,7 +83,7 @@ class Harness:
             sampling=GREEDY,
             ignore_eos=True,
             request_id=f"r{self._n}",
-            cache=CacheHints(rendered.key, session, rendered.message_hashes),
+            cache=CacheHints(rendered.key, session, rendered.message_hashes, kv_bits),
         )
 
     def run(self, *requests, stagger=0):

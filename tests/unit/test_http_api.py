@@ -116,6 +116,8 @@ def test_conv_headers_and_use_kv_cache_false(base):
     assert r.status_code == 200 and r.headers["x-conv-kv"] == "disabled"
     r = httpx.post(base + CHAT, json={"messages": msgs(), "use_kv_cache": "no"})
     assert_error(r, 400, None)
+    r = httpx.post(base + CHAT, json={"messages": msgs(), "extra_body": {"kv_bits": 5}})
+    assert "kv_bits" in assert_error(r, 400, None)["param"]
 
 
 def test_streaming_framing_and_usage(base):
