@@ -96,21 +96,20 @@ class EnvelopedSampling(SamplingFields, CacheSwitch):
 
     extra_body: Envelope | None = None
 
-    def kv_bits_requested(self) -> int | None:
-        """``kv_bits``: top level over ``extra_body`` over ``metadata``."""
+    def _enveloped(self, name: str) -> Any:
+        """A cache field: top level over ``extra_body`` over ``metadata``; None if unset."""
         for scope in (self, self.extra_body, getattr(self, "metadata", None)):
-            value = getattr(scope, "kv_bits", None) if scope is not None else None
+            value = getattr(scope, name, None) if scope is not None else None
             if value is not None:
-                return int(value)
+                return value
         return None
 
+    def kv_bits_requested(self) -> int | None:
+        value = self._enveloped("kv_bits")
+        return None if value is None else int(value)
+
     def kv_cache_enabled(self) -> bool:
-        """``use_kv_cache``: top level over ``extra_body`` over ``metadata``; default on."""
-        for scope in (self, self.extra_body, getattr(self, "metadata", None)):
-            value = getattr(scope, "use_kv_cache", None) if scope is not None else None
-            if value is not None:
-                return bool(value)
-        return True
+        return self._enveloped("use_kv_cache") is not False
 
     def sampling(self) -> SamplingFields:
         """The effective values: top level over ``extra_body`` over ``metadata``."""

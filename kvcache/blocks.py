@@ -14,23 +14,18 @@ the files in ``kvcache.disk``; this module only counts who uses what.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+from kvcache.prompt_key import chain_hashes
 
 Digest = bytes
 
 
 def block_digests(tokens: Sequence[int], block_size: int, namespace: str) -> list[Digest]:
-    """The address of each full block of ``tokens``, each chained with its parent's."""
-    parent = hashlib.blake2b(namespace.encode(), digest_size=16, person=b"kvwarm-kv").digest()
-    out: list[Digest] = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        block = struct.pack(f"<{block_size}q", *tokens[start : start + block_size])
-        parent = hashlib.blake2b(parent + block, digest_size=16).digest()
-        out.append(parent)
-    return out
+    """The address of each full block of ``tokens``, each chained with its parent's
+    (the index's chain over model tokens, in a namespace of its own)."""
+    return chain_hashes(tokens, block_size, f"kv-blocks|{namespace}")
 
 
 @dataclass(frozen=True)

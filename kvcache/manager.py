@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from kvcache.blocks import Digest, EntryBytes, block_digests
+from kvcache.blocks import Digest, EntryBytes, TierLedger, block_digests
 from kvcache.disk import FORMAT_VERSION, Arrays, DiskTier, WriteEntry
 from kvcache.index import CacheEntry, PrefixIndex, PromptCacheConfig
 from kvcache.interface import ConversationNotFound, SavedConversation, StorageFull
@@ -583,22 +583,8 @@ class TieredKVManager:
             stale_volatile_reuse=c.stale_volatile_reuse,
             exact_key_rejected_by_model_lcp=c.exact_key_rejected_by_model_lcp,
             hybrid_trim_miss=c.hybrid_trim_miss,
-            ram=TierStats(
-                idx.ram.nbytes,
-                idx.ram.max_bytes,
-                idx.ram.blocks,
-                idx.ram_entries(),
-                idx.ram.shared_saved_bytes,
-                sum(e.length for e in entries if e.in_ram),
-            ),
-            disk=TierStats(
-                idx.disk.nbytes,
-                idx.disk.max_bytes,
-                idx.disk.blocks,
-                sum(1 for e in entries if e.on_disk),
-                idx.disk.shared_saved_bytes,
-                sum(e.length for e in entries if e.on_disk),
-            ),
+            ram=_tier_stats(idx.ram, [e for e in entries if e.in_ram]),
+            disk=_tier_stats(idx.disk, [e for e in entries if e.on_disk]),
             disk_enabled=idx.disk_enabled,
             disk_dir=str(disk.dir) if disk is not None else "",
             disk_degraded=disk.degraded if disk is not None else None,
@@ -619,6 +605,17 @@ class TieredKVManager:
             disk_pending_bytes=disk.pending_bytes() if disk is not None else 0,
             restored_entries=self.restored,
         )
+
+
+def _tier_stats(ledger: TierLedger, entries: list[CacheEntry]) -> TierStats:
+    return TierStats(
+        ledger.nbytes,
+        ledger.max_bytes,
+        ledger.blocks,
+        len(entries),
+        ledger.shared_saved_bytes,
+        sum(e.length for e in entries),
+    )
 
 
 def _empty_tail(private: PrivatePart) -> PrivatePart:
