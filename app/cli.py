@@ -38,6 +38,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "volatile_policy": {"choices": ["reuse", "strict", "relocate"]},
     "kv_dir": {"metavar": "DIR"},
     "kv_disk_bytes": {"metavar": "SIZE"},
+    "kv_tier": {"metavar": "KIND"},
     "kv_block_size": {"type": int, "metavar": "N"},
     "kv_eviction": {"choices": ["cost-aware", "lru"]},
     "kv_bits": {"type": int, "choices": [4, 8]},
@@ -152,6 +153,7 @@ def cmd_serve(settings: Settings) -> int:
         kv_dir=settings.kv_disk_path,
         kv_disk_bytes=settings.kv_disk_limit,
         kv_quant=settings.kv_quant,
+        kv_tier=settings.kv_tier,
     )
     server: GracefulServer | None = None
     load_failure: list[str] = []

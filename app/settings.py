@@ -117,6 +117,11 @@ class Settings(BaseSettings):
         description="bytes the SSD tier may hold; 0 turns it off (RAM only); auto = a "
         "quarter of the free disk at start, at most 64 GiB",
     )
+    kv_tier: str = Field(
+        "ssd",
+        description="kind of persistent tier under RAM (kvcache/tiers.py registers them): "
+        "ssd = safetensors files in --kv-dir",
+    )
     kv_block_size: int = Field(
         64,
         ge=1,
@@ -171,6 +176,15 @@ class Settings(BaseSettings):
     def _positive_budget(cls, value: int | str) -> int | str:
         if value == 0:
             raise ValueError("the memory budget must be positive (or auto)")
+        return value
+
+    @field_validator("kv_tier")
+    @classmethod
+    def _known_tier(cls, value: str) -> str:
+        from kvcache.tiers import PERSISTENT_TIERS
+
+        if value not in PERSISTENT_TIERS:
+            raise ValueError(f"KV tier must be one of {', '.join(PERSISTENT_TIERS)}")
         return value
 
     @field_validator("kv_eviction")

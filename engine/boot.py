@@ -57,7 +57,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
         disk = None
         if cfg.kv_dir is not None and cfg.kv_disk_bytes != 0:
             disk_bytes = resolve_disk_bytes(cfg.kv_dir, cfg.kv_disk_bytes)
-            disk = DiskConfig(cfg.kv_dir, disk_bytes) if disk_bytes > 0 else None
+            disk = DiskConfig(cfg.kv_dir, disk_bytes, kind=cfg.kv_tier) if disk_bytes > 0 else None
         prefix_cache = TieredKVManager(
             pc,
             cache_bytes,

@@ -58,6 +58,7 @@ class EngineConfig:
     kv_dir: Path | None = None  # the prefix cache's SSD tier; None: RAM only
     kv_disk_bytes: int | None = None  # None: auto (a share of the free disk); 0: off
     kv_quant: KVQuant | None = None  # stored blocks quantized (--kv-bits)
+    kv_tier: str = "ssd"  # kind of persistent tier (kvcache.tiers.PERSISTENT_TIERS)
 
 
 class EngineThread(threading.Thread):

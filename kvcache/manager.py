@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvcache.blocks import Digest, EntryBytes, TierLedger, block_digests
-from kvcache.disk import FORMAT_VERSION, Arrays, DiskTier, WriteEntry
+from kvcache.disk import FORMAT_VERSION, Arrays, WriteEntry
 from kvcache.index import CacheEntry, PrefixIndex, PromptCacheConfig
 from kvcache.interface import ConversationNotFound, SavedConversation, StorageFull
 from kvcache.layout import KVQuant
@@ -30,6 +30,7 @@ from kvcache.prompt_key import PromptKey, TokenSpan
 from kvcache.safetensors_io import CorruptFile
 from kvcache.sessions import SessionStore
 from kvcache.stats import KVCacheStats, TierStats
+from kvcache.tiers import PERSISTENT_TIERS, PersistentTier
 from scheduler.request import CacheHints, CacheReport
 
 log = logging.getLogger("kvwarm.kvcache")
@@ -42,6 +43,7 @@ class DiskConfig:
     root: Path
     max_bytes: int
     max_pending_bytes: int = 1 << 30
+    kind: str = "ssd"  # a key of kvcache.tiers.PERSISTENT_TIERS
 
 
 @dataclass
@@ -125,11 +127,12 @@ class TieredKVManager:
         self._freed = False
         self.restored = 0
         self._pins: dict[str, dict[str, Any]] = {}  # saved conversations -> entry uid, title
-        self.disk: DiskTier | None = None
+        self.disk: PersistentTier | None = None
         disk_bytes = 0
         if disk is not None and disk.max_bytes > 0:
             try:
-                self.disk = DiskTier(disk.root, self.namespace, disk.max_pending_bytes)
+                make = PERSISTENT_TIERS[disk.kind]
+                self.disk = make(disk.root, self.namespace, disk.max_pending_bytes)
                 disk_bytes = disk.max_bytes
             except OSError as exc:
                 log.warning("KV disk tier off: %s is not usable (%s)", disk.root, exc)

@@ -291,3 +291,21 @@ def test_kv_files_are_plain_safetensors(llama, tmp_path):
     mine, _, _ = read_verified(blocks[0], "tiny")
     assert all(np.array_equal(np.array(arrays[n]), mine[n]) for n in arrays)
     assert "manifest" in mx.load(str(entries[0]), return_metadata=True)[1]
+
+
+def test_a_tier_kind_registered_in_one_place_is_used(llama, tmp_path, monkeypatch):
+    from kvcache import tiers
+    from kvcache.disk import DiskTier
+
+    written: list[str] = []
+
+    class Recording(DiskTier):
+        def submit(self, job):
+            written.append(job.uid)
+            super().submit(job)
+
+    monkeypatch.setitem(tiers.PERSISTENT_TIERS, "recording", Recording)
+    h = Harness(llama, STRICT, disk=DiskConfig(tmp_path, GiB, kind="recording"))
+    h.run(h.request(conversation(turns=1)))
+    h.cache.close()
+    assert written and {e.uid for e in h.cache.index.entries() if e.on_disk} <= set(written)
