@@ -223,6 +223,8 @@ class EngineThread(threading.Thread):
             if self._fault is not None:
                 raise self._fault
             self._run_controls()
+            if runner.prefix_cache is not None:
+                runner.prefix_cache.poll()  # finished disk writes show in /stats promptly
             plan = scheduler.schedule()
             self.router.publish(self._apply_plan_exits(plan))
             failed = []
