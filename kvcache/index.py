@@ -372,9 +372,13 @@ class PrefixIndex:
         trimmable: bool,
         session: str | None = None,
         variant: str = "",
+        persist: bool = False,
     ) -> int | None:
         """Index a new payload in RAM; returns its id, or None if it is not worth
-        keeping or cannot fit (the caller then drops the payload)."""
+        keeping or cannot fit (the caller then drops the payload). ``persist``
+        reserves its disk bytes too (``begin_persist``) before the shorter entries
+        it supersedes go, so the blocks they share never leave the disk only to be
+        written again."""
         self.expire()
         held = nbytes if isinstance(nbytes, EntryBytes) else EntryBytes(private=nbytes)
         if len(key.model_tokens) < self.block_size or held.total > self.ram.max_bytes:
@@ -388,14 +392,27 @@ class PrefixIndex:
                 entry.last_used = self._clock()
                 return None  # already cached, or served by a longer entry
         hashes = self.hashes(key)
-        if trimmable:
-            self._remove_prefixes_of(key, hashes, variant)
-        if not self._make_room(held):
-            return None
+        covered = self._prefixes_of(key, hashes, variant) if trimmable else []
+        idle = [e for e in covered if not e.refs]
+        if not self._make_room(held, spare=sum(1 for e in idle if e.in_ram), keep=idle):
+            # no room beside them: drop them first after all (their shared blocks go too)
+            for old in idle:
+                self.counters.superseded += 1
+                self.remove(old.entry_id)
+            if not self._make_room(held):
+                return None
         entry = self._new_entry(key, held, trimmable, hashes, session, variant=variant)
         self.ram.add(held)
         self._ram_entries += 1
         self.counters.inserts += 1
+        if persist:
+            self.begin_persist(entry.entry_id)
+        for old in covered:  # a longer trimmable entry serves every strict prefix of itself
+            if old.refs:  # being read right now: goes when released
+                old.superseded = True
+            elif old.entry_id in self._entries:
+                self.counters.superseded += 1
+                self.remove(old.entry_id)
         return entry.entry_id
 
     def _new_entry(
@@ -447,11 +464,12 @@ class PrefixIndex:
         self.disk.add(held)
         return entry.entry_id
 
-    def _remove_prefixes_of(self, key: PromptKey, hashes: list[bytes], variant: str) -> None:
-        """A longer trimmable entry can serve every strict prefix of itself: keep it, drop them."""
+    def _prefixes_of(self, key: PromptKey, hashes: list[bytes], variant: str) -> list[CacheEntry]:
+        """Trimmable entries of this variant whose tokens are a strict prefix of ``key``'s."""
         if not hashes:
-            return
-        for entry_id in list(self._by_hash.get(hashes[0], ())):
+            return []
+        out = []
+        for entry_id in self._by_hash.get(hashes[0], ()):
             entry = self._entries[entry_id]
             if (
                 entry.trimmable
@@ -459,16 +477,17 @@ class PrefixIndex:
                 and entry.variant == variant
                 and _strict_prefix(entry.key, key)
             ):
-                if entry.refs:  # being read right now: goes when released
-                    entry.superseded = True
-                    continue
-                self.counters.superseded += 1
-                self.remove(entry_id)
+                out.append(entry)
+        return out
 
-    def _make_room(self, held: EntryBytes) -> bool:
-        """Evict (or demote to disk) RAM entries until ``held`` fits."""
-        while not self.ram.fits(held) or self._ram_entries >= self.max_entries:
-            victim = self._victim(lambda e: e.in_ram)
+    def _make_room(
+        self, held: EntryBytes, spare: int = 0, keep: list[CacheEntry] | None = None
+    ) -> bool:
+        """Evict (or demote to disk) RAM entries until ``held`` fits; ``spare`` RAM
+        entries (``keep``) are about to go anyway and are not victims."""
+        kept = {e.entry_id for e in keep or ()}
+        while not self.ram.fits(held) or self._ram_entries - spare >= self.max_entries:
+            victim = self._victim(lambda e: e.in_ram and e.entry_id not in kept)
             if victim is None:
                 return False
             self._leave_ram(victim)

@@ -339,30 +339,53 @@ class TieredKVManager:
             else []
         )
         held = ops.measure(caches, length, digests)
-        entry_id = self.index.insert(key, held, ops.trimmable, session, variant)
+        disk = self.disk
+        _, nbytes = self._disk_share(held)
+        # write-through: disk room is reserved with the insert, before the shorter
+        # entries it supersedes leave (their blocks are this entry's: kept, not rewritten)
+        persist = disk is not None and disk.usable and disk.room_for(nbytes)
+        entry_id = self.index.insert(key, held, ops.trimmable, session, variant, persist)
         if entry_id is not None:
             want = {d for d, _ in held.blocks if d not in self._blocks}
             split = ops.split(caches, length, held, want)
             self._blocks.update(split.blocks)
             assert split.private is not None
             self._private[entry_id] = split.private
-            self._persist(entry_id)
+            entry = self.index.get(entry_id)
+            if entry is not None and entry.persisting:
+                self._submit_write(entry)
+            elif disk is not None and disk.usable:
+                disk.counters.writes_skipped += 1
         self._return_memory()
         return entry_id
 
+    def _disk_share(self, held: EntryBytes) -> tuple[list[Digest], int]:
+        """The blocks of ``held`` not on disk yet, and the bytes a write would queue."""
+        new = [d for d, _ in held.blocks if d not in self.index.disk.refs]
+        fresh = set(new)
+        return new, held.private + sum(n for d, n in held.blocks if d in fresh)
+
     def _persist(self, entry_id: int) -> bool:
-        """Queue a RAM entry's new blocks and manifest for the writer (never waits)."""
+        """Reserve disk room for a RAM entry and queue its write (save_conversation)."""
         disk = self.disk
         entry = self.index.get(entry_id)
         if disk is None or entry is None or not disk.usable or not entry.in_ram:
             return False
-        new_on_disk = [d for d, _ in entry.held.blocks if d not in self.index.disk.refs]
-        nbytes = entry.held.private + sum(n for d, n in entry.held.blocks if d in new_on_disk)
+        _, nbytes = self._disk_share(entry.held)
         if not disk.room_for(nbytes) or not self.index.begin_persist(entry_id):
             disk.counters.writes_skipped += 1
             return False
-        private = self._private[entry_id]
-        blocks = [(d, _arrays(self._blocks[d])) for d in new_on_disk]
+        self._submit_write(entry)
+        return True
+
+    def _submit_write(self, entry: CacheEntry) -> None:
+        """Hand the writer numpy views of the entry's new blocks and its manifest.
+        New: no other entry on disk (or being written) holds them, whatever room
+        making just deleted; the writer's queue order does the rest."""
+        assert self.disk is not None
+        refs = self.index.disk.refs
+        new_blocks = [d for d, _ in entry.held.blocks if refs.get(d) == 1]
+        private = self._private[entry.entry_id]
         manifest = {
             "format": FORMAT_VERSION,
             "key": _key_manifest(entry.key),
@@ -374,8 +397,10 @@ class TieredKVManager:
             "variant": entry.variant,
             "created": time.time(),
         }
-        disk.submit(WriteEntry(entry_id, entry.uid, blocks, _arrays(private.arrays()), manifest))
-        return True
+        blocks = [(d, _arrays(self._blocks[d])) for d in new_blocks]
+        self.disk.submit(
+            WriteEntry(entry.entry_id, entry.uid, blocks, _arrays(private.arrays()), manifest)
+        )
 
     def poll(self) -> None:
         """Apply the disk writes that finished since the last call."""

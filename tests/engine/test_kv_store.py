@@ -309,3 +309,22 @@ def test_a_tier_kind_registered_in_one_place_is_used(llama, tmp_path, monkeypatc
     h.run(h.request(conversation(turns=1)))
     h.cache.close()
     assert written and {e.uid for e in h.cache.index.entries() if e.on_disk} <= set(written)
+
+
+def test_a_new_turn_writes_only_its_new_blocks(llama, tmp_path):
+    """The turn's entry supersedes the last one; the blocks they share stay on disk
+    (no delete-and-rewrite of the whole conversation every turn)."""
+    h = disk_harness(llama, tmp_path)
+    first_req = h.request(conversation(turns=1))
+    ((first, _),) = h.run(first_req)
+    h.cache.flush()
+    before = h.cache.stats().disk_bytes_written
+    second = h.request(second_turn(h, first))
+    h.run(second)
+    h.cache.flush()
+    st = h.cache.stats()
+    written = st.disk_bytes_written - before
+    new_tokens = len(second.prompt_tokens) - len(first_req.prompt_tokens)
+    assert st.disk.entries == 1 and st.superseded >= 1  # the old turn is gone, its blocks kept
+    assert written <= (new_tokens + 12 + 2 * 16) * st.disk.bytes_per_token + 64 * 1024
+    assert written < st.disk.bytes / 2
