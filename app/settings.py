@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import ByteSize, Field, field_validator
+from pydantic import ByteSize, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvcache.eviction import EVICTION_POLICIES
@@ -178,20 +178,22 @@ class Settings(BaseSettings):
             raise ValueError("the memory budget must be positive (or auto)")
         return value
 
-    @field_validator("kv_tier")
+    @field_validator("kv_tier", "kv_eviction", "kv_bits", "kv_group_size")
     @classmethod
-    def _known_tier(cls, value: str) -> str:
+    def _one_of(cls, value: object, info: ValidationInfo) -> object:
+        """The KV store's choices, each from where it is defined (registries, mlx)."""
         from kvcache.tiers import PERSISTENT_TIERS
 
-        if value not in PERSISTENT_TIERS:
-            raise ValueError(f"KV tier must be one of {', '.join(PERSISTENT_TIERS)}")
-        return value
-
-    @field_validator("kv_eviction")
-    @classmethod
-    def _known_policy(cls, value: str) -> str:
-        if value not in EVICTION_POLICIES:
-            raise ValueError(f"eviction policy must be one of {', '.join(EVICTION_POLICIES)}")
+        choices: dict[str, tuple[object, ...]] = {
+            "kv_tier": tuple(PERSISTENT_TIERS),
+            "kv_eviction": tuple(EVICTION_POLICIES),
+            "kv_bits": (None, 4, 8),
+            "kv_group_size": (32, 64, 128),  # what mx.quantize groups
+        }
+        allowed = choices[str(info.field_name)]
+        if value not in allowed:
+            shown = ", ".join(str(c) for c in allowed if c is not None)
+            raise ValueError(f"{info.field_name} must be one of {shown}")
         return value
 
     @field_validator("log_level")
@@ -223,20 +225,6 @@ class Settings(BaseSettings):
         if self.kv_bits is None:
             return None
         return KVQuant(self.kv_bits, self.kv_group_size, self.quantized_kv_start)
-
-    @field_validator("kv_bits")
-    @classmethod
-    def _bits(cls, value: int | None) -> int | None:
-        if value not in (None, 4, 8):
-            raise ValueError("KV quantization takes 4 or 8 bits")
-        return value
-
-    @field_validator("kv_group_size")
-    @classmethod
-    def _group(cls, value: int) -> int:
-        if value not in (32, 64, 128):
-            raise ValueError("the KV quantization group size must be 32, 64 or 128")
-        return value
 
     @property
     def kv_disk_path(self) -> Path:

@@ -25,11 +25,11 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.loader import always_trimmable
 from engine.row_faults import FaultLedger, GuardedProcessor, GuardedSampler
 from engine.sampling import SamplerFactory
 from engine.text_output import TextOutput
 from kvcache.manager import TieredKVManager
+from kvcache.payloads import plain_kv_only
 from kvcache.prompt_key import PromptKey
 from scheduler.admission import round_up
 from scheduler.request import CacheReport, FinishReason, Request, RequestOutput, RequestStats
@@ -100,14 +100,13 @@ class BatchRunner:
         prefill_step_size: int,
         prefill_batch: int,
         prefix_cache: TieredKVManager | None = None,
-        trimmable: bool | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
         # whether every layer can be cut back to any depth (sliding windows and
         # recurrent states cannot once filled): entries then hit only whole
-        self._trimmable = always_trimmable(model) if trimmable is None else trimmable
+        self._trimmable = plain_kv_only(make_prompt_cache(model))
         # prompt tokens one step may prefill, shared by all rows joining at once
         self.prefill_budget = prefill_step_size
         self._max_batch = max_batch

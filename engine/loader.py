@@ -26,6 +26,7 @@ from engine.model_errors import UnsupportedModelError
 from engine.model_source import ModelSource
 from kvcache.disk import FORMAT_VERSION
 from kvcache.layout import KVLayout, LayerKind, LayerKV
+from kvcache.payloads import position_bytes
 
 log = logging.getLogger("kvwarm.engine.loader")
 
@@ -80,19 +81,14 @@ def _context_length(config: dict[str, Any], tokenizer) -> int:
     return limit if isinstance(limit, int) and limit < 10**7 else 4096
 
 
-def _position_bytes(cache: KVCache | RotatingKVCache) -> int:
-    """Keys + values of one position (their head dims may differ)."""
-    return sum(a.shape[1] * a.shape[3] * a.dtype.size for a in (cache.keys, cache.values))
-
-
 def _layer_costs(cache: object) -> list[LayerKV]:
     # QuantizedKVCache subclasses nothing here; checked first so it is named, not mis-sized
     if isinstance(cache, QuantizedKVCache):
         raise UnsupportedModelError("quantized KV caches in the model itself are not supported")
     if isinstance(cache, RotatingKVCache):
-        return [LayerKV(LayerKind.WINDOW, _position_bytes(cache), window=cache.max_size)]
+        return [LayerKV(LayerKind.WINDOW, position_bytes(cache), window=cache.max_size)]
     if isinstance(cache, KVCache):
-        return [LayerKV(LayerKind.ATTENTION, _position_bytes(cache))]
+        return [LayerKV(LayerKind.ATTENTION, position_bytes(cache))]
     if isinstance(cache, ArraysCache):
         state = sum(a.nbytes for a in cache.cache if a is not None)
         return [LayerKV(LayerKind.STATE, state_bytes=state)]
@@ -112,18 +108,6 @@ def probe_layout(model: Any) -> KVLayout:
     mx.eval([c.state for c in cache])
     layers = tuple(cost for layer in cache for cost in _layer_costs(layer))
     return KVLayout(layers, tuple(type(c).__name__ for c in cache))
-
-
-def always_trimmable(model: Any) -> bool:
-    """Every cache layer can be cut back to any depth (plain KV caches only); read
-    off the cache types, no forward pass."""
-
-    def trimmable(cache: object) -> bool:
-        if isinstance(cache, CacheList):
-            return all(trimmable(part) for part in cache.caches)
-        return isinstance(cache, KVCache) and not isinstance(cache, RotatingKVCache)
-
-    return all(trimmable(c) for c in make_prompt_cache(model))
 
 
 def model_fingerprint(model_dir: Path) -> str:

@@ -170,10 +170,6 @@ class DiskTier:
         paths = [self.entry_path(uid)] + [self.block_path(d) for d in blocks]
         self._jobs.put(Delete(paths))
 
-    def delete_blocks(self, blocks: list[Digest]) -> None:
-        if blocks:
-            self._jobs.put(Delete([self.block_path(d) for d in blocks]))
-
     def completed(self) -> list[tuple[int, bool]]:
         """(entry id, written) for every write finished since the last call."""
         out: list[tuple[int, bool]] = []

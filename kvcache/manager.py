@@ -13,20 +13,20 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import numpy as np
 
 from kvcache.blocks import Digest, EntryBytes, TierLedger, block_digests
-from kvcache.disk import FORMAT_VERSION, Arrays, WriteEntry
+from kvcache.disk import FORMAT_VERSION, WriteEntry
+from kvcache.entry_files import key_from, key_manifest, mlx_arrays, numpy_arrays
 from kvcache.index import CacheEntry, PrefixIndex, PromptCacheConfig
 from kvcache.interface import ConversationNotFound, SavedConversation, StorageFull
 from kvcache.layout import KVQuant
 from kvcache.payloads import BlockArrays, KVLayoutOps, PrivatePart, rebuild_private
-from kvcache.prompt_key import PromptKey, TokenSpan
+from kvcache.prompt_key import PromptKey
 from kvcache.safetensors_io import CorruptFile
 from kvcache.sessions import SessionStore
 from kvcache.stats import KVCacheStats, TierStats
@@ -56,52 +56,6 @@ class Reuse:
     kv_depth: int  # KV positions reused (== entry depth)
     request_depth: int  # the request's prompt tokens this KV stands for
     layer: str
-    tier: str  # ram or disk
-
-
-def _to_numpy(a: mx.array) -> tuple[np.ndarray, bool]:
-    """A zero-copy numpy view (bfloat16 as its bits) for the writer thread."""
-    if a.dtype == mx.bfloat16:
-        bits = a.view(mx.uint16)
-        mx.eval(bits)
-        return np.asarray(bits), True
-    return np.asarray(a), False
-
-
-def _arrays(named: dict[str, mx.array]) -> Arrays:
-    out: dict[str, np.ndarray] = {}
-    bf16: set[str] = set()
-    for name, a in named.items():
-        out[name], is_bf16 = _to_numpy(a)
-        if is_bf16:
-            bf16.add(name)
-    return Arrays(out, frozenset(bf16))
-
-
-def _to_mlx(arrays: Arrays) -> dict[str, mx.array]:
-    out = {}
-    for name, a in arrays.arrays.items():
-        x = mx.array(a)
-        out[name] = x.view(mx.bfloat16) if name in arrays.bf16 else x
-    return out
-
-
-def _key_manifest(key: PromptKey) -> dict[str, Any]:
-    return {
-        "model_tokens": list(key.model_tokens),
-        "spans": [[s.start, s.end, s.rule] for s in key.spans],
-        "message_ends": list(key.message_ends),
-        "stable_prefix_end": key.stable_prefix_end,
-    }
-
-
-def _key_from(manifest: dict[str, Any]) -> PromptKey:
-    return PromptKey.build(
-        [int(t) for t in manifest["model_tokens"]],
-        [TokenSpan(int(a), int(b), int(r)) for a, b, r in manifest["spans"]],
-        [int(e) for e in manifest["message_ends"]],
-        int(manifest["stable_prefix_end"]),
-    )
 
 
 class TieredKVManager:
@@ -248,7 +202,6 @@ class TieredKVManager:
             al.entry_depth,
             al.request_depth,
             result.layer,
-            tier,
         )
         report = CacheReport(
             result.layer,
@@ -278,8 +231,8 @@ class TieredKVManager:
         bs = self.ops.block_size
         used = blocks if keep >= len(blocks) * bs else blocks[: -(-keep // bs)]
         if len(used) < len(blocks):  # a trimmable hit short of the stored tail
-            return self.ops.assemble(used, _empty_tail(private), len(used) * bs, keep)
-        return self.ops.assemble(blocks, private, entry.length, keep)
+            return self.ops.assemble(used, _empty_tail(private), keep)
+        return self.ops.assemble(blocks, private, keep)
 
     def _load(self, entry: CacheEntry) -> tuple[list[BlockArrays], PrivatePart]:
         """Read a disk entry's files (verified), then count it back into RAM."""
@@ -292,12 +245,12 @@ class TieredKVManager:
             if arrays is None:
                 raw = self.disk.read_block(digest)
                 nbytes += raw.nbytes
-                arrays = _to_mlx(raw)
+                arrays = mlx_arrays(raw)
             blocks.append(arrays)
         raw, manifest = self.disk.read_entry(entry.uid)
         nbytes += raw.nbytes
         private = rebuild_private(
-            self._template, _to_mlx(raw), manifest["private_meta"], entry.held.private
+            self._template, mlx_arrays(raw), manifest["private_meta"], entry.held.private
         )
         mx.eval([a for blk in blocks for a in blk.values()] + list(private.arrays().values()))
         c = self.disk.counters
@@ -340,7 +293,7 @@ class TieredKVManager:
         )
         held = ops.measure(caches, length, digests)
         disk = self.disk
-        _, nbytes = self._disk_share(held)
+        nbytes = self._write_bytes(held)
         # write-through: disk room is reserved with the insert, before the shorter
         # entries it supersedes leave (their blocks are this entry's: kept, not rewritten)
         persist = disk is not None and disk.usable and disk.room_for(nbytes)
@@ -359,11 +312,10 @@ class TieredKVManager:
         self._return_memory()
         return entry_id
 
-    def _disk_share(self, held: EntryBytes) -> tuple[list[Digest], int]:
-        """The blocks of ``held`` not on disk yet, and the bytes a write would queue."""
-        new = [d for d, _ in held.blocks if d not in self.index.disk.refs]
-        fresh = set(new)
-        return new, held.private + sum(n for d, n in held.blocks if d in fresh)
+    def _write_bytes(self, held: EntryBytes) -> int:
+        """Bytes a write of ``held`` would queue: its private part and blocks not on disk."""
+        refs = self.index.disk.refs
+        return held.private + sum(n for d, n in held.blocks if d not in refs)
 
     def _persist(self, entry_id: int) -> bool:
         """Reserve disk room for a RAM entry and queue its write (save_conversation)."""
@@ -371,7 +323,7 @@ class TieredKVManager:
         entry = self.index.get(entry_id)
         if disk is None or entry is None or not disk.usable or not entry.in_ram:
             return False
-        _, nbytes = self._disk_share(entry.held)
+        nbytes = self._write_bytes(entry.held)
         if not disk.room_for(nbytes) or not self.index.begin_persist(entry_id):
             disk.counters.writes_skipped += 1
             return False
@@ -388,7 +340,7 @@ class TieredKVManager:
         private = self._private[entry.entry_id]
         manifest = {
             "format": FORMAT_VERSION,
-            "key": _key_manifest(entry.key),
+            "key": key_manifest(entry.key),
             "blocks": [[d.hex(), n] for d, n in entry.held.blocks],
             "private_bytes": entry.held.private,
             "private_meta": private.meta(),
@@ -397,9 +349,9 @@ class TieredKVManager:
             "variant": entry.variant,
             "created": time.time(),
         }
-        blocks = [(d, _arrays(self._blocks[d])) for d in new_blocks]
+        blocks = [(d, numpy_arrays(self._blocks[d])) for d in new_blocks]
         self.disk.submit(
-            WriteEntry(entry.entry_id, entry.uid, blocks, _arrays(private.arrays()), manifest)
+            WriteEntry(entry.entry_id, entry.uid, blocks, numpy_arrays(private.arrays()), manifest)
         )
 
     def poll(self) -> None:
@@ -423,7 +375,7 @@ class TieredKVManager:
         for found in order:
             m = found.manifest
             try:
-                key = _key_from(m["key"])
+                key = key_from(m["key"])
                 held = EntryBytes(
                     tuple((bytes.fromhex(d), int(n)) for d, n in m["blocks"]),
                     int(m["private_bytes"]),
@@ -585,10 +537,10 @@ class TieredKVManager:
     # -- stats -----------------------------------------------------------------
     def stats(self) -> KVCacheStats:
         idx = self.index
-        c = idx.counters
         disk = self.disk
-        dc = disk.counters if disk is not None else None
         entries = idx.entries()
+        # the index's counters and the disk's (prefixed disk_) carry the stats' names
+        disk_counters = asdict(disk.counters) if disk is not None else {}
         return KVCacheStats(
             policy=self.config.policy.value,
             block_size=self.config.block_size,
@@ -598,40 +550,15 @@ class TieredKVManager:
             bytes=idx.ram.nbytes,
             max_bytes=idx.ram.max_bytes,
             sessions=len(self.sessions),
-            lookups=c.lookups,
-            tokens_queried=c.tokens_queried,
-            hits=c.hits,
-            misses=c.misses,
-            session_hits=c.session_hits,
-            tokens_reused=c.tokens_reused,
-            inserts=c.inserts,
-            evictions=c.evictions,
-            expired=c.expired,
-            superseded=c.superseded,
-            stale_volatile_reuse=c.stale_volatile_reuse,
-            exact_key_rejected_by_model_lcp=c.exact_key_rejected_by_model_lcp,
-            hybrid_trim_miss=c.hybrid_trim_miss,
             ram=_tier_stats(idx.ram, [e for e in entries if e.in_ram]),
             disk=_tier_stats(idx.disk, [e for e in entries if e.on_disk]),
             disk_enabled=idx.disk_enabled,
             disk_dir=str(disk.dir) if disk is not None else "",
             disk_degraded=disk.degraded if disk is not None else None,
-            demotions=c.demotions,
-            promotions=c.promotions,
-            disk_hits=c.disk_hits,
-            disk_tokens_reused=c.disk_tokens_reused,
-            disk_evictions=c.disk_evictions,
-            disk_loads=dc.loads if dc else 0,
-            disk_load_tokens=dc.load_tokens if dc else 0,
-            disk_load_bytes=dc.load_bytes if dc else 0,
-            disk_load_seconds=dc.load_seconds if dc else 0.0,
-            disk_files_written=dc.files_written if dc else 0,
-            disk_bytes_written=dc.bytes_written if dc else 0,
-            disk_write_errors=dc.write_errors if dc else 0,
-            disk_writes_skipped=dc.writes_skipped if dc else 0,
-            disk_files_discarded=dc.files_discarded if dc else 0,
             disk_pending_bytes=disk.pending_bytes() if disk is not None else 0,
             restored_entries=self.restored,
+            **asdict(idx.counters),
+            **{f"disk_{name}": value for name, value in disk_counters.items()},
         )
 
 

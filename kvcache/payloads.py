@@ -52,9 +52,19 @@ def _is_plain_kv(cache: object) -> bool:
     return isinstance(cache, KVCache) and not isinstance(cache, RotatingKVCache)
 
 
+def plain_kv_only(caches: Sequence[Any]) -> bool:
+    """Every layer is plain KV: stored entries can be cut back to any depth."""
+    return all(_is_plain_kv(c) for c in caches)
+
+
 def _leaves(state: Any) -> list[tuple[str, Any]]:
     """A cache state's leaves by dotted path (arrays, ints, None, class names)."""
     return cast(list[tuple[str, Any]], tree_flatten(state))
+
+
+def position_bytes(cache: Any) -> int:
+    """Keys + values of one position of a KV cache layer (their head dims may differ)."""
+    return sum(a.shape[1] * a.shape[3] * a.dtype.size for a in (cache.keys, cache.values))
 
 
 def _own(x: mx.array) -> mx.array:
@@ -114,15 +124,11 @@ class KVLayoutOps:
         self.plain = [i for i, c in enumerate(template) if _is_plain_kv(c)]
         self.n_layers = len(template)
         # every layer plain KV: any depth can be cut; else entries hit only whole
-        self.trimmable = len(self.plain) == self.n_layers
+        self.trimmable = plain_kv_only(template)
 
     # -- cutting ---------------------------------------------------------------
     def _position_bytes(self, caches: Sequence[Any]) -> int:
-        total = 0
-        for i in self.plain:
-            k, v = caches[i].keys, caches[i].values
-            total += (k.shape[1] * k.shape[3] + v.shape[1] * v.shape[3]) * k.dtype.size
-        return total
+        return sum(position_bytes(caches[i]) for i in self.plain)
 
     def _quantizes(self, block: int, head_dim: int) -> bool:
         q = self.quant
@@ -188,10 +194,8 @@ class KVLayoutOps:
         return out
 
     # -- assembling ----------------------------------------------------------
-    def assemble(
-        self, blocks: Sequence[BlockArrays], private: PrivatePart, length: int, keep: int
-    ) -> list[Any]:
-        """Fresh caches holding the first ``keep`` of ``length`` stored positions."""
+    def assemble(self, blocks: Sequence[BlockArrays], private: PrivatePart, keep: int) -> list[Any]:
+        """Fresh caches holding the first ``keep`` positions of ``blocks`` + the tails."""
         out: list[Any] = []
         for j, layer in enumerate(private.layers):
             if isinstance(layer, tuple):

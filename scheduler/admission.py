@@ -17,7 +17,7 @@ chunk, concatenations when a row joins) are covered by a separate reserve.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvcache.layout import KV_ALLOCATION_STEP, KVLayout, round_up
 
@@ -51,15 +51,11 @@ class MemoryBudget:
     # per-layer costs; None: plain KV caches at kv_bytes_per_token
     layout: KVLayout | None = None
     prefill_chunk: int = 0  # tokens one step may append (sliding windows overshoot by it)
-    _layout: KVLayout = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        layout = self.layout or KVLayout.attention_only(self.kv_bytes_per_token)
-        object.__setattr__(self, "_layout", layout)
 
     def sequence_bytes(self, positions: int) -> int:
         """KV bytes one batch row of ``positions`` positions can occupy."""
-        return self._layout.sequence_bytes(positions, self.prefill_chunk)
+        layout = self.layout or KVLayout.attention_only(self.kv_bytes_per_token)
+        return layout.sequence_bytes(positions, self.prefill_chunk)
 
     @property
     def kv_budget_bytes(self) -> int:
