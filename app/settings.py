@@ -54,6 +54,14 @@ class Settings(BaseSettings):
         description="prompt tokens per prefill chunk; smaller keeps running streams "
         "smoother while long prompts prefill",
     )
+    max_step_ms: float | Literal["auto"] = Field(
+        "auto",
+        description="time budget of one engine step (decode of the running rows + a "
+        "prefill slice of joining prompts) in ms, so running streams never stall for a "
+        "whole prefill chunk; the slice is sized by a cost model the engine learns as it "
+        "runs. auto = 1000 on the CPU, 200 on a GPU; 0 = a fixed --prefill-step-size "
+        "token budget per step",
+    )
     log_level: str = Field("info", description="debug, info, warning or error")
     log_json: bool = Field(
         False, description="log one JSON object per line (request lines carry their fields)"
@@ -166,7 +174,16 @@ class Settings(BaseSettings):
         "reasoning_content / thinking blocks); the model still thinks",
     )
 
-    @field_validator("memory_budget", "prompt_cache_bytes", "kv_disk_bytes", mode="before")
+    @field_validator("max_step_ms")
+    @classmethod
+    def _step_budget(cls, value: float | str) -> float | str:
+        if not isinstance(value, str) and value < 0:
+            raise ValueError("max_step_ms must be >= 0 (0 = the token budget) or auto")
+        return value
+
+    @field_validator(
+        "memory_budget", "prompt_cache_bytes", "kv_disk_bytes", "max_step_ms", mode="before"
+    )
     @classmethod
     def _auto(cls, value: object) -> object:
         return "auto" if isinstance(value, str) and value.strip().lower() == "auto" else value

@@ -32,7 +32,10 @@ from kvcache.manager import TieredKVManager
 from kvcache.payloads import plain_kv_only
 from kvcache.prompt_key import PromptKey
 from scheduler.admission import round_up
+from scheduler.cost_model import StepShape
 from scheduler.request import CacheReport, FinishReason, Request, RequestOutput, RequestStats
+from scheduler.step_budget import Prefill, SlicePlan, StepBudget
+from scheduler.step_timings import StepTimings
 
 log = logging.getLogger("kvwarm.engine")
 # unexplained step faults in a row, with no good step between them, before the
@@ -60,6 +63,9 @@ class _Row:
     entry_id: int | None = None  # prefix-cache entry read (released after prefill)
     # prefill progress values (prompt tokens after ``cached``) at which to store KV
     checkpoints: list[int] = field(default_factory=list)
+    prefill_len: int = 0  # prompt tokens after ``cached`` (what prefill runs)
+    stops: tuple[int, ...] = ()  # progress values where the generator pauses prefill
+    replayed: int = 0  # generated tokens prefilled again after a batch rebuild
     joined_at: float = field(default_factory=time.monotonic)
     report: CacheReport = field(default_factory=CacheReport)
 
@@ -82,6 +88,24 @@ class _Row:
             **fields,
         )
 
+    def kv_depth(self, done: int) -> int:
+        """KV positions this row holds once ``done`` prompt tokens are prefilled."""
+        return self.kv_offset + done + self.generated - self.replayed
+
+    def prefill(self, done: int, running: bool, waited: int = 0) -> Prefill:
+        """The row as the step budget sees it, ``done`` tokens into its prefill."""
+        # the generator runs the prompt's last token as the first decode step
+        total = max(0, self.prefill_len - 1 - done)
+        stop = next((s for s in self.stops if s > done), done)
+        return Prefill(
+            self.request.request_id,
+            self.kv_depth(done),
+            min(stop - done, total),
+            total,
+            running,
+            waited,
+        )
+
     def failure(self, now: float, error: str) -> RequestOutput:
         return self.output(
             finish_reason=FinishReason.ERROR,
@@ -89,6 +113,17 @@ class _Row:
             error_code="engine_error",
             stats=self.stats(now),
         )
+
+
+@dataclass
+class _Waiting:
+    """A row admitted but not prefilling yet: the step budget starts it."""
+
+    row: _Row
+    segments: list[list[int]]
+    cache: list | None
+    cached_tokens: list[int] | None
+    waited: int = 0  # steps it was held back
 
 
 class BatchRunner:
@@ -100,6 +135,7 @@ class BatchRunner:
         prefill_step_size: int,
         prefill_batch: int,
         prefix_cache: TieredKVManager | None = None,
+        max_step_s: float = 0.0,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -111,6 +147,11 @@ class BatchRunner:
         self.prefill_budget = prefill_step_size
         self._max_batch = max_batch
         self._prefill_rows = min(prefill_batch, max_batch)
+        # each step's prefill slice: within --max-step-ms by a learned cost model
+        self.budget = StepBudget(max_step_s, prefill_step_size, self._prefill_rows)
+        self.timings = StepTimings(self.budget)
+        self._waiting: dict[str, _Waiting] = {}  # admitted, prefill not started
+        self._last_prefilled = False  # the step before prefilled (see _observe)
         self.faults = FaultLedger()
         self._samplers = SamplerFactory(vocab_size=len(tokenizer), ledger=self.faults)
         self._eos = [[t] for t in sorted(tokenizer.eos_token_ids)]
@@ -139,7 +180,15 @@ class BatchRunner:
 
     @property
     def active(self) -> int:
-        return len(self._rows)
+        return len(self._rows) + len(self._waiting)
+
+    def row(self, request_id: str) -> _Row | None:
+        """A request's row, prefilling, decoding or still waiting to start."""
+        waiting = self._waiting.get(request_id)
+        if waiting is not None:
+            return waiting.row
+        uid = self._uids.get(request_id)
+        return self._rows.get(uid) if uid is not None else None
 
     def add(self, request: Request) -> RequestOutput:
         params = request.sampling
@@ -173,12 +222,13 @@ class BatchRunner:
             row.checkpoints = self._checkpoints(hints, row.cached, len(rest))
         bounds = [0, *row.checkpoints, len(rest)]
         segments = [rest[a:b] for a, b in zip(bounds, bounds[1:])]
-        try:
-            uid = self._insert(row, segments, cache, cached_tokens)
-        except Exception:
+        if not rest or request.max_tokens - row.generated <= 0:
             self._release(row)
-            raise
-        self._prefilled[uid] = 0
+            raise ValueError("nothing to generate: an empty prompt or max_tokens <= 0")
+        row.prefill_len = len(rest)
+        row.stops = tuple(bounds[1:-1]) + (len(rest) - 1,)
+        # prefill starts when the step budget has room for it (``step``)
+        self._waiting[request.request_id] = _Waiting(row, segments, cache, cached_tokens)
         if hints is None:
             row.report = CacheReport(tier="disabled")
         # what the cache did, before any token: the HTTP layer's X-Conv-* headers
@@ -207,6 +257,10 @@ class BatchRunner:
 
     def remove(self, request_id: str) -> _Row | None:
         """Take a request out of the batch (client gone, watchdog); its KV is not kept."""
+        waiting = self._waiting.pop(request_id, None)
+        if waiting is not None:
+            self._release(waiting.row)
+            return waiting.row
         uid = self._uids.pop(request_id, None)
         if uid is None:
             return None
@@ -273,20 +327,48 @@ class BatchRunner:
         entry_id = self.prefix_cache.store(key, caches, hints.session_id, hints.kv_bits)
         self.prefix_cache.record_turn(hints, entry_id)
 
-    def _chunk_per_row(self) -> int:
-        """Split the step's prefill budget over the rows still prefilling, so a
-        burst of joiners (or one long prompt) stalls running decoders for at most
-        ``prefill_budget`` tokens of compute per step, not rows x budget."""
-        prefilling = min(len(self._prefilled), self._prefill_rows) or 1
-        return max(16, self.prefill_budget // prefilling)
+    def _plan(self) -> SlicePlan:
+        """This step's prefill slice, and which waiting rows start prefilling."""
+        decode_rows = decode_depth = 0
+        prefills = []
+        for uid, row in self._rows.items():
+            done = self._prefilled.get(uid)
+            if done is None:
+                decode_rows += 1
+                decode_depth += row.kv_depth(row.prefill_len)
+            else:
+                prefills.append(row.prefill(done, running=True))
+        for w in self._waiting.values():
+            prefills.append(w.row.prefill(0, running=False, waited=w.waited))
+        return self.budget.plan(decode_rows, decode_depth, prefills)
 
-    def _account_prefill(self, prompt_responses, failed: dict[int, str]) -> None:
+    def _start_waiting(self, plan: SlicePlan, failed: list[RequestOutput]) -> None:
+        for request_id in plan.start:
+            w = self._waiting.pop(request_id)
+            try:
+                uid = self._insert(w.row, w.segments, w.cache, w.cached_tokens)
+            except Exception as exc:  # noqa: BLE001 - this row's own inputs
+                self._release(w.row)
+                self.row_faults += 1
+                log.error("%s: could not start prefill: %s", request_id, exc)
+                failed.append(w.row.failure(time.monotonic(), f"{type(exc).__name__}: {exc}"))
+                continue
+            self._prefilled[uid] = 0
+        for w in self._waiting.values():
+            w.waited += 1
+
+    def _account_prefill(self, prompt_responses, failed: dict[int, str]) -> StepShape:
+        """Record prefill progress; returns the prefill the step really ran."""
         self.last_step_prefill = 0
+        ran: list[tuple[int, int]] = []  # (tokens, depth before) per row the model ran
         for resp in prompt_responses:
             if resp.uid not in self._prefilled:
                 continue
             done = resp.progress[0]
-            self.last_step_prefill += done - self._prefilled[resp.uid]
+            before = self._prefilled[resp.uid]
+            if not resp.end_of_prompt:  # the last token runs as a decode step instead
+                ran.append((done - before, self._rows[resp.uid].kv_depth(before)))
+            self.last_step_prefill += done - before
             self._prefilled[resp.uid] = done
             row = self._rows[resp.uid]
             try:
@@ -298,6 +380,9 @@ class BatchRunner:
                 del self._prefilled[resp.uid]
                 self._release(row)
         self.prefill_tokens += self.last_step_prefill
+        width = max((n for n, _ in ran), default=0)  # rows are right-padded to the longest
+        depth = sum(width * d + width * (width + 1) // 2 for _, d in ran)
+        return StepShape(prefill_tokens=width * len(ran), prefill_depth=depth)
 
     def _faulted_rows(self) -> dict[int, str]:
         """Rows whose guarded sampler or logits processors raised this step."""
@@ -314,17 +399,23 @@ class BatchRunner:
         return failed
 
     def step(self) -> list[RequestOutput]:
-        """One decode step for running rows plus one prefill chunk for joiners."""
-        self._generator.prefill_step_size = self._chunk_per_row()
+        """One decode step for running rows plus one prefill slice for joiners,
+        the slice sized by the step budget."""
+        started = time.perf_counter()
+        plan = self._plan()
+        outputs: list[RequestOutput] = []
+        self._start_waiting(plan, outputs)
+        self._generator.prefill_step_size = plan.slice_tokens
         try:
             prompt_responses, responses = self._generator.next()
         except Exception as exc:  # noqa: BLE001 - nobody owned it: find out who
-            return self._recover(exc)
+            return outputs + self._recover(exc)
+        ran = time.perf_counter() - started
         self._recovering = 0
         failed = self._faulted_rows()
-        self._account_prefill(prompt_responses, failed)
+        prefill = self._account_prefill(prompt_responses, failed)
+        self._observe(plan, prefill, ran)
         now = time.monotonic()
-        outputs: list[RequestOutput] = []
         stopped_by_text: dict[int, _Row] = {}
         if responses:
             self.batch_sizes[min(len(responses), len(self.batch_sizes) - 1)] += 1
@@ -352,7 +443,25 @@ class BatchRunner:
             )
             for uid, (cache, tokens) in caches.items():
                 self._store_quietly(stopped_by_text[uid], cache, tokens)
-        return outputs + self._fail_rows(failed, now)
+        outputs += self._fail_rows(failed, now)
+        self.timings.record(
+            time.perf_counter() - started, self.last_step_prefill, plan.slice_tokens, plan.budgeted
+        )
+        return outputs
+
+    def _observe(self, plan: SlicePlan, prefill: StepShape, seconds: float) -> None:
+        """Teach the cost model what this step cost. A decode step right after a
+        prefill is not a sample: its token was computed during that prefill
+        (mlx-lm evaluates decode steps one ahead), so it takes almost no time."""
+        shape = StepShape(
+            plan.shape.decode_rows,
+            plan.shape.decode_depth,
+            prefill.prefill_tokens,
+            prefill.prefill_depth,
+        )
+        if shape.prefill_tokens or not self._last_prefilled:
+            self.budget.observe(shape, seconds)
+        self._last_prefilled = shape.prefill_tokens > 0
 
     def _advance(self, row: _Row, resp, now: float) -> RequestOutput:
         """This row's share of a step: its token as text, and whether it finished."""
@@ -438,7 +547,13 @@ class BatchRunner:
             # the KV is rebuilt from the request's own tokens, whatever a hit had reused
             row.kv_key = row.request.cache.key if row.request.cache else None
             row.kv_offset = 0
-            uid = self._insert(row, [self._replay_tokens(row)], None, None)
+            replay = self._replay_tokens(row)
+            row.prefill_len, row.stops, row.replayed = (
+                len(replay),
+                (len(replay) - 1,),
+                row.generated,
+            )
+            uid = self._insert(row, [replay], None, None)
             self._prefilled[uid] = 0
         if len(outputs) == len(rows) and not self._model_healthy():
             raise EngineFault(f"the model no longer runs: {type(exc).__name__}: {exc}") from exc

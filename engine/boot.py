@@ -10,6 +10,18 @@ from scheduler.admission import AdmissionController, MemoryBudget, transient_res
 from scheduler.contracts import ModelInfo
 
 log = logging.getLogger("kvwarm.engine")
+# --max-step-ms auto: a step's time budget by backend. On a CPU a decode step at
+# a few thousand positions of context already takes a few hundred ms, so a second
+# keeps streams readable and leaves prefill most of each step; a GPU decodes
+# in tens of ms, and 200 ms steps are smooth to a reader.
+AUTO_STEP_MS = {"cpu": 1000.0, "gpu": 200.0}
+
+
+def step_budget_ms(configured: float | None, device: str) -> float:
+    """The step time budget for ``device`` (``configured`` None: auto)."""
+    if configured is not None:
+        return configured
+    return AUTO_STEP_MS["cpu" if "cpu" in device.lower() else "gpu"]
 
 
 def boot_mlx(config: EngineConfig) -> Booted:
@@ -73,6 +85,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
         prefill_step_size=cfg.prefill_step_size,
         prefill_batch=prefill_rows,
         prefix_cache=prefix_cache,
+        max_step_s=step_budget_ms(cfg.max_step_ms, device) / 1e3,
     )
     info = ModelInfo(
         model_id=loaded.model_id,
@@ -110,6 +123,20 @@ def boot_mlx(config: EngineConfig) -> Booted:
         cache_bytes / 2**20,
         f"policy {pc.policy.value}, blocks of {pc.block_size}" if prefix_cache else "off",
     )
+    step_ms = runner.budget.max_step_s * 1e3
+    if step_ms:
+        log.info(
+            "engine steps: prefill sized to keep each step within %.0f ms (--max-step-ms%s, "
+            "learned cost model), %d-token chunks when nothing decodes",
+            step_ms,
+            " auto for " + device if cfg.max_step_ms is None else "",
+            cfg.prefill_step_size,
+        )
+    else:
+        log.info(
+            "engine steps: a fixed budget of %d prompt tokens per step (--max-step-ms 0)",
+            cfg.prefill_step_size,
+        )
     if prefix_cache is not None:
         st = prefix_cache.stats()
         log.info(

@@ -52,6 +52,7 @@ class EngineConfig:
     source: ModelSource
     max_batch: int = 8
     prefill_step_size: int = 512
+    max_step_ms: float | None = None  # None: auto, by backend (engine.boot); 0: token budget
     memory_budget_bytes: int | None = None  # None: auto
     blas: str = ""
     prompt_cache: PromptCacheConfig | None = None  # None: no prefix cache
@@ -123,6 +124,7 @@ class EngineThread(threading.Thread):
             memory=dict(self._memory),
             row_faults=runner.row_faults if runner else 0,
             recoveries=runner.recoveries if runner else 0,
+            steps_report=runner.timings.snapshot() if runner else None,
         )
 
     def kv(self, op: Callable[[KVCacheManager], T]) -> Future[T]:

@@ -12,6 +12,7 @@ from kvcache.prompt_key import RenderedPrompt
 from kvcache.stats import KVCacheStats
 from scheduler.admission import MemoryBudget
 from scheduler.request import Request, RequestOutput
+from scheduler.step_timings import StepReport, StepTimings
 
 T = TypeVar("T")
 
@@ -81,6 +82,7 @@ class EngineStats:
     memory: dict[str, int] = field(default_factory=dict)
     row_faults: int = 0  # requests failed alone by a fault of their own
     recoveries: int = 0  # batches rebuilt after a step fault no row owned
+    steps_report: StepReport | None = None  # step times, prefill slices, the cost model
 
 
 @dataclass
@@ -110,6 +112,7 @@ class Runner(Protocol):
     batch_sizes: list[int]  # decode steps by rows decoding together (index = rows)
     row_faults: int
     recoveries: int
+    timings: StepTimings  # what each step took, and the step budget that sized it
 
     @property
     def active(self) -> int:

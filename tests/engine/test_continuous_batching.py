@@ -26,7 +26,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
-def _run(tokenizer, prompts, max_batch, max_tokens, join_every=0, prefill_step=64):
+def _run(tokenizer, prompts, max_batch, max_tokens, join_every=0, prefill_step=64, max_step_s=0.0):
     """Drive a BatchRunner; requests join one at a time every ``join_every`` steps."""
     runner = BatchRunner(
         KVSumModel(),
@@ -34,6 +34,7 @@ def _run(tokenizer, prompts, max_batch, max_tokens, join_every=0, prefill_step=6
         max_batch=max_batch,
         prefill_step_size=prefill_step,
         prefill_batch=max_batch,
+        max_step_s=max_step_s,
     )
     reqs = [
         Request(
@@ -88,6 +89,49 @@ def test_chunked_prefill_gives_the_same_tokens(byte_tokenizer):
     whole, _ = _run(byte_tokenizer, prompts, max_batch=4, max_tokens=max_tokens, prefill_step=4096)
     chunked, _ = _run(byte_tokenizer, prompts, max_batch=4, max_tokens=max_tokens, prefill_step=16)
     assert chunked == whole
+
+
+@pytest.mark.parametrize("max_step_s", [1e-9, 0.002])
+def test_a_time_budget_gives_the_same_tokens(byte_tokenizer, max_step_s):
+    """Slices sized by time (the thinnest, or whatever a 2 ms step allows here)
+    change when tokens are computed, never which."""
+    prompts = _prompts(8, seed=11)
+    max_tokens = [30, 8, 45, 12, 60, 5, 22, 37]
+    tokens, _ = _run(byte_tokenizer, prompts, max_batch=8, max_tokens=max_tokens, join_every=2)
+    timed, _ = _run(
+        byte_tokenizer,
+        prompts,
+        max_batch=8,
+        max_tokens=max_tokens,
+        join_every=2,
+        max_step_s=max_step_s,
+    )
+    assert timed == tokens
+
+
+def test_a_time_budget_slices_prefill_only_while_rows_decode(byte_tokenizer):
+    runner = BatchRunner(
+        KVSumModel(),
+        byte_tokenizer,
+        max_batch=4,
+        prefill_step_size=64,
+        prefill_batch=4,
+        max_step_s=1e-9,
+    )
+    runner.add(Request([3] * 300, max_tokens=3, sampling=GREEDY, ignore_eos=True, request_id="a"))
+    runner.step()
+    assert runner.last_step_prefill == 64  # nothing decodes: the full chunk
+    while not runner.row("a").generated:
+        runner.step()
+    runner.add(Request([4] * 300, max_tokens=3, sampling=GREEDY, ignore_eos=True, request_id="b"))
+    runner.step()
+    assert runner.last_step_prefill == 4  # "a" decodes: the thinnest slice
+    while runner.active:
+        runner.step()
+    report = runner.timings.snapshot()
+    assert report.budgeted_steps >= 1 and report.step_seconds.count > 0
+    assert report.cost is not None and report.cost.prefill_samples > 0
+    runner.close()
 
 
 def test_fixture_detects_cross_talk(byte_tokenizer):

@@ -101,7 +101,7 @@ def test_a_faulty_row_fails_alone_and_the_others_are_untouched(
     runner = make_runner(byte_tokenizer)
     rogue = Request([3, 4, 5], max_tokens=20, sampling=params, ignore_eos=True, request_id="rogue")
     runner.add(rogue)
-    breaks(next(r for r in runner._rows.values() if r.request is rogue))
+    breaks(runner.row("rogue"))
     seen = drive(runner, good_requests())
     seen_rogue = seen.pop("rogue", None)
     final = seen_rogue[-1] if seen_rogue else None
@@ -118,7 +118,7 @@ def test_a_detokeniser_fault_fails_only_its_row(byte_tokenizer, alone):
     requests = good_requests()
     for r in requests:
         runner.add(r)
-    row = next(r for r in runner._rows.values() if r.request.request_id == "good1")
+    row = runner.row("good1")
 
     def broken(token):
         raise UnicodeDecodeError("utf-8", b"", 0, 1, "bad byte")

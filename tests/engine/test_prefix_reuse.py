@@ -46,6 +46,7 @@ class Harness:
         kv_block=16,
         namespace="tiny",
         quant=None,
+        max_step_s=0.0,
     ):
         model, tokenizer = tiny
         self.formatter = ChatFormatter(tokenizer)
@@ -69,6 +70,7 @@ class Harness:
             prefill_step_size=prefill_step,
             prefill_batch=4,
             prefix_cache=self.cache,
+            max_step_s=max_step_s,
         )
         self._n = 0
 
@@ -209,6 +211,34 @@ def test_second_agent_reuses_the_system_prompt_checkpoint_while_the_first_genera
     cold_h = Harness(tiny, cache=False)
     ((alone, _),) = cold_h.run(cold_h.request(b_msgs, max_tokens=8))
     assert results[1][0] == alone
+
+
+def test_a_time_budget_changes_neither_outputs_nor_stored_checkpoints(tiny):
+    """Prefill sliced as thin as it gets while rows decode (a budget no step can
+    meet): the same tokens, the same hits, entries stored at the same depths."""
+
+    def agents(h):
+        reqs = []
+        for i in range(3):
+            msgs = conversation(turns=2)
+            msgs[1]["content"] = f"agent {i} has its own task: " + "details " * (5 + 9 * i)
+            reqs.append(h.request(msgs, max_tokens=14, session=f"agent-{i}"))
+        first = h.run(*reqs, stagger=5)
+        follow = conversation(turns=2)
+        follow[-1]["content"] = "and one more question for agent 0"
+        return first + h.run(h.request(follow, session="agent-0"))
+
+    def stored(h):
+        return sorted(e.key.model_tokens for e in h.cache.index.entries())
+
+    tokens_h, sliced_h = (
+        Harness(tiny, prefill_step=64),
+        Harness(tiny, prefill_step=64, max_step_s=1e-9),
+    )
+    assert agents(sliced_h) == agents(tokens_h)
+    assert stored(sliced_h) == stored(tokens_h)
+    steps = sliced_h.runner.timings.snapshot()
+    assert steps.budgeted_steps > 0 and steps.prefill_tokens.quantile(0.5) < 64
 
 
 def test_cache_stays_inside_its_byte_budget(tiny):

@@ -13,6 +13,7 @@ from scheduler.admission import AdmissionController, MemoryBudget
 from scheduler.contracts import ModelInfo
 from scheduler.request import CacheReport, FinishReason, Request, RequestOutput, RequestStats
 from scheduler.scheduler import Scheduler
+from scheduler.step_timings import StepTimings
 from scheduler.streams import OutputRouter
 
 
@@ -66,6 +67,7 @@ class FakeRunner:
         self.batch_sizes = [0] * 9
         self.row_faults = 0
         self.recoveries = 0
+        self.timings = StepTimings()
         self._active: dict[str, list] = {}
 
     @property
@@ -95,6 +97,7 @@ class FakeRunner:
         )
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         outputs = []
         for rid, entry in list(self._active.items()):
             req, n, pieces, joined, report = entry
@@ -121,6 +124,7 @@ class FakeRunner:
         self.generated_tokens += len(outputs)
         self.batch_sizes[min(len(outputs), 8)] += 1
         time.sleep(self.step_delay)
+        self.timings.record(time.perf_counter() - started, 0, 0, False)
         return outputs
 
     def close(self) -> None:
