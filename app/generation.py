@@ -140,6 +140,7 @@ class Generation:
         self._started = time.monotonic()
         self._started_wall = time.time()
         self._last_token_at: float | None = None
+        self._max_gap: float | None = None  # the longest wait between two engine outputs
         # admission errors raise here, before any byte of a response is sent
         self._outputs = state.service.submit(prepared.request)
         self._pending: asyncio.Future[RequestOutput | None] | None = None  # start()'s read-ahead
@@ -254,7 +255,9 @@ class Generation:
         if new <= 0:
             return
         if self._last_token_at is not None:
-            self.state.obs.metrics.observe_itl(out.at - self._last_token_at, new)
+            gap = out.at - self._last_token_at
+            self.state.obs.metrics.observe_itl(gap, new)
+            self._max_gap = max(gap, self._max_gap or 0.0)
         self._last_token_at = out.at
 
     def record(self) -> RequestRecord:
@@ -270,6 +273,7 @@ class Generation:
             e2e_s=time.monotonic() - self._started,
             started_at=self._started_wall,
             ttft_s=done.ttft,
+            max_itl_s=self._max_gap,
             stats=done.stats,
             session=req.cache.session_id if req.cache else None,
             disconnected=done.finish_reason is None,

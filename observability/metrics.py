@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from kvcache.stats import KVCacheStats
 from observability.records import RequestRecord, ServerSnapshot
+from scheduler.step_timings import StepReport
 
 P = "kvwarm:"
 LATENCY_BUCKETS = (
@@ -67,6 +68,8 @@ ITL_BUCKETS = (
     0.5,
     0.75,
     1,
+    1.5,
+    2,
     2.5,
     5,
     10,
@@ -183,6 +186,8 @@ class _StateCollector(Collector):
                 f"mlx_{name}_memory_bytes", f"MLX allocator: {name} bytes.", eng.memory.get(key, 0)
             )
         yield _batch_histogram(snap.model, eng.batch_sizes)
+        if eng.steps_report is not None:
+            yield from _step_metrics(snap.model, eng.steps_report)
 
 
 def _kv_tier_metrics(model: str, cache: KVCacheStats) -> Iterable[Metric]:
@@ -238,6 +243,37 @@ def _kv_tier_metrics(model: str, cache: KVCacheStats) -> Iterable[Metric]:
     return families
 
 
+def _step_metrics(model: str, report: StepReport) -> Iterable[Metric]:
+    """Engine step times and prefill slices, from the engine's bucket counts."""
+    for name, doc, hist in (
+        (
+            "engine_step_seconds",
+            "Time of one engine step: decode of the running rows + a prefill slice.",
+            report.step_seconds,
+        ),
+        (
+            "engine_step_prefill_tokens",
+            "Prompt tokens one engine step prefilled (steps that prefilled).",
+            report.prefill_tokens,
+        ),
+    ):
+        buckets, running = [], 0
+        for bound, count in zip(hist.bounds, hist.counts):
+            running += count
+            buckets.append((str(float(bound)), running))
+        buckets.append(("+Inf", hist.count))
+        h = HistogramMetricFamily(P + name, doc, labels=["model_name"])
+        h.add_metric([model], buckets, sum_value=hist.total)
+        yield h
+    g = GaugeMetricFamily(
+        P + "engine_max_step_seconds",
+        "The step time budget (--max-step-ms; 0: a token budget per step).",
+        labels=["model_name"],
+    )
+    g.add_metric([model], report.max_step_ms / 1e3)
+    yield g
+
+
 def _batch_histogram(model: str, counts: tuple[int, ...]) -> HistogramMetricFamily:
     """Rows per decode step, from the engine's plain per-size step counts."""
     buckets, running = [], 0
@@ -286,6 +322,11 @@ class Metrics:
         self.itl = histogram(
             "inter_token_latency_seconds", "Time between generated tokens.", ITL_BUCKETS
         )
+        self.max_itl = histogram(
+            "request_max_inter_token_gap_seconds",
+            "The longest gap between two tokens of one request (its worst stall).",
+            ITL_BUCKETS,
+        )
         self.e2e = histogram(
             "e2e_request_latency_seconds", "Arrival to last token.", LATENCY_BUCKETS
         )
@@ -313,6 +354,7 @@ class Metrics:
             self.generation_tokens,
             self.ttft,
             self.itl,
+            self.max_itl,
             self.e2e,
             self.queue,
             self.prefill,
@@ -345,6 +387,8 @@ class Metrics:
             self.disconnects.labels(m).inc()
         if rec.ttft_s is not None:
             self.ttft.labels(m).observe(rec.ttft_s)
+        if rec.max_itl_s is not None:
+            self.max_itl.labels(m).observe(rec.max_itl_s)
         self.e2e.labels(m).observe(rec.e2e_s)
         if rec.stats is not None:
             self.queue.labels(m).observe(rec.stats.queued_s)

@@ -27,6 +27,7 @@ class RequestRecord:
     e2e_s: float
     started_at: float  # wall clock (time.time()) at arrival
     ttft_s: float | None = None
+    max_itl_s: float | None = None  # the longest gap between two tokens (None: < 2 tokens)
     stats: RequestStats | None = None  # queue / prefill / decode + cache report (engine-run)
     session: str | None = None
     disconnected: bool = False

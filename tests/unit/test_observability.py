@@ -357,3 +357,31 @@ def test_log_lines_tell_an_aborted_request_from_a_miss():
     reused = CacheReport(layer="global", depth=24)
     assert "cache=global:24" in line(cache=reused)  # left mid-decode, after a hit
     assert "cache=miss" in line(cache=CacheReport())
+
+
+def test_engine_steps_and_worst_gaps_are_histograms():
+    from scheduler.cost_model import StepShape
+    from scheduler.step_budget import StepBudget
+    from scheduler.step_timings import StepTimings
+
+    timings = StepTimings(StepBudget(1.0, 512, 4))
+    for seconds, tokens in ((0.2, 0), (0.9, 24), (1.2, 16), (8.0, 512)):
+        timings.record(seconds, tokens, tokens, budgeted=tokens < 512)
+    timings.budget.observe(StepShape(2, 4000), 0.3)
+    engine = EngineStats(1, 0, 0, 0, steps_report=timings.snapshot())
+    metrics = Metrics(lambda: ServerSnapshot("m", 0, 0, 0, 100, 0, engine))
+    metrics.ensure_model("m")
+    metrics.observe_request(record(max_itl_s=1.7))
+    assert sample(metrics, "kvwarm:engine_step_seconds_bucket", le="1.0") == 2
+    assert sample(metrics, "kvwarm:engine_step_seconds_bucket", le="1.5") == 3
+    assert sample(metrics, "kvwarm:engine_step_seconds_count") == 4
+    assert sample(metrics, "kvwarm:engine_step_seconds_sum") == pytest.approx(10.3)
+    assert sample(metrics, "kvwarm:engine_step_prefill_tokens_bucket", le="16.0") == 1
+    assert sample(metrics, "kvwarm:engine_step_prefill_tokens_count") == 3
+    assert sample(metrics, "kvwarm:engine_max_step_seconds") == 1.0
+    assert sample(metrics, "kvwarm:request_max_inter_token_gap_seconds_bucket", le="1.5") == 0
+    assert sample(metrics, "kvwarm:request_max_inter_token_gap_seconds_bucket", le="2.0") == 1
+    view = timings.snapshot().as_dict()
+    assert view["steps"] == 4 and view["budget"] == "time" and view["budgeted_steps"] == 2
+    assert view["step_seconds_quantiles"]["p50"] == 1.0  # the bucket bound, as Prometheus says
+    assert view["cost_model"]["decode_samples"] == 1
