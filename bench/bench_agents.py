@@ -83,10 +83,11 @@ class Server:
     turns: list[Turn] = field(default_factory=list)
     last_prompt: dict[str, list[dict]] = field(default_factory=dict)  # scenario -> messages
     lock: threading.Lock = field(default_factory=threading.Lock)
+    model: str = "default_model"  # mlx_lm.server loads any other name as a new model
 
     def chat(self, msgs: list[dict], max_tokens: int = MAX_TOKENS) -> dict:
         body = {
-            "model": "default_model",  # mlx_lm.server loads any other name as a new model
+            "model": self.model,
             "messages": msgs,
             "max_tokens": max_tokens,
             "temperature": 0,
