@@ -243,7 +243,7 @@ def _add_admin_routes(app: FastAPI) -> None:
                 "generated_tokens": eng.generated_tokens,
                 "row_faults": eng.row_faults,
                 "batch_recoveries": eng.recoveries,
-                "steps": eng.steps_report.as_dict() if eng.steps_report else None,
+                "step_budget": eng.steps_report.as_dict() if eng.steps_report else None,
             },
             "prompt_cache": eng.prompt_cache.as_dict() if eng.prompt_cache else None,
             "healing": {"entries": len(state.healing), "healed": state.healing.healed},

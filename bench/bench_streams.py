@@ -94,7 +94,7 @@ def summarise(server: Server, wall: float) -> dict:
 
 def step_report(url: str) -> dict:
     """The engine's step times and cost model from kvwarm's /stats."""
-    return httpx.get(url + "/stats", timeout=10).json().get("engine", {}).get("steps") or {}
+    return httpx.get(url + "/stats", timeout=10).json().get("engine", {}).get("step_budget") or {}
 
 
 def main() -> int:
@@ -171,8 +171,8 @@ def main() -> int:
         )
 
     print(
-        f"\n| server | aggregate tok/s | warm TTFT p95 | TTFT p95 (all) | short agent TTFT p50 "
-        f"| worst gap per request p50 / p95 / max |\n|---|---|---|---|---|---|"
+        "\n| server | aggregate tok/s | warm TTFT p95 | TTFT p95 (all) | short agent TTFT p50 "
+        "| worst gap per request p50 / p95 / max |\n|---|---|---|---|---|---|"
     )
     for r in rows:
         print(

@@ -228,6 +228,8 @@ def test_models_health_and_stats(base):
     assert stats["admission"]["budget_bytes"] > 0
     assert stats["batch"]["configured"] == 8
     assert "active_rows" in stats["batch"] and stats["queue"]["depth"] == 0
+    assert isinstance(stats["engine"]["steps"], int)  # the step count, next to the budget's view
+    assert stats["engine"]["step_budget"]["steps"] == stats["engine"]["steps"]
 
 
 def _wait(predicate, timeout=5.0):
