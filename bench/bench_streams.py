@@ -12,6 +12,13 @@ also prints the engine's step-time distribution and its cost model (/stats).
 
     python bench/bench_streams.py [--only kvwarm,kvwarm-tokens,mlx_lm,mlx-openai-server]
         [--mos-bin /tmp/mos-venv/bin/mlx-openai-server] [--max-step-ms auto]
+
+mlx-openai-server 1.8.1 in a venv of its own: `pip install "mlx[cpu]==0.32.4"
+"mlx-lm==0.31.3" mlx-vlm==0.7.10 torch==2.13.0`, `pip install --no-deps
+mlx-openai-server==1.8.1`, then its other requirements without mflux (its fastapi
+cap dropped: mlx-vlm 0.7 needs starlette 1.x), then `pip uninstall torchvision`.
+It needs mlx-lm < 0.32: with 0.32 its continuous batching turns itself off
+(SequenceStateMachine is gone) and it serves one request at a time.
 """
 
 from __future__ import annotations
