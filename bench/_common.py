@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import subprocess
@@ -19,6 +20,15 @@ RESULTS = ROOT / "bench" / "results"
 # servers a bench starts write their SSD KV tier to a fresh folder, so a "cold"
 # run is never warmed by the KV of an earlier bench (benches of the tier set it)
 os.environ.setdefault("KVWARM_KV_DIR", tempfile.mkdtemp(prefix="kvwarm-bench-kv-"))
+
+
+def write_results(name: str, payload: dict) -> Path:
+    """``payload`` as bench/results/<name>-<time>.json; says where."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(payload, indent=2))
+    print(f"\nraw results: {out}")
+    return out
 
 
 def pct(values: list[float], q: float) -> float:

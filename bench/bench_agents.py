@@ -55,6 +55,7 @@ from _common import (  # noqa: E402
     server_env,
     start,
     stop,
+    write_results,
 )
 from agent_traffic import FOLLOW_UPS, TASKS, Agent, Msg, tool_output  # noqa: E402
 
@@ -487,9 +488,7 @@ def main() -> int:
                 f"longest stall {row['max_stall']:.2f}s (one 512-token prefill chunk at the "
                 f"deepest context: {row['prefill_chunk_s']:.2f}s)"
             )
-    out = RESULTS / f"agents-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"rows": rows, "kvwarm_prompt_cache": stats}, indent=2))
-    print(f"\nraw results: {out}")
+    write_results("agents", {"rows": rows, "kvwarm_prompt_cache": stats})
     return 0
 
 

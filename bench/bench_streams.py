@@ -24,12 +24,10 @@ It needs mlx-lm < 0.32: with 0.32 its continuous batching turns itself off
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -45,6 +43,7 @@ from _common import (  # noqa: E402
     server_env,
     start,
     stop,
+    write_results,
 )
 from bench_agents import Server, sc_mixed  # noqa: E402
 
@@ -203,9 +202,7 @@ def main() -> int:
             + f" over {rep.get('steps')} steps; prefill tokens/step p50 <= "
             f"{rep.get('prefill_tokens_quantiles', {}).get('p50')}; cost model {rep.get('cost_model')}"
         )
-    out = RESULTS / f"streams-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"rows": rows, "steps": steps}, indent=2))
-    print(f"\nraw results: {out}")
+    write_results("streams", {"rows": rows, "steps": steps})
     return 0
 
 
