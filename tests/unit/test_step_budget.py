@@ -321,3 +321,32 @@ def test_a_short_prompt_joins_beside_long_ones_that_fill_the_budget():
     assert plan.start == ()  # no room for a third long prompt's useful slice
     plan = b.plan(3, 7500, [*running, Prefill("short", 100, 20, 20, running=False)])
     assert plan.start == ("short",)
+
+
+@pytest.mark.parametrize(
+    ("given", "engine_ms"), [("auto", None), ("AUTO", None), ("250", 250.0), (0, 0.0)]
+)
+def test_max_step_ms_setting(given, engine_ms):
+    from app.settings import Settings
+
+    value = Settings(_env_file=None, max_step_ms=given).max_step_ms
+    assert (None if value == "auto" else float(value)) == engine_ms
+
+
+def test_a_negative_step_budget_is_refused():
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
+    with pytest.raises(ValidationError, match="max_step_ms must be >= 0"):
+        Settings(_env_file=None, max_step_ms=-1)
+    with pytest.raises(ValueError):
+        StepBudget(-0.5, CHUNK, 4)
+
+
+def test_the_auto_budget_depends_on_the_backend():
+    from engine.boot import step_budget_ms
+
+    assert step_budget_ms(None, "Device(cpu, 0)") == 1000.0
+    assert step_budget_ms(None, "Device(gpu, 0)") == 200.0
+    assert step_budget_ms(0.0, "Device(gpu, 0)") == 0.0
