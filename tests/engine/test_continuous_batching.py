@@ -168,3 +168,33 @@ def test_joining_rows_share_one_prefill_budget_per_step(byte_tokenizer):
     assert max(per_step) <= 64  # ...never more than the budget in one step
     assert decoder_tokens == 40  # and the running row produced a token every step
     runner.close()
+
+
+def test_rows_waiting_for_the_budget_can_leave_and_the_rest_finish(byte_tokenizer):
+    """With no room in the budget, joiners wait outside the prefill batch; one that
+    leaves (client gone) or is cut short (watchdog) never starts, the others finish."""
+    runner = BatchRunner(
+        KVSumModel(),
+        byte_tokenizer,
+        max_batch=4,
+        prefill_step_size=64,
+        prefill_batch=4,
+        max_step_s=1e-9,
+    )
+    runner.add(Request([3] * 10, max_tokens=200, sampling=GREEDY, ignore_eos=True, request_id="d"))
+    while not runner.row("d").generated:
+        runner.step()
+    for name in ("a", "b", "c"):
+        runner.add(
+            Request([5] * 200, max_tokens=4, sampling=GREEDY, ignore_eos=True, request_id=name)
+        )
+    runner.step()
+    assert runner._waiting.keys() == {"b", "c"}  # one long prompt prefills at a time here
+    runner.remove("b")
+    cut = runner.cut_short("c")
+    assert cut.finish_reason is FinishReason.LENGTH and cut.completion_tokens == 0
+    assert runner.active == 2 and not runner._waiting
+    done = set()
+    while "a" not in done:
+        done |= {o.request_id for o in runner.step() if o.finish_reason}
+    runner.close()
