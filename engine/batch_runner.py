@@ -366,11 +366,11 @@ class BatchRunner:
                 continue
             done = resp.progress[0]
             before = self._prefilled[resp.uid]
+            row = self._rows[resp.uid]
             if not resp.end_of_prompt:  # the last token runs as a decode step instead
-                ran.append((done - before, self._rows[resp.uid].kv_depth(before)))
+                ran.append((done - before, row.kv_depth(before)))
             self.last_step_prefill += done - before
             self._prefilled[resp.uid] = done
-            row = self._rows[resp.uid]
             try:
                 if row.checkpoints and done == row.checkpoints[0] and resp.end_of_segment:
                     self._checkpoint(resp.uid, row)
@@ -381,8 +381,7 @@ class BatchRunner:
                 self._release(row)
         self.prefill_tokens += self.last_step_prefill
         width = max((n for n, _ in ran), default=0)  # rows are right-padded to the longest
-        depth = sum(width * d + width * (width + 1) // 2 for _, d in ran)
-        return StepShape(prefill_tokens=width * len(ran), prefill_depth=depth)
+        return StepShape.padded(width, [d for _, d in ran])
 
     def _faulted_rows(self) -> dict[int, str]:
         """Rows whose guarded sampler or logits processors raised this step."""

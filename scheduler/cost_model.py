@@ -33,6 +33,15 @@ class StepShape:
     prefill_tokens: int = 0  # prompt tokens the step runs, batch padding included
     prefill_depth: int = 0  # sum over those tokens of the KV positions they attend to
 
+    @classmethod
+    def padded(
+        cls, width: int, depths: list[int], decode_rows: int = 0, decode_depth: int = 0
+    ) -> StepShape:
+        """A step that prefills ``width`` tokens in each of the rows at ``depths``
+        (one right-padded batch: every row costs the widest), besides its decode."""
+        depth = sum(width * d + width * (width + 1) // 2 for d in depths)
+        return cls(decode_rows, decode_depth, width * len(depths), depth)
+
     @property
     def decode_features(self) -> tuple[float, float, float]:
         return (1.0, float(self.decode_rows), self.decode_depth / 1e3)

@@ -53,7 +53,6 @@ class SlicePlan:
     slice_tokens: int
     start: tuple[int, ...] = ()  # waiting rows to start prefilling now, in order
     shape: StepShape = StepShape()  # the step's work as planned (decode + prefill)
-    predicted_s: float = 0.0  # the cost model's time for it (0: unknown)
     budgeted: bool = False  # sized by the time budget (not the token budget)
 
 
@@ -64,8 +63,7 @@ def step_shape(
     ``slice_tokens`` each (padded to the longest slice any row takes)."""
     ran = [r for r in rows if r.segment_left > 0]  # a row left with its last token decodes it
     width = min(slice_tokens, max((r.segment_left for r in ran), default=0))
-    depth = sum(width * r.depth + width * (width + 1) // 2 for r in ran)
-    return StepShape(decode_rows, decode_depth, width * len(ran), depth)
+    return StepShape.padded(width, [r.depth for r in ran], decode_rows, decode_depth)
 
 
 class StepBudget:
@@ -98,7 +96,7 @@ class StepBudget:
             per_row = max(TOKEN_BUDGET_FLOOR, self.chunk // max(1, len(rows)))
             return self._done(decode_rows, decode_depth, rows, len(running), per_row, False)
         if not self.cost.ready:
-            rows = running + waiting[: max(0, min(free, 1 - len(running)))]
+            rows = running or waiting[: min(free, 1)]  # one prompt teaches the model
             per_row = max(1, PROBE_SLICE // max(1, len(rows)))
             return self._done(decode_rows, decode_depth, rows, len(running), per_row, False)
         room = self.max_step_s - self.cost.decode_s(StepShape(decode_rows, decode_depth))
@@ -109,7 +107,7 @@ class StepBudget:
             # steps: it joins beside long ones rather than wait for them to finish
             short = candidate.total_left <= SHORT_STEPS * self.min_row_slice
             need = self.min_row_slice if short else self._admit_slice
-            if rows and not self._fits(decode_rows, decode_depth, trial, need, room):
+            if rows and not self._fits(trial, need, room):
                 break  # keep the order: the next in line goes first once there is room
             rows = trial
         return self._done(
@@ -136,23 +134,21 @@ class StepBudget:
             slice_tokens=per_row,
             start=tuple(r.key for r in rows[running:]),
             shape=shape,
-            predicted_s=self.cost.step_s(shape) if self.cost.ready else 0.0,
             budgeted=budgeted,
         )
 
-    def _fits(
-        self, decode_rows: int, decode_depth: int, rows: list[Prefill], per_row: int, room: float
-    ) -> bool:
-        return self.cost.prefill_s(step_shape(decode_rows, decode_depth, rows, per_row)) <= room
+    def _fits(self, rows: list[Prefill], per_row: int, room: float) -> bool:
+        """Whether ``rows`` can each prefill ``per_row`` tokens within ``room`` seconds."""
+        return self.cost.prefill_s(step_shape(0, 0, rows, per_row)) <= room
 
     def _widest(self, rows: list[Prefill], room: float) -> int:
         """The largest equal slice whose prefill fits ``room`` (the floor if none does)."""
         lo, hi = self.min_row_slice, self.chunk
-        if not rows or not self._fits(0, 0, rows, lo, room):
+        if not rows or not self._fits(rows, lo, room):
             return lo
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._fits(0, 0, rows, mid, room):
+            if self._fits(rows, mid, room):
                 lo = mid
             else:
                 hi = mid - 1

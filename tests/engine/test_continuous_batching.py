@@ -26,9 +26,8 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     ]
 
 
-def _run(tokenizer, prompts, max_batch, max_tokens, join_every=0, prefill_step=64, max_step_s=0.0):
-    """Drive a BatchRunner; requests join one at a time every ``join_every`` steps."""
-    runner = BatchRunner(
+def _runner(tokenizer, max_batch=4, prefill_step=64, max_step_s=0.0) -> BatchRunner:
+    return BatchRunner(
         KVSumModel(),
         tokenizer,
         max_batch=max_batch,
@@ -36,6 +35,11 @@ def _run(tokenizer, prompts, max_batch, max_tokens, join_every=0, prefill_step=6
         prefill_batch=max_batch,
         max_step_s=max_step_s,
     )
+
+
+def _run(tokenizer, prompts, max_batch, max_tokens, join_every=0, prefill_step=64, max_step_s=0.0):
+    """Drive a BatchRunner; requests join one at a time every ``join_every`` steps."""
+    runner = _runner(tokenizer, max_batch, prefill_step, max_step_s)
     reqs = [
         Request(
             list(p), max_tokens=max_tokens[i], sampling=GREEDY, ignore_eos=True, request_id=f"r{i}"
@@ -110,14 +114,7 @@ def test_a_time_budget_gives_the_same_tokens(byte_tokenizer, max_step_s):
 
 
 def test_a_time_budget_slices_prefill_only_while_rows_decode(byte_tokenizer):
-    runner = BatchRunner(
-        KVSumModel(),
-        byte_tokenizer,
-        max_batch=4,
-        prefill_step_size=64,
-        prefill_batch=4,
-        max_step_s=1e-9,
-    )
+    runner = _runner(byte_tokenizer, max_step_s=1e-9)
     runner.add(Request([3] * 300, max_tokens=3, sampling=GREEDY, ignore_eos=True, request_id="a"))
     runner.step()
     assert runner.last_step_prefill == 64  # nothing decodes: the full chunk
@@ -145,9 +142,7 @@ def test_fixture_detects_cross_talk(byte_tokenizer):
 def test_joining_rows_share_one_prefill_budget_per_step(byte_tokenizer):
     """Four long prompts arriving together must not prefill 4 x budget tokens in
     one step: running decoders would stall for all of it."""
-    runner = BatchRunner(
-        KVSumModel(), byte_tokenizer, max_batch=8, prefill_step_size=64, prefill_batch=8
-    )
+    runner = _runner(byte_tokenizer, max_batch=8)
     runner.add(
         Request([7] * 10, max_tokens=400, sampling=GREEDY, ignore_eos=True, request_id="decoder")
     )
@@ -173,14 +168,7 @@ def test_joining_rows_share_one_prefill_budget_per_step(byte_tokenizer):
 def test_rows_waiting_for_the_budget_can_leave_and_the_rest_finish(byte_tokenizer):
     """With no room in the budget, joiners wait outside the prefill batch; one that
     leaves (client gone) or is cut short (watchdog) never starts, the others finish."""
-    runner = BatchRunner(
-        KVSumModel(),
-        byte_tokenizer,
-        max_batch=4,
-        prefill_step_size=64,
-        prefill_batch=4,
-        max_step_s=1e-9,
-    )
+    runner = _runner(byte_tokenizer, max_step_s=1e-9)
     runner.add(Request([3] * 10, max_tokens=200, sampling=GREEDY, ignore_eos=True, request_id="d"))
     while not runner.row("d").generated:
         runner.step()

@@ -107,12 +107,7 @@ class Sim:
         ran = [r for r in self.rows if r.started and r.prefilling and r not in decoding]
         views = [r.view() for r in ran]
         width = min(plan.slice_tokens, max((v.segment_left for v in views), default=0))
-        shape = StepShape(
-            len(decoding),
-            depth,
-            width * len(views),
-            sum(width * v.depth + width * (width + 1) // 2 for v in views),
-        )
+        shape = StepShape.padded(width, [v.depth for v in views], len(decoding), depth)
         seconds = self.true(shape) * (1 + self.rng.uniform(-self.noise, self.noise))
         if shape.prefill_tokens or not self.last_prefilled:
             self.budget.observe(shape, seconds)
