@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine.adapters import AdapterBusy, AdapterNotFound, AdapterSet
+from engine.lora import AdapterTag, is_tag
 from engine.row_faults import FaultLedger, GuardedProcessor, GuardedSampler
 from engine.sampling import SamplerFactory
 from engine.text_output import TextOutput
@@ -32,6 +35,7 @@ from kvcache.manager import TieredKVManager
 from kvcache.payloads import plain_kv_only
 from kvcache.prompt_key import PromptKey
 from scheduler.admission import round_up
+from scheduler.contracts import AdapterInfo
 from scheduler.cost_model import StepShape
 from scheduler.request import CacheReport, FinishReason, Request, RequestOutput, RequestStats
 from scheduler.step_budget import Prefill, SlicePlan, StepBudget
@@ -66,6 +70,7 @@ class _Row:
     prefill_len: int = 0  # prompt tokens after ``cached`` (what prefill runs)
     stops: tuple[int, ...] = ()  # progress values where the generator pauses prefill
     replayed: int = 0  # generated tokens prefilled again after a batch rebuild
+    slot: int = 0  # its adapter's routing slot (engine.lora.BASE: none)
     joined_at: float = field(default_factory=time.monotonic)
     report: CacheReport = field(default_factory=CacheReport)
 
@@ -153,6 +158,8 @@ class BatchRunner:
         self._waiting: dict[str, _Waiting] = {}  # admitted, prefill not started
         self._last_prefilled = False  # the step before prefilled (see _observe)
         self.faults = FaultLedger()
+        # LoRA adapters mounted at run time; the generator runs the routed model
+        self.adapters = AdapterSet(model)
         self._samplers = SamplerFactory(vocab_size=len(tokenizer), ledger=self.faults)
         self._eos = [[t] for t in sorted(tokenizer.eos_token_ids)]
         self._generator = self._new_generator(max_batch, self._prefill_rows)
@@ -171,7 +178,7 @@ class BatchRunner:
 
     def _new_generator(self, rows: int, prefill_rows: int) -> BatchGenerator:
         return BatchGenerator(
-            self.model,
+            self.adapters.routed,
             stop_tokens=self._eos,
             completion_batch_size=rows,
             prefill_batch_size=prefill_rows,
@@ -193,6 +200,12 @@ class BatchRunner:
     def add(self, request: Request) -> RequestOutput:
         params = request.sampling
         rid = request.request_id
+        try:
+            slot = self.adapters.slot(request.adapter)
+        except AdapterNotFound:
+            raise ValueError(f"adapter {request.adapter!r} is not mounted") from None
+        if request.cache is not None:  # its KV lives in its adapter's namespace
+            request.cache = replace(request.cache, adapter=self.adapters.namespace(request.adapter))
         processors = [
             GuardedProcessor(p, rid, self.faults) for p in self._samplers.logits_processors(params)
         ]
@@ -201,6 +214,7 @@ class BatchRunner:
             TextOutput(self.tokenizer.detokenizer, request.stop, request.trim_leading_space),
             self._samplers.sampler(params),
             processors,
+            slot=slot,
         )
         prompt = request.prompt_tokens
         cache, cached_tokens = None, None
@@ -241,10 +255,12 @@ class BatchRunner:
 
     def _insert(self, row: _Row, segments, cache, cached_tokens, generator=None) -> int:
         request = row.request
+        # the row's caches end with its adapter tag: it follows the row through the batch
+        kv = list(cache) if cache is not None else make_prompt_cache(self.model)
         (uid,) = (generator or self._generator).insert_segments(
             [segments],
             max_tokens=[request.max_tokens - row.generated],
-            caches=[cache] if cache is not None else None,
+            caches=[[*kv, AdapterTag(row.slot)]],
             all_tokens=[cached_tokens] if cached_tokens is not None else None,
             samplers=[row.sampler],
             logits_processors=[row.processors],
@@ -313,7 +329,9 @@ class BatchRunner:
         ((caches, _tokens),) = self._generator.extract_cache([uid]).values()
         key = row.kv_key.truncated(row.kv_offset + row.checkpoints.pop(0))
         hints = row.request.cache
-        self.prefix_cache.store(key, caches, hints.session_id, hints.kv_bits)
+        self.prefix_cache.store(
+            key, _kv_only(caches), hints.session_id, hints.kv_bits, hints.adapter
+        )
 
     def _store_final(self, row: _Row, caches, all_tokens) -> None:
         """Keep prompt + reply KV: the next turn of this conversation starts with it."""
@@ -324,7 +342,9 @@ class BatchRunner:
             return  # should not happen; never store KV under the wrong tokens
         key = row.kv_key.extended(all_tokens[len(base) :])
         hints = row.request.cache
-        entry_id = self.prefix_cache.store(key, caches, hints.session_id, hints.kv_bits)
+        entry_id = self.prefix_cache.store(
+            key, _kv_only(caches), hints.session_id, hints.kv_bits, hints.adapter
+        )
         self.prefix_cache.record_turn(hints, entry_id)
 
     def _plan(self) -> SlicePlan:
@@ -586,7 +606,30 @@ class BatchRunner:
             return False
         return True
 
+    # -- adapters (mounted between steps: never during a forward pass) ---------
+    def adapter_users(self, adapter_id: str) -> int:
+        """Rows prefilling, decoding or waiting to start that use ``adapter_id``."""
+        rows = [*self._rows.values(), *(w.row for w in self._waiting.values())]
+        return sum(1 for r in rows if r.request.adapter == adapter_id)
+
+    def mount_adapter(self, adapter_id: str, path: Path, scale: float = 1.0) -> AdapterInfo:
+        return self.adapters.mount(adapter_id, path, scale)
+
+    def unmount_adapter(self, adapter_id: str) -> AdapterInfo:
+        users = self.adapter_users(adapter_id)
+        if users:
+            raise AdapterBusy(
+                f"adapter {adapter_id!r} is in use by {users} running request(s); "
+                "unmount it when they finish"
+            )
+        return self.adapters.unmount(adapter_id)
+
     def close(self) -> None:
         self._generator.close()
         if self.prefix_cache is not None:
             self.prefix_cache.close()  # queued KV writes reach the disk
+
+
+def _kv_only(caches: list) -> list:
+    """A row's caches without its adapter tag: what the prefix cache stores."""
+    return [c for c in caches if not is_tag(c)]

@@ -69,7 +69,12 @@ class KVCacheManager(Protocol):
     def release(self, entry_id: int) -> None: ...
 
     def store(
-        self, key: PromptKey, caches: list[Any], session: str | None = None
+        self,
+        key: PromptKey,
+        caches: list[Any],
+        session: str | None = None,
+        kv_bits: int | None = None,
+        adapter: str = "",
     ) -> int | None: ...
 
     def record_turn(self, hints: CacheHints, entry_id: int | None) -> None: ...

@@ -110,8 +110,11 @@ class TieredKVManager:
         return self.ops.trimmable
 
     @staticmethod
-    def _variant(quant: KVQuant | None) -> str:
-        return quant.tag() if quant else ""
+    def _variant(quant: KVQuant | None, adapter: str = "") -> str:
+        """Entries of one variant only ever serve requests of the same: KV of
+        another precision or computed under another adapter is other data."""
+        tag = quant.tag() if quant else ""
+        return f"{tag}+{adapter}" if adapter else tag
 
     def _quant_for(self, kv_bits: int | None) -> KVQuant | None:
         """A request's ``kv_bits`` over the server's --kv-bits (same groups and start)."""
@@ -157,7 +160,7 @@ class TieredKVManager:
             self.sessions.candidates(hints.session_id),
             promised,
             max_growth=max_growth,
-            variant=self._variant(self._quant_for(hints.kv_bits)),
+            variant=self._variant(self._quant_for(hints.kv_bits), hints.adapter),
         )
         for reason in result.rejected:
             log.info("%s: prefix cache rejected %s", request_id, reason)
@@ -279,12 +282,15 @@ class TieredKVManager:
         caches: list[Any],
         session: str | None = None,
         kv_bits: int | None = None,
+        adapter: str = "",
     ) -> int | None:
         """Keep ``caches`` (KV of exactly ``key.model_tokens``) for later requests,
-        at the precision ``kv_bits`` asks for (None: the server's --kv-bits)."""
+        at the precision ``kv_bits`` asks for (None: the server's --kv-bits),
+        in the namespace of the adapter that computed it ("" = the base model)."""
         self.poll()
         length = len(key.model_tokens)
-        variant, ops = self._ops_for(kv_bits)
+        _, ops = self._ops_for(kv_bits)
+        variant = self._variant(self._quant_for(kv_bits), adapter)
         # blocks of another precision are other bytes: their own address space
         digests = (
             block_digests(key.model_tokens, ops.block_size, f"{self.namespace}/{variant}")

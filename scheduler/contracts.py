@@ -52,6 +52,36 @@ class TextSyntax:
 
 
 @dataclass(frozen=True)
+class AdapterInfo:
+    """A LoRA/DoRA adapter mounted into the running model (GET /v1/adapters)."""
+
+    id: str
+    path: str
+    rank: int
+    scale: float  # the mount's multiplier on the adapter's own lora_parameters.scale
+    lora_scale: float  # adapter_config.json's lora_parameters.scale
+    fine_tune_type: str  # lora / dora
+    size_bytes: int
+    mounted_layers: int
+    fingerprint: str  # of its files: cached KV is keyed by content, not by path
+    slot: int  # its row-routing slot in the engine
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": "adapter",
+            "path": self.path,
+            "rank": self.rank,
+            "scale": self.scale,
+            "lora_scale": self.lora_scale,
+            "fine_tune_type": self.fine_tune_type,
+            "size_bytes": self.size_bytes,
+            "mounted_layers": self.mounted_layers,
+            "fingerprint": self.fingerprint,
+        }
+
+
+@dataclass(frozen=True)
 class ModelInfo:
     """What the rest of the server needs to know about the loaded model."""
 

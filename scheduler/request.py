@@ -58,6 +58,9 @@ class CacheHints:
     session_id: str
     message_hashes: tuple[str, ...] = ()  # canonical hash per message (session layer)
     kv_bits: int | None = None  # None: the server's --kv-bits
+    # the adapter's cache namespace (id + content fingerprint, set by the engine):
+    # KV computed under one adapter is never handed to another; "" = the base model
+    adapter: str = ""
 
 
 @dataclass
@@ -73,6 +76,7 @@ class Request:
     # a raw completion continues the prompt's text and keeps it
     trim_leading_space: bool = True
     cache: CacheHints | None = None  # None: this request neither reads nor feeds the cache
+    adapter: str | None = None  # a mounted LoRA adapter's id; None: the base model
     request_id: str = field(default_factory=next_request_id)
     arrival_time: float = field(default_factory=time.monotonic)
     state: RequestState = RequestState.WAITING

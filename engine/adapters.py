@@ -1,0 +1,264 @@
+"""LoRA / DoRA adapters mounted into the running model (engine thread only).
+
+An adapter directory is what ``mlx_lm.lora`` writes: ``adapter_config.json``
+(``fine_tune_type``, ``lora_parameters.rank/scale``) and
+``adapters.safetensors`` (``<module path>.lora_a``, ``.lora_b``, DoRA's ``.m``).
+Mounting validates every tensor against the model before touching a layer (all
+or nothing), then adds the adapter's pairs to the layers' ``MultiLoRALinear``
+wrappers under a slot of its own; unmounting removes them and unwraps layers no
+adapter uses any more. Rows pick their slot through ``RowRouting``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_unflatten
+
+from engine.lora import (
+    BASE,
+    LoRAWeights,
+    MultiLoRALinear,
+    RoutedModel,
+    RowRouting,
+    dense_weight,
+    linear_dims,
+)
+from scheduler.contracts import AdapterInfo
+
+log = logging.getLogger("kvwarm.engine.adapters")
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapters.safetensors"
+_LEAVES = ("lora_a", "lora_b", "m")
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be mounted (the client's to fix: a 400)."""
+
+
+class AdapterNotFound(KeyError):
+    """No adapter mounted under that id (a 404)."""
+
+
+class AdapterBusy(RuntimeError):
+    """Requests still use the adapter (a 409)."""
+
+
+@dataclass
+class _Mounted:
+    info: AdapterInfo
+    layers: dict[str, LoRAWeights]  # module path -> its pair
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((path / CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        raise AdapterError(f"{path} has no {CONFIG_FILE} (is it an mlx_lm.lora adapter?)") from None
+    except (OSError, ValueError) as exc:
+        raise AdapterError(f"{path / CONFIG_FILE} is not readable JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{path / CONFIG_FILE} must hold a JSON object")
+    kind = config.get("fine_tune_type", "lora")
+    if kind not in ("lora", "dora"):
+        raise AdapterError(
+            f"fine_tune_type {kind!r} cannot be mounted: only lora and dora adapters "
+            "(a full fine-tune is a model of its own)"
+        )
+    params = config.get("lora_parameters")
+    if not isinstance(params, dict):
+        raise AdapterError(f"{CONFIG_FILE} has no lora_parameters object")
+    rank, scale = params.get("rank"), params.get("scale")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise AdapterError(f"lora_parameters.rank must be a positive integer, got {rank!r}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise AdapterError(f"lora_parameters.scale must be a number, got {scale!r}")
+    return config
+
+
+def _read_weights(path: Path) -> dict[str, mx.array]:
+    file = path / WEIGHTS_FILE
+    if not file.is_file():
+        raise AdapterError(f"{path} has no {WEIGHTS_FILE}")
+    try:
+        weights = mx.load(str(file))
+    except Exception as exc:  # noqa: BLE001 - a corrupt file is the client's
+        raise AdapterError(f"{file} is not a readable safetensors file: {exc}") from None
+    if not isinstance(weights, dict) or not weights:
+        raise AdapterError(f"{file} holds no tensors")
+    return weights
+
+
+def fingerprint(path: Path) -> str:
+    """The adapter's content (config + weights): what its cached KV is keyed by."""
+    digest = hashlib.sha256()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        with open(path / name, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+class AdapterSet:
+    """The adapters mounted into one model, and the routing of rows to them."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.routing = RowRouting()
+        self.routed = RoutedModel(model, self.routing)
+        self._mounted: dict[str, _Mounted] = {}
+        self._next_slot = BASE + 1  # never reused: a stale slot can never mean another adapter
+
+    def __contains__(self, adapter_id: str) -> bool:
+        return adapter_id in self._mounted
+
+    def infos(self) -> list[AdapterInfo]:
+        return [m.info for m in self._mounted.values()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.info.size_bytes for m in self._mounted.values())
+
+    def get(self, adapter_id: str) -> AdapterInfo:
+        mounted = self._mounted.get(adapter_id)
+        if mounted is None:
+            raise AdapterNotFound(adapter_id)
+        return mounted.info
+
+    def slot(self, adapter_id: str | None) -> int:
+        return BASE if adapter_id is None else self.get(adapter_id).slot
+
+    def namespace(self, adapter_id: str | None) -> str:
+        """The prefix-cache namespace of KV computed with this adapter ('' = base)."""
+        if adapter_id is None:
+            return ""
+        info = self.get(adapter_id)
+        return f"lora:{info.id}:{info.fingerprint}:{info.scale:g}"
+
+    # -- mounting ---------------------------------------------------------------
+    def mount(self, adapter_id: str, path: Path, scale: float = 1.0) -> AdapterInfo:
+        """Validate every tensor, then mount (nothing changes if anything is wrong)."""
+        if adapter_id in self._mounted:
+            raise AdapterError(f"an adapter {adapter_id!r} is already mounted; unmount it first")
+        path = Path(path).expanduser()
+        if not path.is_dir():
+            raise AdapterError(f"adapter path {str(path)!r} is not a directory")
+        config = _read_config(path)
+        weights = _read_weights(path)
+        params = config["lora_parameters"]
+        effective = float(params["scale"]) * scale
+        pairs = self._validate(weights, int(params["rank"]), effective)
+        slot = self._next_slot
+        self._next_slot += 1
+        for module_path, pair in pairs.items():
+            self._wrapped(module_path).adapters[slot] = pair
+        info = AdapterInfo(
+            id=adapter_id,
+            path=str(path),
+            rank=int(params["rank"]),
+            scale=scale,
+            lora_scale=float(params["scale"]),
+            fine_tune_type=config.get("fine_tune_type", "lora"),
+            size_bytes=sum(p.nbytes for p in pairs.values()),
+            mounted_layers=len(pairs),
+            fingerprint=fingerprint(path),
+            slot=slot,
+        )
+        self._mounted[adapter_id] = _Mounted(info, pairs)
+        log.info(
+            "adapter %s mounted from %s: %s rank %d, scale %g x %g, %d layers, %.1f MiB",
+            adapter_id,
+            path,
+            info.fine_tune_type,
+            info.rank,
+            info.lora_scale,
+            scale,
+            info.mounted_layers,
+            info.size_bytes / 2**20,
+        )
+        return info
+
+    def unmount(self, adapter_id: str) -> AdapterInfo:
+        mounted = self._mounted.pop(adapter_id, None)
+        if mounted is None:
+            raise AdapterNotFound(adapter_id)
+        modules = dict(self.model.named_modules())
+        unwrap = []
+        for module_path in mounted.layers:
+            layer = modules[module_path]
+            layer.adapters.pop(mounted.info.slot, None)
+            if not layer.adapters:
+                unwrap.append((module_path, layer.base))
+        if unwrap:  # no adapter left on these layers: back to the bare base layer
+            self.model.update_modules(tree_unflatten(unwrap))
+        log.info("adapter %s unmounted", adapter_id)
+        return mounted.info
+
+    def _wrapped(self, module_path: str) -> MultiLoRALinear:
+        layer = dict(self.model.named_modules())[module_path]
+        if isinstance(layer, MultiLoRALinear):
+            return layer
+        wrapper = MultiLoRALinear(layer, self.routing)
+        self.model.update_modules(tree_unflatten([(module_path, wrapper)]))
+        return wrapper
+
+    def _validate(
+        self, weights: dict[str, mx.array], rank: int, scale: float
+    ) -> dict[str, LoRAWeights]:
+        """Every tensor against the model; the first problem is a 400 naming it."""
+        modules = dict(self.model.named_modules())
+        grouped: dict[str, dict[str, mx.array]] = {}
+        for name, value in weights.items():
+            module_path, _, leaf = name.rpartition(".")
+            if leaf not in _LEAVES:
+                raise AdapterError(
+                    f"tensor {name!r} is not an adapter parameter (expected "
+                    f"<layer>.lora_a, .lora_b or .m)"
+                )
+            grouped.setdefault(module_path, {})[leaf] = value
+        pairs: dict[str, LoRAWeights] = {}
+        for module_path, leaves in sorted(grouped.items()):
+            layer = modules.get(module_path)
+            if isinstance(layer, MultiLoRALinear):
+                layer = layer.base
+            if layer is None:
+                raise AdapterError(f"layer {module_path!r} does not exist in the loaded model")
+            if not isinstance(layer, (nn.Linear, nn.QuantizedLinear)):
+                raise AdapterError(
+                    f"layer {module_path!r} is a {type(layer).__name__}: only Linear and "
+                    "QuantizedLinear layers take run-time adapters"
+                )
+            if "lora_a" not in leaves or "lora_b" not in leaves:
+                raise AdapterError(f"layer {module_path!r} needs both lora_a and lora_b")
+            in_dims, out_dims = linear_dims(layer)
+            a, b = leaves["lora_a"], leaves["lora_b"]
+            if a.shape != (in_dims, rank) or b.shape != (rank, out_dims):
+                raise AdapterError(
+                    f"layer {module_path!r}: lora_a {tuple(a.shape)} and lora_b "
+                    f"{tuple(b.shape)} do not fit a ({in_dims} -> {out_dims}) layer at rank "
+                    f"{rank} (expected ({in_dims}, {rank}) and ({rank}, {out_dims}))"
+                )
+            factor = None
+            if "m" in leaves:
+                m = leaves["m"]
+                if m.shape != (out_dims,):
+                    raise AdapterError(
+                        f"layer {module_path!r}: DoRA magnitude m {tuple(m.shape)} does not "
+                        f"match the layer's {out_dims} outputs"
+                    )
+                # as mlx-lm's DoRALinear: m over the row norms of W + s * B^T A^T
+                w = dense_weight(layer)
+                adapted = w + (scale * b.T) @ a.T
+                factor = m / mx.linalg.norm(adapted, axis=1)
+            # kept in the dtype they were saved in, as mlx-lm's load_weights keeps them
+            pair = LoRAWeights(a, b, scale, factor)
+            mx.eval(pair.a, pair.b, *(() if factor is None else (factor,)))
+            pairs[module_path] = pair
+        return pairs

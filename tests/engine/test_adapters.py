@@ -1,0 +1,209 @@
+"""LoRA / DoRA adapters mounted into a running BatchRunner.
+
+The reference is mlx-lm itself: ``load(model, adapter_path=...)`` +
+``generate_step`` with greedy sampling. A mounted adapter must give exactly its
+tokens, whether its row decodes alone or beside rows of other adapters and of
+the base model; the KV one adapter computed must never serve another.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from engine.adapters import AdapterBusy, AdapterError
+from engine.batch_runner import BatchRunner
+from engine.lora import MultiLoRALinear
+from kvcache.index import PromptCacheConfig
+from kvcache.manager import TieredKVManager
+from kvcache.prompt_key import PromptKey
+from scheduler.request import CacheHints, Request, SamplingParams
+from tests.helpers.adapters import write_adapter
+
+GREEDY = SamplingParams(temperature=0.0)
+PROMPTS = [
+    list(b"The adapter writes this: "),
+    list(b"Another prompt, a bit longer than that one. "),
+]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        "a": write_adapter(tiny_llama_dir, root / "a", seed=1),
+        "b": write_adapter(
+            tiny_llama_dir, root / "b", seed=2, rank=8, keys=["self_attn.v_proj", "mlp.down_proj"]
+        ),
+        "dora": write_adapter(tiny_llama_dir, root / "dora", seed=3, scale=8.0, dora=True),
+    }
+
+
+def reference(model_dir, prompt, adapter_dir=None) -> list[int]:
+    """mlx-lm's own greedy tokens, with the adapter loaded its way."""
+    model, _ = load(str(model_dir), adapter_path=str(adapter_dir) if adapter_dir else None)
+    out = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS):
+        out.append(int(token))
+    return out
+
+
+def make_runner(model_dir, cache: bool = False, max_batch: int = 4) -> BatchRunner:
+    model, tokenizer = load(str(model_dir))
+    prefix = (
+        TieredKVManager(
+            PromptCacheConfig(block_size=8, kv_block_size=16),
+            64 * 2**20,
+            "tiny",
+            make_prompt_cache(model),
+        )
+        if cache
+        else None
+    )
+    return BatchRunner(
+        model,
+        tokenizer,
+        max_batch=max_batch,
+        prefill_step_size=64,
+        prefill_batch=max_batch,
+        prefix_cache=prefix,
+    )
+
+
+def request(rid: str, prompt, adapter=None, cache=False) -> Request:
+    hints = CacheHints(PromptKey.build(prompt), session_id=rid) if cache else None
+    return Request(
+        list(prompt),
+        MAX_TOKENS,
+        GREEDY,
+        ignore_eos=True,
+        request_id=rid,
+        adapter=adapter,
+        cache=hints,
+    )
+
+
+def run(runner: BatchRunner, requests: list[Request]) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    firsts = {}
+    for r in requests:
+        firsts[r.request_id] = runner.add(r)
+    while runner.active:
+        for out in runner.step():
+            assert out.error is None, out.error
+            tokens[out.request_id].extend(out.token_ids)
+    run.firsts = firsts  # type: ignore[attr-defined]
+    return tokens
+
+
+@pytest.mark.parametrize("name", ["a", "b", "dora"])
+def test_mounted_adapter_gives_mlx_lm_tokens(tiny_llama_dir, adapters, name):
+    runner = make_runner(tiny_llama_dir)
+    info = runner.mount_adapter(name, adapters[name])
+    assert info.mounted_layers > 0 and info.size_bytes > 0
+    got = run(runner, [request("r", PROMPTS[0], adapter=name)])["r"]
+    assert got == reference(tiny_llama_dir, PROMPTS[0], adapters[name])
+    assert got != reference(tiny_llama_dir, PROMPTS[0]), "the adapter must change the output"
+
+
+def test_rows_of_different_adapters_decode_together(tiny_llama_dir, adapters):
+    runner = make_runner(tiny_llama_dir)
+    for name in ("a", "b", "dora"):
+        runner.mount_adapter(name, adapters[name])
+    plan = [(None, 0), ("a", 0), ("b", 1), ("dora", 1), ("a", 1)]
+    reqs = [request(f"r{i}", PROMPTS[p], adapter=a) for i, (a, p) in enumerate(plan)]
+    got = run(runner, reqs[:4])
+    got.update(run(runner, reqs[4:]))
+    for i, (name, p) in enumerate(plan):
+        want = reference(tiny_llama_dir, PROMPTS[p], adapters[name] if name else None)
+        assert got[f"r{i}"] == want, (name, p)
+    assert max(i for i, n in enumerate(runner.batch_sizes) if n) == 4  # decoded as one batch
+
+
+def test_unmount_restores_the_base_model_and_refuses_while_in_use(tiny_llama_dir, adapters):
+    runner = make_runner(tiny_llama_dir)
+    runner.mount_adapter("a", adapters["a"])
+    runner.add(request("busy", PROMPTS[0], adapter="a"))
+    with pytest.raises(AdapterBusy, match="in use by 1"):
+        runner.unmount_adapter("a")
+    while runner.active:
+        runner.step()
+    runner.unmount_adapter("a")
+    assert not any(isinstance(m, MultiLoRALinear) for _, m in runner.model.named_modules())
+    assert run(runner, [request("r", PROMPTS[0])])["r"] == reference(tiny_llama_dir, PROMPTS[0])
+    with pytest.raises(ValueError, match="not mounted"):
+        runner.add(request("gone", PROMPTS[0], adapter="a"))
+
+
+def test_no_cache_hit_crosses_adapters(tiny_llama_dir, adapters):
+    runner = make_runner(tiny_llama_dir, cache=True)
+    runner.mount_adapter("a", adapters["a"])
+    runner.mount_adapter("b", adapters["b"])
+    prompt = PROMPTS[1] * 2
+    for turn, adapter in enumerate(["a", None, "b", "a", None, "b"]):
+        got = run(runner, [request(f"t{turn}", prompt, adapter=adapter, cache=True)])
+        first = run.firsts[f"t{turn}"]  # type: ignore[attr-defined]
+        # the first turn of each namespace misses; the second reuses its own KV
+        assert (first.cached_tokens > 0) == (turn >= 3), (turn, adapter, first.cached_tokens)
+        want = reference(tiny_llama_dir, prompt, adapters[adapter] if adapter else None)
+        assert got[f"t{turn}"] == want
+
+
+def _mount_fails(runner, path, match):
+    before = [type(m).__name__ for _, m in runner.model.named_modules()]
+    with pytest.raises(AdapterError, match=match):
+        runner.mount_adapter("bad", path)
+    # all or nothing: no layer was touched, nothing is listed
+    assert [type(m).__name__ for _, m in runner.model.named_modules()] == before
+    assert runner.adapters.infos() == []
+
+
+def test_bad_adapter_dirs_are_refused_whole(tiny_llama_dir, adapters, tmp_path):
+    runner = make_runner(tiny_llama_dir)
+    _mount_fails(runner, tmp_path / "missing", "not a directory")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _mount_fails(runner, empty, "no adapter_config.json")
+    # a rank that does not match the tensors: names the layer and both shapes
+    wrong = tmp_path / "wrong-rank"
+    wrong.mkdir()
+    (wrong / "adapters.safetensors").write_bytes(
+        (adapters["a"] / "adapters.safetensors").read_bytes()
+    )
+    config = json.loads((adapters["a"] / "adapter_config.json").read_text())
+    config["lora_parameters"]["rank"] = 2
+    (wrong / "adapter_config.json").write_text(json.dumps(config))
+    _mount_fails(
+        runner, wrong, r"layer 'model\.layers\.0\.[a-z_.]+': lora_a \(\d+, 4\) .* at rank 2"
+    )
+    # an adapter made for another model shape (hidden 32): the first layer's shapes named
+    other = tmp_path / "other-model"
+    from tests.helpers.tiny_models import write_tiny_llama
+
+    small = write_tiny_llama(tmp_path / "small-model", hidden=32)
+    write_adapter(small, other, seed=1)
+    _mount_fails(runner, other, r"lora_b \(4, 32\) do not fit a \(128 -> 64\) layer")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "adapters.safetensors").write_bytes(
+        (adapters["a"] / "adapters.safetensors").read_bytes()
+    )
+    (full / "adapter_config.json").write_text(json.dumps({**config, "fine_tune_type": "full"}))
+    _mount_fails(runner, full, "fine_tune_type 'full' cannot be mounted")
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "adapter_config.json").write_text(
+        (adapters["a"] / "adapter_config.json").read_text()
+    )
+    (corrupt / "adapters.safetensors").write_bytes(b"not a safetensors file")
+    _mount_fails(runner, corrupt, "not a readable safetensors file")
+    # a good adapter still mounts after all that
+    assert runner.mount_adapter("a", adapters["a"]).id == "a"
+    with pytest.raises(AdapterError, match="already mounted"):
+        runner.mount_adapter("a", adapters["b"])
