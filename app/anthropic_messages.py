@@ -160,6 +160,7 @@ def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:
         sampling=body.sampling(),
         use_kv_cache=body.kv_cache_enabled(),
         kv_bits=body.kv_bits_requested(),
+        adapter=body.adapter_requested(),
         ignored=ignored_fields(body),
     )
 

@@ -56,6 +56,7 @@ class ChatCall:
     ignored: tuple[str, ...] = ()  # fields the client sent that nothing acts on
     use_kv_cache: bool = True  # false: neither reuse nor store KV for this request
     kv_bits: int | None = None  # store (and reuse) this request's KV at this precision
+    adapter: str | None = None  # a mounted LoRA adapter's id; None: the base model
 
 
 @dataclass
@@ -178,6 +179,7 @@ def _sampling(call: ChatCall, info: ModelInfo) -> SamplingParams:
 def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) -> Prepared:
     info = state.model_info()
     settings = state.settings
+    adapter = state.adapter(call.adapter)
     if not call.messages:
         raise APIError(400, "The request has no messages.", param="messages")
     default = settings.thinking == "on" if call.thinking_default is None else call.thinking_default
@@ -209,6 +211,7 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
         cache=CacheHints(key, session, rendered.message_hashes, call.kv_bits)
         if call.use_kv_cache
         else None,
+        adapter=adapter,
     )
     if call.ignored:
         log.info("%s: ignored fields: %s", request.request_id, ", ".join(call.ignored))

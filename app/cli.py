@@ -48,6 +48,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "request_timeout": {"type": float, "metavar": "SECONDS"},
     "thinking": {"choices": ["on", "off"]},
     "strip_thinking": {"action": "store_true"},
+    "adapter": {"action": "append", "metavar": "ID=PATH"},
     "shutdown_timeout": {"type": float, "metavar": "SECONDS"},
     "allowed_hosts": {"metavar": "HOSTS"},
     "cors_origins": {"metavar": "ORIGINS"},
@@ -58,7 +59,7 @@ def _add_settings_flags(parser: argparse.ArgumentParser, names: list[str]) -> No
     for name in names:
         field = Settings.model_fields[name]
         flag = "--" + name.replace("_", "-")
-        default = field.default
+        default = field.default if field.default_factory is None else "none"
         if default is None:
             default = "none"
         elif isinstance(default, ByteSize):
@@ -156,6 +157,7 @@ def cmd_serve(settings: Settings) -> int:
         kv_disk_bytes=settings.kv_disk_limit,
         kv_quant=settings.kv_quant,
         kv_tier=settings.kv_tier,
+        adapters=settings.adapters,
     )
     server: GracefulServer | None = None
     load_failure: list[str] = []

@@ -279,6 +279,7 @@ class Generation:
             disconnected=done.finish_reason is None,
             tool_calls=len(done.tool_calls),
             cache=done.cache,
+            adapter=req.adapter or "",
             request={
                 "max_tokens": req.max_tokens,
                 "temperature": req.sampling.temperature,

@@ -54,6 +54,7 @@ def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Pre
     if body.echo and not isinstance(prompt, str):
         raise APIError(400, "echo needs a text prompt.", param="echo")
     info = state.model_info()
+    adapter = state.adapter(body.adapter_requested())
     tokens = _prompt_tokens(prompt, state)
     limit = body.completion_limit or DEFAULT_MAX_TOKENS
     key = PromptKey.build(tokens)
@@ -68,6 +69,7 @@ def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Pre
             key,
             session_id_from(body.model_extra or {}, headers) or fallback_session_id(key.canonical),
         ),
+        adapter=adapter,
     )
     return Prepared(
         request,

@@ -239,6 +239,7 @@ def _prepare_call(body: ResponsesRequest, history: list[dict[str, Any]], state: 
         sampling=body.sampling(),
         use_kv_cache=body.kv_cache_enabled(),
         kv_bits=body.kv_bits_requested(),
+        adapter=body.adapter_requested(),
         ignored=ignored_fields(body),
     )
     return conversation, prepare_chat(call, state, headers)

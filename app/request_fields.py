@@ -86,12 +86,23 @@ class CacheSwitch(BaseModel):
     )
 
 
-class Envelope(SamplingFields, CacheSwitch):
+class AdapterSwitch(BaseModel):
+    adapter: str | None = Field(
+        None,
+        strict=True,
+        min_length=1,
+        max_length=64,
+        description="id of a mounted LoRA adapter (GET /v1/adapters) to generate with; "
+        "default: the base model",
+    )
+
+
+class Envelope(SamplingFields, CacheSwitch, AdapterSwitch):
     """``extra_body`` / ``metadata``: free-form, but any sampling field inside is
     held to the same bounds as at the top level."""
 
 
-class EnvelopedSampling(SamplingFields, CacheSwitch):
+class EnvelopedSampling(SamplingFields, CacheSwitch, AdapterSwitch):
     """A request body whose sampling fields may also arrive in an envelope."""
 
     extra_body: Envelope | None = None
@@ -107,6 +118,10 @@ class EnvelopedSampling(SamplingFields, CacheSwitch):
     def kv_bits_requested(self) -> int | None:
         value = self._enveloped("kv_bits")
         return None if value is None else int(value)
+
+    def adapter_requested(self) -> str | None:
+        value = self._enveloped("adapter")
+        return None if value is None else str(value)
 
     def kv_cache_enabled(self) -> bool:
         return self._enveloped("use_kv_cache") is not False

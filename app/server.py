@@ -14,6 +14,8 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
+from app.adapters_api import AdapterMountRequest
+from app.adapters_api import router as adapters_router
 from app.anthropic_messages import router as messages_router
 from app.anthropic_schemas import CountTokensRequest, MessagesRequest
 from app.conv_kv import ConvLoadRequest, ConvSaveRequest
@@ -92,6 +94,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
     app.include_router(responses_router)
     app.include_router(completions_router)
     app.include_router(conv_kv_router)
+    app.include_router(adapters_router)
     _add_admin_routes(app)
     install_openapi(
         app,
@@ -104,6 +107,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
             ResponsesRequest,
             ConvSaveRequest,
             ConvLoadRequest,
+            AdapterMountRequest,
         ],
         lambda: _context_length(app),
     )
@@ -216,6 +220,8 @@ def _add_admin_routes(app: FastAPI) -> None:
                 "budget_bytes": budget.total_bytes if budget else None,
                 "budget_source": budget.source if budget else None,
                 "weights_bytes": budget.weights_bytes if budget else None,
+                "adapter_bytes": budget.adapter_bytes if budget else None,
+                "adapters": [a.id for a in engine.adapters()],
                 "reserve_bytes": budget.reserve_bytes if budget else None,
                 "kv_budget_bytes": budget.kv_budget_bytes if budget else None,
                 "kv_bytes_per_token": budget.kv_bytes_per_token if budget else None,

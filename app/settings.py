@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import ByteSize, Field, ValidationInfo, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from kvcache.eviction import EVICTION_POLICIES
 from kvcache.index import PromptCacheConfig, VolatilePolicy
@@ -16,6 +17,8 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Host headers a loopback server answers to (DNS rebinding: a web page must not
 # reach it through a name of its own that resolves to 127.0.0.1)
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]", "::1")
+# adapter ids: what a request's ``adapter`` field and the URL path carry
+ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 class Settings(BaseSettings):
@@ -156,6 +159,12 @@ class Settings(BaseSettings):
         "reused first) or lru",
     )
 
+    adapter: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="mount an mlx_lm.lora adapter directory at start as ID=PATH (repeat the "
+        'flag for several; env: comma-separated); requests pick one with "adapter": ID, '
+        "and POST/DELETE /v1/adapters mount and unmount at run time",
+    )
     request_timeout: float = Field(
         0.0,
         ge=0.0,
@@ -173,6 +182,35 @@ class Settings(BaseSettings):
         description="drop reasoning from responses (for clients that cannot take "
         "reasoning_content / thinking blocks); the model still thinks",
     )
+
+    @field_validator("adapter", mode="before")
+    @classmethod
+    def _adapter_list(cls, value: object) -> object:
+        if isinstance(value, str):  # the environment: comma-separated
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
+    @field_validator("adapter")
+    @classmethod
+    def _adapter_pairs(cls, value: list[str]) -> list[str]:
+        ids = set()
+        for item in value:
+            adapter_id, sep, path = item.partition("=")
+            if not sep or not path:
+                raise ValueError(f"--adapter takes ID=PATH, got {item!r}")
+            if not ADAPTER_ID.match(adapter_id):
+                raise ValueError(
+                    f"adapter id {adapter_id!r}: 1-64 letters, digits, '.', '_' or '-'"
+                )
+            if adapter_id in ids:
+                raise ValueError(f"adapter id {adapter_id!r} given twice")
+            ids.add(adapter_id)
+        return value
+
+    @property
+    def adapters(self) -> tuple[tuple[str, Path], ...]:
+        pairs = (item.partition("=") for item in self.adapter)
+        return tuple((i, Path(p).expanduser()) for i, _, p in pairs)
 
     @field_validator("max_step_ms")
     @classmethod

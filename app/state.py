@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from app.body import Preparer
+from app.errors import APIError
 from app.response_store import ResponseStore
 from app.settings import Settings
 from kvcache.healing import HealingStore
@@ -43,6 +44,21 @@ class AppState:
             watchdog_aborts=sched.watchdog_aborts_total,
             engine=self.engine.engine_stats(),
         )
+
+    def adapter(self, adapter_id: str | None) -> str | None:
+        """A request's adapter: None (the base model) or a mounted one; else a 400."""
+        if adapter_id is None:
+            return None
+        mounted = [a.id for a in self.engine.adapters()]
+        if adapter_id not in mounted:
+            shown = ", ".join(mounted[:16]) or "none"
+            raise APIError(
+                400,
+                f"Unknown adapter {adapter_id!r}; mounted adapters: {shown}.",
+                param="adapter",
+                code="adapter_not_found",
+            )
+        return adapter_id
 
     def model_info(self) -> ModelInfo:
         """The loaded model, or a 503 while it loads / after the engine died."""

@@ -31,24 +31,12 @@ from engine.lora import (
     dense_weight,
     linear_dims,
 )
-from scheduler.contracts import AdapterInfo
+from scheduler.contracts import AdapterError, AdapterInfo, AdapterNotFound
 
 log = logging.getLogger("kvwarm.engine.adapters")
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapters.safetensors"
 _LEAVES = ("lora_a", "lora_b", "m")
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be mounted (the client's to fix: a 400)."""
-
-
-class AdapterNotFound(KeyError):
-    """No adapter mounted under that id (a 404)."""
-
-
-class AdapterBusy(RuntimeError):
-    """Requests still use the adapter (a 409)."""
 
 
 @dataclass
@@ -148,10 +136,16 @@ class AdapterSet:
         if adapter_id in self._mounted:
             raise AdapterError(f"an adapter {adapter_id!r} is already mounted; unmount it first")
         path = Path(path).expanduser()
-        if not path.is_dir():
-            raise AdapterError(f"adapter path {str(path)!r} is not a directory")
-        config = _read_config(path)
-        weights = _read_weights(path)
+        try:
+            if not path.is_dir():
+                raise AdapterError(f"adapter path {str(path)[:256]!r} is not a directory")
+            config = _read_config(path)
+            weights = _read_weights(path)
+            content = fingerprint(path)
+        except OSError as exc:  # a name too long, no permission, ...
+            raise AdapterError(
+                f"cannot read the adapter at {str(path)[:256]!r}: {exc.strerror}"
+            ) from None
         params = config["lora_parameters"]
         effective = float(params["scale"]) * scale
         pairs = self._validate(weights, int(params["rank"]), effective)
@@ -168,7 +162,7 @@ class AdapterSet:
             fine_tune_type=config.get("fine_tune_type", "lora"),
             size_bytes=sum(p.nbytes for p in pairs.values()),
             mounted_layers=len(pairs),
-            fingerprint=fingerprint(path),
+            fingerprint=content,
             slot=slot,
         )
         self._mounted[adapter_id] = _Mounted(info, pairs)

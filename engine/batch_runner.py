@@ -26,7 +26,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.adapters import AdapterBusy, AdapterNotFound, AdapterSet
+from engine.adapters import AdapterSet
 from engine.lora import AdapterTag, is_tag
 from engine.row_faults import FaultLedger, GuardedProcessor, GuardedSampler
 from engine.sampling import SamplerFactory
@@ -35,7 +35,7 @@ from kvcache.manager import TieredKVManager
 from kvcache.payloads import plain_kv_only
 from kvcache.prompt_key import PromptKey
 from scheduler.admission import round_up
-from scheduler.contracts import AdapterInfo
+from scheduler.contracts import AdapterInfo, AdapterInUse, AdapterNotFound
 from scheduler.cost_model import StepShape
 from scheduler.request import CacheReport, FinishReason, Request, RequestOutput, RequestStats
 from scheduler.step_budget import Prefill, SlicePlan, StepBudget
@@ -618,11 +618,17 @@ class BatchRunner:
     def unmount_adapter(self, adapter_id: str) -> AdapterInfo:
         users = self.adapter_users(adapter_id)
         if users:
-            raise AdapterBusy(
+            raise AdapterInUse(
                 f"adapter {adapter_id!r} is in use by {users} running request(s); "
                 "unmount it when they finish"
             )
         return self.adapters.unmount(adapter_id)
+
+    def adapter_infos(self) -> list[AdapterInfo]:
+        return self.adapters.infos()
+
+    def adapter_bytes(self) -> int:
+        return self.adapters.nbytes
 
     def close(self) -> None:
         self._generator.close()

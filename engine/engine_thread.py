@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,7 +23,15 @@ from kvcache.index import PromptCacheConfig
 from kvcache.interface import KVCacheDisabled, KVCacheManager
 from kvcache.layout import KVQuant
 from scheduler.admission import AdmissionController, EngineUnavailable
-from scheduler.contracts import EngineStats, ModelInfo, Runner, StepPlan
+from scheduler.contracts import (
+    AdapterInfo,
+    AdapterInUse,
+    AdapterTooLarge,
+    EngineStats,
+    ModelInfo,
+    Runner,
+    StepPlan,
+)
 from scheduler.request import FinishReason, RequestOutput
 from scheduler.scheduler import Scheduler
 from scheduler.streams import OutputRouter
@@ -60,6 +68,7 @@ class EngineConfig:
     kv_disk_bytes: int | None = None  # None: auto (a share of the free disk); 0: off
     kv_quant: KVQuant | None = None  # stored blocks quantized (--kv-bits)
     kv_tier: str = "ssd"  # kind of persistent tier (kvcache.tiers.PERSISTENT_TIERS)
+    adapters: tuple[tuple[str, Path], ...] = ()  # --adapter ID=PATH: mounted at start
 
 
 class EngineThread(threading.Thread):
@@ -90,10 +99,12 @@ class EngineThread(threading.Thread):
         self._memory: dict[str, int] = {}
         self._memory_at = 0.0
         self._read_memory: Callable[[], dict[str, int]] | None = None
-        # KV operations from HTTP routes (save/load a conversation), run between steps
-        self._controls: queue.SimpleQueue[tuple[Callable[[KVCacheManager], Any], Future[Any]]]
+        # operations from HTTP routes (save/load a conversation, mount an adapter),
+        # run on this thread between two steps
+        self._controls: queue.SimpleQueue[tuple[Callable[[Runner], Any], Future[Any]]]
         self._controls = queue.SimpleQueue()
         self._fault: BaseException | None = None
+        self._adapters: tuple[AdapterInfo, ...] = ()  # snapshot for the HTTP layer
 
     # -- EngineHandle --------------------------------------------------------
     @property
@@ -130,20 +141,80 @@ class EngineThread(threading.Thread):
     def kv(self, op: Callable[[KVCacheManager], T]) -> Future[T]:
         """Run ``op`` on the KV manager between two steps (the engine thread owns
         its arrays); the future fails with EngineUnavailable or KVCacheDisabled."""
-        future: Future[T] = Future()
+
+        def on_cache(runner: Runner) -> T:
+            if runner.prefix_cache is None:
+                raise KVCacheDisabled()
+            return op(runner.prefix_cache)
+
         runner = self._runner
-        if not self.ready or runner is None:
+        if self.ready and runner is not None and runner.prefix_cache is None:
+            future: Future[T] = Future()
+            future.set_exception(KVCacheDisabled())
+            return future
+        return self.control(on_cache)
+
+    def control(self, op: Callable[[Runner], T]) -> Future[T]:
+        """Run ``op`` on the runner between two steps, never during a forward pass;
+        the future fails with EngineUnavailable while the engine is not running."""
+        future: Future[T] = Future()
+        if not self.ready or self._runner is None:
             future.set_exception(
                 EngineUnavailable.loading()
                 if self.alive
                 else EngineUnavailable(f"The inference engine is not running: {self._failure}")
             )
-        elif runner.prefix_cache is None:
-            future.set_exception(KVCacheDisabled())
         else:
-            self._controls.put((op, future))  # type: ignore[arg-type]
+            self._controls.put((op, future))
             self.scheduler.wake()
         return future
+
+    def adapters(self) -> tuple[AdapterInfo, ...]:
+        return self._adapters
+
+    def mount_adapter(self, adapter_id: str, path: Path, scale: float = 1.0) -> Future[AdapterInfo]:
+        """Mount a LoRA adapter between two steps; admission then counts its bytes."""
+
+        def mount(runner: Runner) -> AdapterInfo:
+            info = runner.mount_adapter(adapter_id, path, scale)
+            if not self._recount_adapters(runner):
+                runner.unmount_adapter(adapter_id)
+                self._recount_adapters(runner)
+                raise AdapterTooLarge(
+                    f"adapter {adapter_id!r} ({info.size_bytes / 2**20:.1f} MiB) leaves no "
+                    "KV budget for requests; unmount another adapter or raise --memory-budget"
+                )
+            return info
+
+        return self.control(mount)
+
+    def unmount_adapter(self, adapter_id: str) -> Future[AdapterInfo]:
+        """Unmount between two steps; refused while queued or running requests use it."""
+
+        def unmount(runner: Runner) -> AdapterInfo:
+            users = self.scheduler.adapter_users(adapter_id)
+            if users and any(a.id == adapter_id for a in runner.adapter_infos()):
+                raise AdapterInUse(
+                    f"adapter {adapter_id!r} is in use by {users} queued or running "
+                    "request(s); unmount it when they finish"
+                )
+            info = runner.unmount_adapter(adapter_id)
+            self._recount_adapters(runner)
+            return info
+
+        return self.control(unmount)
+
+    def _recount_adapters(self, runner: Runner) -> bool:
+        """Admission counts the mounted adapters' bytes as weights; False: no KV room left."""
+        self._adapters = tuple(runner.adapter_infos())
+        admission = self.scheduler.admission
+        info = self._model_info
+        if admission is None or info is None:
+            return True
+        budget = replace(admission.budget, adapter_bytes=runner.adapter_bytes())
+        admission.budget = budget
+        self._model_info = replace(info, budget=budget)
+        return budget.ceiling_tokens > 0
 
     def _run_controls(self) -> None:
         while True:
@@ -151,13 +222,10 @@ class EngineThread(threading.Thread):
                 op, future = self._controls.get_nowait()
             except queue.Empty:
                 return
-            cache = self._runner.prefix_cache if self._runner else None
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                if cache is None:
-                    raise KVCacheDisabled()
-                future.set_result(op(cache))
+                future.set_result(op(self._runner))
             except Exception as exc:  # noqa: BLE001 - the caller's to report
                 future.set_exception(exc)
 
@@ -215,6 +283,13 @@ class EngineThread(threading.Thread):
         self._runner = booted.runner
         self._model_info = booted.info
         self._read_memory = booted.memory
+        for adapter_id, path in self.config.adapters:
+            try:
+                self._runner.mount_adapter(adapter_id, path)
+            except Exception as exc:
+                raise RuntimeError(f"--adapter {adapter_id}={path}: {exc}") from exc
+            if not self._recount_adapters(self._runner):
+                raise RuntimeError(f"--adapter {adapter_id}: no KV budget left beside it")
         self._sample_memory()
         self._ready.set()
 

@@ -302,13 +302,20 @@ class Metrics:
         def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
             return Counter(P + name, doc, [*label, *extra], registry=r)
 
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(P + name, doc, label, buckets=buckets, registry=r)
+        def histogram(name: str, doc: str, buckets, extra: tuple[str, ...] = ()) -> Histogram:
+            return Histogram(P + name, doc, [*label, *extra], buckets=buckets, registry=r)
 
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        # the LoRA adapter a request ran with ("" = the base model) where it matters:
+        # requests, tokens and cache reuse
+        by_adapter = ("adapter",)
+        self.prompt_tokens = counter(
+            "prompt_tokens", "Prompt tokens of finished requests.", by_adapter
+        )
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.", by_adapter)
         self.success = counter(
-            "request_success", "Requests that ended, by finish reason.", ("finished_reason",)
+            "request_success",
+            "Requests that ended, by finish reason.",
+            ("finished_reason", *by_adapter),
         )
         self.rejected = counter(
             "requests_rejected", "Requests refused before running.", ("reason",)
@@ -343,15 +350,14 @@ class Metrics:
             "request_prompt_tokens", "Prompt length per request.", TOKEN_BUCKETS
         )
         self.req_cached = histogram(
-            "request_cached_tokens", "Prompt tokens reused per request.", TOKEN_BUCKETS
+            "request_cached_tokens", "Prompt tokens reused per request.", TOKEN_BUCKETS, by_adapter
         )
         self.req_generated = histogram(
             "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
         )
         self._model = "unknown"
+        self._per_adapter = [self.prompt_tokens, self.generation_tokens, self.req_cached]
         self._per_model = [
-            self.prompt_tokens,
-            self.generation_tokens,
             self.ttft,
             self.itl,
             self.max_itl,
@@ -360,7 +366,6 @@ class Metrics:
             self.prefill,
             self.decode,
             self.req_prompt,
-            self.req_cached,
             self.req_generated,
         ]
 
@@ -371,18 +376,20 @@ class Metrics:
         self._model = model
         for metric in self._per_model:
             metric.labels(model)
+        for metric in self._per_adapter:
+            metric.labels(model, "")
         for reason in REJECT_REASONS:
             self.rejected.labels(model, reason)
         for reason in ("stop", "length", "tool_calls", "abort", "error"):
-            self.success.labels(model, reason)
+            self.success.labels(model, reason, "")
         self.disconnects.labels(model)
 
     def observe_request(self, rec: RequestRecord) -> None:
-        m = rec.model
+        m, a = rec.model, rec.adapter
         if rec.reached_engine:  # a request dropped from the queue was never prefilled
-            self.prompt_tokens.labels(m).inc(rec.prompt_tokens)
-        self.generation_tokens.labels(m).inc(rec.completion_tokens)
-        self.success.labels(m, rec.finish).inc()
+            self.prompt_tokens.labels(m, a).inc(rec.prompt_tokens)
+        self.generation_tokens.labels(m, a).inc(rec.completion_tokens)
+        self.success.labels(m, rec.finish, a).inc()
         if rec.disconnected:
             self.disconnects.labels(m).inc()
         if rec.ttft_s is not None:
@@ -395,7 +402,7 @@ class Metrics:
             self.prefill.labels(m).observe(rec.stats.prefill_s)
             self.decode.labels(m).observe(rec.stats.decode_s)
         self.req_prompt.labels(m).observe(rec.prompt_tokens)
-        self.req_cached.labels(m).observe(rec.cached_tokens)
+        self.req_cached.labels(m, a).observe(rec.cached_tokens)
         self.req_generated.labels(m).observe(rec.completion_tokens)
 
     def observe_itl(self, seconds: float, tokens: int = 1) -> None:

@@ -36,6 +36,7 @@ class RequestRecord:
     # what the prefix cache did, known from the first token on (also for requests
     # that ended early, which carry no stats)
     cache: CacheReport | None = None
+    adapter: str = ""  # the LoRA adapter it ran with; "" = the base model
 
     @property
     def cache_report(self) -> CacheReport | None:
@@ -59,6 +60,7 @@ class RequestRecord:
             "request_id": self.request_id,
             "session": self.session,
             "dialect": self.dialect,
+            "adapter": self.adapter or None,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "completion_tokens": self.completion_tokens,

@@ -39,6 +39,7 @@ def plain_line(rec: RequestRecord) -> str:
         f"decode={secs('decode_s')} ttft={secs('ttft_s')} total={rec.e2e_s:.2f}s "
         f"({f['tokens_per_s']:.1f} tok/s) finish={rec.finish} tool_calls={rec.tool_calls} "
         f"cache={cache} session={rec.session or '-'}"
+        + (f" adapter={rec.adapter}" if rec.adapter else "")
     )
 
 

@@ -180,6 +180,8 @@ class Tracing:
         }
         if rec.session:
             attributes["gen_ai.conversation.id"] = rec.session
+        if rec.adapter:
+            attributes["kvwarm.adapter"] = rec.adapter
         for key, value in rec.request.items():
             if value is not None:
                 attributes[f"gen_ai.request.{key}"] = value

@@ -51,6 +51,7 @@ class MemoryBudget:
     # per-layer costs; None: plain KV caches at kv_bytes_per_token
     layout: KVLayout | None = None
     prefill_chunk: int = 0  # tokens one step may append (sliding windows overshoot by it)
+    adapter_bytes: int = 0  # LoRA adapters mounted at run time: weights too
 
     def sequence_bytes(self, positions: int) -> int:
         """KV bytes one batch row of ``positions`` positions can occupy."""
@@ -61,7 +62,11 @@ class MemoryBudget:
     def kv_budget_bytes(self) -> int:
         return max(
             0,
-            self.total_bytes - self.weights_bytes - self.reserve_bytes - self.prompt_cache_bytes,
+            self.total_bytes
+            - self.weights_bytes
+            - self.adapter_bytes
+            - self.reserve_bytes
+            - self.prompt_cache_bytes,
         )
 
     @property

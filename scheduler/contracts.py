@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from kvcache.interface import KVCacheManager
@@ -49,6 +50,26 @@ class TextSyntax:
     tool_call_end: str | None = None
     # variables the chat template reads that kvwarm may set (enable_thinking, preserve_thinking)
     template_vars: frozenset[str] = frozenset()
+
+
+class AdapterError(ValueError):
+    """An adapter that cannot be mounted, or a request naming none: the client's (400)."""
+
+
+class AdapterNotFound(KeyError):
+    """No adapter is mounted under that id (404)."""
+
+    def __str__(self) -> str:
+        return f"no adapter {self.args[0]!r} is mounted"
+
+
+class AdapterInUse(RuntimeError):
+    """Queued or running requests use the adapter (409): unmounting it under them
+    would change their model mid-reply."""
+
+
+class AdapterTooLarge(AdapterError):
+    """Mounting it would leave no KV budget for any request."""
 
 
 @dataclass(frozen=True)
@@ -159,6 +180,20 @@ class Runner(Protocol):
         """One step: a prefill slice for joiners, one token for each decoding row."""
         ...
 
+    def mount_adapter(self, adapter_id: str, path: Path, scale: float = 1.0) -> AdapterInfo:
+        """Mount a LoRA adapter (AdapterError: refused, nothing changed)."""
+        ...
+
+    def unmount_adapter(self, adapter_id: str) -> AdapterInfo:
+        """Unmount (AdapterNotFound; AdapterInUse while its rows run)."""
+        ...
+
+    def adapter_infos(self) -> list[AdapterInfo]: ...
+
+    def adapter_bytes(self) -> int:
+        """Weights of the mounted adapters (admission counts them)."""
+        ...
+
     def remove(self, request_id: str) -> object:
         """Leave the batch now (client gone); its KV is not kept."""
         ...
@@ -190,3 +225,13 @@ class EngineHandle(Protocol):
     def kv(self, op: Callable[[KVCacheManager], T]) -> Future[T]:
         """Run ``op`` on the KV manager on the engine thread, between two steps."""
         ...
+
+    def adapters(self) -> tuple[AdapterInfo, ...]:
+        """The mounted adapters (a snapshot; any thread may read it)."""
+        ...
+
+    def mount_adapter(
+        self, adapter_id: str, path: Path, scale: float = 1.0
+    ) -> Future[AdapterInfo]: ...
+
+    def unmount_adapter(self, adapter_id: str) -> Future[AdapterInfo]: ...

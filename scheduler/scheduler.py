@@ -123,6 +123,12 @@ class Scheduler:
         with self._lock:
             return len(self._waiting) + len(self._running)
 
+    def adapter_users(self, adapter_id: str) -> int:
+        """Queued and running requests that use ``adapter_id``."""
+        with self._lock:
+            requests = [*self._waiting, *self._running.values()]
+        return sum(1 for r in requests if r.adapter == adapter_id)
+
     def schedule(self) -> StepPlan:
         plan = StepPlan()
         with self._lock:

@@ -16,12 +16,12 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from engine.adapters import AdapterBusy, AdapterError
 from engine.batch_runner import BatchRunner
 from engine.lora import MultiLoRALinear
 from kvcache.index import PromptCacheConfig
 from kvcache.manager import TieredKVManager
 from kvcache.prompt_key import PromptKey
+from scheduler.contracts import AdapterError, AdapterInUse
 from scheduler.request import CacheHints, Request, SamplingParams
 from tests.helpers.adapters import write_adapter
 
@@ -130,7 +130,7 @@ def test_unmount_restores_the_base_model_and_refuses_while_in_use(tiny_llama_dir
     runner = make_runner(tiny_llama_dir)
     runner.mount_adapter("a", adapters["a"])
     runner.add(request("busy", PROMPTS[0], adapter="a"))
-    with pytest.raises(AdapterBusy, match="in use by 1"):
+    with pytest.raises(AdapterInUse, match="in use by 1"):
         runner.unmount_adapter("a")
     while runner.active:
         runner.step()

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from engine.engine_thread import Booted, EngineConfig, EngineThread
 from kvcache.prompt_key import PromptKey, RenderedPrompt
 from scheduler.admission import AdmissionController, MemoryBudget
-from scheduler.contracts import ModelInfo
+from scheduler.contracts import (
+    AdapterError,
+    AdapterInfo,
+    AdapterInUse,
+    AdapterNotFound,
+    ModelInfo,
+)
 from scheduler.request import CacheReport, FinishReason, Request, RequestOutput, RequestStats
 from scheduler.scheduler import Scheduler
 from scheduler.step_timings import StepTimings
@@ -69,10 +76,39 @@ class FakeRunner:
         self.recoveries = 0
         self.timings = StepTimings()
         self._active: dict[str, list] = {}
+        self.adapters: dict[str, AdapterInfo] = {}
 
     @property
     def active(self) -> int:
         return len(self._active)
+
+    # adapters: any directory with an adapter_config.json "fits"; rows of an
+    # adapter write "<id>-w0 <id>-w1 ..." so tests see which adapter ran
+    def mount_adapter(self, adapter_id: str, path: Path, scale: float = 1.0) -> AdapterInfo:
+        if adapter_id in self.adapters:
+            raise AdapterError(f"an adapter {adapter_id!r} is already mounted")
+        try:
+            found = (Path(path) / "adapter_config.json").is_file()
+        except OSError as exc:
+            raise AdapterError(f"cannot read the adapter: {exc.strerror}") from None
+        if not found:
+            raise AdapterError("the directory has no adapter_config.json")
+        info = AdapterInfo(adapter_id, str(path), 8, scale, 20.0, "lora", 4096, 4, "f" * 16, 1)
+        self.adapters[adapter_id] = info
+        return info
+
+    def unmount_adapter(self, adapter_id: str) -> AdapterInfo:
+        if adapter_id not in self.adapters:
+            raise AdapterNotFound(adapter_id)
+        if any(entry[0].adapter == adapter_id for entry in self._active.values()):
+            raise AdapterInUse(f"adapter {adapter_id!r} is in use")
+        return self.adapters.pop(adapter_id)
+
+    def adapter_infos(self) -> list[AdapterInfo]:
+        return list(self.adapters.values())
+
+    def adapter_bytes(self) -> int:
+        return sum(a.size_bytes for a in self.adapters.values())
 
     def add(self, request: Request) -> RequestOutput | None:
         pieces = self.script(request) if self.script else None
@@ -108,7 +144,8 @@ class FakeRunner:
                 finish = FinishReason.STOP
             elif n >= req.max_tokens:
                 finish = FinishReason.LENGTH
-            text = pieces[n - 1] if pieces else f"w{n - 1} "
+            word = f"{req.adapter}-w{n - 1} " if req.adapter else f"w{n - 1} "
+            text = pieces[n - 1] if pieces else word
             stats = None
             if finish is not None:
                 now = time.monotonic()
@@ -145,6 +182,7 @@ class FakeEngine(EngineThread):
         eos_after: int | None = None,
         script: Script | None = None,
         on_fatal: Callable[[str], None] | None = None,
+        adapters: tuple[tuple[str, Path], ...] = (),
     ):
         budget = MemoryBudget(
             total_bytes=1000 + 500 + kv_budget_tokens * 10,
@@ -166,7 +204,7 @@ class FakeEngine(EngineThread):
             return Booted(self.fake, info, AdmissionController(budget, context_length))
 
         super().__init__(
-            EngineConfig(source=None),  # type: ignore[arg-type]  # nothing to load
+            EngineConfig(source=None, adapters=adapters),  # type: ignore[arg-type]  # no model
             scheduler,
             router,
             on_fatal=on_fatal,

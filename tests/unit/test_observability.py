@@ -99,10 +99,13 @@ def test_counters_are_token_denominated_and_typed_as_counters():
     metrics.observe_request(
         record(finish="error", stats=None, ttft_s=None, completion_tokens=0, cached_tokens=0)
     )
-    assert sample(metrics, "kvwarm:prompt_tokens_total") == 150
+    assert sample(metrics, "kvwarm:prompt_tokens_total", adapter="") == 150
     assert sample(metrics, "kvwarm:prefix_cache_queries_total") == 150  # the cache's own count
     assert sample(metrics, "kvwarm:prefix_cache_hits_total") == 60
-    assert sample(metrics, "kvwarm:request_success_total", finished_reason="tool_calls") == 1
+    assert (
+        sample(metrics, "kvwarm:request_success_total", finished_reason="tool_calls", adapter="")
+        == 1
+    )
     assert sample(metrics, "kvwarm:request_prefill_time_seconds_count") == 2
     text = metrics.render().decode()
     assert "# TYPE kvwarm:prompt_tokens_total counter" in text
@@ -307,7 +310,7 @@ def test_http_rejections_disconnects_and_watchdog_reach_metrics(metrics_server):
     assert _value(text, "kvwarm:requests_rejected_total", reason="queue_full") == 1
     assert _value(text, "kvwarm:watchdog_aborts_total") == 1
     assert _value(text, "kvwarm:client_disconnects_total") == 1
-    assert _value(text, "kvwarm:request_success_total", finished_reason="length") == 2
+    assert _value(text, "kvwarm:request_success_total", finished_reason="length", adapter="") == 2
     for name in REQUIRED:
         assert f"\n{name}" in text, name
 
@@ -385,3 +388,18 @@ def test_engine_steps_and_worst_gaps_are_histograms():
     assert view["steps"] == 4 and view["budget"] == "time" and view["budgeted_steps"] == 2
     assert view["step_seconds_quantiles"]["p50"] == 1.0  # the bucket bound, as Prometheus says
     assert view["cost_model"]["decode_samples"] == 1
+
+
+def test_requests_tokens_and_cache_reuse_carry_the_adapter():
+    metrics = Metrics()
+    metrics.ensure_model("m")
+    metrics.observe_request(record())
+    metrics.observe_request(record(prompt_tokens=70, cached_tokens=64, adapter="sql"))
+    metrics.observe_request(record(prompt_tokens=30, cached_tokens=0, adapter="sql"))
+    assert sample(metrics, "kvwarm:prompt_tokens_total", adapter="sql") == 100
+    assert sample(metrics, "kvwarm:prompt_tokens_total", adapter="") == 100
+    assert (
+        sample(metrics, "kvwarm:request_success_total", finished_reason="stop", adapter="sql") == 2
+    )
+    assert sample(metrics, "kvwarm:request_cached_tokens_sum", adapter="sql") == 64
+    assert sample(metrics, "kvwarm:generation_tokens_total", adapter="sql") is not None

@@ -148,9 +148,10 @@ def test_more_messages_than_the_context_holds_is_400(base):
 
 def test_unknown_fields_are_reported_not_silently_dropped(base, caplog):
     with caplog.at_level(logging.INFO, logger="kvwarm.http"):
-        r = httpx.post(base + CHAT, json=chat(kv_bits=4, adapter="x", enable_thinking=False))
+        r = httpx.post(base + CHAT, json=chat(kv_bits=4, guided_json="x", enable_thinking=False))
     assert r.status_code == 200
-    assert r.headers["x-kvwarm-ignored-fields"] == "adapter"  # enable_thinking, kv_bits are read
+    # enable_thinking, kv_bits are read
+    assert r.headers["x-kvwarm-ignored-fields"] == "guided_json"
     with httpx.stream("POST", base + MESSAGES, json=anthropic(stream=True, top_a=8)) as s:
         assert s.headers["x-kvwarm-ignored-fields"] == "top_a"
 

@@ -1,0 +1,170 @@
+"""/v1/adapters and the per-request ``adapter`` field over HTTP (model-free engine).
+
+The fake engine's rows of an adapter write "<id>-w0 <id>-w1 ...", so each test
+sees which adapter a request really ran with."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.settings import Settings
+from tests.helpers.http_server import serve_app
+from tests.unit.test_http_api import assert_error, make_app
+
+ADAPTERS = "/v1/adapters"
+
+
+@pytest.fixture()
+def adapter_dir(tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    return tmp_path
+
+
+@pytest.fixture()
+def base():
+    with serve_app(make_app(eos_after=3)) as url:
+        yield url
+
+
+def chat(adapter_field: dict) -> dict:
+    return {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, **adapter_field}
+
+
+def test_mount_list_select_and_unmount(base, adapter_dir):
+    r = httpx.post(base + ADAPTERS, json={"id": "sql", "path": str(adapter_dir), "scale": 0.5})
+    assert r.status_code == 200, r.text
+    assert r.json()["id"] == "sql" and r.json()["scale"] == 0.5
+    listed = httpx.get(base + ADAPTERS).json()
+    assert [a["id"] for a in listed["data"]] == ["sql"]
+    assert set(listed["data"][0]) >= {"id", "path", "rank", "scale", "size_bytes", "mounted_layers"}
+    # top level, extra_body and metadata all select it, in every dialect
+    for body in (
+        chat({"adapter": "sql"}),
+        chat({"extra_body": {"adapter": "sql"}}),
+        chat({"metadata": {"adapter": "sql"}}),
+    ):
+        r = httpx.post(base + "/v1/chat/completions", json=body)
+        assert r.json()["choices"][0]["message"]["content"].startswith("sql-w0"), r.text
+    r = httpx.post(
+        base + "/v1/messages",
+        json={
+            "model": "m",
+            "max_tokens": 3,
+            "messages": [{"role": "user", "content": "hi"}],
+            "metadata": {"adapter": "sql"},
+        },
+    )
+    assert r.json()["content"][0]["text"].startswith("sql-w0"), r.text
+    r = httpx.post(base + "/v1/responses", json={"input": "hi", "adapter": "sql"})
+    assert r.json()["output"][0]["content"][0]["text"].startswith("sql-w0"), r.text
+    r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "adapter": "sql"})
+    assert r.json()["choices"][0]["text"].startswith("sql-w0"), r.text
+    # no adapter: the base model
+    r = httpx.post(base + "/v1/chat/completions", json=chat({}))
+    assert r.json()["choices"][0]["message"]["content"].startswith("w0")
+    r = httpx.delete(base + ADAPTERS + "/sql")
+    assert r.status_code == 200 and r.json()["deleted"] is True
+    assert httpx.get(base + ADAPTERS).json()["data"] == []
+    err = assert_error(
+        httpx.post(base + "/v1/chat/completions", json=chat({"adapter": "sql"})), 400
+    )
+    assert err["code"] == "adapter_not_found" and err["param"] == "adapter"
+
+
+@pytest.mark.parametrize(
+    "route,body",
+    [
+        ("/v1/chat/completions", chat({"adapter": "nope"})),
+        ("/v1/chat/completions", chat({"extra_body": {"adapter": "nope"}})),
+        ("/v1/completions", {"prompt": "hi", "metadata": {"adapter": "nope"}}),
+        ("/v1/responses", {"input": "hi", "adapter": "nope"}),
+        (
+            "/v1/messages",
+            {
+                "model": "m",
+                "max_tokens": 3,
+                "messages": [{"role": "user", "content": "x"}],
+                "adapter": "nope",
+            },
+        ),
+        ("/v1/chat/completions", chat({"adapter": 7})),
+        ("/v1/chat/completions", chat({"adapter": ""})),
+    ],
+)
+def test_unknown_or_malformed_adapter_is_400(base, route, body):
+    r = httpx.post(base + route, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]  # Anthropic's error shape has no param: the message names it
+    assert "adapter" in (err.get("param") or "") or "adapter" in err["message"]
+
+
+def test_mount_errors(base, adapter_dir, tmp_path_factory):
+    empty = tmp_path_factory.mktemp("empty")
+    err = assert_error(httpx.post(base + ADAPTERS, json={"id": "a", "path": str(empty)}), 400)
+    assert err["code"] == "invalid_adapter" and "adapter_config.json" in err["message"]
+    assert_error(httpx.post(base + ADAPTERS, json={"id": "../x", "path": str(adapter_dir)}), 400)
+    assert_error(httpx.post(base + ADAPTERS, json={"id": "a", "path": "x" * 5000}), 400)
+    assert_error(
+        httpx.post(base + ADAPTERS, json={"id": "a", "path": str(adapter_dir), "scale": -1}), 400
+    )
+    assert (
+        httpx.post(base + ADAPTERS, json={"id": "a", "path": str(adapter_dir)}).status_code == 200
+    )
+    err = assert_error(httpx.post(base + ADAPTERS, json={"id": "a", "path": str(adapter_dir)}), 400)
+    assert "already mounted" in err["message"]
+    assert_error(httpx.delete(base + ADAPTERS + "/unknown"), 404, "adapter_not_found")
+
+
+def test_unmount_while_in_use_is_409_and_the_request_finishes(adapter_dir):
+    with serve_app(make_app(eos_after=40, step_delay=0.05)) as base:
+        assert (
+            httpx.post(base + ADAPTERS, json={"id": "a", "path": str(adapter_dir)}).status_code
+            == 200
+        )
+        result = {}
+
+        def run():
+            result["r"] = httpx.post(
+                base + "/v1/chat/completions",
+                json={**chat({"adapter": "a"}), "max_tokens": 30},
+                timeout=30,
+            )
+
+        t = threading.Thread(target=run)
+        t.start()
+        for _ in range(100):
+            stats = httpx.get(base + "/stats").json()
+            if stats["batch"]["running_requests"]:
+                break
+            threading.Event().wait(0.02)
+        err = assert_error(httpx.delete(base + ADAPTERS + "/a"), 409, "adapter_in_use")
+        assert "in use" in err["message"]
+        t.join()
+        assert result["r"].status_code == 200
+        assert result["r"].json()["choices"][0]["message"]["content"].startswith("a-w0")
+        assert httpx.delete(base + ADAPTERS + "/a").status_code == 200
+
+
+def test_adapter_flag_mounts_at_start_and_admission_counts_it(adapter_dir):
+    settings = Settings(_env_file=None, adapter=[f"boot={adapter_dir}"])
+    with serve_app(make_app(settings, eos_after=3, adapters=settings.adapters)) as base:
+        assert [a["id"] for a in httpx.get(base + ADAPTERS).json()["data"]] == ["boot"]
+        admission = httpx.get(base + "/stats").json()["admission"]
+        assert admission["adapter_bytes"] == 4096 and admission["adapters"] == ["boot"]
+        r = httpx.post(base + "/v1/chat/completions", json=chat({"adapter": "boot"}))
+        assert r.json()["choices"][0]["message"]["content"].startswith("boot-w0")
+
+
+def test_adapter_setting_takes_id_path_pairs(monkeypatch):
+    from pydantic import ValidationError
+
+    assert Settings(_env_file=None, adapter=["a=/x", "b=~/y"]).adapters[0] == ("a", Path("/x"))
+    monkeypatch.setenv("KVWARM_ADAPTER", "c=/z, d=/w")
+    assert [i for i, _ in Settings(_env_file=None).adapters] == ["c", "d"]
+    for bad in (["nopath"], ["a=/x", "a=/y"], ["bad id=/x"]):
+        with pytest.raises(ValidationError):
+            Settings(_env_file=None, adapter=bad)
