@@ -207,3 +207,37 @@ def test_bad_adapter_dirs_are_refused_whole(tiny_llama_dir, adapters, tmp_path):
     assert runner.mount_adapter("a", adapters["a"]).id == "a"
     with pytest.raises(AdapterError, match="already mounted"):
         runner.mount_adapter("a", adapters["b"])
+
+
+def test_adapter_kv_on_the_ssd_tier_is_found_again_after_a_restart(
+    tiny_llama_dir, adapters, tmp_path
+):
+    """The adapter namespace is stored with each entry: after a restart, the same
+    adapter files hit their KV on disk; another adapter still never does."""
+    from kvcache.manager import DiskConfig
+
+    def runner_with_disk() -> BatchRunner:
+        runner = make_runner(tiny_llama_dir)
+        runner.prefix_cache = TieredKVManager(
+            PromptCacheConfig(block_size=8, kv_block_size=16),
+            64 * 2**20,
+            "tiny",
+            make_prompt_cache(runner.model),
+            DiskConfig(tmp_path, 2**30),
+        )
+        runner.mount_adapter("a", adapters["a"])
+        runner.mount_adapter("b", adapters["b"])
+        return runner
+
+    prompt = PROMPTS[1] * 2
+    first = runner_with_disk()
+    want = run(first, [request("t0", prompt, adapter="a", cache=True)])["t0"]
+    first.close()  # flushes the SSD writes
+    second = runner_with_disk()
+    got = run(second, [request("t1", prompt, adapter="b", cache=True)])["t1"]
+    assert run.firsts["t1"].cached_tokens == 0  # type: ignore[attr-defined]
+    got = run(second, [request("t2", prompt, adapter="a", cache=True)])["t2"]
+    assert run.firsts["t2"].cached_tokens > 0  # type: ignore[attr-defined]
+    assert run.firsts["t2"].cache.tier == "disk"  # type: ignore[attr-defined]
+    assert got == want
+    second.close()
