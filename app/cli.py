@@ -49,6 +49,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "thinking": {"choices": ["on", "off"]},
     "strip_thinking": {"action": "store_true"},
     "adapter": {"action": "append", "metavar": "ID=PATH"},
+    "model_dir": {"action": "append", "metavar": "DIR"},
     "shutdown_timeout": {"type": float, "metavar": "SECONDS"},
     "allowed_hosts": {"metavar": "HOSTS"},
     "cors_origins": {"metavar": "ORIGINS"},
@@ -93,11 +94,26 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert a GGUF model (the default one included) into the MLX cache dir.",
     )
     _add_settings_flags(prepare, ["model", "log_level"])
+    fit = sub.add_parser(
+        "fit",
+        help="will a model fit this machine, how much context, how fast (no server)",
+        description="Assess models without loading them (config and weight-file headers "
+        "only): size, parameters, quantisation, the context admission would allow on this "
+        "machine, and the predicted decode rate. With no MODEL, lists the models in the "
+        "Hugging Face hub cache, kvwarm's model cache and --model-dir folders.",
+    )
+    fit.add_argument("models", nargs="*", metavar="MODEL", help="model directories or .gguf files")
+    fit.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    fit.add_argument(
+        "--matrix", action="store_true", help="also show which Apple memory sizes run each"
+    )
+    _add_settings_flags(fit, ["model_dir", "log_level"])
     return parser
 
 
 def load_settings(args: argparse.Namespace) -> Settings:
-    overrides = {k: v for k, v in vars(args).items() if k != "command" and v is not None}
+    local = {"command", "models", "json", "matrix"}  # the fit command's own arguments
+    overrides = {k: v for k, v in vars(args).items() if k not in local and v is not None}
     return Settings(**overrides)
 
 
@@ -130,6 +146,17 @@ def cmd_prepare(settings: Settings) -> int:
         return _fail(str(exc))
     print(path)
     return 0
+
+
+def cmd_fit(settings: Settings, models: list[str], as_json: bool, matrix: bool) -> int:
+    from engine.blas import preload_openblas
+    from observability.logging_setup import setup_logging
+
+    setup_logging(settings.log_level, settings.log_json)
+    preload_openblas()  # before mlx: the bandwidth pass uses the BLAS decode uses
+    from app.fit_cli import run_fit
+
+    return run_fit(models, settings.model_dirs, as_json, matrix)
 
 
 def cmd_serve(settings: Settings) -> int:
@@ -221,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"invalid settings: {problems}")
     if args.command == "prepare":
         return cmd_prepare(settings)
+    if args.command == "fit":
+        return cmd_fit(settings, args.models, args.json, args.matrix)
     return cmd_serve(settings)
 
 

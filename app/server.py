@@ -21,6 +21,7 @@ from app.anthropic_schemas import CountTokensRequest, MessagesRequest
 from app.conv_kv import ConvLoadRequest, ConvSaveRequest
 from app.conv_kv import router as conv_kv_router
 from app.errors import InternalErrorMiddleware, install_error_handlers
+from app.fit_api import router as fit_router
 from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from app.openai_chat import router as chat_router
 from app.openai_completions import router as completions_router
@@ -95,6 +96,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
     app.include_router(completions_router)
     app.include_router(conv_kv_router)
     app.include_router(adapters_router)
+    app.include_router(fit_router)
     _add_admin_routes(app)
     install_openapi(
         app,

@@ -165,6 +165,12 @@ class Settings(BaseSettings):
         'flag for several; env: comma-separated); requests pick one with "adapter": ID, '
         "and POST/DELETE /v1/adapters mount and unmount at run time",
     )
+    model_dir: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="folder of models (mlx-lm directories, .gguf files) for GET /library and "
+        "kvwarm fit, besides the Hugging Face hub cache and kvwarm's model cache (repeatable; "
+        "env: comma-separated)",
+    )
     request_timeout: float = Field(
         0.0,
         ge=0.0,
@@ -183,7 +189,7 @@ class Settings(BaseSettings):
         "reasoning_content / thinking blocks); the model still thinks",
     )
 
-    @field_validator("adapter", mode="before")
+    @field_validator("adapter", "model_dir", mode="before")
     @classmethod
     def _adapter_list(cls, value: object) -> object:
         if isinstance(value, str):  # the environment: comma-separated
@@ -206,6 +212,13 @@ class Settings(BaseSettings):
                 raise ValueError(f"adapter id {adapter_id!r} given twice")
             ids.add(adapter_id)
         return value
+
+    @property
+    def model_dirs(self) -> list[Path]:
+        """Folders /library scans: --model-dir ones, then kvwarm's model cache."""
+        from engine.gguf_convert import cache_root  # the one place the cache dir is decided
+
+        return [Path(d).expanduser() for d in self.model_dir] + [cache_root() / "models"]
 
     @property
     def adapters(self) -> tuple[tuple[str, Path], ...]:

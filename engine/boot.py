@@ -30,7 +30,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
     from mlx_lm.models.cache import make_prompt_cache
 
     from engine.batch_runner import BatchRunner
-    from engine.device_memory import auto_budget
+    from engine.device_memory import auto_budget, measure_bandwidth
     from engine.loader import kv_namespace, load_model
     from engine.prompt_format import ChatFormatter
     from engine.text_syntax import probe_syntax
@@ -87,6 +87,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
         prefix_cache=prefix_cache,
         max_step_s=step_budget_ms(cfg.max_step_ms, device) / 1e3,
     )
+    bandwidth = measure_bandwidth()  # for /fit's predicted decode rate
     info = ModelInfo(
         model_id=loaded.model_id,
         path=str(loaded.model_dir),
@@ -98,6 +99,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
         blas=cfg.blas,
         device=device,
         syntax=probe_syntax(loaded.tokenizer),
+        bandwidth_bytes_s=bandwidth,
     )
     syntax = info.syntax
     log.info(
@@ -110,7 +112,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
     log.info(
         "model %s ready in %.1fs: context %d, weights %.0f MiB, KV %s, "
         "budget %.0f MiB (%s), KV ceiling %d tokens/request, batch %d, "
-        "prompt cache %.0f MiB (%s)",
+        "prompt cache %.0f MiB (%s), decode bandwidth %.1f GB/s (measured)",
         loaded.model_id,
         time.monotonic() - started,
         loaded.context_length,
@@ -122,6 +124,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
         cfg.max_batch,
         cache_bytes / 2**20,
         f"policy {pc.policy.value}, blocks of {pc.block_size}" if prefix_cache else "off",
+        bandwidth / 1e9,
     )
     step_ms = runner.budget.max_step_s * 1e3
     if step_ms:

@@ -54,3 +54,23 @@ class MemorySample:
 
 def sample_memory() -> MemorySample:
     return MemorySample(mx.get_active_memory(), mx.get_peak_memory(), mx.get_cache_memory())
+
+
+def measure_bandwidth(nbytes: int = 256 * 2**20, reps: int = 5) -> float:
+    """Memory bandwidth as decoding sees it (bytes/s), on the device MLX runs on:
+    the best of a few matrix-vector products over an ``nbytes`` matrix, which
+    stream every element once, as a decode step streams the weights."""
+    import time
+
+    cols = 4096
+    w = mx.ones((nbytes // 4 // cols, cols), dtype=mx.float32)
+    v = mx.ones((1, w.shape[0]), dtype=mx.float32)
+    mx.eval(w, v)
+    best = float("inf")
+    for _ in range(reps):
+        started = time.perf_counter()
+        mx.eval(v @ w)
+        best = min(best, time.perf_counter() - started)
+    del w, v
+    mx.clear_cache()
+    return nbytes / best

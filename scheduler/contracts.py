@@ -117,6 +117,8 @@ class ModelInfo:
     blas: str = ""
     device: str = ""
     syntax: TextSyntax = field(default_factory=TextSyntax)
+    # memory bandwidth as decode sees it, measured once at start (engine.device_memory)
+    bandwidth_bytes_s: float = 0.0
 
 
 @dataclass(frozen=True)

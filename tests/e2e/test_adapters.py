@@ -145,7 +145,7 @@ def test_mount_and_unmount_under_load_fail_no_running_request(
     threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
     for t in threads:
         t.start()
-    for n in range(3):  # mount and unmount a third adapter while they decode
+    for _ in range(3):  # mount and unmount a third adapter while they decode
         r = httpx.post(
             base + "/v1/adapters", json={"id": "gamma", "path": str(adapter_dirs["beta"])}
         )

@@ -1,0 +1,304 @@
+"""The models on this machine and what each would cost, from headers only.
+
+``GET /library`` and ``kvwarm fit`` list models found in the Hugging Face hub
+cache, kvwarm's own model cache and ``--model-dir`` folders. Nothing here reads
+tensor bytes: a model directory is its ``config.json`` plus each safetensors
+file's JSON header (names, dtypes, shapes); a GGUF file is its key/value header
+and tensor table. That is enough for the size, the parameter count (packed
+quantized weights unpacked), the KV cost per token and the context.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import struct
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from scheduler.fit import ModelFacts
+
+GGUF_ARCHS = frozenset({"llama"})  # what engine.gguf_convert converts
+CACHE_S = 30.0
+_FLOAT_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+_EXPERT_MARKERS = (".experts.", ".switch_mlp.", ".block_sparse_moe.experts")
+
+
+class NotAModel(ValueError):
+    """The path holds no model kvwarm can read."""
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    text = config.get("text_config")
+    return {**config, **text} if isinstance(text, dict) else config
+
+
+def _int(config: dict[str, Any], *keys: str, default: int = 0) -> int:
+    for key in keys:
+        value = config.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return default
+
+
+def _mlx_lm_types() -> frozenset[str]:
+    """Model types mlx-lm has a module for (found without importing mlx)."""
+    spec = importlib.util.find_spec("mlx_lm")
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset()
+    models = Path(next(iter(spec.submodule_search_locations))) / "models"
+    return frozenset(p.stem for p in models.glob("*.py") if not p.stem.startswith("_"))
+
+
+def _safetensors_header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        if size > 100 * 2**20:
+            raise NotAModel(f"{path}: implausible safetensors header ({size} bytes)")
+        header: dict[str, Any] = json.loads(f.read(size))
+    header.pop("__metadata__", None)
+    return header
+
+
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def dir_facts(
+    path: Path, name: str | None = None, mlx_types: frozenset[str] | None = None
+) -> ModelFacts:
+    """Facts of an mlx-lm / Hugging Face model directory."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise NotAModel(f"{path}: no readable config.json ({exc})") from None
+    text = _text_config(config)
+    quant = config.get("quantization") or config.get("quantization_config") or {}
+    bits = quant.get("bits") if isinstance(quant, dict) else None
+    weights = params = expert_params = 0
+    act_bytes = 0
+    for file in sorted(path.glob("*.safetensors")):
+        for tname, info in _safetensors_header(file).items():
+            start, end = info["data_offsets"]
+            weights += end - start
+            numel = _numel(info["shape"])
+            if info["dtype"] == "U32" and bits and tname.endswith(".weight"):
+                numel = numel * 32 // int(bits)  # packed quantized weights
+            elif tname.endswith((".scales", ".biases")) and bits:
+                continue  # quantization metadata, not parameters
+            params += numel
+            if any(m in tname for m in _EXPERT_MARKERS):
+                expert_params += numel
+            act_bytes = max(act_bytes, _FLOAT_BYTES.get(info["dtype"], 0))
+    if not weights:
+        raise NotAModel(f"{path}: no safetensors weights")
+    experts = _int(text, "num_local_experts", "num_experts", "n_routed_experts")
+    per_token = _int(text, "num_experts_per_tok", "moe_topk")
+    active = params
+    if experts and per_token and expert_params:
+        active = params - expert_params + expert_params * per_token // experts
+    heads = _int(text, "num_attention_heads", "n_head", default=1)
+    kv_heads = _int(text, "num_key_value_heads", "n_kv_heads", default=heads)
+    head_dim = _int(text, "head_dim", default=_int(text, "hidden_size") // max(1, heads))
+    layers = _int(text, "num_hidden_layers", "n_layer")
+    model_type = str(config.get("model_type", "?"))
+    vision = "vision_config" in config
+    types = _mlx_lm_types() if mlx_types is None else mlx_types
+    why = ""
+    if vision:
+        why = "a vision model (served through mlx-vlm, not by this server yet)"
+    elif types and model_type not in types:
+        why = f"mlx-lm has no {model_type!r} model class"
+    return ModelFacts(
+        name=name or path.name,
+        path=str(path),
+        kind="mlx",
+        model_type=model_type,
+        weights_bytes=weights,
+        params=params,
+        active_params=active,
+        kv_bytes_per_token=layers * kv_heads * head_dim * 2 * (act_bytes or 2),
+        context_length=_int(text, "max_position_embeddings", "max_seq_len", default=4096),
+        num_heads=heads,
+        quant_bits=int(bits) if bits else None,
+        vision=vision,
+        supported=not why,
+        why_unsupported=why,
+    )
+
+
+# -- GGUF: the header only ------------------------------------------------------
+_GGUF_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+# ggml quantized types -> their nominal bits (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1,
+# Q2_K..Q8_K); F32/F16/BF16 and anything else count as float
+_GGML_BITS = {2: 4, 3: 4, 6: 5, 7: 5, 8: 8, 9: 8, 10: 2, 11: 3, 12: 4, 13: 5, 14: 6, 15: 8}
+
+
+def _read(f: BinaryIO, fmt: str) -> Any:
+    size = struct.calcsize(fmt)
+    data = f.read(size)
+    if len(data) != size:
+        raise NotAModel("truncated GGUF header")
+    return struct.unpack(fmt, data)[0]
+
+
+def _gguf_value(f: BinaryIO, vtype: int, keep: bool) -> Any:
+    if vtype in _GGUF_SCALARS:
+        return _read(f, _GGUF_SCALARS[vtype])
+    if vtype == 8:
+        n = _read(f, "<Q")
+        if n > 2**26:
+            raise NotAModel("implausible GGUF string")
+        raw = f.read(n)
+        return raw.decode("utf-8", "replace") if keep else None
+    if vtype == 9:
+        itype, count = _read(f, "<I"), _read(f, "<Q")
+        if itype in _GGUF_SCALARS and itype != 8:
+            f.seek(count * struct.calcsize(_GGUF_SCALARS[itype]), os.SEEK_CUR)  # skip
+            return None
+        for _ in range(count):
+            _gguf_value(f, itype, False)
+        return None
+    raise NotAModel(f"unknown GGUF value type {vtype}")
+
+
+def gguf_facts(path: Path) -> ModelFacts:
+    """Facts of a GGUF file, from its key/value header and tensor table."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise NotAModel(f"{path}: not a GGUF file")
+        version = _read(f, "<I")
+        if version < 2:
+            raise NotAModel(f"{path}: GGUF version {version} is too old")
+        n_tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
+        meta: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = _gguf_value(f, 8, True)
+            meta[key] = _gguf_value(f, _read(f, "<I"), True)
+        params = 0
+        by_bits: dict[int, int] = {}  # parameters per nominal bit width (0: float)
+        for _ in range(n_tensors):
+            _gguf_value(f, 8, False)
+            dims = [_read(f, "<Q") for _ in range(_read(f, "<I"))]
+            ttype = _read(f, "<I")
+            _read(f, "<Q")  # offset
+            numel = _numel(dims)
+            params += numel
+            bits = _GGML_BITS.get(ttype, 0)
+            by_bits[bits] = by_bits.get(bits, 0) + numel
+        quant_bits = max(by_bits, key=lambda b: by_bits[b]) if by_bits else 0
+    arch = str(meta.get("general.architecture", "?"))
+
+    def arch_int(key: str, default: int = 0) -> int:
+        value = meta.get(f"{arch}.{key}")
+        return int(value) if isinstance(value, (int, float)) else default
+
+    heads = arch_int("attention.head_count", 1)
+    kv_heads = arch_int("attention.head_count_kv", heads)
+    head_dim = arch_int("attention.key_length", arch_int("embedding_length") // max(1, heads))
+    layers = arch_int("block_count")
+    experts, per_token = arch_int("expert_count"), arch_int("expert_used_count")
+    supported = arch in GGUF_ARCHS
+    return ModelFacts(
+        name=path.name,
+        path=str(path),
+        kind="gguf",
+        model_type=arch,
+        weights_bytes=path.stat().st_size,
+        params=params,
+        active_params=params * per_token // experts if experts and per_token else params,
+        kv_bytes_per_token=layers * kv_heads * head_dim * 2 * 2,
+        context_length=arch_int("context_length", 4096),
+        num_heads=heads,
+        quant_bits=quant_bits or None,
+        supported=supported,
+        why_unsupported="" if supported else f"GGUF architecture {arch!r} is not converted",
+    )
+
+
+def model_facts(path: Path) -> ModelFacts:
+    """A model directory or a .gguf file."""
+    if path.is_file() and path.suffix == ".gguf":
+        return gguf_facts(path)
+    if path.is_dir():
+        return dir_facts(path)
+    raise NotAModel(f"{path}: neither a model directory nor a .gguf file")
+
+
+def hub_roots() -> list[Path]:
+    hub = os.environ.get("HF_HUB_CACHE")
+    if hub:
+        return [Path(hub)]
+    home = os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface"
+    return [Path(home) / "hub"]
+
+
+def _candidates(hub: list[Path], folders: list[Path]) -> Iterable[tuple[str, Path]]:
+    for root in hub:  # models--org--name/snapshots/<rev>/
+        for snap in sorted(root.glob("models--*/snapshots/*")):
+            name = snap.parent.parent.name.removeprefix("models--").replace("--", "/")
+            if (snap / "config.json").is_file():
+                yield name, snap
+            yield from ((f"{name}/{g.name}", g) for g in sorted(snap.glob("*.gguf")))
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        for child in sorted(folder.iterdir()):
+            if child.is_dir() and (child / "config.json").is_file():
+                yield child.name, child
+            elif child.suffix == ".gguf":
+                yield child.name, child
+
+
+class ModelLibrary:
+    """Models in the hub cache and local folders, rescanned at most every 30 s."""
+
+    def __init__(self, folders: list[Path], hub: list[Path] | None = None):
+        self.folders = folders
+        self.hub = hub_roots() if hub is None else hub
+        self._lock = threading.Lock()
+        self._at = -CACHE_S
+        self._found: list[ModelFacts | tuple[str, str, str]] = []
+
+    def scan(self) -> list[ModelFacts | tuple[str, str, str]]:
+        """ModelFacts per model; (name, path, why) for what could not be read."""
+        with self._lock:
+            if time.monotonic() - self._at < CACHE_S:
+                return self._found
+            found: list[ModelFacts | tuple[str, str, str]] = []
+            types = _mlx_lm_types()
+            seen: set[str] = set()
+            for name, path in _candidates(self.hub, self.folders):
+                key = str(path.resolve())
+                if key in seen:
+                    continue
+                seen.add(key)
+                try:
+                    if path.suffix == ".gguf":
+                        facts = gguf_facts(path)
+                        found.append(ModelFacts(**{**facts.__dict__, "name": name}))
+                    else:
+                        found.append(dir_facts(path, name, types))
+                except (NotAModel, OSError, ValueError, KeyError, struct.error) as exc:
+                    found.append((name, str(path), str(exc)))
+            self._found, self._at = found, time.monotonic()
+            return found

@@ -1,0 +1,204 @@
+"""Will a model fit this machine, how much context, and how fast will it decode?
+
+One model of memory and speed, shared by admission and the /fit, /library and
+``kvwarm fit`` views. Memory is admission's own ``MemoryBudget`` (weights, the
+transient reserve, KV per token): the ceiling a view predicts is the ceiling
+the server enforces. Speed is the bandwidth bound of decoding: every generated
+token streams the active weights (all of them for a dense model, the routed
+experts' share for a mixture of experts) and the sequence's KV once, so
+
+    tokens/s per stream ~= memory bandwidth / (active weight bytes + KV bytes at the context)
+
+which holds for batch-1 decode on Apple silicon and GPUs; a CPU with a slow
+matmul falls short of it (the views show the measured rate beside it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from scheduler.admission import MemoryBudget, transient_reserve
+
+GiB = 2**30
+# unified memory sizes Apple ships (GB), for the "which Mac runs it" matrix
+APPLE_MEMORY_GB = (8, 16, 18, 24, 32, 36, 48, 64, 96, 128, 192, 256, 512)
+# Metal's default recommended working set is about three quarters of unified memory
+METAL_WORKING_SET = 0.75
+TYPICAL_CONTEXT = 4096  # the context the predicted decode rate is quoted at
+PREFILL_CHUNK = 512  # --prefill-step-size's default: sizes the transient reserve
+COMFORTABLE_CONTEXT = 8192  # below this ceiling an agent's context runs tight
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a model costs, read from its config and weight-file headers only."""
+
+    name: str
+    path: str
+    kind: str  # "mlx" (a directory mlx-lm loads) or "gguf"
+    model_type: str
+    weights_bytes: int
+    params: int  # parameters, from the tensor shapes (packed quantized weights unpacked)
+    active_params: int  # per generated token (a mixture of experts routes to a few)
+    kv_bytes_per_token: int
+    context_length: int
+    num_heads: int
+    quant_bits: int | None = None  # None: not quantized
+    vision: bool = False
+    supported: bool = True
+    why_unsupported: str = ""
+
+    @property
+    def active_weight_bytes(self) -> int:
+        if not self.params:
+            return self.weights_bytes
+        return round(self.weights_bytes * self.active_params / self.params)
+
+
+@dataclass(frozen=True)
+class MachineFacts:
+    """The machine a model would run on."""
+
+    name: str  # chip or CPU model
+    memory_bytes: int  # unified memory / RAM / device memory
+    bandwidth_bytes_s: float  # memory bandwidth
+    bandwidth_source: str  # "measured (copy benchmark)" or "known for <chip>"
+    device: str = "cpu"  # cpu / gpu (Metal, CUDA)
+
+    def public(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["bandwidth_gb_s"] = round(self.bandwidth_bytes_s / 1e9, 1)
+        return out
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """A model on a memory budget: does it fit, how much context, how fast."""
+
+    budget_bytes: int
+    weights_bytes: int
+    reserve_bytes: int
+    kv_budget_bytes: int
+    kv_bytes_per_token: int
+    ceiling_tokens: int  # the most KV positions admission gives one request
+    max_context: int  # min(ceiling, the model's context length)
+    sequences_at_typical: int  # requests of TYPICAL_CONTEXT positions that fit at once
+    verdict: str  # fits / tight / no
+    predicted_decode_tok_s: float | None = None  # per stream at TYPICAL_CONTEXT
+    notes: tuple[str, ...] = field(default=())
+
+    def public(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["notes"] = list(self.notes)
+        if self.predicted_decode_tok_s is not None:
+            out["predicted_decode_tok_s"] = round(self.predicted_decode_tok_s, 1)
+        return out
+
+
+def as_loaded(model: ModelFacts, device: str) -> ModelFacts:
+    """What the model costs once loaded on ``device``: on the CPU backend a GGUF
+    is dequantised to float32 (engine.loader.prefers_float32: BLAS makes it ~10x
+    faster there than the quantised form), weights and KV at 4 bytes."""
+    if model.kind != "gguf" or "cpu" not in device.lower() or not model.params:
+        return model
+    return replace(
+        model,
+        weights_bytes=model.params * 4,
+        kv_bytes_per_token=model.kv_bytes_per_token * 2,
+        quant_bits=None,
+    )
+
+
+def predicted_decode_tok_s(
+    active_weight_bytes: int, kv_bytes_per_token: int, context: int, bandwidth_bytes_s: float
+) -> float:
+    """The bandwidth bound of one stream's decode at ``context`` positions."""
+    per_token = active_weight_bytes + kv_bytes_per_token * context
+    return bandwidth_bytes_s / per_token if per_token > 0 else 0.0
+
+
+def assess_budget(
+    budget: MemoryBudget,
+    context_length: int,
+    active_weight_bytes: int | None = None,
+    bandwidth_bytes_s: float | None = None,
+) -> Assessment:
+    """The verdict for a budget admission already uses (the loaded model)."""
+    ceiling = budget.ceiling_tokens
+    max_context = min(ceiling, context_length)
+    typical = min(TYPICAL_CONTEXT, context_length)
+    per_seq = budget.sequence_bytes(typical)
+    sequences = budget.kv_budget_bytes // per_seq if per_seq and ceiling >= typical else 0
+    if budget.kv_budget_bytes <= 0 or ceiling == 0:
+        verdict = "no"
+    elif max_context < min(COMFORTABLE_CONTEXT, context_length):
+        verdict = "tight"
+    else:
+        verdict = "fits"
+    rate = None
+    if bandwidth_bytes_s:
+        weights = budget.weights_bytes if active_weight_bytes is None else active_weight_bytes
+        rate = predicted_decode_tok_s(
+            weights, budget.kv_bytes_per_token, typical, bandwidth_bytes_s
+        )
+    notes = []
+    if verdict == "no":
+        need = budget.weights_bytes + budget.adapter_bytes + budget.reserve_bytes
+        notes.append(
+            f"weights + reserve need {need / GiB:.1f} GiB of {budget.total_bytes / GiB:.1f}"
+        )
+    elif verdict == "tight":
+        notes.append(f"at most {max_context} tokens of context per request")
+    return Assessment(
+        budget_bytes=budget.total_bytes,
+        weights_bytes=budget.weights_bytes,
+        reserve_bytes=budget.reserve_bytes,
+        kv_budget_bytes=budget.kv_budget_bytes,
+        kv_bytes_per_token=budget.kv_bytes_per_token,
+        ceiling_tokens=ceiling,
+        max_context=max_context,
+        sequences_at_typical=int(sequences),
+        verdict=verdict,
+        predicted_decode_tok_s=rate,
+        notes=tuple(notes),
+    )
+
+
+def budget_for(model: ModelFacts, budget_bytes: int) -> MemoryBudget:
+    """The MemoryBudget admission would build for ``model`` on ``budget_bytes``
+    (engine.boot's rule, with no prompt cache carved out)."""
+    reserve = transient_reserve(budget_bytes, PREFILL_CHUNK, model.context_length, model.num_heads)
+    return MemoryBudget(
+        total_bytes=budget_bytes,
+        weights_bytes=model.weights_bytes,
+        reserve_bytes=reserve,
+        kv_bytes_per_token=max(1, model.kv_bytes_per_token),
+        source="fit",
+        prefill_chunk=PREFILL_CHUNK,
+    )
+
+
+def assess(model: ModelFacts, budget_bytes: int, bandwidth_bytes_s: float | None) -> Assessment:
+    return assess_budget(
+        budget_for(model, budget_bytes),
+        model.context_length,
+        model.active_weight_bytes,
+        bandwidth_bytes_s,
+    )
+
+
+def apple_matrix(model: ModelFacts) -> list[dict[str, Any]]:
+    """Which Macs run it: per unified-memory size, the verdict and the context."""
+    rows = []
+    for gb in APPLE_MEMORY_GB:
+        a = assess(model, int(gb * 1e9 * METAL_WORKING_SET), None)
+        rows.append(
+            {
+                "memory_gb": gb,
+                "verdict": a.verdict,
+                "max_context": a.max_context,
+                "sequences_at_4k": a.sequences_at_typical,
+            }
+        )
+    return rows
