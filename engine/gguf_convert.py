@@ -1,10 +1,14 @@
-"""Convert a llama-architecture GGUF file into an mlx-lm model directory.
+"""Convert a GGUF file (llama, qwen2, qwen3, gemma, gemma2, gemma3) into an
+mlx-lm model directory.
 
 ``mx.load`` reads GGUF tensors (Q4_0/Q4_1/Q8_0 arrive already in MLX's affine
-quantized layout) and the tokenizer metadata. What no library does is the last
-mile: rename tensors to mlx-lm's llama names, write ``config.json``, and rebuild
-a Hugging Face ``tokenizer.json`` from the GGUF vocabulary and merges so that
-``mlx_lm.load`` can open the directory like any other model.
+quantized layout) and the metadata; transformers' GGUF tables rename the shared
+config keys and rebuild the tokenizer (per-architecture vocabularies and
+llama.cpp's pre-tokenizer splits). What is left here is the last mile: tensor
+names in mlx-lm's spelling, what llama.cpp's converter did to each architecture
+undone (engine.gguf_archs), and ``config.json`` / ``tokenizer.json`` written so
+``mlx_lm.load`` opens the directory like any other model. The converted folder
+is keyed by the file's content, not its path.
 """
 
 from __future__ import annotations
@@ -22,130 +26,118 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.gguf_archs import TOP, GGUFArch, arch_of, base_config
 from engine.model_errors import UnsupportedModelError
 
 log = logging.getLogger("kvwarm.engine.gguf")
 
-# GGUF tensor name -> mlx-lm llama parameter name
-_BLOCK_RENAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_TOP_RENAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
 _GROUP_SIZE = 32  # every GGUF block quantisation mx.load understands uses 32
-_CONVERTER_VERSION = "1"
-
-# GGUF token types (llama.cpp's llama_token_type)
-_TOKEN_CONTROL = 3
-_TOKEN_USER_DEFINED = 4
+_CONVERTER_VERSION = "2"
 
 
 def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
     value = meta.get(key, default)
     if isinstance(value, mx.array):
-        return value.item()
+        return value.item() if value.size == 1 else value.tolist()
     return value
 
 
-def _rename(name: str) -> str:
-    base, _, suffix = name.rpartition(".")  # suffix: weight / scales / biases
+def _rename(name: str, arch: GGUFArch) -> str:
+    base, _, suffix = name.rpartition(".")  # suffix: weight / bias / scales / biases
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
     if match:
         layer, part = match.groups()
-        if part not in _BLOCK_RENAMES:
-            raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
-        return f"model.layers.{layer}.{_BLOCK_RENAMES[part]}.{suffix}"
-    if base not in _TOP_RENAMES:
+        if part not in arch.block:
+            raise UnsupportedModelError(f"unexpected GGUF tensor {name!r} for {arch.model_type}")
+        return f"model.layers.{layer}.{arch.block[part]}.{suffix}"
+    if base not in TOP:
         raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
-    return f"{_TOP_RENAMES[base]}.{suffix}"
+    return f"{TOP[base]}.{suffix}"
 
 
-def _llama_config(meta: dict[str, Any], weights: dict[str, mx.array]) -> dict[str, Any]:
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise UnsupportedModelError(
-            f"GGUF architecture {arch!r} is not supported; only 'llama' GGUF files are"
-        )
-    heads = int(_scalar(meta, "llama.attention.head_count"))
-    hidden = int(_scalar(meta, "llama.embedding_length"))
-    config = {
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "num_hidden_layers": int(_scalar(meta, "llama.block_count")),
-        "intermediate_size": int(_scalar(meta, "llama.feed_forward_length")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(_scalar(meta, "llama.attention.head_count_kv", heads)),
-        "head_dim": int(_scalar(meta, "llama.rope.dimension_count", hidden // heads)),
-        "rms_norm_eps": float(_scalar(meta, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(_scalar(meta, "llama.rope.freq_base", 10000.0)),
-        # GGUF stores q/k permuted for interleaved RoPE.
-        "rope_traditional": True,
-        "max_position_embeddings": int(_scalar(meta, "llama.context_length", 2048)),
-        "vocab_size": int(_scalar(meta, "llama.vocab_size", 0))
-        or len(meta["tokenizer.ggml.tokens"]),
-        "tie_word_embeddings": "lm_head.weight" not in weights,
-        "attention_bias": False,
-        "mlp_bias": False,
-    }
-    scaling = meta.get("llama.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise UnsupportedModelError(f"GGUF rope scaling {scaling!r} is not supported")
+def model_config(meta: dict[str, Any], weights: dict[str, mx.array]) -> dict[str, Any]:
+    """config.json for mlx-lm: the shared keys through transformers' table, then
+    what this architecture's model class needs."""
+    name = str(meta.get("general.architecture"))
+    arch = arch_of(name)
+
+    def value(key: str, default: Any) -> Any:
+        return _scalar(meta, f"{name}.{key}", default)
+
+    config = base_config(name, value)
+    heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    head_dim = value("attention.key_length", None) or value("rope.dimension_count", None)
+    config.update(
+        {
+            "model_type": arch.model_type,
+            "num_key_value_heads": int(config.get("num_key_value_heads", heads)),
+            "head_dim": int(head_dim or hidden // heads),
+            "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+            "rope_theta": float(config.get("rope_theta", 10000.0)),
+            "rope_traditional": arch.rope_traditional,
+            "max_position_embeddings": int(config.get("max_position_embeddings", 2048)),
+            # the embedding's rows: models pad it past the tokenizer (Qwen2: 151936 vs 151665)
+            "vocab_size": int(
+                weights["token_embd.weight"].shape[0]
+                if "token_embd.weight" in weights
+                else config.get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+            ),
+            "tie_word_embeddings": "output.weight" not in weights,
+        }
+    )
+    if arch.model_type == "llama":
+        config.update({"attention_bias": False, "mlp_bias": False})
+    config.update(arch.extra(value, config))
     return config
 
 
 def _tokenizer_files(meta: dict[str, Any], context_length: int) -> dict[str, Any]:
-    """Build tokenizer.json / tokenizer_config.json from GGUF metadata."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    """tokenizer.json / tokenizer_config.json from GGUF metadata, built by
+    transformers' GGUF tokenizer converter (per-architecture vocab handling and
+    llama.cpp's pre-tokenizer splits)."""
+    from tokenizers import pre_tokenizers, processors
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+        GGUF_TOKENIZER_MAPPING,
+        convert_gguf_tokenizer,
+    )
 
-    kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise UnsupportedModelError(
-            f"GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2')"
-        )
+    arch = str(meta.get("general.architecture"))
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    types = meta.get("tokenizer.ggml.token_type")
-    types = types.tolist() if isinstance(types, mx.array) else [1] * len(tokens)
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    fields = {
+        name: _scalar(meta, f"tokenizer.{key}")
+        for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+        if f"tokenizer.{key}" in meta
+    }
+    fields["tokens"] = tokens
+    if "merges" in fields:
+        fields["merges"] = list(meta["tokenizer.ggml.merges"])
+    try:
+        tokenizer, _ = convert_gguf_tokenizer(arch, fields)
+    except (ValueError, KeyError) as exc:
+        raise UnsupportedModelError(f"GGUF tokenizer cannot be rebuilt: {exc}") from exc
     if meta.get("tokenizer.ggml.pre") == "smollm":
-        # llama.cpp's "smollm" pre-tokenizer splits every digit, then GPT-2's regex.
+        # llama.cpp's "smollm" pre-tokenizer splits every digit, then GPT-2's regex
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
+            [
+                pre_tokenizers.Digits(individual_digits=True),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+            ]
         )
-    else:
-        tokenizer.pre_tokenizer = byte_level
-    tokenizer.decoder = decoders.ByteLevel()
-    special = [
-        AddedToken(tok, special=True, normalized=False)
-        for tok, kind_ in zip(tokens, types)
-        if kind_ in (_TOKEN_CONTROL, _TOKEN_USER_DEFINED)
-    ]
-    tokenizer.add_special_tokens(special)
 
     def token(key: str) -> str | None:
         idx = _scalar(meta, key)
         return tokens[int(idx)] if idx is not None and int(idx) < len(tokens) else None
 
     bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
-    add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", False))
-    if add_bos and bos is not None:
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, vocab[bos])]
-        )
+    default_bos = fields.get("tokenizer_type") == "llama"  # sentencepiece: llama.cpp adds BOS
+    add_bos = bool(_scalar(meta, "tokenizer.ggml.add_bos_token", default_bos)) and bos is not None
+    # BOS exactly as the file says: the converter's own post-processor is replaced
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A" if add_bos else "$A",
+        pair=f"{bos} $A {bos} $B" if add_bos else "$A $B",
+        special_tokens=[(bos, tokens.index(bos))] if add_bos else [],
+    )
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": bos,
@@ -158,9 +150,17 @@ def _tokenizer_files(meta: dict[str, Any], context_length: int) -> dict[str, Any
     }
     if "tokenizer.chat_template" in meta:
         config["chat_template"] = meta["tokenizer.chat_template"]
+    # a chat turn may end with an end-of-turn token other than EOS (Gemma's <end_of_turn>)
+    stops = [
+        _scalar(meta, k)
+        for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+        if _scalar(meta, k) is not None
+    ]
     generation = {
         "bos_token_id": _scalar(meta, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _scalar(meta, "tokenizer.ggml.eos_token_id"),
+        "eos_token_id": sorted(set(stops))
+        if len(set(stops)) > 1
+        else (stops[0] if stops else None),
     }
     return {
         "tokenizer.json": json.loads(tokenizer.to_str()),
@@ -170,17 +170,23 @@ def _tokenizer_files(meta: dict[str, Any], context_length: int) -> dict[str, Any
 
 
 def _convert_weights(
-    weights: dict[str, mx.array], dequantize: bool
+    weights: dict[str, mx.array], dequantize: bool, arch: GGUFArch
 ) -> tuple[dict[str, mx.array], dict[str, Any] | None]:
     out: dict[str, mx.array] = {}
     quantized_bits: set[int] = set()
     for name, value in weights.items():
+        if name.endswith(".bias"):  # qwen2's q/k/v biases: never quantized
+            out[_rename(name, arch)] = value.astype(mx.float32) if dequantize else value
+            continue
         if not name.endswith(".weight"):
             continue
         prefix = name[: -len(".weight")]
-        new_prefix = _rename(name)[: -len(".weight")]
+        new_prefix = _rename(name, arch)[: -len(".weight")]
         scales = weights.get(f"{prefix}.scales")
         if scales is None:
+            if arch.norm_offset and prefix.endswith("norm"):
+                # llama.cpp stored Gemma's RMSNorm weights as 1 + w
+                value = (value.astype(mx.float32) - arch.norm_offset).astype(value.dtype)
             out[f"{new_prefix}.weight"] = value.astype(mx.float32) if dequantize else value
             continue
         biases = weights[f"{prefix}.biases"]
@@ -203,6 +209,10 @@ def _convert_weights(
     return out, quant
 
 
+def config_arch(meta: dict[str, Any]) -> str:
+    return str(meta.get("general.architecture"))
+
+
 def cache_root() -> Path:
     if env := os.environ.get("KVWARM_CACHE_DIR"):
         return Path(env)
@@ -210,9 +220,38 @@ def cache_root() -> Path:
     return Path(base) / "kvwarm"
 
 
-def converted_dir(gguf: Path, dequantize: bool) -> Path:
+def content_digest(gguf: Path) -> str:
+    """SHA-256 of the file's bytes, remembered per (path, size, mtime) so a
+    restart does not read gigabytes again: two copies of one file share a key."""
+    memo_path = cache_root() / "models" / ".gguf-digests.json"
     stat = gguf.stat()
-    key = f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}|{_CONVERTER_VERSION}"
+    where = str(gguf.resolve())
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    known = memo.get(where)
+    if known and known.get("size") == stat.st_size and known.get("mtime_ns") == stat.st_mtime_ns:
+        return str(known["sha256"])
+    digest = hashlib.sha256()
+    with open(gguf, "rb") as f:
+        while chunk := f.read(8 * 2**20):
+            digest.update(chunk)
+    memo[where] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest.hexdigest()}
+    try:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(memo))
+        tmp.replace(memo_path)
+    except OSError:
+        pass  # a read-only cache still works: the file is hashed again next time
+    return digest.hexdigest()
+
+
+def converted_dir(gguf: Path, dequantize: bool) -> Path:
+    """Keyed by content and converter version, not path: every checkout (or copy)
+    of the same file shares one converted folder."""
+    key = f"{content_digest(gguf)}|{_CONVERTER_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     flavour = "f32" if dequantize else "q"
     return cache_root() / "models" / f"{gguf.stem}-{flavour}-{digest}"
@@ -253,9 +292,9 @@ def convert_gguf(
         weights, meta = mx.load(str(gguf), return_metadata=True)
     except Exception as exc:  # mx.load raises bare RuntimeError/ValueError
         raise UnsupportedModelError(f"cannot read GGUF file {gguf}: {exc}") from exc
-    config = _llama_config(meta, weights)
+    config = model_config(meta, weights)
     files = _tokenizer_files(meta, config["max_position_embeddings"])
-    converted, quant = _convert_weights(weights, dequantize)
+    converted, quant = _convert_weights(weights, dequantize, arch_of(config_arch(meta)))
     if quant:
         config["quantization"] = quant
     target.parent.mkdir(parents=True, exist_ok=True)

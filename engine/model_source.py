@@ -52,13 +52,13 @@ def resolve_model(arg: str | None) -> ModelSource:
     if not path.exists():
         raise UnsupportedModelError(
             f"model path {arg!r} does not exist: expected an mlx-lm model directory "
-            f"(config.json + *.safetensors) or a llama-architecture .gguf file"
+            f"(config.json + *.safetensors) or a .gguf file (llama, qwen2, qwen3, gemma, gemma2 or gemma3)"
         )
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise UnsupportedModelError(
                 f"model file {arg!r} is not a .gguf file: expected an mlx-lm model "
-                f"directory or a llama-architecture .gguf file"
+                f"directory or a .gguf file (llama, qwen2, qwen3, gemma, gemma2 or gemma3)"
             )
         with path.open("rb") as f:
             if f.read(4) != b"GGUF":

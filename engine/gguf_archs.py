@@ -1,0 +1,133 @@
+"""What each GGUF architecture needs to become an mlx-lm model directory.
+
+The GGUF keys every decoder shares (layers, heads, sizes, rope base, norm eps)
+are renamed with transformers' own table (``GGUF_CONFIG_MAPPING``); what is
+left per architecture is what llama.cpp's converter did to the checkpoint and
+must be undone, and the config fields mlx-lm's model class wants:
+
+- **llama**: q/k rows permuted for interleaved RoPE -> ``rope_traditional``.
+- **qwen2**: q/k/v biases; NEOX RoPE (no permutation).
+- **qwen3**: per-head q/k RMSNorms (``attn_q_norm``/``attn_k_norm``).
+- **gemma, gemma2, gemma3**: every RMSNorm weight stored as ``1 + w`` (the
+  models compute ``x * (1 + w)``) -> 1 is subtracted back; gemma2/3 add norms
+  after attention and around the MLP; gemma2 soft-caps logits; gemma3 (text)
+  alternates five sliding-window layers with one global layer. llama.cpp does
+  not store ``query_pre_attn_scalar``; it derives the attention scale from the
+  model size, and so do we.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.model_errors import UnsupportedModelError
+
+Meta = Callable[[str, Any], Any]  # (key without the arch prefix, default) -> value
+
+COMMON_BLOCK = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+}
+LLAMA_BLOCK = {**COMMON_BLOCK, "ffn_norm": "post_attention_layernorm"}
+QK_NORMS = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+GEMMA2_BLOCK = {
+    **COMMON_BLOCK,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """One GGUF ``general.architecture`` as mlx-lm serves it."""
+
+    model_type: str  # mlx-lm's module
+    block: dict[str, str]  # GGUF block tensor -> mlx-lm module path in the layer
+    rope_traditional: bool = False
+    norm_offset: float = 0.0  # subtracted from every *norm weight (gemma: 1)
+    # extra config fields from the metadata: (meta, config so far) -> fields
+    extra: Callable[[Meta, dict[str, Any]], dict[str, Any]] = field(default=lambda m, c: {})
+
+
+def _gemma_scale(meta: Meta, config: dict[str, Any], big_layers: int) -> int:
+    """llama.cpp's attention scale for Gemma 2/3: 1/sqrt(hidden/heads) for the
+    27B shape, 1/sqrt(head_dim) otherwise (HF's query_pre_attn_scalar, an int)."""
+    if config["num_hidden_layers"] == big_layers:
+        return int(config["hidden_size"]) // int(config["num_attention_heads"])
+    return int(config["head_dim"])
+
+
+def _gemma2(meta: Meta, config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "attn_logit_softcapping": float(meta("attn_logit_softcapping", 50.0)),
+        "final_logit_softcapping": float(meta("final_logit_softcapping", 30.0)),
+        "query_pre_attn_scalar": _gemma_scale(meta, config, 46),
+    }
+
+
+def _gemma3(meta: Meta, config: dict[str, Any]) -> dict[str, Any]:
+    extra: dict[str, Any] = {
+        "query_pre_attn_scalar": _gemma_scale(meta, config, 62),
+        "sliding_window": int(meta("attention.sliding_window", 512)),
+        "sliding_window_pattern": 6,  # what llama.cpp and HF use for every Gemma 3 size
+        "rope_local_base_freq": 10000.0,
+    }
+    kind = meta("rope.scaling.type", None)
+    if kind == "linear":
+        extra["rope_scaling"] = {
+            "rope_type": "linear",
+            "factor": float(meta("rope.scaling.factor", 1.0)),
+        }
+    elif kind not in (None, "none"):
+        raise UnsupportedModelError(f"GGUF gemma3 rope scaling {kind!r} is not supported")
+    return extra
+
+
+def _no_rope_scaling(meta: Meta, config: dict[str, Any]) -> dict[str, Any]:
+    kind = meta("rope.scaling.type", None)
+    if kind not in (None, "none"):
+        raise UnsupportedModelError(f"GGUF rope scaling {kind!r} is not supported")
+    return {}
+
+
+ARCHS: dict[str, GGUFArch] = {
+    "llama": GGUFArch("llama", LLAMA_BLOCK, rope_traditional=True, extra=_no_rope_scaling),
+    "qwen2": GGUFArch("qwen2", LLAMA_BLOCK, extra=_no_rope_scaling),
+    "qwen3": GGUFArch("qwen3", {**LLAMA_BLOCK, **QK_NORMS}, extra=_no_rope_scaling),
+    "gemma": GGUFArch("gemma", LLAMA_BLOCK, norm_offset=1.0),
+    "gemma2": GGUFArch("gemma2", GEMMA2_BLOCK, norm_offset=1.0, extra=_gemma2),
+    "gemma3": GGUFArch("gemma3_text", {**GEMMA2_BLOCK, **QK_NORMS}, norm_offset=1.0, extra=_gemma3),
+}
+
+
+def arch_of(name: object) -> GGUFArch:
+    arch = ARCHS.get(str(name))
+    if arch is None:
+        raise UnsupportedModelError(
+            f"GGUF architecture {name!r} is not supported; supported: {', '.join(sorted(ARCHS))}"
+        )
+    return arch
+
+
+def base_config(name: str, meta: Meta) -> dict[str, Any]:
+    """The fields every decoder shares, through transformers' GGUF key table."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    # transformers names gemma's keys like gemma2's, and has no table for gemma (v1)
+    table = GGUF_CONFIG_MAPPING.get(name) or GGUF_CONFIG_MAPPING["gemma2"]
+    config: dict[str, Any] = {}
+    for key, hf_name in table.items():
+        value = meta(key, None)
+        if hf_name and value is not None:
+            config[hf_name] = value
+    return config

@@ -1,0 +1,254 @@
+"""GGUF files of the qwen2, qwen3, gemma, gemma2 and gemma3 families round-trip.
+
+Each test builds a tiny random-weight model of mlx-lm's own class, writes it as
+llama.cpp would (GGUF tensor names, Gemma's RMSNorm weights stored as 1 + w,
+the family's tokenizer metadata), converts it with kvwarm and loads the result
+with mlx-lm: logits and greedy tokens must equal the original model's, and the
+tokenizer must give the ids the vocabulary implies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+from mlx_lm.models import gemma, gemma2, gemma3_text, qwen2, qwen3
+from tokenizers import pre_tokenizers
+
+from engine.gguf_convert import convert_gguf, converted_dir
+from engine.model_errors import UnsupportedModelError
+
+MODULES = {"qwen2": qwen2, "qwen3": qwen3, "gemma": gemma, "gemma2": gemma2, "gemma3": gemma3_text}
+LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+# llama.cpp's tensor names (its convert_hf_to_gguf.py), written out here rather
+# than read from kvwarm's table, so a wrong entry there fails these tests
+LLAMA_CPP_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+}
+POST_ATTENTION = {"post_attention_layernorm": "ffn_norm"}  # llama, qwen, gemma (v1)
+SANDWICH = {  # gemma2, gemma3: norms after attention and around the MLP
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+NORMS_STORED_PLUS_ONE = {"gemma", "gemma2", "gemma3"}
+
+
+def gguf_name(name: str, arch: str) -> str:
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if name == "model.norm.weight":
+        return "output_norm.weight"
+    _, _, layer, rest = name.split(".", 3)
+    module, _, suffix = rest.rpartition(".")
+    names = {**LLAMA_CPP_NAMES, **(SANDWICH if arch in ("gemma2", "gemma3") else POST_ATTENTION)}
+    return f"blk.{layer}.{names[module]}.{suffix}"
+
+
+def sentencepiece_vocab() -> tuple[list[str], list[int]]:
+    """A Gemma-style vocabulary: controls, byte fallback, pieces with ▁ for spaces."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    types = [3, 3, 3, 2, 4, 4]
+    tokens += [f"<0x{i:02X}>" for i in range(256)]
+    types += [6] * 256
+    pieces = ["\u2581", *LETTERS, *("\u2581" + c for c in LETTERS), "he", "ll", "llo"]
+    return tokens + pieces, types + [1] * len(pieces)
+
+
+SP = {name: i for i, name in enumerate(sentencepiece_vocab()[0])}
+BPE_TOKENS = sorted(pre_tokenizers.ByteLevel.alphabet()) + [
+    "he",
+    "ll",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+]
+
+
+def tiny_config(arch: str) -> dict:
+    layers = 6 if arch == "gemma3" else 2  # gemma3: five sliding layers, then a global one
+    config = {
+        "model_type": {"gemma3": "gemma3_text"}.get(arch, arch),
+        "hidden_size": 32,
+        "num_hidden_layers": layers,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": 400,  # padded past the tokenizer, as real checkpoints are
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+        "rope_theta": 10000.0,
+    }
+    if arch == "gemma2":
+        config["query_pre_attn_scalar"] = 8
+    if arch == "gemma3":
+        config.update(query_pre_attn_scalar=8, sliding_window=4, rope_local_base_freq=10000.0)
+    return config
+
+
+def write_family_gguf(path: Path, arch: str, seed: int = 0):
+    """The model, written as llama.cpp's converter writes it."""
+    config = tiny_config(arch)
+    module = MODULES[arch]
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    params = {}
+    for name, value in tree_flatten(model.parameters()):
+        if name == "lm_head.weight":
+            continue  # tied
+        if name.endswith(("norm.weight", ".bias")):
+            value = mx.random.normal(value.shape) * 0.5  # not the init's ones and zeros
+        params[name] = value
+    model.load_weights(list(params.items()), strict=False)
+    if hasattr(model, "sanitize"):
+        model.sanitize({})  # gemma3: no lm_head in the file means tied
+    tensors = {}
+    for name, value in params.items():
+        if arch in NORMS_STORED_PLUS_ONE and name.endswith("norm.weight"):
+            value = value + 1.0  # llama.cpp stores Gemma norms as 1 + w
+        tensors[gguf_name(name, arch)] = value
+    u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
+    meta = {
+        "general.architecture": arch,
+        f"{arch}.embedding_length": u32(32),
+        f"{arch}.block_count": u32(config["num_hidden_layers"]),
+        f"{arch}.feed_forward_length": u32(64),
+        f"{arch}.attention.head_count": u32(4),
+        f"{arch}.attention.head_count_kv": u32(2),
+        f"{arch}.attention.key_length": u32(8),
+        f"{arch}.attention.layer_norm_rms_epsilon": mx.array(1e-6, dtype=mx.float32),
+        f"{arch}.rope.freq_base": mx.array(10000.0, dtype=mx.float32),
+        f"{arch}.context_length": u32(512),
+    }
+    if arch.startswith("gemma"):
+        tokens, types = sentencepiece_vocab()
+        meta.update(
+            {
+                "tokenizer.ggml.model": "llama",
+                "tokenizer.ggml.tokens": tokens,
+                "tokenizer.ggml.scores": mx.array([-float(i) for i in range(len(tokens))]),
+                "tokenizer.ggml.token_type": mx.array(types, dtype=mx.int32),
+                "tokenizer.ggml.bos_token_id": u32(2),
+                "tokenizer.ggml.eos_token_id": u32(1),
+                "tokenizer.ggml.unknown_token_id": u32(3),
+                "tokenizer.ggml.padding_token_id": u32(0),
+                "tokenizer.ggml.eot_token_id": u32(5),
+                "tokenizer.ggml.add_bos_token": mx.array(True),
+            }
+        )
+        if arch == "gemma3":
+            meta[f"{arch}.attention.sliding_window"] = u32(4)
+    else:
+        meta.update(
+            {
+                "tokenizer.ggml.model": "gpt2",
+                "tokenizer.ggml.pre": "qwen2",
+                "tokenizer.ggml.tokens": BPE_TOKENS,
+                "tokenizer.ggml.merges": ["h e", "l l"],
+                "tokenizer.ggml.token_type": mx.array([1] * 258 + [3, 3, 3], dtype=mx.int32),
+                "tokenizer.ggml.bos_token_id": u32(258),
+                "tokenizer.ggml.eos_token_id": u32(260),
+            }
+        )
+    mx.save_gguf(str(path), tensors, meta)
+    return model
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVWARM_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def greedy(model, prompt: list[int], n: int = 12) -> list[int]:
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+
+@pytest.mark.parametrize("arch", sorted(MODULES))
+def test_each_family_converts_to_the_model_it_was(tmp_path, cache_dir, arch):
+    gguf = tmp_path / f"tiny-{arch}.gguf"
+    original = write_family_gguf(gguf, arch)
+    converted, tokenizer = load(str(convert_gguf(gguf, dequantize=True)))
+    ids = mx.array([[5, 17, 99, 200, 3, 44, 7, 8, 9, 10, 11, 12]])
+    assert mx.allclose(converted(ids), original(ids), atol=1e-5).item()
+    prompt = [5, 17, 99, 200, 3, 44]
+    assert greedy(converted, prompt) == greedy(original, prompt)
+    if arch.startswith("gemma"):
+        assert tokenizer.eos_token_ids == {1, 5}  # <eos> and <end_of_turn> both end a turn
+
+
+@pytest.mark.parametrize("arch", ["gemma", "gemma2", "gemma3"])
+def test_gemma_tokenizer_gives_the_ids_its_vocabulary_implies(tmp_path, cache_dir, arch):
+    gguf = tmp_path / f"tok-{arch}.gguf"
+    write_family_gguf(gguf, arch)
+    _, tokenizer = load(str(convert_gguf(gguf, dequantize=True)))
+    bos = SP["<bos>"]
+    # BOS first (add_bos_token), no dummy prefix, a space joins the next piece (▁a)
+    assert tokenizer.encode("abc ab") == [bos, SP["a"], SP["b"], SP["c"], SP["\u2581a"], SP["b"]]
+    assert tokenizer.encode("hello") == [bos, SP["he"], SP["llo"]]
+    # control tokens stay whole; unknown characters fall back to their UTF-8 bytes
+    turn = tokenizer.encode("<start_of_turn>hi<end_of_turn>")
+    assert turn == [bos, SP["<start_of_turn>"], SP["h"], SP["i"], SP["<end_of_turn>"]]
+    assert tokenizer.encode("é") == [bos, SP["<0xC3>"], SP["<0xA9>"]]
+    for text in ("abc ab", "hello wörld 42", "a  b\nc"):
+        assert tokenizer.decode(tokenizer.encode(text), skip_special_tokens=True) == text
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_tokenizer_matches_transformers_qwen2_tokenizer(tmp_path, cache_dir, arch):
+    from transformers import Qwen2Tokenizer
+
+    gguf = tmp_path / f"tok-{arch}.gguf"
+    write_family_gguf(gguf, arch)
+    _, tokenizer = load(str(convert_gguf(gguf, dequantize=True)))
+    vocab = {t: i for i, t in enumerate(BPE_TOKENS)}
+    reference = Qwen2Tokenizer(vocab=vocab, merges=[("h", "e"), ("l", "l")])
+    for text in ("hello world", "x = 12345;\n\n  indent", "it's we'll", "naïve 日本"):
+        want = reference.encode(text, add_special_tokens=False)
+        assert tokenizer.encode(text, add_special_tokens=False) == want, text
+    assert tokenizer.encode("<|im_start|>hi<|im_end|>")[0] == vocab["<|im_start|>"]
+
+
+def test_unsupported_architecture_is_named_and_nothing_is_kept(tmp_path, cache_dir):
+    gguf = tmp_path / "other.gguf"
+    write_family_gguf(gguf, "qwen2")
+    raw, meta = mx.load(str(gguf), return_metadata=True)
+    meta["general.architecture"] = "rwkv6"
+    mx.save_gguf(str(gguf), raw, meta)
+    with pytest.raises(UnsupportedModelError, match="'rwkv6' is not supported; supported: gemma"):
+        convert_gguf(gguf, dequantize=True)
+    assert not any((cache_dir / "models").glob("other*"))
+
+
+def test_the_converted_folder_is_keyed_by_content_not_path(tmp_path, cache_dir):
+    first = tmp_path / "a" / "model.gguf"
+    first.parent.mkdir()
+    write_family_gguf(first, "qwen3", seed=1)
+    copy = tmp_path / "b" / "model.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(first.read_bytes())
+    other = tmp_path / "c" / "model.gguf"
+    other.parent.mkdir()
+    write_family_gguf(other, "qwen3", seed=2)
+    assert converted_dir(first, True) == converted_dir(copy, True)  # another checkout: shared
+    assert converted_dir(other, True) != converted_dir(first, True)  # other bytes: its own
+    out = convert_gguf(first, dequantize=True)
+    lines: list[str] = []
+    assert convert_gguf(copy, dequantize=True, progress=lines.append) == out
+    assert not lines  # the copy converts nothing
