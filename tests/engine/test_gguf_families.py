@@ -79,6 +79,12 @@ BPE_TOKENS = sorted(pre_tokenizers.ByteLevel.alphabet()) + [
 ]
 
 
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def tiny_config(arch: str) -> dict:
     layers = 6 if arch == "gemma3" else 2  # gemma3: five sliding layers, then a global one
     config = {
@@ -164,6 +170,7 @@ def write_family_gguf(path: Path, arch: str, seed: int = 0):
                 "tokenizer.ggml.token_type": mx.array([1] * 258 + [3, 3, 3], dtype=mx.int32),
                 "tokenizer.ggml.bos_token_id": u32(258),
                 "tokenizer.ggml.eos_token_id": u32(260),
+                "tokenizer.chat_template": QWEN_TEMPLATE,
             }
         )
     mx.save_gguf(str(path), tensors, meta)
@@ -223,6 +230,11 @@ def test_qwen_tokenizer_matches_transformers_qwen2_tokenizer(tmp_path, cache_dir
         want = reference.encode(text, add_special_tokens=False)
         assert tokenizer.encode(text, add_special_tokens=False) == want, text
     assert tokenizer.encode("<|im_start|>hi<|im_end|>")[0] == vocab["<|im_start|>"]
+    # the file's chat template is the tokenizer's
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_unsupported_architecture_is_named_and_nothing_is_kept(tmp_path, cache_dir):
