@@ -179,7 +179,7 @@ def _sampling(call: ChatCall, info: ModelInfo) -> SamplingParams:
 def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) -> Prepared:
     info = state.model_info()
     settings = state.settings
-    adapter = state.adapter(call.adapter)
+    adapter = state.adapter(call.adapter, call.fields.get("model"))
     if not call.messages:
         raise APIError(400, "The request has no messages.", param="messages")
     default = settings.thinking == "on" if call.thinking_default is None else call.thinking_default

@@ -54,7 +54,7 @@ def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Pre
     if body.echo and not isinstance(prompt, str):
         raise APIError(400, "echo needs a text prompt.", param="echo")
     info = state.model_info()
-    adapter = state.adapter(body.adapter_requested())
+    adapter = state.adapter(body.adapter_requested(), body.model)
     tokens = _prompt_tokens(prompt, state)
     limit = body.completion_limit or DEFAULT_MAX_TOKENS
     key = PromptKey.build(tokens)

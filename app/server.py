@@ -199,7 +199,20 @@ def _add_admin_routes(app: FastAPI) -> None:
                     "created": int(state.started_at),
                     "owned_by": "kvwarm",
                     "context_length": info.context_length,
-                }
+                },
+                # mounted LoRA adapters, each selectable by its id as the model (vLLM's shape)
+                *(
+                    {
+                        "id": a.id,
+                        "object": "model",
+                        "created": int(state.started_at),
+                        "owned_by": "kvwarm",
+                        "parent": info.model_id,
+                        "root": a.path,
+                        "context_length": info.context_length,
+                    }
+                    for a in state.engine.adapters()
+                ),
             ],
         }
 

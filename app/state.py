@@ -45,11 +45,13 @@ class AppState:
             engine=self.engine.engine_stats(),
         )
 
-    def adapter(self, adapter_id: str | None) -> str | None:
-        """A request's adapter: None (the base model) or a mounted one; else a 400."""
-        if adapter_id is None:
-            return None
+    def adapter(self, adapter_id: str | None, model: object = None) -> str | None:
+        """A request's adapter: None (the base model) or a mounted one; else a 400.
+        Without an ``adapter`` field, a ``model`` naming a mounted adapter selects it
+        (as vLLM serves LoRA modules under their own model names)."""
         mounted = [a.id for a in self.engine.adapters()]
+        if adapter_id is None:
+            return model if isinstance(model, str) and model in mounted else None
         if adapter_id not in mounted:
             shown = ", ".join(mounted[:16]) or "none"
             raise APIError(

@@ -168,3 +168,19 @@ def test_adapter_setting_takes_id_path_pairs(monkeypatch):
     for bad in (["nopath"], ["a=/x", "a=/y"], ["bad id=/x"]):
         with pytest.raises(ValidationError):
             Settings(_env_file=None, adapter=bad)
+
+
+def test_a_model_name_that_is_an_adapter_selects_it_and_models_lists_it(base, adapter_dir):
+    assert (
+        httpx.post(base + ADAPTERS, json={"id": "sql", "path": str(adapter_dir)}).status_code == 200
+    )
+    models = httpx.get(base + "/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["fake-model", "sql"]
+    assert models[1]["parent"] == "fake-model" and models[1]["root"] == str(adapter_dir)
+    r = httpx.post(base + "/v1/chat/completions", json={**chat({}), "model": "sql"})
+    assert r.json()["choices"][0]["message"]["content"].startswith("sql-w0")
+    r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "model": "sql"})
+    assert r.json()["choices"][0]["text"].startswith("sql-w0")
+    # any other model name is the base model, as before
+    r = httpx.post(base + "/v1/chat/completions", json={**chat({}), "model": "gpt-4o"})
+    assert r.json()["choices"][0]["message"]["content"].startswith("w0")
