@@ -43,7 +43,7 @@ def _responses(ok: dict[str, Any]) -> dict[int | str, Any]:
     }
 
 
-def _machine(state: AppState, info: ModelInfo) -> MachineFacts:
+def _machine(info: ModelInfo) -> MachineFacts:
     return machine_facts(info.bandwidth_bytes_s, info.device)
 
 
@@ -80,7 +80,7 @@ def _stream_rate(state: AppState, model: str) -> float | None:
 
 def fit_view(state: AppState) -> dict[str, Any]:
     info = state.model_info()
-    machine = _machine(state, info)
+    machine = _machine(info)
     facts: ModelFacts | None
     try:
         facts = dir_facts(Path(info.path))
@@ -150,7 +150,7 @@ def library_entry(facts: ModelFacts, machine: MachineFacts, budget_bytes: int) -
 
 def library_view(state: AppState, library: ModelLibrary) -> dict[str, Any]:
     info = state.model_info()
-    machine = _machine(state, info)
+    machine = _machine(info)
     serving = Path(info.path).resolve()
     data = []
     for found in library.scan():

@@ -146,7 +146,10 @@ class AdapterTag:
     def slots(self) -> list[int]:
         return [self.slot]
 
-    state: list[Any] = []  # nothing for mx.eval
+    @property
+    def state(self) -> list[Any]:
+        return []  # nothing for mx.eval
+
     nbytes = 0
 
     def is_trimmable(self) -> bool:
@@ -159,8 +162,11 @@ class AdapterTag:
 class AdapterTags:
     """The batched form: one slot per row, kept in the batch's row order."""
 
-    state: list[Any] = []
     nbytes = 0
+
+    @property
+    def state(self) -> list[Any]:
+        return []
 
     def __init__(self, slots: list[int]):
         self.slots = list(slots)
