@@ -6,7 +6,7 @@ import logging
 import time
 
 from engine.engine_thread import Booted, EngineConfig
-from scheduler.admission import AdmissionController, MemoryBudget, transient_reserve
+from scheduler.admission import AdmissionController, plan_budget
 from scheduler.contracts import ModelInfo
 
 log = logging.getLogger("kvwarm.engine")
@@ -45,25 +45,20 @@ def boot_mlx(config: EngineConfig) -> Booted:
     cfg = config
     total = cfg.memory_budget_bytes or measured.total_bytes
     prefill_rows = min(cfg.max_batch, 8)
-    reserve = transient_reserve(
+    pc = cfg.prompt_cache
+    budget = plan_budget(
         total,
-        # the runner never prefills more than this per step (16-token floor per row)
-        max(cfg.prefill_step_size, 16 * prefill_rows),
+        loaded.weights_bytes,
+        loaded.layout.bytes_per_token,
         loaded.context_length,
         loaded.num_heads,
-    )
-    pc = cfg.prompt_cache
-    cache_bytes = pc.resolve_bytes(total - loaded.weights_bytes - reserve) if pc else 0
-    budget = MemoryBudget(
-        total_bytes=total,
-        weights_bytes=loaded.weights_bytes,
-        reserve_bytes=reserve,
-        kv_bytes_per_token=loaded.layout.bytes_per_token,
-        source="--memory-budget" if measured is None else measured.source,
-        prompt_cache_bytes=cache_bytes,
-        layout=loaded.layout,
+        # the runner never prefills more than this per step (16-token floor per row)
         prefill_chunk=max(cfg.prefill_step_size, 16 * prefill_rows),
+        source="--memory-budget" if measured is None else measured.source,
+        layout=loaded.layout,
+        prompt_cache=pc.resolve_bytes if pc else None,
     )
+    cache_bytes = budget.prompt_cache_bytes
     prefix_cache = None
     if pc is not None and cache_bytes > 0:
         disk = None

@@ -16,7 +16,7 @@ chunk, concatenations when a row joins) are covered by a separate reserve.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvcache.layout import KV_ALLOCATION_STEP, KVLayout, round_up
@@ -92,6 +92,34 @@ def transient_reserve(
     against a full context (float32), plus a floor for allocator slack."""
     scores = num_heads * prefill_tokens * context_length * 4
     return scores + max(256 * 2**20, total_bytes // 20)
+
+
+def plan_budget(
+    total_bytes: int,
+    weights_bytes: int,
+    kv_bytes_per_token: int,
+    context_length: int,
+    num_heads: int,
+    prefill_chunk: int,
+    source: str = "configured",
+    layout: KVLayout | None = None,
+    prompt_cache: Callable[[int], int] | None = None,
+) -> MemoryBudget:
+    """How a memory budget splits for one model: what engine.boot enforces and
+    what the fit views predict (scheduler.fit), from one rule. ``prompt_cache``
+    sizes the prefix cache from the bytes weights and reserve leave (None: off)."""
+    reserve = transient_reserve(total_bytes, prefill_chunk, context_length, num_heads)
+    cache = prompt_cache(total_bytes - weights_bytes - reserve) if prompt_cache else 0
+    return MemoryBudget(
+        total_bytes=total_bytes,
+        weights_bytes=weights_bytes,
+        reserve_bytes=reserve,
+        kv_bytes_per_token=kv_bytes_per_token,
+        source=source,
+        prompt_cache_bytes=cache,
+        layout=layout,
+        prefill_chunk=prefill_chunk,
+    )
 
 
 class AdmissionError(Exception):

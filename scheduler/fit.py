@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from scheduler.admission import MemoryBudget, transient_reserve
+from kvcache.entries import PromptCacheConfig
+from scheduler.admission import MemoryBudget, plan_budget
 
 GiB = 2**30
 # unified memory sizes Apple ships (GB), for the "which Mac runs it" matrix
@@ -166,16 +167,18 @@ def assess_budget(
 
 
 def budget_for(model: ModelFacts, budget_bytes: int) -> MemoryBudget:
-    """The MemoryBudget admission would build for ``model`` on ``budget_bytes``
-    (engine.boot's rule, with no prompt cache carved out)."""
-    reserve = transient_reserve(budget_bytes, PREFILL_CHUNK, model.context_length, model.num_heads)
-    return MemoryBudget(
-        total_bytes=budget_bytes,
-        weights_bytes=model.weights_bytes,
-        reserve_bytes=reserve,
-        kv_bytes_per_token=max(1, model.kv_bytes_per_token),
+    """The MemoryBudget ``kvwarm serve`` would enforce for ``model`` on
+    ``budget_bytes`` with its defaults (admission.plan_budget, as engine.boot
+    calls it: 512-token prefill chunks, the prompt cache's automatic share)."""
+    return plan_budget(
+        budget_bytes,
+        model.weights_bytes,
+        max(1, model.kv_bytes_per_token),
+        model.context_length,
+        model.num_heads,
+        PREFILL_CHUNK,
         source="fit",
-        prefill_chunk=PREFILL_CHUNK,
+        prompt_cache=PromptCacheConfig().resolve_bytes,
     )
 
 
