@@ -177,13 +177,13 @@ class EngineThread(threading.Thread):
 
         def mount(runner: Runner) -> AdapterInfo:
             info = runner.mount_adapter(adapter_id, path, scale)
-            if not self._recount_adapters(runner):
+            problem = self._adapter_room(runner.adapter_bytes())
+            if problem is not None:
                 runner.unmount_adapter(adapter_id)
-                self._recount_adapters(runner)
                 raise AdapterTooLarge(
-                    f"adapter {adapter_id!r} ({info.size_bytes / 2**20:.1f} MiB) leaves no "
-                    "KV budget for requests; unmount another adapter or raise --memory-budget"
+                    f"adapter {adapter_id!r} ({info.size_bytes / 2**20:.1f} MiB) {problem}"
                 )
+            self._recount_adapters(runner)
             return info
 
         return self.control(mount)
@@ -203,6 +203,27 @@ class EngineThread(threading.Thread):
             return info
 
         return self.control(unmount)
+
+    def _adapter_room(self, adapter_bytes: int) -> str | None:
+        """Why the KV budget left beside ``adapter_bytes`` of adapters cannot hold
+        what admission already promised (running and queued requests); None: it can."""
+        admission = self.scheduler.admission
+        if admission is None:
+            return None
+        budget = replace(admission.budget, adapter_bytes=adapter_bytes)
+        if budget.ceiling_tokens <= 0:
+            return "leaves no KV budget for requests; unmount another or raise --memory-budget"
+        running, waiting = self.scheduler.reservations()
+        if AdmissionController(budget, admission.context_length).footprint(running) > (
+            budget.kv_budget_bytes
+        ):
+            return "does not fit beside the running requests' KV; retry when they finish"
+        if any(r > budget.ceiling_tokens for r in waiting):
+            return (
+                "would leave less KV per request than a queued request was admitted "
+                f"with (ceiling {budget.ceiling_tokens} tokens); retry when the queue drains"
+            )
+        return None
 
     def _recount_adapters(self, runner: Runner) -> bool:
         """Admission counts the mounted adapters' bytes as weights; False: no KV room left."""

@@ -47,7 +47,7 @@ class RowRouting:
 
     def __init__(self) -> None:
         self.slots: tuple[int, ...] = ()
-        self._masks: dict[int, mx.array] = {}
+        self._masks: dict[tuple[int, int, int], mx.array] = {}
 
     def set(self, slots: Sequence[int]) -> None:
         self.slots = tuple(slots)
@@ -61,11 +61,19 @@ class RowRouting:
         first = self.slots[0]
         return first if all(s == first for s in self.slots) else None
 
-    def mask(self, slot: int) -> mx.array:
-        """Rows of ``slot``, shaped to select along the batch axis of (B, L, D)."""
-        if slot not in self._masks:
-            self._masks[slot] = mx.array([s == slot for s in self.slots])[:, None, None]
-        return self._masks[slot]
+    def mask(self, slot: int, shape: tuple[int, ...]) -> mx.array:
+        """Rows of ``slot``, shaped to select along the leading axis of an input of
+        ``shape``: (B, L, D), or (B*L, D) where a layer flattens the batch first
+        (some MoE routers and shared experts); each row's tokens are contiguous."""
+        rows = len(self.slots)
+        if shape[0] % rows:
+            raise ValueError(f"a {shape} input cannot be split into {rows} rows")
+        key = (slot, shape[0], len(shape))
+        if key not in self._masks:
+            per_row = shape[0] // rows
+            flags = [s == slot for s in self.slots for _ in range(per_row)]
+            self._masks[key] = mx.array(flags).reshape((shape[0],) + (1,) * (len(shape) - 1))
+        return self._masks[key]
 
 
 def linear_dims(layer: nn.Module) -> tuple[int, int]:
@@ -128,7 +136,8 @@ class MultiLoRALinear(nn.Module):
         for slot in sorted(set(slots)):
             w = self.adapters.get(slot)
             if w is not None:
-                out = mx.where(self._routing.mask(slot), self._adapted(x, y, w), out)  # type: ignore[attr-defined]
+                rows = self._routing.mask(slot, x.shape)  # type: ignore[attr-defined]
+                out = mx.where(rows, self._adapted(x, y, w), out)
         return out
 
 

@@ -123,6 +123,14 @@ class Scheduler:
         with self._lock:
             return len(self._waiting) + len(self._running)
 
+    def reservations(self) -> tuple[list[int], list[int]]:
+        """KV positions reserved by the running requests, and by the waiting ones."""
+        with self._lock:
+            return (
+                [r.reserved_tokens for r in self._running.values()],
+                [r.reserved_tokens for r in self._waiting],
+            )
+
     def adapter_users(self, adapter_id: str) -> int:
         """Queued and running requests that use ``adapter_id``."""
         with self._lock:

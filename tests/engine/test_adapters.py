@@ -241,3 +241,31 @@ def test_adapter_kv_on_the_ssd_tier_is_found_again_after_a_restart(
     assert run.firsts["t2"].cache.tier == "disk"  # type: ignore[attr-defined]
     assert got == want
     second.close()
+
+
+def test_mixed_rows_route_through_layers_that_flatten_the_batch():
+    """Some MoE blocks flatten (B, L, D) to (B*L, D) before an adapted linear:
+    each row's tokens still get their own adapter."""
+    import mlx.nn as nn
+
+    from engine.lora import LoRAWeights, MultiLoRALinear, RowRouting
+
+    mx.random.seed(0)
+    base = nn.Linear(8, 6)
+    routing = RowRouting()
+    layer = MultiLoRALinear(base, routing)
+    pair = LoRAWeights(mx.random.normal((8, 2)), mx.random.normal((2, 6)), 2.0)
+    layer.adapters[1] = pair
+    x = mx.random.normal((3, 4, 8))  # rows: base, adapter 1, base
+    routing.set([0, 1, 0])
+    batched = layer(x)
+    flat = layer(x.reshape(12, 8)).reshape(3, 4, 6)
+    routing.clear()
+    want_base, want_lora = base(x), base(x) + 2.0 * ((x @ pair.a) @ pair.b)
+    for out in (batched, flat):
+        assert out.shape == (3, 4, 6)
+        assert mx.allclose(out[0], want_base[0]).item() and mx.allclose(out[2], want_base[2]).item()
+        assert mx.allclose(out[1], want_lora[1]).item()
+    routing.set([0, 1])
+    with pytest.raises(ValueError, match="cannot be split into 2 rows"):
+        layer(mx.random.normal((3, 8)))
