@@ -37,8 +37,10 @@ def gather(models: list[str], folders: list[Path]) -> list[ModelFacts | tuple[st
     for m in models:
         try:
             found.append(model_facts(Path(m).expanduser()))
-        except (NotAModel, OSError, ValueError, KeyError) as exc:
+        except NotAModel as exc:
             found.append((m, m, str(exc)))
+        except Exception as exc:  # noqa: BLE001 - a file it cannot read is reported, not fatal
+            found.append((m, m, f"unreadable: {exc}"))
     return found
 
 

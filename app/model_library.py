@@ -59,8 +59,18 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
         (size,) = struct.unpack("<Q", f.read(8))
         if size > 100 * 2**20:
             raise NotAModel(f"{path}: implausible safetensors header ({size} bytes)")
-        header: dict[str, Any] = json.loads(f.read(size))
+        header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+        raise NotAModel(f"{path}: the safetensors header is not an object")
     header.pop("__metadata__", None)
+    for name, info in header.items():
+        if not (
+            isinstance(info, dict)
+            and isinstance(info.get("shape"), list)
+            and isinstance(info.get("data_offsets"), list)
+            and len(info["data_offsets"]) == 2
+        ):
+            raise NotAModel(f"{path}: tensor {name!r} has no shape and offsets")
     return header
 
 
@@ -79,12 +89,16 @@ def dir_facts(
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise NotAModel(f"{path}: no readable config.json ({exc})") from None
+    if not isinstance(config, dict):
+        raise NotAModel(f"{path}: config.json is not an object")
     text = _text_config(config)
     quant = config.get("quantization") or config.get("quantization_config") or {}
     bits = quant.get("bits") if isinstance(quant, dict) else None
     weights = params = expert_params = 0
     act_bytes = 0
-    for file in sorted(path.glob("*.safetensors")):
+    # the files mlx-lm loads (a repo may also ship consolidated.safetensors)
+    files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
+    for file in files:
         for tname, info in _safetensors_header(file).items():
             start, end = info["data_offsets"]
             weights += end - start
@@ -153,56 +167,91 @@ _GGUF_SCALARS = {
 _GGML_BITS = {2: 4, 3: 4, 6: 5, 7: 5, 8: 8, 9: 8, 10: 2, 11: 3, 12: 4, 13: 5, 14: 6, 15: 8}
 
 
-def _read(f: BinaryIO, fmt: str) -> Any:
-    size = struct.calcsize(fmt)
-    data = f.read(size)
-    if len(data) != size:
-        raise NotAModel("truncated GGUF header")
-    return struct.unpack(fmt, data)[0]
+_GGML_MAX_DIMS = 4
+_MAX_NESTING = 2  # an array of arrays at most (llama.cpp writes none deeper)
 
 
-def _gguf_value(f: BinaryIO, vtype: int, keep: bool) -> Any:
-    if vtype in _GGUF_SCALARS:
-        return _read(f, _GGUF_SCALARS[vtype])
-    if vtype == 8:
-        n = _read(f, "<Q")
-        if n > 2**26:
-            raise NotAModel("implausible GGUF string")
-        raw = f.read(n)
-        return raw.decode("utf-8", "replace") if keep else None
-    if vtype == 9:
-        itype, count = _read(f, "<I"), _read(f, "<Q")
-        if itype in _GGUF_SCALARS and itype != 8:
-            f.seek(count * struct.calcsize(_GGUF_SCALARS[itype]), os.SEEK_CUR)  # skip
+class _GGUFHeader:
+    """A bounds-checked reader of a GGUF header: every count is checked against
+    the bytes left in the file before anything is read or allocated for it."""
+
+    def __init__(self, f: BinaryIO, size: int):
+        self.f = f
+        self.size = size
+
+    def left(self) -> int:
+        return self.size - self.f.tell()
+
+    def read(self, fmt: str) -> Any:
+        n = struct.calcsize(fmt)
+        data = self.f.read(n)
+        if len(data) != n:
+            raise NotAModel("truncated GGUF header")
+        return struct.unpack(fmt, data)[0]
+
+    def count(self, min_item_bytes: int, what: str) -> int:
+        n = int(self.read("<Q"))
+        if n * min_item_bytes > self.left():
+            raise NotAModel(f"GGUF {what} count {n} runs past the end of the file")
+        return n
+
+    def value(self, vtype: int, keep: bool, depth: int = 0) -> Any:
+        if vtype in _GGUF_SCALARS:
+            return self.read(_GGUF_SCALARS[vtype])
+        if vtype == 8:
+            raw = self.f.read(self.count(1, "string length"))
+            return raw.decode("utf-8", "replace") if keep else None
+        if vtype == 9:
+            if depth >= _MAX_NESTING:
+                raise NotAModel("GGUF arrays nested too deep")
+            itype = self.read("<I")
+            if itype in _GGUF_SCALARS:
+                width = struct.calcsize(_GGUF_SCALARS[itype])
+                self.f.seek(self.count(width, "array") * width, os.SEEK_CUR)  # skipped
+                return None
+            for _ in range(self.count(8, "array")):  # strings / arrays: 8 bytes at least
+                self.value(itype, False, depth + 1)
             return None
-        for _ in range(count):
-            _gguf_value(f, itype, False)
-        return None
-    raise NotAModel(f"unknown GGUF value type {vtype}")
+        raise NotAModel(f"unknown GGUF value type {vtype}")
+
+
+def _mlx_gguf_bytes(ttype: int, numel: int) -> int:
+    """Bytes a tensor takes once mx.load has read it: Q4_0/Q4_1/Q8_0 stay
+    quantized (with a float16 scale and bias per 32 values), F32 stays float32,
+    every other type (the K-quants included) becomes float16."""
+    if ttype in (2, 3):
+        return numel * 5 // 8
+    if ttype == 8:
+        return numel * 9 // 8
+    return numel * (4 if ttype == 0 else 2)
 
 
 def gguf_facts(path: Path) -> ModelFacts:
     """Facts of a GGUF file, from its key/value header and tensor table."""
     with open(path, "rb") as f:
+        h = _GGUFHeader(f, path.stat().st_size)
         if f.read(4) != b"GGUF":
             raise NotAModel(f"{path}: not a GGUF file")
-        version = _read(f, "<I")
+        version = h.read("<I")
         if version < 2:
             raise NotAModel(f"{path}: GGUF version {version} is too old")
-        n_tensors, n_kv = _read(f, "<Q"), _read(f, "<Q")
+        n_tensors, n_kv = h.count(24, "tensor"), h.count(12, "key/value")
         meta: dict[str, Any] = {}
         for _ in range(n_kv):
-            key = _gguf_value(f, 8, True)
-            meta[key] = _gguf_value(f, _read(f, "<I"), True)
-        params = 0
+            key = h.value(8, True)
+            meta[key] = h.value(h.read("<I"), True)
+        params = gpu_bytes = 0
         by_bits: dict[int, int] = {}  # parameters per nominal bit width (0: float)
         for _ in range(n_tensors):
-            _gguf_value(f, 8, False)
-            dims = [_read(f, "<Q") for _ in range(_read(f, "<I"))]
-            ttype = _read(f, "<I")
-            _read(f, "<Q")  # offset
-            numel = _numel(dims)
+            h.value(8, False)
+            n_dims = h.read("<I")
+            if n_dims > _GGML_MAX_DIMS:
+                raise NotAModel(f"{path}: a tensor of {n_dims} dimensions")
+            numel = _numel(h.read("<Q") for _ in range(n_dims))
+            ttype = h.read("<I")
+            h.read("<Q")  # offset
             params += numel
+            gpu_bytes += _mlx_gguf_bytes(ttype, numel)
             bits = _GGML_BITS.get(ttype, 0)
             by_bits[bits] = by_bits.get(bits, 0) + numel
         quant_bits = max(by_bits, key=lambda b: by_bits[b]) if by_bits else 0
@@ -210,11 +259,13 @@ def gguf_facts(path: Path) -> ModelFacts:
 
     def arch_int(key: str, default: int = 0) -> int:
         value = meta.get(f"{arch}.{key}")
-        return int(value) if isinstance(value, (int, float)) else default
+        if isinstance(value, (int, float)) and 0 <= value < 2**40:
+            return int(value)
+        return default
 
-    heads = arch_int("attention.head_count", 1)
+    heads = arch_int("attention.head_count", 1) or 1
     kv_heads = arch_int("attention.head_count_kv", heads)
-    head_dim = arch_int("attention.key_length", arch_int("embedding_length") // max(1, heads))
+    head_dim = arch_int("attention.key_length", arch_int("embedding_length") // heads)
     layers = arch_int("block_count")
     experts, per_token = arch_int("expert_count"), arch_int("expert_used_count")
     supported = arch in GGUF_ARCHS
@@ -232,6 +283,7 @@ def gguf_facts(path: Path) -> ModelFacts:
         quant_bits=quant_bits or None,
         supported=supported,
         why_unsupported="" if supported else f"GGUF architecture {arch!r} is not converted",
+        gpu_weights_bytes=gpu_bytes,
     )
 
 
@@ -298,7 +350,7 @@ class ModelLibrary:
                         found.append(ModelFacts(**{**facts.__dict__, "name": name}))
                     else:
                         found.append(dir_facts(path, name, types))
-                except (NotAModel, OSError, ValueError, KeyError, struct.error) as exc:
-                    found.append((name, str(path), str(exc)))
+                except Exception as exc:  # noqa: BLE001 - one bad file must not hide the rest
+                    found.append((name, str(path), f"unreadable: {exc}"))
             self._found, self._at = found, time.monotonic()
             return found

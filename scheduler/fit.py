@@ -49,6 +49,9 @@ class ModelFacts:
     vision: bool = False
     supported: bool = True
     why_unsupported: str = ""
+    # a GGUF as mx.load reads it on Metal/CUDA (Q4_0/Q4_1/Q8_0 stay quantized, the
+    # K-quants become float16); 0: not a GGUF
+    gpu_weights_bytes: int = 0
 
     @property
     def active_weight_bytes(self) -> int:
@@ -98,11 +101,14 @@ class Assessment:
 
 
 def as_loaded(model: ModelFacts, device: str) -> ModelFacts:
-    """What the model costs once loaded on ``device``: on the CPU backend a GGUF
+    """What the model costs once loaded on ``device``. On the CPU backend a GGUF
     is dequantised to float32 (engine.loader.prefers_float32: BLAS makes it ~10x
-    faster there than the quantised form), weights and KV at 4 bytes."""
-    if model.kind != "gguf" or "cpu" not in device.lower() or not model.params:
+    faster there than the quantised form), weights and KV at 4 bytes; on Metal and
+    CUDA it costs what mx.load makes of it (K-quants become float16)."""
+    if model.kind != "gguf" or not model.params:
         return model
+    if "cpu" not in device.lower():
+        return replace(model, weights_bytes=model.gpu_weights_bytes or model.weights_bytes)
     return replace(
         model,
         weights_bytes=model.params * 4,
@@ -194,8 +200,9 @@ def assess(model: ModelFacts, budget_bytes: int, bandwidth_bytes_s: float | None
 def apple_matrix(model: ModelFacts) -> list[dict[str, Any]]:
     """Which Macs run it: per unified-memory size, the verdict and the context."""
     rows = []
+    loaded = as_loaded(model, "gpu")  # Metal: a GGUF as mx.load reads it there
     for gb in APPLE_MEMORY_GB:
-        a = assess(model, int(gb * 1e9 * METAL_WORKING_SET), None)
+        a = assess(loaded, int(gb * 1e9 * METAL_WORKING_SET), None)
         rows.append(
             {
                 "memory_gb": gb,

@@ -6,6 +6,7 @@ hand-written safetensors headers and on the real GGUF's header."""
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from pathlib import Path
@@ -203,3 +204,61 @@ def test_the_library_finds_hub_snapshots_and_folders_and_caches_30s(tmp_path):
     assert len(lib.scan()) == len(found) + 1
     with pytest.raises(ValueError):
         model_facts(tmp_path / "nothing-here")
+
+
+@functools.cache
+def _header_bytes() -> bytes:
+    """The real GGUF's key/value header and tensor table (no tensor data)."""
+    with open(smollm_gguf(), "rb") as f:
+        return f.read(4 * 2**20)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_a_corrupt_gguf_header_is_refused_never_crashes(tmp_path_factory, data):
+    from app.model_library import NotAModel
+
+    raw = bytearray(_header_bytes())
+    for _ in range(data.draw(st.integers(1, 8))):
+        pos = data.draw(st.integers(4, min(len(raw) - 8, 2_000_000)))
+        raw[pos : pos + 8] = data.draw(st.binary(min_size=8, max_size=8))
+    cut = data.draw(st.integers(16, len(raw)))
+    path = tmp_path_factory.mktemp("bad") / "bad.gguf"
+    path.write_bytes(bytes(raw[:cut]))
+    try:
+        facts = gguf_facts(path)
+    except NotAModel:
+        return
+    assert facts.params >= 0 and facts.context_length >= 0
+
+
+def test_huge_counts_and_deep_nesting_are_refused_at_once(tmp_path):
+    from app.model_library import NotAModel
+
+    def gguf(*parts: bytes) -> Path:
+        path = tmp_path / "x.gguf"
+        path.write_bytes(b"GGUF" + struct.pack("<I", 3) + b"".join(parts))
+        return path
+
+    key = struct.pack("<Q", 1) + b"k"
+    huge_array = key + struct.pack("<IIQ", 9, 4, 2**62)  # 2^62 uint32 values
+    with pytest.raises(NotAModel, match="past the end"):
+        gguf_facts(gguf(struct.pack("<QQ", 0, 1), huge_array))
+    nested = (
+        key + struct.pack("<IIQ", 9, 9, 1) + struct.pack("<IQ", 9, 1) + struct.pack("<IQ", 4, 1)
+    )
+    with pytest.raises(NotAModel, match="nested"):
+        gguf_facts(gguf(struct.pack("<QQ", 0, 1), nested, b"\0" * 64))
+    with pytest.raises(NotAModel, match="past the end"):
+        gguf_facts(gguf(struct.pack("<QQ", 2**40, 0)))
+
+
+def test_k_quant_ggufs_are_costed_as_float16_on_metal():
+    from app.model_library import _mlx_gguf_bytes
+
+    assert _mlx_gguf_bytes(2, 64) == 40  # Q4_0 stays 4-bit (+ scale and bias per 32)
+    assert _mlx_gguf_bytes(8, 64) == 72  # Q8_0
+    assert _mlx_gguf_bytes(12, 64) == 128  # Q4_K: mx.load gives float16
+    f = gguf_facts(smollm_gguf())  # Q4_1 blocks, Q8_0 embeddings: all stay quantized
+    assert f.gpu_weights_bytes < 0.8 * f.params
+    assert as_loaded(f, "Device(gpu, 0)").weights_bytes == f.gpu_weights_bytes
