@@ -101,6 +101,8 @@ class Outcome:
                 self.error_code,
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
+        if self.error_code == "adapter_not_found":  # unmounted between validation and start
+            return APIError(400, self.error or "", code="adapter_not_found", param="adapter")
         return APIError(500, f"Generation failed: {self.error}", "server_error", "engine_error")
 
     @property

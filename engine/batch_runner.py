@@ -35,7 +35,7 @@ from kvcache.manager import TieredKVManager
 from kvcache.payloads import plain_kv_only
 from kvcache.prompt_key import PromptKey
 from scheduler.admission import round_up
-from scheduler.contracts import AdapterInfo, AdapterInUse, AdapterNotFound
+from scheduler.contracts import AdapterInfo, AdapterInUse
 from scheduler.cost_model import StepShape
 from scheduler.request import CacheReport, FinishReason, Request, RequestOutput, RequestStats
 from scheduler.step_budget import Prefill, SlicePlan, StepBudget
@@ -200,10 +200,7 @@ class BatchRunner:
     def add(self, request: Request) -> RequestOutput:
         params = request.sampling
         rid = request.request_id
-        try:
-            slot = self.adapters.slot(request.adapter)
-        except AdapterNotFound:
-            raise ValueError(f"adapter {request.adapter!r} is not mounted") from None
+        slot = self.adapters.slot(request.adapter)  # AdapterNotFound: unmounted meanwhile
         if request.cache is not None:  # its KV lives in its adapter's namespace
             request.cache = replace(request.cache, adapter=self.adapters.namespace(request.adapter))
         processors = [

@@ -26,6 +26,7 @@ from scheduler.admission import AdmissionController, EngineUnavailable
 from scheduler.contracts import (
     AdapterInfo,
     AdapterInUse,
+    AdapterNotFound,
     AdapterTooLarge,
     EngineStats,
     ModelInfo,
@@ -332,6 +333,11 @@ class EngineThread(threading.Thread):
                     first = runner.add(request)
                     if first is not None:
                         started.append(first)
+                except AdapterNotFound as exc:  # unmounted after the request was validated
+                    scheduler.finish(request.request_id)
+                    failed.append(
+                        RequestOutput.failure(request.request_id, str(exc), "adapter_not_found")
+                    )
                 except Exception as exc:  # one bad request must not take the engine down
                     log.exception("%s: could not start", request.request_id)
                     scheduler.finish(request.request_id)

@@ -21,7 +21,7 @@ from engine.lora import MultiLoRALinear
 from kvcache.index import PromptCacheConfig
 from kvcache.manager import TieredKVManager
 from kvcache.prompt_key import PromptKey
-from scheduler.contracts import AdapterError, AdapterInUse
+from scheduler.contracts import AdapterError, AdapterInUse, AdapterNotFound
 from scheduler.request import CacheHints, Request, SamplingParams
 from tests.helpers.adapters import write_adapter
 
@@ -137,7 +137,7 @@ def test_unmount_restores_the_base_model_and_refuses_while_in_use(tiny_llama_dir
     runner.unmount_adapter("a")
     assert not any(isinstance(m, MultiLoRALinear) for _, m in runner.model.named_modules())
     assert run(runner, [request("r", PROMPTS[0])])["r"] == reference(tiny_llama_dir, PROMPTS[0])
-    with pytest.raises(ValueError, match="not mounted"):
+    with pytest.raises(AdapterNotFound, match="no adapter .a. is mounted"):
         runner.add(request("gone", PROMPTS[0], adapter="a"))
 
 

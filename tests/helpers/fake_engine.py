@@ -111,6 +111,8 @@ class FakeRunner:
         return sum(a.size_bytes for a in self.adapters.values())
 
     def add(self, request: Request) -> RequestOutput | None:
+        if request.adapter is not None and request.adapter not in self.adapters:
+            raise AdapterNotFound(request.adapter)
         pieces = self.script(request) if self.script else None
         report = CacheReport(tier="none" if request.cache is not None else "disabled")
         self._active[request.request_id] = [request, 0, pieces, time.monotonic(), report]

@@ -205,3 +205,18 @@ def test_a_mount_that_would_overcommit_admitted_requests_is_refused(adapter_dir)
                 break
             threading.Event().wait(0.02)
         assert httpx.post(base + ADAPTERS, json=mount).status_code == 200
+
+
+def test_an_adapter_unmounted_between_validation_and_start_is_a_400(adapter_dir):
+    app = make_app(eos_after=3)
+    with serve_app(app) as base:
+        assert (
+            httpx.post(base + ADAPTERS, json={"id": "a", "path": str(adapter_dir)}).status_code
+            == 200
+        )
+        engine = app.state.kvwarm.engine
+        del engine.fake.adapters["a"]  # gone from the engine; the HTTP snapshot still lists it
+        r = httpx.post(base + "/v1/chat/completions", json=chat({"adapter": "a"}))
+        err = assert_error(r, 400, "adapter_not_found")
+        assert "no adapter 'a' is mounted" in err["message"]
+        assert httpx.get(base + "/health").status_code == 200
