@@ -22,9 +22,11 @@ from app.errors import APIError
 from app.openapi_doc import OPENAI_ERROR, errors, json_content, ref
 from app.settings import ADAPTER_ID
 from app.state import AppState
+from engine.adapter_files import read_adapter_files
 from scheduler.admission import EngineUnavailable
 from scheduler.contracts import (
     AdapterError,
+    AdapterExists,
     AdapterInfo,
     AdapterInUse,
     AdapterNotFound,
@@ -77,7 +79,8 @@ WHY = {
     400: "Invalid body, or an adapter that does not fit the model (the message names the "
     "layer and shapes), or one that leaves no memory for requests.",
     404: "No adapter is mounted under this id.",
-    409: "Queued or running requests still use the adapter; unmount it when they finish.",
+    409: "Queued or running requests still use the adapter (unmount it when they finish), "
+    "or another adapter is already mounted under this id.",
 }
 
 
@@ -96,6 +99,8 @@ async def _on_engine(future: Future[AdapterInfo]) -> AdapterInfo:
         raise APIError(404, str(exc), code="adapter_not_found") from exc
     except AdapterInUse as exc:
         raise APIError(409, str(exc), code="adapter_in_use") from exc
+    except AdapterExists as exc:
+        raise APIError(409, str(exc), code="adapter_exists", param="id") from exc
     except AdapterTooLarge as exc:
         raise APIError(400, str(exc), code="adapter_over_budget", param="path") from exc
     except AdapterError as exc:
@@ -119,7 +124,7 @@ async def list_adapters(http: HTTPRequest) -> dict[str, Any]:
             "content": json_content(ref(AdapterMountRequest.__name__)),
         }
     },
-    responses=_responses(ADAPTER, (400,)),
+    responses=_responses(ADAPTER, (400, 409)),
 )
 async def mount(http: HTTPRequest) -> dict[str, Any]:
     state: AppState = http.app.state.kvwarm
@@ -127,7 +132,11 @@ async def mount(http: HTTPRequest) -> dict[str, Any]:
         http,
         lambda raw: parse_body(raw, AdapterMountRequest, state.model_info().context_length),
     )
-    info = await _on_engine(state.engine.mount_adapter(body.id, Path(body.path), body.scale))
+    try:  # file reads and hashing: off the event loop and off the engine thread
+        files = await asyncio.to_thread(read_adapter_files, Path(body.path))
+    except AdapterError as exc:
+        raise APIError(400, str(exc), code="invalid_adapter", param="path") from exc
+    info = await _on_engine(state.engine.mount_adapter(body.id, files, body.scale))
     return info.public()
 
 

@@ -11,12 +11,8 @@ adapter uses any more. Rows pick their slot through ``RowRouting``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,12 +27,17 @@ from engine.lora import (
     dense_weight,
     linear_dims,
 )
-from scheduler.contracts import AdapterError, AdapterInfo, AdapterNotFound
+from scheduler.contracts import (
+    AdapterError,
+    AdapterExists,
+    AdapterFiles,
+    AdapterInfo,
+    AdapterNotFound,
+)
 
 log = logging.getLogger("kvwarm.engine.adapters")
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapters.safetensors"
 _LEAVES = ("lora_a", "lora_b", "m")
+_FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 
 @dataclass
@@ -45,53 +46,22 @@ class _Mounted:
     layers: dict[str, LoRAWeights]  # module path -> its pair
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def _load_weights(files: AdapterFiles) -> dict[str, mx.array]:
+    file = files.weights_file
     try:
-        config = json.loads((path / CONFIG_FILE).read_text())
-    except FileNotFoundError:
-        raise AdapterError(f"{path} has no {CONFIG_FILE} (is it an mlx_lm.lora adapter?)") from None
-    except (OSError, ValueError) as exc:
-        raise AdapterError(f"{path / CONFIG_FILE} is not readable JSON: {exc}") from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"{path / CONFIG_FILE} must hold a JSON object")
-    kind = config.get("fine_tune_type", "lora")
-    if kind not in ("lora", "dora"):
-        raise AdapterError(
-            f"fine_tune_type {kind!r} cannot be mounted: only lora and dora adapters "
-            "(a full fine-tune is a model of its own)"
-        )
-    params = config.get("lora_parameters")
-    if not isinstance(params, dict):
-        raise AdapterError(f"{CONFIG_FILE} has no lora_parameters object")
-    rank, scale = params.get("rank"), params.get("scale")
-    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise AdapterError(f"lora_parameters.rank must be a positive integer, got {rank!r}")
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise AdapterError(f"lora_parameters.scale must be a number, got {scale!r}")
-    return config
-
-
-def _read_weights(path: Path) -> dict[str, mx.array]:
-    file = path / WEIGHTS_FILE
-    if not file.is_file():
-        raise AdapterError(f"{path} has no {WEIGHTS_FILE}")
-    try:
+        now = file.stat()
+        if (now.st_size, now.st_mtime_ns) != (files.weights_size, files.weights_mtime_ns):
+            raise AdapterError(f"{file} changed while it was being mounted; mount it again")
         weights = mx.load(str(file))
+    except OSError as exc:
+        raise AdapterError(f"cannot read {file}: {exc.strerror}") from None
+    except AdapterError:
+        raise
     except Exception as exc:  # noqa: BLE001 - a corrupt file is the client's
         raise AdapterError(f"{file} is not a readable safetensors file: {exc}") from None
     if not isinstance(weights, dict) or not weights:
         raise AdapterError(f"{file} holds no tensors")
     return weights
-
-
-def fingerprint(path: Path) -> str:
-    """The adapter's content (config + weights): what its cached KV is keyed by."""
-    digest = hashlib.sha256()
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        with open(path / name, "rb") as f:
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
-    return digest.hexdigest()[:16]
 
 
 class AdapterSet:
@@ -131,21 +101,12 @@ class AdapterSet:
         return f"lora:{info.id}:{info.fingerprint}:{info.scale:g}"
 
     # -- mounting ---------------------------------------------------------------
-    def mount(self, adapter_id: str, path: Path, scale: float = 1.0) -> AdapterInfo:
+    def mount(self, adapter_id: str, files: AdapterFiles, scale: float = 1.0) -> AdapterInfo:
         """Validate every tensor, then mount (nothing changes if anything is wrong)."""
         if adapter_id in self._mounted:
-            raise AdapterError(f"an adapter {adapter_id!r} is already mounted; unmount it first")
-        path = Path(path).expanduser()
-        try:
-            if not path.is_dir():
-                raise AdapterError(f"adapter path {str(path)[:256]!r} is not a directory")
-            config = _read_config(path)
-            weights = _read_weights(path)
-            content = fingerprint(path)
-        except OSError as exc:  # a name too long, no permission, ...
-            raise AdapterError(
-                f"cannot read the adapter at {str(path)[:256]!r}: {exc.strerror}"
-            ) from None
+            raise AdapterExists(f"an adapter {adapter_id!r} is already mounted; unmount it first")
+        config = files.config
+        weights = _load_weights(files)
         params = config["lora_parameters"]
         effective = float(params["scale"]) * scale
         pairs = self._validate(weights, int(params["rank"]), effective)
@@ -155,21 +116,21 @@ class AdapterSet:
             self._wrapped(module_path).adapters[slot] = pair
         info = AdapterInfo(
             id=adapter_id,
-            path=str(path),
+            path=str(files.path),
             rank=int(params["rank"]),
             scale=scale,
             lora_scale=float(params["scale"]),
             fine_tune_type=config.get("fine_tune_type", "lora"),
             size_bytes=sum(p.nbytes for p in pairs.values()),
             mounted_layers=len(pairs),
-            fingerprint=content,
+            fingerprint=files.fingerprint,
             slot=slot,
         )
         self._mounted[adapter_id] = _Mounted(info, pairs)
         log.info(
             "adapter %s mounted from %s: %s rank %d, scale %g x %g, %d layers, %.1f MiB",
             adapter_id,
-            path,
+            files.path,
             info.fine_tune_type,
             info.rank,
             info.lora_scale,
@@ -231,6 +192,12 @@ class AdapterSet:
                 )
             if "lora_a" not in leaves or "lora_b" not in leaves:
                 raise AdapterError(f"layer {module_path!r} needs both lora_a and lora_b")
+            for leaf, value in leaves.items():
+                if value.dtype not in _FLOATS:
+                    raise AdapterError(
+                        f"layer {module_path!r}: {leaf} is {value.dtype}, not a float "
+                        "(float16, bfloat16 or float32)"
+                    )
             in_dims, out_dims = linear_dims(layer)
             a, b = leaves["lora_a"], leaves["lora_b"]
             if a.shape != (in_dims, rank) or b.shape != (rank, out_dims):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -35,7 +34,7 @@ from kvcache.manager import TieredKVManager
 from kvcache.payloads import plain_kv_only
 from kvcache.prompt_key import PromptKey
 from scheduler.admission import round_up
-from scheduler.contracts import AdapterInfo, AdapterInUse
+from scheduler.contracts import AdapterFiles, AdapterInfo, AdapterInUse
 from scheduler.cost_model import StepShape
 from scheduler.request import CacheReport, FinishReason, Request, RequestOutput, RequestStats
 from scheduler.step_budget import Prefill, SlicePlan, StepBudget
@@ -609,8 +608,10 @@ class BatchRunner:
         rows = [*self._rows.values(), *(w.row for w in self._waiting.values())]
         return sum(1 for r in rows if r.request.adapter == adapter_id)
 
-    def mount_adapter(self, adapter_id: str, path: Path, scale: float = 1.0) -> AdapterInfo:
-        return self.adapters.mount(adapter_id, path, scale)
+    def mount_adapter(
+        self, adapter_id: str, files: AdapterFiles, scale: float = 1.0
+    ) -> AdapterInfo:
+        return self.adapters.mount(adapter_id, files, scale)
 
     def unmount_adapter(self, adapter_id: str) -> AdapterInfo:
         users = self.adapter_users(adapter_id)

@@ -18,12 +18,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
+from engine.adapter_files import read_adapter_files
 from engine.model_source import ModelSource
 from kvcache.index import PromptCacheConfig
 from kvcache.interface import KVCacheDisabled, KVCacheManager
 from kvcache.layout import KVQuant
 from scheduler.admission import AdmissionController, EngineUnavailable
 from scheduler.contracts import (
+    AdapterFiles,
     AdapterInfo,
     AdapterInUse,
     AdapterNotFound,
@@ -173,11 +175,14 @@ class EngineThread(threading.Thread):
     def adapters(self) -> tuple[AdapterInfo, ...]:
         return self._adapters
 
-    def mount_adapter(self, adapter_id: str, path: Path, scale: float = 1.0) -> Future[AdapterInfo]:
-        """Mount a LoRA adapter between two steps; admission then counts its bytes."""
+    def mount_adapter(
+        self, adapter_id: str, files: AdapterFiles, scale: float = 1.0
+    ) -> Future[AdapterInfo]:
+        """Mount an adapter between two steps (its files were read off this thread:
+        engine.adapter_files); admission then counts its bytes."""
 
         def mount(runner: Runner) -> AdapterInfo:
-            info = runner.mount_adapter(adapter_id, path, scale)
+            info = runner.mount_adapter(adapter_id, files, scale)
             problem = self._adapter_room(runner.adapter_bytes())
             if problem is not None:
                 runner.unmount_adapter(adapter_id)
@@ -307,7 +312,7 @@ class EngineThread(threading.Thread):
         self._read_memory = booted.memory
         for adapter_id, path in self.config.adapters:
             try:
-                self._runner.mount_adapter(adapter_id, path)
+                self._runner.mount_adapter(adapter_id, read_adapter_files(path))
             except Exception as exc:
                 raise RuntimeError(f"--adapter {adapter_id}={path}: {exc}") from exc
             if not self._recount_adapters(self._runner):

@@ -68,8 +68,25 @@ class AdapterInUse(RuntimeError):
     would change their model mid-reply."""
 
 
+class AdapterExists(AdapterError):
+    """An adapter is already mounted under that id (409)."""
+
+
 class AdapterTooLarge(AdapterError):
     """Mounting it would leave no KV budget for any request."""
+
+
+@dataclass(frozen=True)
+class AdapterFiles:
+    """An adapter directory read and checked off the engine thread
+    (engine.adapter_files): what the engine is handed to mount."""
+
+    path: Path
+    config: dict[str, Any]  # adapter_config.json, checked
+    weights_file: Path
+    fingerprint: str  # of config + weights: cached KV is keyed by content, not by path
+    weights_size: int  # the weights as hashed: the engine refuses a file changed since
+    weights_mtime_ns: int
 
 
 @dataclass(frozen=True)
@@ -182,7 +199,9 @@ class Runner(Protocol):
         """One step: a prefill slice for joiners, one token for each decoding row."""
         ...
 
-    def mount_adapter(self, adapter_id: str, path: Path, scale: float = 1.0) -> AdapterInfo:
+    def mount_adapter(
+        self, adapter_id: str, files: AdapterFiles, scale: float = 1.0
+    ) -> AdapterInfo:
         """Mount a LoRA adapter (AdapterError: refused, nothing changed)."""
         ...
 
@@ -233,7 +252,7 @@ class EngineHandle(Protocol):
         ...
 
     def mount_adapter(
-        self, adapter_id: str, path: Path, scale: float = 1.0
+        self, adapter_id: str, files: AdapterFiles, scale: float = 1.0
     ) -> Future[AdapterInfo]: ...
 
     def unmount_adapter(self, adapter_id: str) -> Future[AdapterInfo]: ...

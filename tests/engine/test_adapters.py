@@ -16,6 +16,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine.adapter_files import read_adapter_files
 from engine.batch_runner import BatchRunner
 from engine.lora import MultiLoRALinear
 from kvcache.index import PromptCacheConfig
@@ -76,6 +77,11 @@ def make_runner(model_dir, cache: bool = False, max_batch: int = 4) -> BatchRunn
     )
 
 
+def mount(runner: BatchRunner, adapter_id: str, path):
+    """What POST /v1/adapters does: read the files off the engine thread, mount on it."""
+    return runner.mount_adapter(adapter_id, read_adapter_files(path))
+
+
 def request(rid: str, prompt, adapter=None, cache=False) -> Request:
     hints = CacheHints(PromptKey.build(prompt), session_id=rid) if cache else None
     return Request(
@@ -105,7 +111,7 @@ def run(runner: BatchRunner, requests: list[Request]) -> dict[str, list[int]]:
 @pytest.mark.parametrize("name", ["a", "b", "dora"])
 def test_mounted_adapter_gives_mlx_lm_tokens(tiny_llama_dir, adapters, name):
     runner = make_runner(tiny_llama_dir)
-    info = runner.mount_adapter(name, adapters[name])
+    info = mount(runner, name, adapters[name])
     assert info.mounted_layers > 0 and info.size_bytes > 0
     got = run(runner, [request("r", PROMPTS[0], adapter=name)])["r"]
     assert got == reference(tiny_llama_dir, PROMPTS[0], adapters[name])
@@ -115,7 +121,7 @@ def test_mounted_adapter_gives_mlx_lm_tokens(tiny_llama_dir, adapters, name):
 def test_rows_of_different_adapters_decode_together(tiny_llama_dir, adapters):
     runner = make_runner(tiny_llama_dir)
     for name in ("a", "b", "dora"):
-        runner.mount_adapter(name, adapters[name])
+        mount(runner, name, adapters[name])
     plan = [(None, 0), ("a", 0), ("b", 1), ("dora", 1), ("a", 1)]
     reqs = [request(f"r{i}", PROMPTS[p], adapter=a) for i, (a, p) in enumerate(plan)]
     got = run(runner, reqs[:4])
@@ -128,7 +134,7 @@ def test_rows_of_different_adapters_decode_together(tiny_llama_dir, adapters):
 
 def test_unmount_restores_the_base_model_and_refuses_while_in_use(tiny_llama_dir, adapters):
     runner = make_runner(tiny_llama_dir)
-    runner.mount_adapter("a", adapters["a"])
+    mount(runner, "a", adapters["a"])
     runner.add(request("busy", PROMPTS[0], adapter="a"))
     with pytest.raises(AdapterInUse, match="in use by 1"):
         runner.unmount_adapter("a")
@@ -143,8 +149,8 @@ def test_unmount_restores_the_base_model_and_refuses_while_in_use(tiny_llama_dir
 
 def test_no_cache_hit_crosses_adapters(tiny_llama_dir, adapters):
     runner = make_runner(tiny_llama_dir, cache=True)
-    runner.mount_adapter("a", adapters["a"])
-    runner.mount_adapter("b", adapters["b"])
+    mount(runner, "a", adapters["a"])
+    mount(runner, "b", adapters["b"])
     prompt = PROMPTS[1] * 2
     for turn, adapter in enumerate(["a", None, "b", "a", None, "b"]):
         got = run(runner, [request(f"t{turn}", prompt, adapter=adapter, cache=True)])
@@ -158,7 +164,7 @@ def test_no_cache_hit_crosses_adapters(tiny_llama_dir, adapters):
 def _mount_fails(runner, path, match):
     before = [type(m).__name__ for _, m in runner.model.named_modules()]
     with pytest.raises(AdapterError, match=match):
-        runner.mount_adapter("bad", path)
+        mount(runner, "bad", path)
     # all or nothing: no layer was touched, nothing is listed
     assert [type(m).__name__ for _, m in runner.model.named_modules()] == before
     assert runner.adapters.infos() == []
@@ -203,10 +209,18 @@ def test_bad_adapter_dirs_are_refused_whole(tiny_llama_dir, adapters, tmp_path):
     )
     (corrupt / "adapters.safetensors").write_bytes(b"not a safetensors file")
     _mount_fails(runner, corrupt, "not a readable safetensors file")
+    ints = tmp_path / "ints"
+    ints.mkdir()
+    (ints / "adapter_config.json").write_text((adapters["a"] / "adapter_config.json").read_text())
+    tensors = mx.load(str(adapters["a"] / "adapters.safetensors"))
+    mx.save_safetensors(
+        str(ints / "adapters.safetensors"), {k: v.astype(mx.int32) for k, v in tensors.items()}
+    )
+    _mount_fails(runner, ints, r"lora_[ab] is mlx.core.int32, not a float")
     # a good adapter still mounts after all that
-    assert runner.mount_adapter("a", adapters["a"]).id == "a"
+    assert mount(runner, "a", adapters["a"]).id == "a"
     with pytest.raises(AdapterError, match="already mounted"):
-        runner.mount_adapter("a", adapters["b"])
+        mount(runner, "a", adapters["b"])
 
 
 def test_adapter_kv_on_the_ssd_tier_is_found_again_after_a_restart(
@@ -225,8 +239,8 @@ def test_adapter_kv_on_the_ssd_tier_is_found_again_after_a_restart(
             make_prompt_cache(runner.model),
             DiskConfig(tmp_path, 2**30),
         )
-        runner.mount_adapter("a", adapters["a"])
-        runner.mount_adapter("b", adapters["b"])
+        mount(runner, "a", adapters["a"])
+        mount(runner, "b", adapters["b"])
         return runner
 
     prompt = PROMPTS[1] * 2

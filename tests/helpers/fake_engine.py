@@ -12,7 +12,8 @@ from engine.engine_thread import Booted, EngineConfig, EngineThread
 from kvcache.prompt_key import PromptKey, RenderedPrompt
 from scheduler.admission import AdmissionController, MemoryBudget
 from scheduler.contracts import (
-    AdapterError,
+    AdapterExists,
+    AdapterFiles,
     AdapterInfo,
     AdapterInUse,
     AdapterNotFound,
@@ -84,16 +85,15 @@ class FakeRunner:
 
     # adapters: any directory with an adapter_config.json "fits"; rows of an
     # adapter write "<id>-w0 <id>-w1 ..." so tests see which adapter ran
-    def mount_adapter(self, adapter_id: str, path: Path, scale: float = 1.0) -> AdapterInfo:
+    def mount_adapter(
+        self, adapter_id: str, files: AdapterFiles, scale: float = 1.0
+    ) -> AdapterInfo:
         if adapter_id in self.adapters:
-            raise AdapterError(f"an adapter {adapter_id!r} is already mounted")
-        try:
-            found = (Path(path) / "adapter_config.json").is_file()
-        except OSError as exc:
-            raise AdapterError(f"cannot read the adapter: {exc.strerror}") from None
-        if not found:
-            raise AdapterError("the directory has no adapter_config.json")
-        info = AdapterInfo(adapter_id, str(path), 8, scale, 20.0, "lora", 4096, 4, "f" * 16, 1)
+            raise AdapterExists(f"an adapter {adapter_id!r} is already mounted")
+        rank = files.config["lora_parameters"]["rank"]
+        info = AdapterInfo(
+            adapter_id, str(files.path), rank, scale, 20.0, "lora", 4096, 4, files.fingerprint, 1
+        )
         self.adapters[adapter_id] = info
         return info
 

@@ -5,6 +5,7 @@ sees which adapter a request really ran with."""
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 
@@ -20,7 +21,10 @@ ADAPTERS = "/v1/adapters"
 
 @pytest.fixture()
 def adapter_dir(tmp_path):
-    (tmp_path / "adapter_config.json").write_text("{}")
+    """The files an mlx_lm.lora adapter has (the fake engine loads no weights)."""
+    config = {"fine_tune_type": "lora", "lora_parameters": {"rank": 8, "scale": 20.0}}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    (tmp_path / "adapters.safetensors").write_bytes(b"weights")
     return tmp_path
 
 
@@ -114,8 +118,8 @@ def test_mount_errors(base, adapter_dir, tmp_path_factory):
     assert (
         httpx.post(base + ADAPTERS, json={"id": "a", "path": str(adapter_dir)}).status_code == 200
     )
-    err = assert_error(httpx.post(base + ADAPTERS, json={"id": "a", "path": str(adapter_dir)}), 400)
-    assert "already mounted" in err["message"]
+    err = assert_error(httpx.post(base + ADAPTERS, json={"id": "a", "path": str(adapter_dir)}), 409)
+    assert err["code"] == "adapter_exists" and "already mounted" in err["message"]
     assert_error(httpx.delete(base + ADAPTERS + "/unknown"), 404, "adapter_not_found")
 
 
