@@ -42,6 +42,10 @@ def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
     return value
 
 
+def architecture(meta: dict[str, Any]) -> str:
+    return str(meta.get("general.architecture"))
+
+
 def _rename(name: str, arch: GGUFArch) -> str:
     base, _, suffix = name.rpartition(".")  # suffix: weight / bias / scales / biases
     match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
@@ -58,7 +62,7 @@ def _rename(name: str, arch: GGUFArch) -> str:
 def model_config(meta: dict[str, Any], weights: dict[str, mx.array]) -> dict[str, Any]:
     """config.json for mlx-lm: the shared keys through transformers' table, then
     what this architecture's model class needs."""
-    name = str(meta.get("general.architecture"))
+    name = architecture(meta)
     arch = arch_of(name)
 
     def value(key: str, default: Any) -> Any:
@@ -102,7 +106,7 @@ def _tokenizer_files(meta: dict[str, Any], context_length: int) -> dict[str, Any
         convert_gguf_tokenizer,
     )
 
-    arch = str(meta.get("general.architecture"))
+    arch = architecture(meta)
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     fields = {
         name: _scalar(meta, f"tokenizer.{key}")
@@ -209,10 +213,6 @@ def _convert_weights(
     return out, quant
 
 
-def config_arch(meta: dict[str, Any]) -> str:
-    return str(meta.get("general.architecture"))
-
-
 def cache_root() -> Path:
     if env := os.environ.get("KVWARM_CACHE_DIR"):
         return Path(env)
@@ -294,7 +294,7 @@ def convert_gguf(
         raise UnsupportedModelError(f"cannot read GGUF file {gguf}: {exc}") from exc
     config = model_config(meta, weights)
     files = _tokenizer_files(meta, config["max_position_embeddings"])
-    converted, quant = _convert_weights(weights, dequantize, arch_of(config_arch(meta)))
+    converted, quant = _convert_weights(weights, dequantize, arch_of(architecture(meta)))
     if quant:
         config["quantization"] = quant
     target.parent.mkdir(parents=True, exist_ok=True)
