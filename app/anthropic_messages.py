@@ -233,7 +233,7 @@ async def messages(http: HTTPRequest):
         "id": f"msg_{uuid.uuid4().hex[:24]}",
         "type": "message",
         "role": "assistant",
-        "model": state.model_info().model_id,
+        "model": gen.model_name,
     }
     if body.stream:
         if not await gen.start(http):

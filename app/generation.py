@@ -149,6 +149,13 @@ class Generation:
         self._closed = False
 
     @property
+    def model_name(self) -> str:
+        """What responses name as the model: the adapter a request ran with (as
+        vLLM names its LoRA modules), else the loaded model."""
+        adapter = self.prepared.request.adapter
+        return adapter or self.state.model_info().model_id
+
+    @property
     def request_id(self) -> str:
         return self.prepared.request.request_id
 

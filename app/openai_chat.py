@@ -97,7 +97,7 @@ async def chat_completions(http: HTTPRequest):
     meta = {
         "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
         "created": int(time.time()),
-        "model": state.model_info().model_id,
+        "model": gen.model_name,
     }
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

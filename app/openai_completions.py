@@ -95,7 +95,7 @@ async def completions(http: HTTPRequest):
         "id": f"cmpl-{uuid.uuid4().hex[:24]}",
         "object": "text_completion",
         "created": int(time.time()),
-        "model": state.model_info().model_id,
+        "model": gen.model_name,
     }
     echo = body.prompt_value if body.echo and isinstance(body.prompt_value, str) else ""
     if body.stream:

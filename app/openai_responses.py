@@ -269,9 +269,7 @@ async def create_response(http: HTTPRequest):
         lambda: _prepare_call(body, history, state, headers)
     )
     gen = Generation(state, prepared, "responses", headers)
-    response = _response(
-        body, _new_id("resp"), int(time.time()), state.model_info().model_id, "in_progress"
-    )
+    response = _response(body, _new_id("resp"), int(time.time()), gen.model_name, "in_progress")
 
     def store(items: _Items) -> None:
         if body.store and not gen.outcome.failed:

@@ -183,11 +183,22 @@ def test_a_model_name_that_is_an_adapter_selects_it_and_models_lists_it(base, ad
     assert models[1]["parent"] == "fake-model" and models[1]["root"] == str(adapter_dir)
     r = httpx.post(base + "/v1/chat/completions", json={**chat({}), "model": "sql"})
     assert r.json()["choices"][0]["message"]["content"].startswith("sql-w0")
+    assert r.json()["model"] == "sql"  # named after the adapter it ran with, as vLLM does
+    m = httpx.post(
+        base + "/v1/messages",
+        json={"max_tokens": 3, "messages": [{"role": "user", "content": "x"}], "adapter": "sql"},
+    )
+    assert m.json()["model"] == "sql"
+    assert (
+        httpx.post(base + "/v1/responses", json={"input": "x", "model": "sql"}).json()["model"]
+        == "sql"
+    )
     r = httpx.post(base + "/v1/completions", json={"prompt": "hi", "model": "sql"})
     assert r.json()["choices"][0]["text"].startswith("sql-w0")
     # any other model name is the base model, as before
     r = httpx.post(base + "/v1/chat/completions", json={**chat({}), "model": "gpt-4o"})
     assert r.json()["choices"][0]["message"]["content"].startswith("w0")
+    assert r.json()["model"] == "fake-model"
 
 
 def test_a_mount_that_would_overcommit_admitted_requests_is_refused(adapter_dir):
