@@ -63,14 +63,14 @@ def measured_decode(report: StepReport | None, context: int) -> float | None:
 
 def _stream_rate(state: AppState, model: str) -> float | None:
     """Generated tokens per second of decode, per stream, over this server's requests."""
-    r = state.obs.metrics.registry
+    metrics = state.obs.metrics
+    r = metrics.registry
     seconds = r.get_sample_value("kvwarm:request_decode_time_seconds_sum", {"model_name": model})
     count = r.get_sample_value("kvwarm:request_decode_time_seconds_count", {"model_name": model})
-    tokens = sum(
+    tokens = sum(  # every adapter's series of this one counter
         s.value
-        for metric in r.collect()
-        if metric.name == "kvwarm:generation_tokens"
-        for s in metric.samples
+        for family in metrics.generation_tokens.collect()
+        for s in family.samples
         if s.name.endswith("_total") and s.labels.get("model_name") == model
     )
     if not seconds or not count or tokens <= count:

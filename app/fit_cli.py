@@ -14,8 +14,8 @@ from typing import Any
 
 from app.fit_api import library_entry
 from app.machine import machine_facts
-from app.model_library import ModelLibrary, NotAModel, model_facts
-from scheduler.fit import ModelFacts, apple_matrix
+from app.model_library import Found, ModelLibrary, read_entry
+from scheduler.fit import apple_matrix
 
 
 def _size(nbytes: float) -> str:
@@ -30,18 +30,10 @@ def _params(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 
 
-def gather(models: list[str], folders: list[Path]) -> list[ModelFacts | tuple[str, str, str]]:
+def gather(models: list[str], folders: list[Path]) -> list[Found]:
     if not models:
         return ModelLibrary(folders).scan()
-    found: list[ModelFacts | tuple[str, str, str]] = []
-    for m in models:
-        try:
-            found.append(model_facts(Path(m).expanduser()))
-        except NotAModel as exc:
-            found.append((m, m, str(exc)))
-        except Exception as exc:  # noqa: BLE001 - a file it cannot read is reported, not fatal
-            found.append((m, m, f"unreadable: {exc}"))
-    return found
+    return [read_entry(Path(m).expanduser()) for m in models]
 
 
 def table(entries: list[dict[str, Any]]) -> str:

@@ -17,6 +17,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -287,13 +288,31 @@ def gguf_facts(path: Path) -> ModelFacts:
     )
 
 
-def model_facts(path: Path) -> ModelFacts:
-    """A model directory or a .gguf file."""
+def model_facts(
+    path: Path, name: str | None = None, mlx_types: frozenset[str] | None = None
+) -> ModelFacts:
+    """A model directory or a .gguf file (``name``: how to list it; default its file name)."""
     if path.is_file() and path.suffix == ".gguf":
-        return gguf_facts(path)
+        facts = gguf_facts(path)
+        return replace(facts, name=name) if name else facts
     if path.is_dir():
-        return dir_facts(path)
+        return dir_facts(path, name, mlx_types)
     raise NotAModel(f"{path}: neither a model directory nor a .gguf file")
+
+
+Found = ModelFacts | tuple[str, str, str]  # facts, or (name, path, why it could not be read)
+
+
+def read_entry(
+    path: Path, name: str | None = None, mlx_types: frozenset[str] | None = None
+) -> Found:
+    """``model_facts``, or why not: one unreadable model is reported, never fatal."""
+    try:
+        return model_facts(path, name, mlx_types)
+    except NotAModel as exc:
+        return (name or str(path), str(path), str(exc))
+    except Exception as exc:  # noqa: BLE001 - a crafted or broken file must not hide the rest
+        return (name or str(path), str(path), f"unreadable: {exc}")
 
 
 def hub_roots() -> list[Path]:
@@ -329,14 +348,14 @@ class ModelLibrary:
         self.hub = hub_roots() if hub is None else hub
         self._lock = threading.Lock()
         self._at = -CACHE_S
-        self._found: list[ModelFacts | tuple[str, str, str]] = []
+        self._found: list[Found] = []
 
-    def scan(self) -> list[ModelFacts | tuple[str, str, str]]:
+    def scan(self) -> list[Found]:
         """ModelFacts per model; (name, path, why) for what could not be read."""
         with self._lock:
             if time.monotonic() - self._at < CACHE_S:
                 return self._found
-            found: list[ModelFacts | tuple[str, str, str]] = []
+            found: list[Found] = []
             types = _mlx_lm_types()
             seen: set[str] = set()
             for name, path in _candidates(self.hub, self.folders):
@@ -344,13 +363,6 @@ class ModelLibrary:
                 if key in seen:
                     continue
                 seen.add(key)
-                try:
-                    if path.suffix == ".gguf":
-                        facts = gguf_facts(path)
-                        found.append(ModelFacts(**{**facts.__dict__, "name": name}))
-                    else:
-                        found.append(dir_facts(path, name, types))
-                except Exception as exc:  # noqa: BLE001 - one bad file must not hide the rest
-                    found.append((name, str(path), f"unreadable: {exc}"))
+                found.append(read_entry(path, name, types))
             self._found, self._at = found, time.monotonic()
             return found

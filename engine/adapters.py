@@ -74,9 +74,6 @@ class AdapterSet:
         self._mounted: dict[str, _Mounted] = {}
         self._next_slot = BASE + 1  # never reused: a stale slot can never mean another adapter
 
-    def __contains__(self, adapter_id: str) -> bool:
-        return adapter_id in self._mounted
-
     def infos(self) -> list[AdapterInfo]:
         return [m.info for m in self._mounted.values()]
 
@@ -109,11 +106,19 @@ class AdapterSet:
         weights = _load_weights(files)
         params = config["lora_parameters"]
         effective = float(params["scale"]) * scale
-        pairs = self._validate(weights, int(params["rank"]), effective)
+        modules = dict(self.model.named_modules())
+        pairs = self._validate(modules, weights, int(params["rank"]), effective)
         slot = self._next_slot
         self._next_slot += 1
+        wrap = []  # layers no adapter used yet: wrapped in one module update
         for module_path, pair in pairs.items():
-            self._wrapped(module_path).adapters[slot] = pair
+            layer = modules[module_path]
+            if not isinstance(layer, MultiLoRALinear):
+                layer = MultiLoRALinear(layer, self.routing)
+                wrap.append((module_path, layer))
+            layer.adapters[slot] = pair
+        if wrap:
+            self.model.update_modules(tree_unflatten(wrap))
         info = AdapterInfo(
             id=adapter_id,
             path=str(files.path),
@@ -156,19 +161,11 @@ class AdapterSet:
         log.info("adapter %s unmounted", adapter_id)
         return mounted.info
 
-    def _wrapped(self, module_path: str) -> MultiLoRALinear:
-        layer = dict(self.model.named_modules())[module_path]
-        if isinstance(layer, MultiLoRALinear):
-            return layer
-        wrapper = MultiLoRALinear(layer, self.routing)
-        self.model.update_modules(tree_unflatten([(module_path, wrapper)]))
-        return wrapper
-
+    @staticmethod
     def _validate(
-        self, weights: dict[str, mx.array], rank: int, scale: float
+        modules: dict[str, nn.Module], weights: dict[str, mx.array], rank: int, scale: float
     ) -> dict[str, LoRAWeights]:
-        """Every tensor against the model; the first problem is a 400 naming it."""
-        modules = dict(self.model.named_modules())
+        """Every tensor against the model's ``modules``; the first problem is a 400 naming it."""
         grouped: dict[str, dict[str, mx.array]] = {}
         for name, value in weights.items():
             module_path, _, leaf = name.rpartition(".")

@@ -231,17 +231,16 @@ class EngineThread(threading.Thread):
             )
         return None
 
-    def _recount_adapters(self, runner: Runner) -> bool:
-        """Admission counts the mounted adapters' bytes as weights; False: no KV room left."""
+    def _recount_adapters(self, runner: Runner) -> None:
+        """Admission counts the mounted adapters' bytes as weights (after _adapter_room)."""
         self._adapters = tuple(runner.adapter_infos())
         admission = self.scheduler.admission
         info = self._model_info
         if admission is None or info is None:
-            return True
+            return
         budget = replace(admission.budget, adapter_bytes=runner.adapter_bytes())
         admission.budget = budget
         self._model_info = replace(info, budget=budget)
-        return budget.ceiling_tokens > 0
 
     def _run_controls(self) -> None:
         while True:
@@ -315,8 +314,10 @@ class EngineThread(threading.Thread):
                 self._runner.mount_adapter(adapter_id, read_adapter_files(path))
             except Exception as exc:
                 raise RuntimeError(f"--adapter {adapter_id}={path}: {exc}") from exc
-            if not self._recount_adapters(self._runner):
-                raise RuntimeError(f"--adapter {adapter_id}: no KV budget left beside it")
+            problem = self._adapter_room(self._runner.adapter_bytes())
+            if problem is not None:
+                raise RuntimeError(f"--adapter {adapter_id}: {problem}")
+            self._recount_adapters(self._runner)
         self._sample_memory()
         self._ready.set()
 
