@@ -144,6 +144,9 @@ class BatchRunner:
         self.model = model
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
+        # a step fault nobody owned is recovered from by re-running rows alone; a
+        # sharded model cannot (the other ranks would have to probe the same rows)
+        self.recoverable = True
         # whether every layer can be cut back to any depth (sliding windows and
         # recurrent states cannot once filled): entries then hit only whole
         self._trimmable = plain_kv_only(make_prompt_cache(model))
@@ -413,17 +416,25 @@ class BatchRunner:
         self.faults.clear()
         return failed
 
-    def step(self) -> list[RequestOutput]:
+    def plan_step(self) -> SlicePlan:
+        """What the next step will prefill (the step budget's choice): a
+        distributed group's serving rank sends it to the others (engine.lockstep)."""
+        return self._plan()
+
+    def step(self, plan: SlicePlan | None = None) -> list[RequestOutput]:
         """One decode step for running rows plus one prefill slice for joiners,
-        the slice sized by the step budget."""
+        the slice sized by the step budget (or ``plan``, decided elsewhere)."""
         started = time.perf_counter()
-        plan = self._plan()
+        if plan is None:
+            plan = self._plan()
         outputs: list[RequestOutput] = []
         self._start_waiting(plan, outputs)
         self._generator.prefill_step_size = plan.slice_tokens
         try:
             prompt_responses, responses = self._generator.next()
         except Exception as exc:  # noqa: BLE001 - nobody owned it: find out who
+            if not self.recoverable:
+                raise EngineFault(f"engine step failed: {type(exc).__name__}: {exc}") from exc
             return outputs + self._recover(exc)
         ran = time.perf_counter() - started
         self._recovering = 0

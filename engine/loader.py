@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,12 +139,19 @@ def _num_heads(model: Any, config: dict[str, Any]) -> int:
     return int(heads or 1)
 
 
-def load_model(source: ModelSource) -> LoadedModel:
+def load_model(source: ModelSource, shard: Callable[[Any], object] | None = None) -> LoadedModel:
+    """Load with mlx-lm; ``shard`` (distributed) splits the still-lazy model first,
+    so a rank only ever reads its own part of the weights."""
     model_dir = prepare_model_dir(source)
     try:
-        model, tokenizer, config = mlx_lm_load(str(model_dir), return_config=True)
+        model, tokenizer, config = mlx_lm_load(
+            str(model_dir), return_config=True, lazy=shard is not None
+        )
     except (ValueError, FileNotFoundError, KeyError) as exc:
         raise UnsupportedModelError(f"mlx-lm cannot load {model_dir}: {exc}") from exc
+    if shard is not None:
+        shard(model)
+        mx.eval(model.parameters())
     weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
     layout = probe_layout(model)
     return LoadedModel(

@@ -23,8 +23,10 @@ class ConversationNotFound(LookupError):
 class KVCacheDisabled(Exception):
     """The prefix cache is off (--prompt-cache-bytes 0): there is no KV to save or load."""
 
-    def __init__(self) -> None:
-        super().__init__("the prefix cache is off (--prompt-cache-bytes 0): no KV is kept")
+    def __init__(
+        self, message: str = "the prefix cache is off (--prompt-cache-bytes 0): no KV is kept"
+    ) -> None:
+        super().__init__(message)
 
 
 class StorageFull(Exception):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -69,6 +69,7 @@ class TieredKVManager:
         template: Sequence[Any],
         disk: DiskConfig | None = None,
         quant: KVQuant | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.config = config
         self.namespace = namespace
@@ -100,6 +101,7 @@ class TieredKVManager:
             listener=self,
             disk_bytes=disk_bytes,
             eviction=config.eviction,
+            clock=clock,  # a distributed group's ranks share the serving rank's
         )
         self.sessions = SessionStore()
         if self.disk is not None:
