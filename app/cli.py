@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from dataclasses import replace
 from typing import Any
 
 from pydantic import ByteSize, ValidationError
@@ -53,6 +54,15 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "shutdown_timeout": {"type": float, "metavar": "SECONDS"},
     "allowed_hosts": {"metavar": "HOSTS"},
     "cors_origins": {"metavar": "ORIGINS"},
+    "distributed": {"action": "store_true"},
+    "distributed_mode": {"choices": ["auto", "tensor", "pipeline"]},
+    "distributed_server_rank": {"type": int, "metavar": "RANK"},
+    "distributed_backend": {"choices": ["any", "ring", "jaccl", "mpi"]},
+    "distributed_rank": {"type": int, "metavar": "RANK"},
+    "distributed_world_size": {"type": int, "metavar": "N"},
+    "distributed_hosts": {"metavar": "HOSTS"},
+    "distributed_port": {"type": int, "metavar": "PORT"},
+    "rank_timeout": {"type": float, "metavar": "SECONDS"},
 }
 
 
@@ -164,13 +174,18 @@ def cmd_serve(settings: Settings) -> int:
 
     from app.lifecycle import GracefulServer
     from app.server import create_app
+    from engine.distributed_config import share_cpu_threads
     from engine.engine_thread import EngineConfig, EngineThread
     from engine.model_errors import UnsupportedModelError
 
+    dist = settings.distributed_config
+    shared = share_cpu_threads(dist) if dist is not None else None  # before BLAS loads
     try:
         blas, source = _prepare_runtime(settings)
     except UnsupportedModelError as exc:
         return _fail(str(exc))
+    if shared:
+        log.info("distributed: %s", shared)
 
     config = EngineConfig(
         source=source,
@@ -186,6 +201,24 @@ def cmd_serve(settings: Settings) -> int:
         kv_tier=settings.kv_tier,
         adapters=settings.adapters,
     )
+    if dist is not None:
+        if settings.adapters:
+            return _fail("--adapter is not available on a distributed group")
+        from engine.distributed import RankGroup
+
+        try:
+            group = RankGroup.join(dist)
+        except (ValueError, RuntimeError) as exc:
+            return _fail(f"cannot join the distributed group: {exc}")
+        config = replace(config, distributed=dist, group=group)
+        if not group.serving:
+            from engine.rank_worker import run_worker
+
+            try:
+                return run_worker(config)
+            except Exception as exc:  # noqa: BLE001 - said once, then a non-zero exit
+                log.error("rank %d could not start: %s", group.rank, exc)
+                return 1
     server: GracefulServer | None = None
     load_failure: list[str] = []
 

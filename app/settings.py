@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Literal
@@ -9,6 +10,7 @@ from typing import Annotated, Literal
 from pydantic import ByteSize, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from engine.distributed_config import DistributedConfig, launched
 from kvcache.eviction import EVICTION_POLICIES
 from kvcache.index import PromptCacheConfig, VolatilePolicy
 from kvcache.layout import KVQuant
@@ -190,6 +192,45 @@ class Settings(BaseSettings):
         "reasoning_content / thinking blocks); the model still thinks",
     )
 
+    distributed: bool = Field(
+        False,
+        description="join a distributed group without mlx.launch (ring backend): this "
+        "process is --distributed-rank of --distributed-world-size, ranks at "
+        "--distributed-hosts; under mlx.launch the launcher says all of this",
+    )
+    distributed_mode: Literal["auto", "tensor", "pipeline"] = Field(
+        "auto",
+        description="how the model splits over the ranks: tensor (every layer, head counts "
+        "divisible by the ranks), pipeline (consecutive layers per rank), auto (tensor "
+        "where the model allows it)",
+    )
+    distributed_server_rank: int = Field(
+        0, ge=0, description="the rank that serves HTTP and decides every step"
+    )
+    distributed_backend: Literal["any", "ring", "jaccl", "mpi"] = Field(
+        "any", description="mlx.distributed backend (with --distributed: ring)"
+    )
+    distributed_rank: int | None = Field(
+        None, ge=0, description="this process's rank (with --distributed; env RANK works too)"
+    )
+    distributed_world_size: int | None = Field(
+        None, ge=2, description="how many ranks (with --distributed; env WORLD_SIZE works too)"
+    )
+    distributed_hosts: str | None = Field(
+        None,
+        description="each rank's address, comma-separated in rank order (with "
+        "--distributed; one address: every rank on it)",
+    )
+    distributed_port: int = Field(
+        32323, ge=1, le=65000, description="ring port of rank 0; rank r listens on port + r"
+    )
+    rank_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="seconds without a rank's heartbeat before the group counts as broken: "
+        "/health turns 503, open requests fail and the process exits non-zero",
+    )
+
     @field_validator("adapter", "model_dir", mode="before")
     @classmethod
     def _adapter_list(cls, value: object) -> object:
@@ -322,3 +363,27 @@ class Settings(BaseSettings):
     @property
     def cors_allowlist(self) -> list[str]:
         return [o.strip() for o in (self.cors_origins or "").split(",") if o.strip()]
+
+    @property
+    def distributed_config(self) -> DistributedConfig | None:
+        """How this process joins a group; None: it serves alone."""
+        if not (self.distributed or launched()):
+            return None
+        return DistributedConfig(
+            mode=self.distributed_mode,
+            server_rank=self.distributed_server_rank,
+            backend="ring" if self.distributed and not launched() else self.distributed_backend,
+            rank_timeout_s=self.rank_timeout,
+            rank=_env_int("RANK") if self.distributed_rank is None else self.distributed_rank,
+            world_size=_env_int("WORLD_SIZE")
+            if self.distributed_world_size is None
+            else self.distributed_world_size,
+            hosts=tuple(h.strip() for h in (self.distributed_hosts or "").split(",") if h.strip()),
+            port=self.distributed_port,
+        )
+
+
+def _env_int(name: str) -> int | None:
+    """The Kamiwaza seed's plain RANK / WORLD_SIZE variables, when set."""
+    value = os.environ.get(name, "").strip()
+    return int(value) if value.isdigit() else None

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from engine.engine_thread import Booted, EngineConfig
 from scheduler.admission import AdmissionController, plan_budget
-from scheduler.contracts import ModelInfo
+from scheduler.contracts import ModelInfo, Runner
+
+if TYPE_CHECKING:
+    from engine.group_boot import GroupBoot
 
 log = logging.getLogger("kvwarm.engine")
 # --max-step-ms auto: a step's time budget by backend. On a CPU a decode step at
@@ -31,7 +35,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
 
     from engine.batch_runner import BatchRunner
     from engine.device_memory import auto_budget, measure_bandwidth
-    from engine.loader import kv_namespace, load_model
+    from engine.loader import kv_namespace, load_model, model_fingerprint, prepare_model_dir
     from engine.prompt_format import ChatFormatter
     from engine.text_syntax import probe_syntax
     from kvcache.disk_budget import resolve_disk_bytes
@@ -41,7 +45,10 @@ def boot_mlx(config: EngineConfig) -> Booted:
     measured = auto_budget() if config.memory_budget_bytes is None else None
     started = time.monotonic()
     log.info("loading model %s (%s) on %s", config.source.path, config.source.kind, device)
-    loaded = load_model(config.source)
+    ranks = _group_boot(config)
+    if ranks is not None:
+        ranks.check_same(model_fingerprint(prepare_model_dir(config.source)), _shared(config))
+    loaded = load_model(config.source, shard=ranks.shard if ranks is not None else None)
     cfg = config
     total = cfg.memory_budget_bytes or measured.total_bytes
     prefill_rows = min(cfg.max_batch, 8)
@@ -59,10 +66,14 @@ def boot_mlx(config: EngineConfig) -> Booted:
         prompt_cache=pc.resolve_bytes if pc else None,
     )
     cache_bytes = budget.prompt_cache_bytes
+    if ranks is not None:
+        budget, cache_bytes = ranks.tightest(budget)
     prefix_cache = None
     if pc is not None and cache_bytes > 0:
         disk = None
-        if cfg.kv_dir is not None and cfg.kv_disk_bytes != 0:
+        if ranks is not None:
+            log.info("KV SSD tier off on a distributed group: each rank keeps its shard in RAM")
+        elif cfg.kv_dir is not None and cfg.kv_disk_bytes != 0:
             disk_bytes = resolve_disk_bytes(cfg.kv_dir, cfg.kv_disk_bytes)
             disk = DiskConfig(cfg.kv_dir, disk_bytes, kind=cfg.kv_tier) if disk_bytes > 0 else None
         prefix_cache = TieredKVManager(
@@ -72,6 +83,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
             make_prompt_cache(loaded.model),
             disk,
             cfg.kv_quant,
+            clock=ranks.clock if ranks is not None else time.monotonic,
         )
     runner = BatchRunner(
         loaded.model,
@@ -82,6 +94,8 @@ def boot_mlx(config: EngineConfig) -> Booted:
         prefix_cache=prefix_cache,
         max_step_s=step_budget_ms(cfg.max_step_ms, device) / 1e3,
     )
+    if ranks is not None:
+        ranks.same_randomness()
     bandwidth = measure_bandwidth()  # for /fit's predicted decode rate
     info = ModelInfo(
         model_id=loaded.model_id,
@@ -157,7 +171,45 @@ def boot_mlx(config: EngineConfig) -> Booted:
             f"{loaded.weights_bytes / 2**20:.0f} MiB of weights and "
             f"{budget.reserve_bytes / 2**20:.0f} MiB reserve"
         )
-    return Booted(runner, info, AdmissionController(budget, loaded.context_length), read_allocator)
+    engine_runner: Runner = runner
+    monitor = None
+    if ranks is not None:
+        if ranks.group.serving:
+            engine_runner, monitor = ranks.lead(runner)
+        else:
+            ranks.follow()
+    return Booted(
+        engine_runner,
+        info,
+        AdmissionController(budget, loaded.context_length),
+        read_allocator,
+        ranks=monitor,
+        group=ranks,
+    )
+
+
+def _group_boot(config: EngineConfig) -> GroupBoot | None:
+    if config.group is None or config.distributed is None:
+        return None
+    from engine.group_boot import GroupBoot
+    from engine.lockstep import TickClock
+
+    d = config.distributed
+    return GroupBoot(config.group, d.mode, d.rank_timeout_s, TickClock())
+
+
+def _shared(config: EngineConfig) -> str:
+    """Engine settings every rank must run with: each one decides the same
+    batch and cache changes only if these match."""
+    return repr(
+        (
+            config.max_batch,
+            config.prefill_step_size,
+            config.prompt_cache,
+            config.kv_quant,
+            config.distributed.mode if config.distributed else "",
+        )
+    )
 
 
 def read_allocator() -> dict[str, int]:

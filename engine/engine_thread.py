@@ -9,6 +9,7 @@ step's outputs with one hop into the event loop.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from engine.adapter_files import read_adapter_files
+from engine.distributed_config import DistributedConfig
 from engine.model_source import ModelSource
 from kvcache.index import PromptCacheConfig
 from kvcache.interface import KVCacheDisabled, KVCacheManager
@@ -42,6 +44,13 @@ from scheduler.streams import OutputRouter
 log = logging.getLogger("kvwarm.engine")
 QUEUE_TIMEOUT = "the request waited in the queue past --request-timeout; retry later"
 SHUTTING_DOWN = "the server is shutting down"
+NOT_ON_A_GROUP = (
+    "saving and loading conversations' KV is not available on a distributed group "
+    "(each rank holds a shard of it)"
+)
+# after a lost rank, how long open streams get to see their error before the
+# process exits (its engine thread may be stuck in a collective for good)
+RANK_LOST_EXIT_S = 5.0
 MEMORY_SAMPLE_S = 1.0
 T = TypeVar("T")  # allocator readings for /metrics; a scrape needs no fresher
 
@@ -56,6 +65,9 @@ class Booted:
     admission: AdmissionController
     # allocator readings (active, peak, cache bytes) for /metrics; None: none to read
     memory: Callable[[], dict[str, int]] | None = None
+    # a distributed group's rank monitor (engine.rank_health): calls back when a rank is lost
+    ranks: Any = None
+    group: Any = None  # engine.group_boot.GroupBoot on a distributed group
 
 
 @dataclass(frozen=True)
@@ -72,6 +84,9 @@ class EngineConfig:
     kv_quant: KVQuant | None = None  # stored blocks quantized (--kv-bits)
     kv_tier: str = "ssd"  # kind of persistent tier (kvcache.tiers.PERSISTENT_TIERS)
     adapters: tuple[tuple[str, Path], ...] = ()  # --adapter ID=PATH: mounted at start
+    # one model over several processes (engine.distributed); None: this process alone
+    distributed: DistributedConfig | None = None
+    group: Any = None  # the joined engine.distributed.RankGroup (set by the CLI)
 
 
 class EngineThread(threading.Thread):
@@ -108,6 +123,10 @@ class EngineThread(threading.Thread):
         self._controls = queue.SimpleQueue()
         self._fault: BaseException | None = None
         self._adapters: tuple[AdapterInfo, ...] = ()  # snapshot for the HTTP layer
+        self._ranks: Any = None  # a distributed group's rank monitor (serving rank)
+        # after a lost rank, exit this long after failing what was open (None: a
+        # test's process stays up; the HTTP server's own exit still follows on_fatal)
+        self.rank_lost_exit_s: float | None = RANK_LOST_EXIT_S
 
     # -- EngineHandle --------------------------------------------------------
     @property
@@ -151,8 +170,12 @@ class EngineThread(threading.Thread):
             return op(runner.prefix_cache)
 
         runner = self._runner
-        if self.ready and runner is not None and runner.prefix_cache is None:
+        if self.ready and self.config.group is not None:
             future: Future[T] = Future()
+            future.set_exception(KVCacheDisabled(NOT_ON_A_GROUP))
+            return future
+        if self.ready and runner is not None and runner.prefix_cache is None:
+            future = Future()
             future.set_exception(KVCacheDisabled())
             return future
         return self.control(on_cache)
@@ -295,6 +318,8 @@ class EngineThread(threading.Thread):
         finally:
             if self._runner is not None:
                 self._runner.close()
+            if self._ranks is not None:
+                self._ranks.close()  # after the runner told the other ranks to stop
             self._fail_controls(self._failure or SHUTTING_DOWN)
         if self._stopping.is_set():  # orderly shutdown: end every open stream
             self._fail_open_requests(SHUTTING_DOWN, "server_shutdown")
@@ -309,6 +334,9 @@ class EngineThread(threading.Thread):
         self._runner = booted.runner
         self._model_info = booted.info
         self._read_memory = booted.memory
+        self._ranks = booted.ranks
+        if booted.ranks is not None:
+            booted.ranks.start(self._rank_lost)
         for adapter_id, path in self.config.adapters:
             try:
                 self._runner.mount_adapter(adapter_id, read_adapter_files(path))
@@ -387,6 +415,21 @@ class EngineThread(threading.Thread):
             self._memory = self._read_memory()
             self._memory_at = now
 
+    def _rank_lost(self, reason: str) -> None:
+        """A rank of the distributed group died or hangs (engine.rank_health, its
+        thread): the engine cannot step any more. Fail everything open, turn
+        /health 503 and exit non-zero so a supervisor restarts the whole group."""
+        self._failure = f"a rank of the distributed group was lost: {reason}"
+        log.error("%s; exiting", self._failure)
+        runner = self._runner
+        if runner is not None and hasattr(runner, "broken"):
+            runner.broken = True  # no goodbye broadcast: it would wait for the lost rank
+        self._fail_open_requests(self._failure)
+        if self._on_fatal is not None:
+            self._on_fatal(self._failure)
+        if self.rank_lost_exit_s is not None:
+            threading.Timer(self.rank_lost_exit_s, exit_now, args=(1,)).start()
+
     def _die(self, reason: str, exc: BaseException) -> None:
         log.error("%s", reason, exc_info=exc)
         self._failure = reason
@@ -399,3 +442,9 @@ class EngineThread(threading.Thread):
             RequestOutput.failure(r.request_id, reason, code)
             for r in self.scheduler.fail_all(reason)
         )
+
+
+def exit_now(code: int) -> None:
+    """Leave without joining threads: one may be blocked in a collective for good."""
+    logging.shutdown()
+    os._exit(code)

@@ -185,6 +185,7 @@ class FakeEngine(EngineThread):
         script: Script | None = None,
         on_fatal: Callable[[str], None] | None = None,
         adapters: tuple[tuple[str, Path], ...] = (),
+        ranks: object = None,
     ):
         budget = MemoryBudget(
             total_bytes=1000 + 500 + kv_budget_tokens * 10,
@@ -203,7 +204,7 @@ class FakeEngine(EngineThread):
         self.fake = FakeRunner(scheduler, step_delay, eos_after, script)
 
         def boot(_config: EngineConfig) -> Booted:
-            return Booted(self.fake, info, AdmissionController(budget, context_length))
+            return Booted(self.fake, info, AdmissionController(budget, context_length), ranks=ranks)
 
         super().__init__(
             EngineConfig(source=None, adapters=adapters),  # type: ignore[arg-type]  # no model

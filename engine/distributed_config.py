@@ -1,0 +1,112 @@
+"""How this process joins a distributed group: settings and the launch
+environment (no mlx here: the HTTP side reads it before the engine starts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+
+MODES = ("auto", "tensor", "pipeline")
+_LAUNCHER_RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """How this process joins a group (``kvwarm serve --distributed``...)."""
+
+    mode: str = "auto"  # tensor | pipeline | auto (tensor where the model can)
+    server_rank: int = 0  # the rank that serves HTTP and decides every step
+    backend: str = "any"  # mlx.distributed backend: any, ring, jaccl, mpi
+    rank_timeout_s: float = 10.0  # heartbeats missed this long: the rank is lost
+    # set without mlx.launch (the Kamiwaza seed's RANK / WORLD_SIZE / PAIRED_HOST):
+    rank: int | None = None
+    world_size: int | None = None
+    hosts: tuple[str, ...] = ()  # each rank's address, in rank order
+    port: int = 32323  # rank r listens on port + r (ring)
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"--distributed-mode must be one of {', '.join(MODES)}")
+
+
+def launched() -> bool:
+    """Whether a launcher (mlx.launch, mpirun) started this process as a rank."""
+    return any(v in os.environ for v in _LAUNCHER_RANK_VARS)
+
+
+def write_hostfile(config: DistributedConfig) -> None:
+    """Set up a ring group from flags alone: every rank writes the same hostfile
+    (rank r at hosts[r]:port+r) and names its own rank, as mlx.launch would."""
+    if config.rank is None or config.world_size is None:
+        raise ValueError(
+            "--distributed without mlx.launch needs --distributed-rank and --distributed-world-size"
+        )
+    size = config.world_size
+    if not 0 <= config.rank < size:
+        raise ValueError(f"--distributed-rank {config.rank} is outside 0..{size - 1}")
+    hosts = list(config.hosts) or ["127.0.0.1"]
+    if len(hosts) == 1:
+        hosts = hosts * size
+    if len(hosts) != size:
+        raise ValueError(f"--distributed-hosts names {len(hosts)} hosts for {size} ranks")
+    entries = [[f"{h}:{config.port + r}"] for r, h in enumerate(hosts)]
+    fd, path = tempfile.mkstemp(prefix="kvwarm-hosts-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(entries, f)
+    os.environ["MLX_HOSTFILE"] = path
+    os.environ["MLX_RANK"] = str(config.rank)
+
+
+def server_host(server_rank: int) -> str:
+    """The serving rank's address as the hostfile names it (for the heartbeat)."""
+    path = os.environ.get("MLX_HOSTFILE")
+    if path:
+        try:
+            with open(path) as f:
+                entry = json.load(f)[server_rank]
+            host = _host(entry[0] if isinstance(entry, list) else entry.get("ips", [""])[0])
+            if host:
+                return host
+        except (OSError, ValueError, IndexError, KeyError, AttributeError, TypeError):
+            pass
+    return "127.0.0.1"
+
+
+def ranks_on_this_host(config: DistributedConfig) -> int:
+    """How many ranks of the group share this machine (they then share its cores)."""
+    path = os.environ.get("MLX_HOSTFILE")
+    if launched() and path:
+        try:
+            with open(path) as f:
+                entries = json.load(f)
+            hosts = [_host(e[0] if isinstance(e, list) else e.get("ips", [""])[0]) for e in entries]
+            mine = hosts[int(os.environ.get("MLX_RANK", "0"))]
+            return sum(1 for h in hosts if h == mine)
+        except (OSError, ValueError, IndexError, KeyError, AttributeError, TypeError):
+            return 1
+    if config.world_size is None or config.rank is None:
+        return 1
+    hosts = list(config.hosts) or ["127.0.0.1"]
+    if len(hosts) == 1:
+        return config.world_size
+    return sum(1 for h in hosts if h == hosts[min(config.rank, len(hosts) - 1)])
+
+
+def share_cpu_threads(config: DistributedConfig) -> str | None:
+    """Ranks sharing one machine's CPU each take their share of its BLAS threads
+    (each rank's OpenBLAS would otherwise start a thread per core and the ranks,
+    which meet at every collective, would spin against each other). Must run
+    before BLAS loads; returns what it set, or None."""
+    local = ranks_on_this_host(config)
+    if local < 2 or "OPENBLAS_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in os.environ:
+        return None
+    threads = max(1, (os.cpu_count() or 1) // local)
+    os.environ["OPENBLAS_NUM_THREADS"] = str(threads)
+    return f"{local} ranks on this machine: OPENBLAS_NUM_THREADS={threads} each"
+
+
+def _host(address: object) -> str:
+    text = str(address)
+    return text.rsplit(":", 1)[0] if ":" in text else text

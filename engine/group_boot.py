@@ -1,0 +1,78 @@
+"""What bringing an engine up adds on a distributed group (engine.boot calls it
+on every rank, in the same order, so each collective here meets its peers)."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import secrets
+from dataclasses import dataclass, replace
+from typing import Any
+
+import mlx.core as mx
+
+from engine.distributed import RankGroup
+from engine.lockstep import LeaderRunner, TickClock
+from engine.model_shards import shard_model
+from engine.rank_health import RankMonitor
+from scheduler.admission import MemoryBudget
+
+log = logging.getLogger("kvwarm.distributed")
+
+
+@dataclass
+class GroupBoot:
+    group: RankGroup
+    mode: str  # tensor | pipeline | auto (until the model is sharded)
+    timeout_s: float
+    clock: TickClock
+    used: str = ""  # the mode the model was split with
+    monitor: RankMonitor | None = None  # the serving rank's, once it leads
+    heartbeat_to: int = 0  # a worker's: the port the serving rank's monitor listens on
+
+    def check_same(self, fingerprint: str, settings: str) -> None:
+        """Ranks refuse to start against other model files or engine settings."""
+        self.group.agree("the model files (config + weights fingerprint)", fingerprint)
+        self.group.agree("the engine settings", settings)
+
+    def shard(self, model: Any) -> None:
+        self.used = shard_model(model, self.group.group, self.mode)
+        log.info(
+            "rank %d/%d: %s parallel (%s)",
+            self.group.rank,
+            self.group.size,
+            self.used,
+            "serves HTTP" if self.group.serving else "follows the serving rank",
+        )
+
+    def tightest(self, budget: MemoryBudget) -> tuple[MemoryBudget, int]:
+        """The budget admission enforces (the rank with the least room for KV decides:
+        every rank holds every row's shard) and the prompt cache's size in tokens,
+        the same on every rank so their caches take the same decisions."""
+        per_token = max(1, budget.kv_bytes_per_token)
+        mine = (budget, budget.prompt_cache_bytes // per_token)
+        shares = [pickle.loads(b) for b in self.group.gather(pickle.dumps(mine))]
+        tight = min(shares, key=lambda s: (s[0].ceiling_tokens, s[0].kv_budget_bytes))[0]
+        cache_tokens = min(tokens for _, tokens in shares)
+        if self.group.serving:
+            budget = replace(tight, source=f"{tight.source}, tightest of {self.group.size} ranks")
+        return budget, cache_tokens * per_token
+
+    def same_randomness(self) -> None:
+        """Unseeded sampling draws from the global generator: the same on every rank."""
+        seed = secrets.randbits(32) if self.group.serving else 0
+        data = self.group.broadcast(seed.to_bytes(4, "little") if self.group.serving else None)
+        mx.random.seed(int.from_bytes(data, "little"))
+
+    def lead(self, runner: Any) -> tuple[LeaderRunner, RankMonitor]:
+        """The serving rank: a monitor for the workers' heartbeats, and the runner
+        that sends each step's ops to them."""
+        workers = [r for r in range(self.group.size) if r != self.group.rank]
+        monitor = RankMonitor(workers, self.timeout_s)
+        self.group.broadcast(str(monitor.port).encode())
+        self.monitor = monitor
+        return LeaderRunner(runner, self.group.broadcast, self.clock, monitor.step_running), monitor
+
+    def follow(self) -> None:
+        """A worker: learn where the serving rank's monitor listens."""
+        self.heartbeat_to = int(self.group.broadcast(None).decode())

@@ -1,0 +1,180 @@
+"""Noticing a lost rank within a bounded time, outside the collectives.
+
+A collective blocks until every rank joins it, so a rank that hangs (or a
+serving rank idle between requests while a worker died) is invisible to
+mlx.distributed itself. Each worker therefore keeps a TCP connection to the
+serving rank and writes a byte every ``timeout / 5`` seconds. The serving rank
+declares a rank lost when its connection closes, when it stays silent for
+``timeout`` seconds, or when a step has not finished after ``stall_s`` (a rank
+alive but stuck in its engine). A worker that loses the serving rank exits
+non-zero: a supervisor then restarts the whole group.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("kvwarm.distributed")
+BYE = b"!"  # the serving rank stops in order: not a loss
+BEAT = b"."
+
+
+def stall_limit(timeout_s: float) -> float:
+    """How long one engine step may run before the group counts as hung: steps
+    are sized to about a second (--max-step-ms), a first full prefill chunk of
+    a large model takes several; a minute is far beyond either."""
+    return max(60.0, 6 * timeout_s)
+
+
+class RankMonitor:
+    """The serving rank's side: one heartbeat connection per worker rank."""
+
+    def __init__(self, ranks: list[int], timeout_s: float, bind: str = "0.0.0.0"):
+        self._ranks = ranks
+        self.timeout_s = timeout_s
+        self.stall_s = stall_limit(timeout_s)
+        self._server = socket.create_server((bind, 0))
+        self.port = self._server.getsockname()[1]
+        self._seen: dict[int, float] = {}
+        self._conns: dict[int, socket.socket] = {}
+        self._gone: dict[int, str] = {}
+        self._step_since: float | None = None
+        self._started = time.monotonic()
+        self._stop = threading.Event()
+        self._lost: Callable[[str], None] | None = None
+        self._fired = False
+        self._lock = threading.Lock()
+
+    def start(self, on_lost: Callable[[str], None]) -> None:
+        self._lost = on_lost
+        threading.Thread(target=self._accept, name="kvwarm-ranks-accept", daemon=True).start()
+        threading.Thread(target=self._watch, name="kvwarm-ranks-watch", daemon=True).start()
+
+    def step_running(self, running: bool) -> None:
+        self._step_since = time.monotonic() if running else None
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: socket.socket) -> None:
+        conn.settimeout(self.timeout_s)
+        try:
+            hello = conn.recv(64).decode(errors="replace").strip()
+            rank = int(hello.split()[1]) if hello.startswith("rank ") else -1
+        except (OSError, ValueError, IndexError):
+            conn.close()
+            return
+        if rank not in self._ranks:
+            conn.close()
+            return
+        with self._lock:
+            self._conns[rank] = conn
+            self._seen[rank] = time.monotonic()
+        conn.settimeout(None)
+        while not self._stop.is_set():
+            try:
+                data = conn.recv(256)
+            except OSError:
+                data = b""
+            if not data:
+                if not self._stop.is_set():
+                    self._gone[rank] = "its connection closed (the process exited or crashed)"
+                return
+            self._seen[rank] = time.monotonic()
+
+    def problem(self, now: float) -> str | None:
+        """Why the group is broken (None: every rank is alive and keeping up)."""
+        for rank in self._ranks:
+            if rank in self._gone:
+                return f"rank {rank} is lost: {self._gone[rank]}"
+            seen = self._seen.get(rank)
+            if seen is None:
+                if now - self._started > max(3 * self.timeout_s, 30.0):
+                    return f"rank {rank} never opened its heartbeat connection"
+            elif now - seen > self.timeout_s:
+                return f"rank {rank} is lost: no heartbeat for {now - seen:.1f}s"
+        since = self._step_since
+        if since is not None and now - since > self.stall_s:
+            return f"an engine step has not finished in {now - since:.0f}s: a rank hangs"
+        return None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(0.25, self.timeout_s / 4)):
+            reason = self.problem(time.monotonic())
+            if reason is not None and not self._fired:
+                self._fired = True
+                log.error("distributed group broken: %s", reason)
+                if self._lost is not None:
+                    self._lost(reason)
+                return
+
+    def close(self) -> None:
+        """An orderly stop: tell the workers it is not a loss."""
+        self._stop.set()
+        with self._lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            try:
+                conn.sendall(BYE)
+                conn.close()
+            except OSError:
+                pass
+        self._server.close()
+
+
+class Heartbeat:
+    """A worker's side: beat to the serving rank; notice when it is gone."""
+
+    def __init__(
+        self, host: str, port: int, rank: int, timeout_s: float, on_lost: Callable[[str], None]
+    ):
+        self._address = (host, port)
+        self._rank = rank
+        self._interval = max(0.05, timeout_s / 5)
+        self._timeout_s = timeout_s
+        self._on_lost = on_lost
+        self._stop = threading.Event()
+        self.orderly = False  # the serving rank said bye
+
+    def start(self) -> None:
+        sock = socket.create_connection(self._address, timeout=max(self._timeout_s, 5.0))
+        sock.sendall(f"rank {self._rank}\n".encode())
+        threading.Thread(
+            target=self._run, args=(sock,), name="kvwarm-heartbeat", daemon=True
+        ).start()
+
+    def _run(self, sock: socket.socket) -> None:
+        try:
+            while not self._stop.is_set():
+                readable, _, _ = select.select([sock], [], [], self._interval)
+                if readable:
+                    data = sock.recv(64)
+                    if BYE in data:
+                        self.orderly = True
+                        break
+                    if not data:
+                        break
+                sock.sendall(BEAT)
+        except OSError:
+            pass
+        finally:
+            sock.close()
+        if not self._stop.is_set():
+            self._on_lost(
+                "the serving rank stopped"
+                if self.orderly
+                else "the serving rank is gone (its heartbeat connection closed)"
+            )
+
+    def stop(self) -> None:
+        self._stop.set()
