@@ -1,0 +1,266 @@
+"""Two ranks on loopback: `kvwarm serve` under `mlx.launch --backend ring -n 2`
+and through its own flags (the Kamiwaza seed's way), against one rank alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import KVWARM, READY_TIMEOUT_S, kvwarm_server
+from tests.helpers.http_server import free_port, wait_for_process
+from tests.helpers.tiny_models import write_tiny_llama
+
+MLX_LAUNCH = str(Path(sys.executable).with_name("mlx.launch"))
+CHAT = "/v1/chat/completions"
+TINY = ("--memory-budget", "2GB", "--batch", "4")
+PROMPTS = [
+    "hello there, how are you doing today? tell me a story about a dragon",
+    "the quick brown fox jumps over the lazy dog, again and again",
+    "list three prime numbers and explain why they are prime",
+    "write a haiku about the sea",
+]
+RANK_TIMEOUT_S = 2.0
+
+
+def _ring_ports(n: int) -> int:
+    """A base port with ``n`` free ports after it (rank r listens on base + r)."""
+    for _ in range(50):
+        base = free_port()
+        if base + n > 65000:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + n):
+                s = socket.socket()
+                s.bind(("127.0.0.1", p))
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port range")
+
+
+def _env(cache: Path) -> dict[str, str]:
+    env = {**os.environ, "KVWARM_CACHE_DIR": str(cache)}
+    for name in ("KVWARM_API_KEY", "MLX_RANK", "MLX_HOSTFILE", "RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+    return env
+
+
+@contextmanager
+def launched_group(cache: Path, *args: str, log: Path) -> Iterator[str]:
+    """`mlx.launch --backend ring -n 2 kvwarm serve ...`: rank 0 serves HTTP."""
+    port = free_port()
+    cmd = [MLX_LAUNCH, "--backend", "ring", "-n", "2", "--starting-port", str(_ring_ports(2))]
+    cmd += ["--python", sys.executable, KVWARM, "serve", "--port", str(port), *args]
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            cmd,
+            env=_env(cache),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=log.parent,
+            start_new_session=True,
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_process(proc, base + "/health", log, "mlx.launch kvwarm", READY_TIMEOUT_S)
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+@contextmanager
+def flag_group(cache: Path, models: tuple[Path, Path], *args: str, log_dir: Path):
+    """Each rank started by hand with --distributed (what a supervisor would run)."""
+    port, ring = free_port(), _ring_ports(2)
+    procs = []
+    for rank, model in enumerate(models):
+        flags = ["--distributed", "--distributed-rank", str(rank), "--distributed-world-size"]
+        flags += ["2", "--distributed-port", str(ring), "--rank-timeout", str(RANK_TIMEOUT_S)]
+        with (log_dir / f"rank{rank}.log").open("w") as out:
+            procs.append(
+                subprocess.Popen(
+                    [KVWARM, "serve", "--port", str(port), "--model", str(model), *flags, *args],
+                    env=_env(cache),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    cwd=log_dir,
+                )
+            )
+    try:
+        yield f"http://127.0.0.1:{port}", procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+
+
+def ask(base: str, prompt: str, **extra) -> dict:
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 24, **extra}
+    r = httpx.post(base + CHAT, json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    d = r.json()
+    return {
+        "text": d["choices"][0]["message"]["content"],
+        "cached": d["usage"]["prompt_tokens_details"]["cached_tokens"],
+    }
+
+
+def ask_together(base: str, **extra) -> list[dict]:
+    """All prompts at once (continuous batching), seeded sampling: every token
+    depends on the whole distribution, not only on its argmax."""
+    results: list[dict] = [{}] * len(PROMPTS)
+
+    def one(i: int) -> None:
+        results[i] = ask(base, PROMPTS[i], temperature=1.0, seed=100 + i, **extra)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    # 4 attention / 2 KV heads and 2 layers: splits both ways over two ranks
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-dist"), seed=3)
+
+
+@pytest.fixture(scope="module")
+def alone(model_cache, tiny, tmp_path_factory) -> Iterator[list[list[dict]]]:
+    """What one rank answers: two rounds of the prompts (the second warm) plus greedy."""
+    log = tmp_path_factory.mktemp("alone") / "kvwarm.log"
+    with kvwarm_server(model_cache, "--model", str(tiny), *TINY, log=log) as base:
+        yield [ask_together(base), ask_together(base), [ask(base, PROMPTS[0], temperature=0)]]
+
+
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_two_ranks_answer_as_one_does_with_prefix_hits(mode, model_cache, tiny, alone, tmp_path):
+    log = tmp_path / "group.log"
+    args = ("--model", str(tiny), *TINY, "--distributed-mode", mode)
+    with launched_group(model_cache, *args, log=log) as base:
+        first, second = ask_together(base), ask_together(base)
+        greedy = [ask(base, PROMPTS[0], temperature=0)]
+        stats = httpx.get(base + "/stats").json()
+    assert f"rank 0/2: {mode} parallel (serves HTTP)" in log.read_text()
+    assert f"rank 1/2: {mode} parallel (follows the serving rank)" in log.read_text()
+    assert [r["text"] for r in first] == [r["text"] for r in alone[0]]
+    assert [r["text"] for r in second] == [r["text"] for r in alone[1]]
+    assert greedy[0]["text"] == alone[2][0]["text"]
+    # the second round reuses the first's KV, from every rank's shard of it
+    assert all(r["cached"] > 0 for r in second)
+    assert [r["cached"] for r in second] == [r["cached"] for r in alone[1]]
+    assert stats["prompt_cache"]["hits"] >= len(PROMPTS)
+
+
+def test_smollm2_runs_pipeline_parallel_and_answers_as_one_rank_does(model_cache, server, tmp_path):
+    """SmolLM2's 9 heads do not divide by two: auto picks the pipeline split,
+    which mlx-lm's llama lacks and kvwarm adds (engine.model_shards)."""
+    log = tmp_path / "group.log"
+    questions = ["What is the capital of France?", "Name three colours of the rainbow."]
+    with launched_group(model_cache, "--batch", "8", log=log) as base:
+        together = [ask(base, q, temperature=0, max_tokens=20) for q in questions]
+        again = ask(base, questions[0], temperature=0, max_tokens=20)
+    assert "rank 0/2: pipeline parallel" in log.read_text()
+    alone = [ask(server, q, temperature=0, max_tokens=20) for q in questions]
+    assert [r["text"] for r in together] == [r["text"] for r in alone]
+    assert "Paris" in together[0]["text"]
+    assert again["text"] == together[0]["text"] and again["cached"] > 0
+
+
+def test_a_killed_worker_fails_open_requests_and_stops_the_serving_rank(
+    model_cache, tiny, tmp_path
+):
+    with flag_group(model_cache, (tiny, tiny), *TINY, log_dir=tmp_path) as (base, procs):
+        leader, worker = procs
+        wait_for_process(leader, base + "/health", tmp_path / "rank0.log", "rank 0", 240)
+        body = {
+            "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 4000,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        events: list[dict] = []
+        with httpx.stream("POST", base + CHAT, json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            worker.kill()
+            killed = time.monotonic()
+            events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+        ended = time.monotonic() - killed
+        assert "error" in events[-1], events[-1]
+        assert "rank of the distributed group was lost" in events[-1]["error"]["message"]
+        assert ended < RANK_TIMEOUT_S + 5
+        try:
+            assert httpx.get(base + "/health", timeout=2).status_code == 503
+        except httpx.TransportError:
+            pass  # already gone: the exit below is what a supervisor acts on
+        assert leader.wait(30) == 1
+    assert "rank of the distributed group was lost" in (tmp_path / "rank0.log").read_text()
+
+
+def test_a_hung_worker_is_noticed_within_the_rank_timeout(model_cache, tiny, tmp_path):
+    with flag_group(model_cache, (tiny, tiny), *TINY, log_dir=tmp_path) as (base, procs):
+        leader, worker = procs
+        wait_for_process(leader, base + "/health", tmp_path / "rank0.log", "rank 0", 240)
+        body = {
+            "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 4000,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        with httpx.stream("POST", base + CHAT, json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            worker.send_signal(signal.SIGSTOP)  # alive, sockets open, doing nothing
+            stopped = time.monotonic()
+            events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+        assert time.monotonic() - stopped < RANK_TIMEOUT_S + 5
+        message = events[-1]["error"]["message"]
+        assert "rank 1 is lost: no heartbeat" in message
+        assert leader.wait(30) == 1
+        worker.send_signal(signal.SIGCONT)
+        assert worker.wait(30) == 1  # its serving rank is gone: the group restarts whole
+
+
+def test_sigterm_on_the_serving_rank_stops_every_rank_cleanly(model_cache, tiny, tmp_path):
+    with flag_group(model_cache, (tiny, tiny), *TINY, log_dir=tmp_path) as (base, procs):
+        leader, worker = procs
+        wait_for_process(leader, base + "/health", tmp_path / "rank0.log", "rank 0", 240)
+        assert ask(base, PROMPTS[1])["text"]
+        leader.send_signal(signal.SIGTERM)
+        assert leader.wait(30) == 0
+        assert worker.wait(30) == 0
+    assert "stopped with the serving rank" in (tmp_path / "rank1.log").read_text()
+
+
+def test_ranks_started_against_different_weights_refuse_to_start(model_cache, tiny, tmp_path):
+    other = write_tiny_llama(tmp_path / "other", seed=4)
+    with flag_group(model_cache, (tiny, other), *TINY, log_dir=tmp_path) as (_, procs):
+        codes = [p.wait(120) for p in procs]
+    assert codes[0] != 0 and codes[1] != 0
+    for rank in (0, 1):
+        assert "the ranks disagree on the model files" in (tmp_path / f"rank{rank}.log").read_text()

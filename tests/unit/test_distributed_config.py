@@ -1,0 +1,106 @@
+"""Joining a group from flags or env (the Kamiwaza seed's way), without mlx.launch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.settings import Settings
+from engine.distributed_config import DistributedConfig, server_host, write_hostfile
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No launcher variables, and whatever write_hostfile sets is undone afterwards."""
+    for name in (
+        "MLX_RANK",
+        "MLX_HOSTFILE",
+        "OMPI_COMM_WORLD_RANK",
+        "PMI_RANK",
+        "RANK",
+        "WORLD_SIZE",
+    ):
+        monkeypatch.setenv(name, "")  # undone last: the variable ends as it began
+        monkeypatch.delenv(name)
+    return monkeypatch
+
+
+def test_alone_unless_asked_or_launched(clean_env):
+    assert Settings(_env_file=None).distributed_config is None
+    clean_env.setenv("MLX_RANK", "1")  # mlx.launch started this process
+    assert Settings(_env_file=None).distributed_config is not None
+
+
+def test_flags_write_the_hostfile_mlx_launch_would(clean_env, tmp_path):
+    settings = Settings(
+        _env_file=None,
+        distributed=True,
+        distributed_rank=1,
+        distributed_world_size=2,
+        distributed_hosts="10.0.0.1, 10.0.0.2",
+        distributed_port=40000,
+    )
+    config = settings.distributed_config
+    assert config.backend == "ring" and config.hosts == ("10.0.0.1", "10.0.0.2")
+    write_hostfile(config)
+    import os
+
+    assert os.environ["MLX_RANK"] == "1"
+    with open(os.environ["MLX_HOSTFILE"]) as f:
+        assert json.load(f) == [["10.0.0.1:40000"], ["10.0.0.2:40001"]]
+    assert server_host(0) == "10.0.0.1" and server_host(1) == "10.0.0.2"
+
+
+def test_plain_rank_and_world_size_env_vars_work(clean_env):
+    clean_env.setenv("RANK", "0")
+    clean_env.setenv("WORLD_SIZE", "2")
+    config = Settings(_env_file=None, distributed=True).distributed_config
+    assert (config.rank, config.world_size) == (0, 2)
+    write_hostfile(config)  # one host for all: loopback
+    assert server_host(0) == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (DistributedConfig(rank=None, world_size=2), "needs --distributed-rank"),
+        (DistributedConfig(rank=2, world_size=2), "outside 0..1"),
+        (DistributedConfig(rank=0, world_size=3, hosts=("a", "b")), "2 hosts for 3 ranks"),
+    ],
+)
+def test_incomplete_settings_are_refused_naming_the_flag(clean_env, config, message):
+    with pytest.raises(ValueError, match=message):
+        write_hostfile(config)
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="distributed-mode"):
+        DistributedConfig(mode="expert")
+    with pytest.raises(ValueError):
+        Settings(_env_file=None, distributed_mode="expert")
+
+
+def test_ranks_sharing_a_machine_share_its_blas_threads(clean_env, tmp_path):
+    from engine.distributed_config import ranks_on_this_host, share_cpu_threads
+
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([["10.0.0.1:1"], ["10.0.0.1:2"], ["10.0.0.2:3"]]))
+    clean_env.setenv("MLX_HOSTFILE", str(hostfile))
+    clean_env.setenv("MLX_RANK", "1")
+    assert ranks_on_this_host(DistributedConfig()) == 2
+    clean_env.setenv("MLX_RANK", "2")
+    assert ranks_on_this_host(DistributedConfig()) == 1
+    clean_env.delenv("MLX_RANK")
+    clean_env.delenv("MLX_HOSTFILE")
+    loopback = DistributedConfig(rank=0, world_size=2)
+    clean_env.setenv("OPENBLAS_NUM_THREADS", "")
+    clean_env.delenv("OPENBLAS_NUM_THREADS")
+    clean_env.setattr("os.cpu_count", lambda: 8)
+    assert share_cpu_threads(loopback) == "2 ranks on this machine: OPENBLAS_NUM_THREADS=4 each"
+    import os
+
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "4"
+    assert share_cpu_threads(loopback) is None  # the user's (or an earlier) setting wins
+    two_macs = DistributedConfig(rank=0, world_size=2, hosts=("mac1", "mac2"))
+    assert ranks_on_this_host(two_macs) == 1

@@ -1,0 +1,143 @@
+"""Lockstep replication without a model: the serving rank's runner calls reach a
+worker's runner in order, at the serving rank's clock, and drift is caught."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from engine.lockstep import Follower, LeaderRunner, LockstepError, TickClock
+from scheduler.request import Request, RequestOutput
+from scheduler.step_budget import SlicePlan
+
+
+class RecordingRunner:
+    """Records every call with the clock it saw; steps emit one token per row."""
+
+    def __init__(self, clock: TickClock, cached: int = 3, fail_ids: tuple[str, ...] = ()):
+        self.clock = clock
+        self.cached = cached
+        self.fail_ids = fail_ids
+        self.calls: list[tuple] = []
+        self.rows: list[str] = []
+        self.recoverable = True
+        self.token = 0
+        self.closed = False
+
+    @property
+    def active(self) -> int:
+        return len(self.rows)
+
+    def add(self, request: Request) -> RequestOutput:
+        self.calls.append(("add", request.request_id, self.clock()))
+        if request.request_id in self.fail_ids:
+            raise ValueError("bad request")
+        self.rows.append(request.request_id)
+        return RequestOutput(request.request_id, cached_tokens=self.cached)
+
+    def remove(self, request_id: str) -> None:
+        self.calls.append(("remove", request_id, self.clock()))
+        self.rows.remove(request_id)
+
+    def cut_short(self, request_id: str) -> None:
+        self.calls.append(("cut_short", request_id, self.clock()))
+        self.rows.remove(request_id)
+
+    def plan_step(self) -> SlicePlan:
+        return SlicePlan(slice_tokens=100 + len(self.calls))
+
+    def step(self, plan: SlicePlan | None = None) -> list[RequestOutput]:
+        self.calls.append(("step", plan.slice_tokens if plan else None, self.clock()))
+        self.token += 1
+        return [RequestOutput(r, token_ids=(self.token,)) for r in self.rows]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def pair(**worker_kw):
+    wire: deque[bytes] = deque()
+    lead_clock, work_clock = TickClock(), TickClock()
+    inner = RecordingRunner(lead_clock)
+    leader = LeaderRunner(inner, wire.append, lead_clock)
+    worker = RecordingRunner(work_clock, **worker_kw)
+    follower = Follower(worker, wire.popleft, work_clock)
+    return leader, inner, follower, worker
+
+
+def req(rid: str) -> Request:
+    return Request(prompt_tokens=[1, 2, 3], max_tokens=4, request_id=rid)
+
+
+def test_worker_replays_every_change_in_order_at_the_serving_ranks_clock():
+    leader, inner, follower, worker = pair()
+    leader.add(req("a"))
+    leader.add(req("b"))
+    leader.step()
+    leader.remove("a")
+    leader.step()
+    leader.cut_short("b")
+    leader.close()
+    follower.run()  # returns at the stop op
+    assert worker.calls == inner.calls
+    # the step ran with the slice the serving rank's budget chose, not its own
+    assert [c[1] for c in worker.calls if c[0] == "step"] == [102, 104]
+    assert inner.closed and not worker.recoverable and not inner.recoverable
+    assert follower.ticks == 3
+
+
+def test_a_request_the_serving_rank_refused_is_refused_on_the_worker_too():
+    leader, inner, follower, worker = pair(fail_ids=("bad",))
+    inner.fail_ids = ("bad",)
+    with pytest.raises(ValueError):
+        leader.add(req("bad"))
+    leader.add(req("ok"))
+    leader.step()
+    leader.close()
+    follower.run()
+    assert worker.rows == ["ok"]
+
+
+def test_a_worker_that_accepts_what_the_serving_rank_refused_stops_the_group():
+    leader, inner, follower, _ = pair()
+    inner.fail_ids = ("bad",)
+    with pytest.raises(ValueError):
+        leader.add(req("bad"))
+    leader.step()
+    with pytest.raises(LockstepError, match="failed to join on the serving rank"):
+        follower.run()
+
+
+def test_prefix_caches_that_disagree_stop_the_group():
+    leader, _, follower, _ = pair(cached=0)
+    leader.add(req("a"))
+    leader.step()
+    with pytest.raises(LockstepError, match="prefix caches disagree"):
+        follower.run()
+
+
+def test_a_worker_whose_step_produced_other_tokens_stops_the_group():
+    leader, _, follower, worker = pair()
+    leader.add(req("a"))
+    leader.step()
+    worker.token = 41  # its next step emits 42, the serving rank's 1
+    leader.step()
+    with pytest.raises(LockstepError, match="other tokens"):
+        follower.run()
+
+
+def test_a_broken_group_is_not_told_to_stop():
+    wire: deque[bytes] = deque()
+    clock = TickClock()
+    leader = LeaderRunner(RecordingRunner(clock), wire.append, clock)
+    leader.broken = True
+    leader.close()
+    assert not wire  # a broadcast would wait for the lost rank forever
+
+
+def test_unknown_bytes_are_refused():
+    from engine.lockstep import decode, encode
+
+    with pytest.raises(LockstepError):
+        decode(encode(["not a tick"]))  # type: ignore[arg-type]

@@ -1,0 +1,122 @@
+"""Noticing a lost rank over loopback sockets: closed, silent, stuck, never there."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from engine.rank_health import Heartbeat, RankMonitor, stall_limit
+
+
+def wait_for(check, timeout: float = 5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("timed out")
+
+
+@pytest.fixture
+def monitor():
+    m = RankMonitor([1], timeout_s=0.5, bind="127.0.0.1")
+    yield m
+    m.close()
+
+
+def beat(monitor: RankMonitor, lost: list[str]) -> Heartbeat:
+    hb = Heartbeat("127.0.0.1", monitor.port, 1, monitor.timeout_s, lost.append)
+    hb.start()
+    return hb
+
+
+def test_beating_ranks_are_healthy(monitor):
+    worker_lost: list[str] = []
+    lost: list[str] = []
+    monitor.start(lost.append)
+    hb = beat(monitor, worker_lost)
+    wait_for(lambda: 1 in monitor._seen)
+    time.sleep(1.2)  # more than twice the timeout
+    assert monitor.problem(time.monotonic()) is None and not lost
+    hb.stop()
+
+
+def test_a_rank_whose_process_exits_is_lost_at_once(monitor):
+    lost: list[str] = []
+    monitor.start(lost.append)
+    conn = socket.create_connection(("127.0.0.1", monitor.port))
+    conn.sendall(b"rank 1\n.")
+    wait_for(lambda: 1 in monitor._seen)
+    conn.close()  # what the kernel does when the process dies
+    assert "connection closed" in wait_for(lambda: lost)[0]
+
+
+def test_a_silent_rank_is_lost_after_the_timeout(monitor):
+    lost: list[str] = []
+    monitor.start(lost.append)
+    conn = socket.create_connection(("127.0.0.1", monitor.port))
+    conn.sendall(b"rank 1\n")  # then nothing: stopped (SIGSTOP) or wedged
+    started = time.monotonic()
+    reason = wait_for(lambda: lost)[0]
+    assert "no heartbeat" in reason and "rank 1" in reason
+    assert 0.4 < time.monotonic() - started < 2.0
+    conn.close()
+
+
+def test_a_step_that_never_finishes_counts_as_a_hang():
+    monitor = RankMonitor([1], timeout_s=100, bind="127.0.0.1")
+    monitor.stall_s = 5.0
+    conn = socket.create_connection(("127.0.0.1", monitor.port))
+    conn.sendall(b"rank 1\n")
+    threading.Thread(target=monitor._accept, daemon=True).start()
+    wait_for(lambda: 1 in monitor._seen)
+    now = monitor._seen[1]
+    monitor.step_running(True)
+    since = monitor._step_since
+    assert monitor.problem(since + 1) is None
+    assert "has not finished" in monitor.problem(since + monitor.stall_s + 1)
+    monitor.step_running(False)
+    assert monitor.problem(now + monitor.stall_s + 1) is None
+    conn.close()
+    monitor.close()
+
+
+def test_a_rank_that_never_connects_is_lost(monitor):
+    assert monitor.problem(monitor._started + 1) is None
+    assert "never opened" in monitor.problem(monitor._started + 31)
+
+
+def test_strangers_are_turned_away(monitor):
+    conn = socket.create_connection(("127.0.0.1", monitor.port))
+    conn.sendall(b"rank 7\n")
+    threading.Thread(target=monitor._accept, daemon=True).start()
+    assert conn.recv(10) == b""  # closed on it
+    assert 7 not in monitor._seen
+
+
+def test_workers_tell_an_orderly_stop_from_a_lost_serving_rank(monitor):
+    lost: list[str] = []
+    beat(monitor, lost)
+    threading.Thread(target=monitor._accept, daemon=True).start()
+    wait_for(lambda: 1 in monitor._seen)
+    monitor.close()
+    assert wait_for(lambda: lost) == ["the serving rank stopped"]
+
+
+def test_a_worker_notices_its_serving_rank_gone():
+    server = socket.create_server(("127.0.0.1", 0))
+    lost: list[str] = []
+    hb = Heartbeat("127.0.0.1", server.getsockname()[1], 1, 0.5, lost.append)
+    hb.start()
+    conn, _ = server.accept()
+    conn.close()  # the serving process died
+    assert "is gone" in wait_for(lambda: lost)[0]
+    server.close()
+
+
+def test_stall_limit_is_far_beyond_a_step():
+    assert stall_limit(1.0) == 60.0 and stall_limit(30.0) == 180.0
