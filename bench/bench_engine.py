@@ -6,6 +6,7 @@ costs: text deltas, stop matching, prefill budgeting, bookkeeping).
 
     python bench/bench_engine.py --shape smollm2 --batches 1 8      # CPU
     python bench/bench_engine.py --shape qwen3-8b --dtype bfloat16 --batches 1 8 64   # GPU
+    python bench/bench_engine.py --shape host-bound --batches 8 64 128  # host work alone
 """
 
 from __future__ import annotations
@@ -45,6 +46,22 @@ SHAPES = {
             num_key_value_heads=3,
             rms_norm_eps=1e-5,
             vocab_size=49152,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # a step computes in next to no time, as on a fast accelerator: what is left
+    # is host work, the per-row Python kvwarm adds to the generator's
+    "host-bound": (
+        llama,
+        dict(
+            model_type="llama",
+            hidden_size=64,
+            num_hidden_layers=2,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            vocab_size=261,
             tie_word_embeddings=True,
         ),
     ),

@@ -26,6 +26,7 @@ from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.adapters import AdapterSet
+from engine.fast_detok import detokenizer_factory
 from engine.lora import AdapterTag, is_tag
 from engine.row_faults import FaultLedger, GuardedProcessor, GuardedSampler
 from engine.sampling import SamplerFactory
@@ -144,6 +145,7 @@ class BatchRunner:
         self.model = model
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
+        self._detokenizer = detokenizer_factory(tokenizer)
         # a step fault nobody owned is recovered from by re-running rows alone; a
         # sharded model cannot (the other ranks would have to probe the same rows)
         self.recoverable = True
@@ -210,7 +212,7 @@ class BatchRunner:
         ]
         row = _Row(
             request,
-            TextOutput(self.tokenizer.detokenizer, request.stop, request.trim_leading_space),
+            TextOutput(self._detokenizer(), request.stop, request.trim_leading_space),
             self._samplers.sampler(params),
             processors,
             slot=slot,

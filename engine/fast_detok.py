@@ -1,0 +1,86 @@
+"""mlx-lm's byte-level BPE streaming detokenizer, minus its per-token decoding loop.
+
+``BPEStreamingDetokenizer.add_token`` maps every character of the text held so
+far back to its byte through a dict, in Python, for every token: at batch 64
+on an accelerator that is most of the host time a step costs. The bytes of each
+token never change, so they are computed once per tokenizer (a table shared by
+every request) and a token then costs one concatenation and one UTF-8 decode.
+The text produced is the same, character for character: the table is built by
+mlx-lm's own per-character rule, and finalisation is mlx-lm's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, _byte_decoder
+
+SPACE = 32
+
+
+class TableBPEDetokenizer(BPEStreamingDetokenizer):
+    """A BPEStreamingDetokenizer reading token bytes from a precomputed table."""
+
+    def __init__(self, template: BPEStreamingDetokenizer, table: list[bytes], lone: list[bool]):
+        self.__dict__.update(template.__dict__)  # tokenmap and settings, shared
+        self._table = table
+        self._lone_space = lone  # tokens that are a single space: held until the next
+        self.reset()
+
+    def reset(self) -> None:
+        super().reset()
+        self._held = b""
+
+    def add_token(self, token: int) -> None:
+        self.tokens.append(token)
+        if token < len(self._table):
+            v, raw, lone = self.tokenmap[token], self._table[token], self._lone_space[token]
+        else:  # mlx-lm's fallback for ids past the vocabulary (a padded head)
+            v, raw, lone = "!", b"!", False
+        self._unflushed += v
+        self._held += raw
+        text = self._held.decode("utf-8", "replace")
+        if not text.endswith("\ufffd") and not lone:
+            self.text += self._maybe_trim_space(text)
+            self._unflushed = ""
+            self._held = b""
+
+    def finalize(self) -> None:
+        super().finalize()
+        self._held = b""
+
+
+def _token_bytes(token: str) -> bytes:
+    """mlx-lm's ``_decode_bytes`` for one token, kept exact (its falsy-0 quirk included)."""
+    decoder = _byte_decoder()
+    out = bytearray()
+    for c in token:
+        res = decoder.get(c, False)
+        if res:
+            out.append(res)
+        else:
+            out.extend(c.encode("utf-8"))
+    return bytes(out)
+
+
+def detokenizer_factory(tokenizer: Any) -> Callable[[], Any]:
+    """A maker of fresh streaming detokenizers for ``tokenizer`` (mlx-lm's
+    TokenizerWrapper): the table-driven one for byte-level BPE, mlx-lm's own
+    for every other kind."""
+    template = tokenizer.detokenizer
+    if type(template) is not BPEStreamingDetokenizer:
+        return lambda: tokenizer.detokenizer
+    decoder = _byte_decoder()
+    tokens = [t if isinstance(t, str) else "" for t in template.tokenmap]
+    table = [_token_bytes(t) for t in tokens]
+    lone = [len(t) == 1 and decoder.get(t) == SPACE for t in tokens]
+    proto = TableBPEDetokenizer(template, table, lone)
+
+    def make() -> TableBPEDetokenizer:
+        fresh = TableBPEDetokenizer.__new__(TableBPEDetokenizer)
+        fresh.__dict__.update(proto.__dict__)
+        fresh.reset()
+        return fresh
+
+    return make
