@@ -206,6 +206,11 @@ def cmd_serve(settings: Settings) -> int:
             return _fail("--adapter is not available on a distributed group")
         from engine.distributed import RankGroup
 
+        log.info(
+            "joining a distributed group (%s mode, rank %s serves HTTP): waiting for every rank",
+            dist.mode,
+            dist.server_rank,
+        )
         try:
             group = RankGroup.join(dist)
         except (ValueError, RuntimeError) as exc:

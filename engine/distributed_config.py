@@ -59,8 +59,14 @@ def write_hostfile(config: DistributedConfig) -> None:
     os.environ["MLX_RANK"] = str(config.rank)
 
 
-def server_host(server_rank: int) -> str:
-    """The serving rank's address as the hostfile names it (for the heartbeat)."""
+def server_host(server_rank: int, hosts: tuple[str, ...] = ()) -> str:
+    """The serving rank's address, for the heartbeat: --distributed-hosts, else the
+    ring hostfile mlx.launch wrote, else JACCL's coordinator (rank 0), else loopback."""
+    if len(hosts) > server_rank:
+        return hosts[server_rank]
+    coordinator = os.environ.get("MLX_JACCL_COORDINATOR")
+    if coordinator and server_rank == 0:
+        return _host(coordinator)
     path = os.environ.get("MLX_HOSTFILE")
     if path:
         try:

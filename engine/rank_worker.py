@@ -34,7 +34,11 @@ def run_worker(config: EngineConfig) -> int:
         exit_now(1)
 
     heartbeat = Heartbeat(
-        server_host(group.server_rank), ranks.heartbeat_to, group.rank, dist.rank_timeout_s, lost
+        server_host(group.server_rank, dist.hosts),
+        ranks.heartbeat_to,
+        group.rank,
+        dist.rank_timeout_s,
+        lost,
     )
     heartbeat.start()
     log.info("rank %d ready: following rank %d", group.rank, group.server_rank)

@@ -246,15 +246,18 @@ def test_a_hung_worker_is_noticed_within_the_rank_timeout(model_cache, tiny, tmp
         assert worker.wait(30) == 1  # its serving rank is gone: the group restarts whole
 
 
-def test_sigterm_on_the_serving_rank_stops_every_rank_cleanly(model_cache, tiny, tmp_path):
-    with flag_group(model_cache, (tiny, tiny), *TINY, log_dir=tmp_path) as (base, procs):
-        leader, worker = procs
-        wait_for_process(leader, base + "/health", tmp_path / "rank0.log", "rank 0", 240)
+@pytest.mark.parametrize("serving", [0, 1])
+def test_sigterm_on_the_serving_rank_stops_every_rank_cleanly(serving, model_cache, tiny, tmp_path):
+    args = (*TINY, "--distributed-server-rank", str(serving))
+    with flag_group(model_cache, (tiny, tiny), *args, log_dir=tmp_path) as (base, procs):
+        leader, worker = procs[serving], procs[1 - serving]
+        log = tmp_path / f"rank{serving}.log"
+        wait_for_process(leader, base + "/health", log, f"rank {serving}", 240)
         assert ask(base, PROMPTS[1])["text"]
         leader.send_signal(signal.SIGTERM)
         assert leader.wait(30) == 0
         assert worker.wait(30) == 0
-    assert "stopped with the serving rank" in (tmp_path / "rank1.log").read_text()
+    assert "stopped with the serving rank" in (tmp_path / f"rank{1 - serving}.log").read_text()
 
 
 def test_ranks_started_against_different_weights_refuse_to_start(model_cache, tiny, tmp_path):

@@ -50,6 +50,10 @@ def test_flags_write_the_hostfile_mlx_launch_would(clean_env, tmp_path):
     with open(os.environ["MLX_HOSTFILE"]) as f:
         assert json.load(f) == [["10.0.0.1:40000"], ["10.0.0.2:40001"]]
     assert server_host(0) == "10.0.0.1" and server_host(1) == "10.0.0.2"
+    clean_env.delenv("MLX_HOSTFILE")
+    clean_env.setenv("MLX_JACCL_COORDINATOR", "10.0.0.9:5000")  # mlx.launch --backend jaccl
+    assert server_host(0) == "10.0.0.9"
+    assert server_host(1, ("a", "b")) == "b"  # --distributed-hosts says it outright
 
 
 def test_plain_rank_and_world_size_env_vars_work(clean_env):
