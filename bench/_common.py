@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -65,7 +66,15 @@ def server_env(for_mlx_lm: bool) -> dict[str, str]:
 def start(
     cmd: list[str], port: int, log: Path, env: dict[str, str], cwd: Path = ROOT
 ) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    # its own process group: stop() ends whatever it started (mlx.launch's ranks)
+    proc = subprocess.Popen(
+        cmd,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -82,8 +91,11 @@ def start(
 
 
 def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
     try:
+        os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(20)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+    except ProcessLookupError:
+        pass
