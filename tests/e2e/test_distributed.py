@@ -180,15 +180,35 @@ def test_smollm2_runs_pipeline_parallel_and_answers_as_one_rank_does(model_cache
     """SmolLM2's 9 heads do not divide by two: auto picks the pipeline split,
     which mlx-lm's llama lacks and kvwarm adds (engine.model_shards)."""
     log = tmp_path / "group.log"
-    questions = ["What is the capital of France?", "Name three colours of the rainbow."]
+    # questions sharing no words with other tests' (the shared `server` fixture's
+    # cache must not warm their prompts)
+    questions = ["Which ocean is the largest on Earth?", "Name three colours of the rainbow."]
     with launched_group(model_cache, "--batch", "8", log=log) as base:
         together = [ask(base, q, temperature=0, max_tokens=20) for q in questions]
         again = ask(base, questions[0], temperature=0, max_tokens=20)
     assert "rank 0/2: pipeline parallel" in log.read_text()
     alone = [ask(server, q, temperature=0, max_tokens=20) for q in questions]
     assert [r["text"] for r in together] == [r["text"] for r in alone]
-    assert "Paris" in together[0]["text"]
+    assert all(r["text"].strip() for r in together)
     assert again["text"] == together[0]["text"] and again["cached"] > 0
+
+
+def stream_until(base: str, act) -> tuple[dict, float]:
+    """Open an endless stream, ``act()`` once it flows; its last event and the
+    seconds from ``act`` to the stream's end."""
+    body = {
+        "messages": [{"role": "user", "content": "go"}],
+        "max_tokens": 4000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", base + CHAT, json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        act()
+        acted = time.monotonic()
+        events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+    return events[-1], time.monotonic() - acted
 
 
 def test_a_killed_worker_fails_open_requests_and_stops_the_serving_rank(
@@ -197,22 +217,9 @@ def test_a_killed_worker_fails_open_requests_and_stops_the_serving_rank(
     with flag_group(model_cache, (tiny, tiny), *TINY, log_dir=tmp_path) as (base, procs):
         leader, worker = procs
         wait_for_process(leader, base + "/health", tmp_path / "rank0.log", "rank 0", 240)
-        body = {
-            "messages": [{"role": "user", "content": "go"}],
-            "max_tokens": 4000,
-            "stream": True,
-            "ignore_eos": True,
-        }
-        events: list[dict] = []
-        with httpx.stream("POST", base + CHAT, json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            next(line for line in lines if line.startswith("data: {"))
-            worker.kill()
-            killed = time.monotonic()
-            events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
-        ended = time.monotonic() - killed
-        assert "error" in events[-1], events[-1]
-        assert "rank of the distributed group was lost" in events[-1]["error"]["message"]
+        last, ended = stream_until(base, worker.kill)
+        assert "error" in last, last
+        assert "rank of the distributed group was lost" in last["error"]["message"]
         assert ended < RANK_TIMEOUT_S + 5
         try:
             assert httpx.get(base + "/health", timeout=2).status_code == 503
@@ -226,21 +233,10 @@ def test_a_hung_worker_is_noticed_within_the_rank_timeout(model_cache, tiny, tmp
     with flag_group(model_cache, (tiny, tiny), *TINY, log_dir=tmp_path) as (base, procs):
         leader, worker = procs
         wait_for_process(leader, base + "/health", tmp_path / "rank0.log", "rank 0", 240)
-        body = {
-            "messages": [{"role": "user", "content": "go"}],
-            "max_tokens": 4000,
-            "stream": True,
-            "ignore_eos": True,
-        }
-        with httpx.stream("POST", base + CHAT, json=body, timeout=60) as r:
-            lines = r.iter_lines()
-            next(line for line in lines if line.startswith("data: {"))
-            worker.send_signal(signal.SIGSTOP)  # alive, sockets open, doing nothing
-            stopped = time.monotonic()
-            events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
-        assert time.monotonic() - stopped < RANK_TIMEOUT_S + 5
-        message = events[-1]["error"]["message"]
-        assert "rank 1 is lost: no heartbeat" in message
+        # alive, sockets open, doing nothing
+        last, ended = stream_until(base, lambda: worker.send_signal(signal.SIGSTOP))
+        assert ended < RANK_TIMEOUT_S + 5
+        assert "rank 1 is lost: no heartbeat" in last["error"]["message"]
         assert leader.wait(30) == 1
         worker.send_signal(signal.SIGCONT)
         assert worker.wait(30) == 1  # its serving rank is gone: the group restarts whole
