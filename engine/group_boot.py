@@ -69,7 +69,11 @@ class GroupBoot:
         that sends each step's ops to them."""
         workers = [r for r in range(self.group.size) if r != self.group.rank]
         monitor = RankMonitor(workers, self.timeout_s)
+        monitor.listen()
         self.group.broadcast(str(monitor.port).encode())
+        # ready only once every worker is booted and beating (each connects as its
+        # last step of booting): a rank lost later is then always a loss, never "late"
+        monitor.wait_connected(max(3 * self.timeout_s, 60.0))
         self.monitor = monitor
         return LeaderRunner(runner, self.group.broadcast, self.clock, monitor.step_running), monitor
 

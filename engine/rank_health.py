@@ -50,10 +50,27 @@ class RankMonitor:
         self._fired = False
         self._lock = threading.Lock()
 
-    def start(self, on_lost: Callable[[str], None]) -> None:
-        self._lost = on_lost
+    def listen(self) -> None:
+        """Accept the workers' heartbeat connections (before the group is ready)."""
         threading.Thread(target=self._accept, name="kvwarm-ranks-accept", daemon=True).start()
+
+    def start(self, on_lost: Callable[[str], None]) -> None:
+        """Watch them: ``on_lost`` once, the moment one is lost."""
+        self._lost = on_lost
         threading.Thread(target=self._watch, name="kvwarm-ranks-watch", daemon=True).start()
+
+    def wait_connected(self, timeout_s: float) -> None:
+        """Block until every worker's heartbeat connection is open: the group is
+        ready only when each rank is. RuntimeError naming the missing ranks."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(r in self._seen for r in self._ranks):
+                return
+            time.sleep(0.05)
+        missing = [r for r in self._ranks if r not in self._seen]
+        raise RuntimeError(
+            f"rank(s) {missing} did not open a heartbeat connection in {timeout_s:.0f}s"
+        )
 
     def step_running(self, running: bool) -> None:
         self._step_since = time.monotonic() if running else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -32,6 +33,7 @@ PROMPTS = [
     "write a haiku about the sea",
 ]
 RANK_TIMEOUT_S = 2.0
+TOKEN = re.compile(r'^data: \{.*"content":"[^"]')
 
 
 def _ring_ports(n: int) -> int:
@@ -204,7 +206,7 @@ def stream_until(base: str, act) -> tuple[dict, float]:
     }
     with httpx.stream("POST", base + CHAT, json=body, timeout=60) as r:
         lines = r.iter_lines()
-        next(line for line in lines if line.startswith("data: {"))
+        next(ln for ln in lines if TOKEN.search(ln))  # a generated token, not the role chunk
         act()
         acted = time.monotonic()
         events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]

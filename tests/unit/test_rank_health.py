@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import pytest
@@ -37,6 +36,7 @@ def beat(monitor: RankMonitor, lost: list[str]) -> Heartbeat:
 def test_beating_ranks_are_healthy(monitor):
     worker_lost: list[str] = []
     lost: list[str] = []
+    monitor.listen()
     monitor.start(lost.append)
     hb = beat(monitor, worker_lost)
     wait_for(lambda: 1 in monitor._seen)
@@ -47,6 +47,7 @@ def test_beating_ranks_are_healthy(monitor):
 
 def test_a_rank_whose_process_exits_is_lost_at_once(monitor):
     lost: list[str] = []
+    monitor.listen()
     monitor.start(lost.append)
     conn = socket.create_connection(("127.0.0.1", monitor.port))
     conn.sendall(b"rank 1\n.")
@@ -57,6 +58,7 @@ def test_a_rank_whose_process_exits_is_lost_at_once(monitor):
 
 def test_a_silent_rank_is_lost_after_the_timeout(monitor):
     lost: list[str] = []
+    monitor.listen()
     monitor.start(lost.append)
     conn = socket.create_connection(("127.0.0.1", monitor.port))
     conn.sendall(b"rank 1\n")  # then nothing: stopped (SIGSTOP) or wedged
@@ -72,7 +74,7 @@ def test_a_step_that_never_finishes_counts_as_a_hang():
     monitor.stall_s = 5.0
     conn = socket.create_connection(("127.0.0.1", monitor.port))
     conn.sendall(b"rank 1\n")
-    threading.Thread(target=monitor._accept, daemon=True).start()
+    monitor.listen()
     wait_for(lambda: 1 in monitor._seen)
     now = monitor._seen[1]
     monitor.step_running(True)
@@ -93,7 +95,7 @@ def test_a_rank_that_never_connects_is_lost(monitor):
 def test_strangers_are_turned_away(monitor):
     conn = socket.create_connection(("127.0.0.1", monitor.port))
     conn.sendall(b"rank 7\n")
-    threading.Thread(target=monitor._accept, daemon=True).start()
+    monitor.listen()
     assert conn.recv(10) == b""  # closed on it
     assert 7 not in monitor._seen
 
@@ -101,7 +103,7 @@ def test_strangers_are_turned_away(monitor):
 def test_workers_tell_an_orderly_stop_from_a_lost_serving_rank(monitor):
     lost: list[str] = []
     beat(monitor, lost)
-    threading.Thread(target=monitor._accept, daemon=True).start()
+    monitor.listen()
     wait_for(lambda: 1 in monitor._seen)
     monitor.close()
     assert wait_for(lambda: lost) == ["the serving rank stopped"]
@@ -120,3 +122,12 @@ def test_a_worker_notices_its_serving_rank_gone():
 
 def test_stall_limit_is_far_beyond_a_step():
     assert stall_limit(1.0) == 60.0 and stall_limit(30.0) == 180.0
+
+
+def test_the_group_is_ready_only_when_every_worker_beats(monitor):
+    monitor.listen()
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not open"):
+        monitor.wait_connected(0.3)
+    hb = beat(monitor, [])
+    monitor.wait_connected(5.0)  # returns once rank 1 said hello
+    hb.stop()
