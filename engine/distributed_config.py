@@ -46,9 +46,7 @@ def write_hostfile(config: DistributedConfig) -> None:
     size = config.world_size
     if not 0 <= config.rank < size:
         raise ValueError(f"--distributed-rank {config.rank} is outside 0..{size - 1}")
-    hosts = list(config.hosts) or ["127.0.0.1"]
-    if len(hosts) == 1:
-        hosts = hosts * size
+    hosts = _rank_hosts(config.hosts, size)
     if len(hosts) != size:
         raise ValueError(f"--distributed-hosts names {len(hosts)} hosts for {size} ranks")
     entries = [[f"{h}:{config.port + r}"] for r, h in enumerate(hosts)]
@@ -59,6 +57,26 @@ def write_hostfile(config: DistributedConfig) -> None:
     os.environ["MLX_RANK"] = str(config.rank)
 
 
+def _rank_hosts(hosts: tuple[str, ...], size: int) -> list[str]:
+    """--distributed-hosts per rank: none means loopback, one address serves every rank."""
+    listed = list(hosts) or ["127.0.0.1"]
+    return listed * size if len(listed) == 1 else listed
+
+
+def _hostfile_hosts() -> list[str] | None:
+    """Each rank's host in the hostfile mlx.launch (or write_hostfile) wrote; None: no
+    readable hostfile. Ring entries are ["ip:port", ...]; launcher entries {"ips": [...]}."""
+    path = os.environ.get("MLX_HOSTFILE")
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            entries = json.load(f)
+        return [_host(e[0] if isinstance(e, list) else e.get("ips", [""])[0]) for e in entries]
+    except (OSError, ValueError, IndexError, KeyError, AttributeError, TypeError):
+        return None
+
+
 def server_host(server_rank: int, hosts: tuple[str, ...] = ()) -> str:
     """The serving rank's address, for the heartbeat: --distributed-hosts, else the
     ring hostfile mlx.launch wrote, else JACCL's coordinator (rank 0), else loopback."""
@@ -67,37 +85,24 @@ def server_host(server_rank: int, hosts: tuple[str, ...] = ()) -> str:
     coordinator = os.environ.get("MLX_JACCL_COORDINATOR")
     if coordinator and server_rank == 0:
         return _host(coordinator)
-    path = os.environ.get("MLX_HOSTFILE")
-    if path:
-        try:
-            with open(path) as f:
-                entry = json.load(f)[server_rank]
-            host = _host(entry[0] if isinstance(entry, list) else entry.get("ips", [""])[0])
-            if host:
-                return host
-        except (OSError, ValueError, IndexError, KeyError, AttributeError, TypeError):
-            pass
+    listed = _hostfile_hosts()
+    if listed is not None and server_rank < len(listed) and listed[server_rank]:
+        return listed[server_rank]
     return "127.0.0.1"
 
 
 def ranks_on_this_host(config: DistributedConfig) -> int:
     """How many ranks of the group share this machine (they then share its cores)."""
-    path = os.environ.get("MLX_HOSTFILE")
-    if launched() and path:
-        try:
-            with open(path) as f:
-                entries = json.load(f)
-            hosts = [_host(e[0] if isinstance(e, list) else e.get("ips", [""])[0]) for e in entries]
-            mine = hosts[int(os.environ.get("MLX_RANK", "0"))]
-            return sum(1 for h in hosts if h == mine)
-        except (OSError, ValueError, IndexError, KeyError, AttributeError, TypeError):
+    if launched() and os.environ.get("MLX_HOSTFILE"):
+        listed = _hostfile_hosts()
+        rank = os.environ.get("MLX_RANK", "0")
+        if listed is None or not rank.isdigit() or int(rank) >= len(listed):
             return 1
+        return listed.count(listed[int(rank)])
     if config.world_size is None or config.rank is None:
         return 1
-    hosts = list(config.hosts) or ["127.0.0.1"]
-    if len(hosts) == 1:
-        return config.world_size
-    return sum(1 for h in hosts if h == hosts[min(config.rank, len(hosts) - 1)])
+    hosts = _rank_hosts(config.hosts, config.world_size)
+    return hosts.count(hosts[min(config.rank, len(hosts) - 1)])
 
 
 def share_cpu_threads(config: DistributedConfig) -> str | None:

@@ -73,7 +73,7 @@ class GroupBoot:
         self.group.broadcast(str(monitor.port).encode())
         # ready only once every worker is booted and beating (each connects as its
         # last step of booting): a rank lost later is then always a loss, never "late"
-        monitor.wait_connected(max(3 * self.timeout_s, 60.0))
+        monitor.wait_connected()
         self.monitor = monitor
         return LeaderRunner(runner, self.group.broadcast, self.clock, monitor.step_running), monitor
 

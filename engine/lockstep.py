@@ -111,10 +111,6 @@ class LeaderRunner:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    @property
-    def active(self) -> int:
-        return int(self.inner.active)
-
     def _now(self) -> float:
         self._clock.now = time.monotonic()
         return self._clock.now
@@ -122,14 +118,13 @@ class LeaderRunner:
     # -- recorded changes -------------------------------------------------------
     def add(self, request: Request) -> RequestOutput | None:
         at = self._now()
+        cached: int | None = None  # stays None if the add raises: workers must refuse it too
         try:
             first = self.inner.add(request)
-        except Exception:
-            self._ops.append(Op("add", at, request=request, cached=None))
-            raise
-        cached = first.cached_tokens if first is not None else 0
-        self._ops.append(Op("add", at, request=request, cached=cached))
-        return first
+            cached = first.cached_tokens if first is not None else 0
+            return first
+        finally:
+            self._ops.append(Op("add", at, request=request, cached=cached))
 
     def remove(self, request_id: str) -> object:
         self._ops.append(Op("remove", self._now(), request_id=request_id))

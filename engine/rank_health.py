@@ -38,6 +38,8 @@ class RankMonitor:
         self._ranks = ranks
         self.timeout_s = timeout_s
         self.stall_s = stall_limit(timeout_s)
+        # how long a worker may take to open its connection once the port is sent
+        self.connect_s = max(3 * timeout_s, 60.0)
         self._server = socket.create_server((bind, 0))
         self.port = self._server.getsockname()[1]
         self._seen: dict[int, float] = {}
@@ -59,17 +61,17 @@ class RankMonitor:
         self._lost = on_lost
         threading.Thread(target=self._watch, name="kvwarm-ranks-watch", daemon=True).start()
 
-    def wait_connected(self, timeout_s: float) -> None:
+    def wait_connected(self) -> None:
         """Block until every worker's heartbeat connection is open: the group is
         ready only when each rank is. RuntimeError naming the missing ranks."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self.connect_s
         while time.monotonic() < deadline:
             if all(r in self._seen for r in self._ranks):
                 return
             time.sleep(0.05)
         missing = [r for r in self._ranks if r not in self._seen]
         raise RuntimeError(
-            f"rank(s) {missing} did not open a heartbeat connection in {timeout_s:.0f}s"
+            f"rank(s) {missing} did not open a heartbeat connection in {self.connect_s:.0f}s"
         )
 
     def step_running(self, running: bool) -> None:
@@ -116,7 +118,7 @@ class RankMonitor:
                 return f"rank {rank} is lost: {self._gone[rank]}"
             seen = self._seen.get(rank)
             if seen is None:
-                if now - self._started > max(3 * self.timeout_s, 30.0):
+                if now - self._started > self.connect_s:
                     return f"rank {rank} never opened its heartbeat connection"
             elif now - seen > self.timeout_s:
                 return f"rank {rank} is lost: no heartbeat for {now - seen:.1f}s"

@@ -89,7 +89,8 @@ def test_a_step_that_never_finishes_counts_as_a_hang():
 
 def test_a_rank_that_never_connects_is_lost(monitor):
     assert monitor.problem(monitor._started + 1) is None
-    assert "never opened" in monitor.problem(monitor._started + 31)
+    assert monitor.problem(monitor._started + monitor.connect_s - 1) is None
+    assert "never opened" in monitor.problem(monitor._started + monitor.connect_s + 1)
 
 
 def test_strangers_are_turned_away(monitor):
@@ -127,7 +128,9 @@ def test_stall_limit_is_far_beyond_a_step():
 def test_the_group_is_ready_only_when_every_worker_beats(monitor):
     monitor.listen()
     with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] did not open"):
-        monitor.wait_connected(0.3)
+        monitor.connect_s = 0.3
+        monitor.wait_connected()
     hb = beat(monitor, [])
-    monitor.wait_connected(5.0)  # returns once rank 1 said hello
+    monitor.connect_s = 5.0
+    monitor.wait_connected()  # returns once rank 1 said hello
     hb.stop()
