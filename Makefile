@@ -62,9 +62,9 @@ $(VENV)/.installed: pyproject.toml deploy/pip_requirements.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools
 	$(PIP) install -q --no-deps -e .
-	$(PY) deploy/pip_requirements.py $(MLX_EXTRA) > $(VENV)/requirements.txt
+	$(PY) deploy/pip_requirements.py $(MLX_EXTRA) vision > $(VENV)/requirements.txt
 	$(PIP) install -q -r $(VENV)/requirements.txt
-	$(PIP) install -q --no-deps $$($(PY) deploy/pip_requirements.py --no-deps-only)
+	$(PIP) install -q --no-deps $$($(PY) deploy/pip_requirements.py --no-deps-only vision)
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed

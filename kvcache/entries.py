@@ -106,6 +106,8 @@ class Lookup:
     candidates: int = 0
     rejected: list[str] = field(default_factory=list)  # why candidates were turned down
     layer: str = "global"  # which layer found the hit: global (block chain) or session
+    # candidates whose alignment was cut back to the start of an image
+    retreated: set[int] = field(default_factory=set)
 
     @property
     def tier(self) -> str:
@@ -126,6 +128,7 @@ class IndexCounters:
     stale_volatile_reuse: int = 0
     exact_key_rejected_by_model_lcp: int = 0
     hybrid_trim_miss: int = 0
+    vlm_retreat: int = 0  # a hit cut back to the start of an image it ended inside
     inserts: int = 0
     evictions: int = 0  # entries dropped from RAM with nowhere else to go
     demotions: int = 0  # entries moved from RAM to disk

@@ -31,6 +31,7 @@ from kvcache.entries import (
     VolatilePolicy,
 )
 from kvcache.eviction import EVICTION_POLICIES, EvictionPolicy
+from kvcache.image_ids import image_start
 from kvcache.prompt_key import Alignment, PromptKey, align, chain_hashes
 
 # the index's data types are imported from here by callers that use the index
@@ -182,6 +183,8 @@ class PrefixIndex:
             return result
         result.hit = best
         entry = best.entry
+        if entry.entry_id in result.retreated:
+            self.counters.vlm_retreat += 1
         entry.hits += 1
         entry.last_used = self._clock()
         if acquire:
@@ -215,6 +218,7 @@ class PrefixIndex:
             if max_growth is not None and growth > max_growth:
                 result.rejected.append(f"entry {entry_id}: stale values {growth} tokens longer")
                 al = align(entry.key, key, skip_volatile=False)
+            al = self._before_partial_image(key, al, entry_id, result)
             if not entry.trimmable and al.entry_depth != entry.length:
                 # recurrent / hybrid layers cannot be cut back: whole entries only
                 self.counters.hybrid_trim_miss += 1
@@ -233,6 +237,19 @@ class PrefixIndex:
             if better or tie_in_ram:
                 best = CacheHit(entry, al)
         return best
+
+    @staticmethod
+    def _before_partial_image(
+        key: PromptKey, al: Alignment, entry_id: int, result: Lookup
+    ) -> Alignment:
+        """A hit that ends inside an image (both sides hold the same image there)
+        retreats to its start: the vision tower's features come whole."""
+        start = image_start(key.model_tokens, al.request_depth)
+        if start == al.request_depth:
+            return al
+        result.retreated.add(entry_id)
+        cut = al.request_depth - start
+        return Alignment(al.entry_depth - cut, start, al.stale_tokens)
 
     def _check_key_agreement(
         self, entry: CacheEntry, key: PromptKey, al: Alignment, blocks: int, result: Lookup

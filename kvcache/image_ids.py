@@ -1,0 +1,45 @@
+"""Images in the token views the KV store compares.
+
+Every token an image covers reaches the model as the same placeholder id (the
+vision tower's features replace it), so equal token ids would say nothing about
+equal images. In a ``PromptKey`` each image's tokens therefore carry one
+*identity id* derived from the image's content digest: negative (never a
+vocabulary id), below the volatile sentinels, and equal for two images only if
+their decoded pixels (and how the processor split them) are. Block hashes,
+alignment, entry equality and the SSD tier's manifests then tell images apart
+with no code of their own; the engine maps identity ids back to the model's
+placeholder ids before any token reaches the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+IMAGE_ID_BASE = -(1 << 40)  # volatile sentinels are small negatives (-1 - rule)
+_ID_SPACE = 1 << 48
+
+
+def image_identity(digest: bytes, expansion: Sequence[int]) -> int:
+    """One image's identity id: its content digest and the tokens the processor
+    expanded it to (another --max-pixels splits the same pixels differently)."""
+    h = hashlib.blake2b(digest, digest_size=8)
+    h.update(",".join(map(str, expansion)).encode())
+    return IMAGE_ID_BASE - int.from_bytes(h.digest(), "little") % _ID_SPACE
+
+
+def is_image_id(token: int) -> bool:
+    return token <= IMAGE_ID_BASE
+
+
+def image_start(tokens: Sequence[int], depth: int) -> int:
+    """``depth`` moved back to the start of the image it falls inside (KV that
+    covers part of an image cannot be resumed: its features come whole)."""
+    if not 0 < depth < len(tokens):
+        return depth
+    ident = tokens[depth]
+    if not is_image_id(ident) or tokens[depth - 1] != ident:
+        return depth
+    while depth > 0 and tokens[depth - 1] == ident:
+        depth -= 1
+    return depth

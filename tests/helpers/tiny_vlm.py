@@ -1,0 +1,110 @@
+"""Tiny random-weight vision-language models built from mlx-vlm's own classes,
+with real processor configs (no downloads)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from tests.helpers.tiny_models import write_byte_tokenizer
+
+# the Idefics3 (SmolVLM) processor's own tokens, added to the byte tokenizer
+IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
+IDEFICS3_TOKENS += [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+IMAGE_SIDE = 32  # the vision tower's input: one 32x32 tile = 4 patches -> 1 token
+
+
+def _add_tokens(path: Path, tokens: list[str]) -> dict[str, int]:
+    from tokenizers import AddedToken, Tokenizer
+
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+    (path / "tokenizer.json").write_text(tok.to_str())
+    return {t: tok.token_to_id(t) for t in tokens}
+
+
+def write_tiny_smolvlm(path: Path, seed: int = 0, longest_edge: int = 2 * IMAGE_SIDE) -> Path:
+    """An Idefics3 / SmolVLM-shaped model: a llama text model (hidden 64, 2 layers)
+    behind a one-layer SigLIP tower. Images are split into tiles of
+    ``IMAGE_SIDE`` pixels (up to ``longest_edge``) plus a global view, each tile
+    one image token, as SmolVLM does at full size."""
+    from mlx_vlm.models import idefics3
+    from mlx_vlm.utils import update_module_configs
+
+    write_byte_tokenizer(path)
+    ids = _add_tokens(path, IDEFICS3_TOKENS)
+    vocab = max(ids.values()) + 1
+    config = {
+        "model_type": "idefics3",
+        "image_token_id": ids["<image>"],
+        "scale_factor": 2,
+        "vocab_size": vocab,
+        "text_config": {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 2,
+            "rms_norm_eps": 1e-5,
+            "vocab_size": vocab,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 8192,
+            "tie_word_embeddings": False,
+        },
+        "vision_config": {
+            "model_type": "idefics3_vision",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_attention_heads": 2,
+            "num_hidden_layers": 1,
+            "patch_size": 8,
+            "image_size": IMAGE_SIDE,
+        },
+    }
+    mx.random.seed(seed)
+    model_config = update_module_configs(
+        idefics3.ModelConfig.from_dict(config), idefics3, config, ["text", "vision"]
+    )
+    model = idefics3.Model(model_config)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "Idefics3ImageProcessor",
+                "processor_class": "Idefics3Processor",
+                "do_convert_rgb": True,
+                "do_resize": True,
+                "size": {"longest_edge": longest_edge},
+                "max_image_size": {"longest_edge": IMAGE_SIDE},
+                "do_image_splitting": True,
+                "do_rescale": True,
+                "rescale_factor": 1 / 255,
+                "do_normalize": True,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+                "do_pad": True,
+                "resample": 1,
+            }
+        )
+    )
+    (path / "processor_config.json").write_text(
+        json.dumps({"processor_class": "Idefics3Processor", "image_seq_len": 1})
+    )
+    return path
+
+
+def png_bytes(width: int, height: int, color: tuple[int, int, int], fmt: str = "PNG") -> bytes:
+    """A solid-colour image with a diagonal line (so crops and scales differ)."""
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (width, height), color)
+    ImageDraw.Draw(image).line((0, 0, width - 1, height - 1), fill=(255 - color[0], 0, 0))
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
