@@ -27,7 +27,7 @@ from app.anthropic_schemas import (
 )
 from app.body import parse_body
 from app.chat_pipeline import ChatCall, forced_tool, prepare_chat
-from app.content_parts import parts_text
+from app.content_parts import parts_content, parts_text
 from app.errors import APIError, anthropic_error_body
 from app.generation import Generation, Outcome
 from app.openapi_doc import ANTHROPIC_ERROR, MESSAGE, TOKEN_COUNT, generation_route
@@ -61,16 +61,20 @@ def _user_messages(content: list[dict[str, Any]], where: str) -> list[dict[str, 
     for block in content:
         kind = block.get("type")
         if kind == "tool_result":
-            body = parts_text(block.get("content", ""), where, in_tool_result=True)
-            if block.get("is_error"):
-                body = f"Error: {body}"  # the model must know the tool failed
+            body = parts_content(block.get("content", ""), where, in_tool_result=True)
+            if block.get("is_error"):  # the model must know the tool failed
+                body = (
+                    f"Error: {body}"
+                    if isinstance(body, str)
+                    else [{"type": "text", "text": "Error:"}, *body]
+                )
             out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": body})
         elif kind in ("text", "image", "document"):
             text.append(block)
         else:
             raise APIError(400, f"Unsupported user content block type {kind!r}.", param=where)
     if text:
-        out.append({"role": "user", "content": parts_text(text, where)})
+        out.append({"role": "user", "content": parts_content(text, where)})
     return out
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from app.errors import APIError
 from app.generation_params import resolve_max_tokens, resolve_sampling
+from app.image_prompt import attach_images, resolve_images
 from app.protocol.output_parser import OutputParser, Syntax
 from app.protocol.thinking import resolve_thinking
 from app.protocol.tool_formats import ToolCallDecoder, forced_opening
@@ -186,21 +187,26 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
     thinking = resolve_thinking(call.fields, default)
     kwargs = _template_kwargs(call, info.syntax, thinking)
     relocate = settings.volatile_policy is VolatilePolicy.RELOCATE
-    for message in call.messages:
+    messages, images = resolve_images(
+        call.messages, info.vision, settings.image_limits, settings.images == "placeholder"
+    )
+    for message in messages:
         # every template renders what the user and tools said: a message longer than
         # any prompt that fits is refused before it is rendered (copying 30 MB through
         # a template holds the GIL for tens of ms)
         if message["role"] in ("user", "tool") and isinstance(message.get("content"), str):
             info.formatter.check_length(message["content"])
-    messages = state.healing.heal_all(call.messages)
+    healed = state.healing.heal_all(messages)
     try:
-        rendered = info.formatter.render_chat(messages, relocate_volatile=relocate, **kwargs)
+        rendered = info.formatter.render_chat(healed, relocate_volatile=relocate, **kwargs)
     except AdmissionError:
         raise  # a prompt no context could hold: 400 context_length_exceeded
     except Exception as exc:  # jinja errors of the model's own template
         raise APIError(400, f"The chat template rejected these messages: {exc}") from exc
     key, parser = _output_side(call, info, rendered)
-    prompt = list(key.model_tokens)
+    prompt, image_inputs = list(key.model_tokens), ()
+    if info.vision is not None and images.images:
+        key, prompt, image_inputs = attach_images(key, images, info.vision)
     session = session_id_from(call.fields, headers) or fallback_session_id(rendered.key.canonical)
     request = Request(
         prompt_tokens=prompt,
@@ -212,7 +218,8 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
         if call.use_kv_cache
         else None,
         adapter=adapter,
+        images=image_inputs,
     )
     if call.ignored:
         log.info("%s: ignored fields: %s", request.request_id, ", ".join(call.ignored))
-    return Prepared(request, parser, context_of(call.messages[-1]), call.ignored, session)
+    return Prepared(request, parser, context_of(messages[-1]), call.ignored, session)

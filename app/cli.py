@@ -54,6 +54,16 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "shutdown_timeout": {"type": float, "metavar": "SECONDS"},
     "allowed_hosts": {"metavar": "HOSTS"},
     "cors_origins": {"metavar": "ORIGINS"},
+    "vision": {"choices": ["auto", "on", "off"]},
+    "images": {"choices": ["reject", "placeholder"]},
+    "max_images": {"type": int, "metavar": "N"},
+    "max_image_bytes": {"metavar": "SIZE"},
+    "max_images_bytes": {"metavar": "SIZE"},
+    "max_image_pixels": {"type": int, "metavar": "N"},
+    "min_pixels": {"type": int, "metavar": "N"},
+    "max_pixels": {"type": int, "metavar": "N"},
+    "fetch_urls": {"action": argparse.BooleanOptionalAction},
+    "fetch_timeout": {"type": float, "metavar": "SECONDS"},
     "distributed": {"action": "store_true"},
     "distributed_mode": {"choices": ["auto", "tensor", "pipeline"]},
     "distributed_server_rank": {"type": int, "metavar": "RANK"},
@@ -118,6 +128,38 @@ def build_parser() -> argparse.ArgumentParser:
         "--matrix", action="store_true", help="also show which Apple memory sizes run each"
     )
     _add_settings_flags(fit, ["model_dir", "log_level"])
+    chat = sub.add_parser(
+        "chat",
+        help="chat with kvwarm or any OpenAI-compatible server from the terminal",
+        description="A terminal REPL against any OpenAI-compatible server. Replies stream as "
+        "they are generated, reasoning shown apart from the answer, and each turn ends with "
+        "TTFT, tokens/s and the prompt tokens the server had cached. In the prompt: "
+        "image:PATH attaches an image (several allowed), /reset or Ctrl-N starts a new "
+        "conversation, /quit, /exit or Ctrl-D leaves, Ctrl-C stops a streaming reply.",
+    )
+    chat.add_argument(
+        "--host",
+        default="http://127.0.0.1:8080",
+        metavar="URL",
+        help="server base URL or HOST:PORT; /v1 is appended to a URL without a path "
+        "[default: %(default)s]",
+    )
+    chat.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help="bearer token [default: env KVWARM_API_KEY or OPENAI_API_KEY]",
+    )
+    chat.add_argument(
+        "--model", metavar="ID", help="model to ask for [default: the first id of GET /v1/models]"
+    )
+    chat.add_argument(
+        "--max-tokens",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="reply length limit [default: %(default)s]",
+    )
+    chat.add_argument("--system", metavar="TEXT", help="system prompt of every conversation")
     return parser
 
 
@@ -200,10 +242,14 @@ def cmd_serve(settings: Settings) -> int:
         kv_quant=settings.kv_quant,
         kv_tier=settings.kv_tier,
         adapters=settings.adapters,
+        vision=settings.vision,
+        image_pixels=(settings.min_pixels, settings.max_pixels),
     )
     if dist is not None:
         if settings.adapters:
             return _fail("--adapter is not available on a distributed group")
+        if settings.vision == "on":
+            return _fail("--vision on is not available on a distributed group")
         from engine.distributed import RankGroup
 
         log.info(
@@ -277,6 +323,10 @@ def cmd_serve(settings: Settings) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "chat":  # a client: none of the server's settings apply
+        from app.chat_repl import run_chat
+
+        return run_chat(args)
     try:
         settings = load_settings(args)
     except ValidationError as exc:

@@ -6,16 +6,36 @@ from collections.abc import Mapping
 from typing import Any
 
 from app.errors import APIError
+from app.images import source_of
 
 IMAGE_OMITTED = "[image omitted: this model cannot read images]"
 TEXT_PARTS = frozenset({"text", "input_text", "output_text", "reasoning_text", "summary_text"})
 IMAGE_PARTS = frozenset({"image", "input_image", "image_url", "document", "input_file"})
+IMAGE_KINDS = frozenset({"image", "input_image", "image_url"})  # a vision model reads these
+
+
+def parts_content(
+    content: Any, where: str, in_tool_result: bool = False
+) -> str | list[dict[str, Any]]:
+    """User or tool content: its text, or, when it holds images, its parts in
+    order (``{"type": "text", "text"}`` and ``{"type": "image", "source"}``),
+    which request preparation resolves for the model (app.image_prompt)."""
+    if not isinstance(content, list) or not any(
+        isinstance(p, Mapping) and p.get("type") in IMAGE_KINDS for p in content
+    ):
+        return parts_text(content, where, in_tool_result)
+    out: list[dict[str, Any]] = []
+    for i, part in enumerate(content):
+        if isinstance(part, Mapping) and part.get("type") in IMAGE_KINDS:
+            out.append({"type": "image", "source": source_of(dict(part), f"{where}.{i}")})
+        else:
+            out.append({"type": "text", "text": parts_text([part], where, in_tool_result)})
+    return out
 
 
 def parts_text(content: Any, where: str, in_tool_result: bool = False) -> str:
-    """Text parts joined by newlines. An image the user sends is refused (400); one
-    inside a tool result (a screenshot tool) becomes a visible note, so an agent
-    whose history holds one can go on."""
+    """Text parts joined by newlines. Images are refused here (400): only user
+    and tool content carries them (``parts_content``)."""
     if content is None:
         return ""
     if isinstance(content, str):

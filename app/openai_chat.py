@@ -18,6 +18,7 @@ from app.chat_pipeline import (
     prepare_chat,
     template_tool_calls,
 )
+from app.content_parts import parts_content
 from app.errors import APIError, error_body
 from app.generation import Generation, Outcome, openai_tool_calls
 from app.openapi_doc import CHAT_COMPLETION, generation_route
@@ -33,10 +34,16 @@ router = APIRouter()
 
 
 def template_message(message: ChatMessage, index: int) -> dict[str, Any]:
-    try:
-        content = message.text()
-    except ValueError as exc:
-        raise APIError(400, str(exc), param=f"messages.{index}.content") from exc
+    where = f"messages.{index}.content"
+    content: str | list[dict[str, Any]]
+    if message.role in ("user", "tool") and isinstance(message.content, list):
+        parts = [p.model_dump(exclude_none=True) for p in message.content]
+        content = parts_content(parts, where, in_tool_result=message.role == "tool")
+    else:
+        try:
+            content = message.text()
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=where) from exc
     role = "system" if message.role == "developer" else message.role
     out: dict[str, Any] = {"role": role, "content": content}
     for key in ("name", "tool_call_id", "reasoning_content"):

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.body import parse_body
 from app.chat_pipeline import ChatCall, parse_openai_tool_choice, prepare_chat, template_tool_calls
-from app.content_parts import parts_text
+from app.content_parts import parts_content, parts_text
 from app.errors import APIError
 from app.generation import Generation, Outcome
 from app.openapi_doc import DELETED, OPENAI_ERROR, RESPONSE, errors, generation_route, json_content
@@ -58,7 +58,7 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
         where = f"input.{i}"
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            message = {"role": role, "content": parts_text(_parts(item.content), where)}
+            message = {"role": role, "content": parts_content(_parts(item.content), where)}
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = "\n".join(reasoning), []
             out.append(message)
@@ -78,7 +78,7 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
                     message["reasoning_content"], reasoning = "\n".join(reasoning), []
                 out.append(message)
         elif isinstance(item, FunctionCallOutputItem):
-            text = parts_text(_parts(item.output), where, in_tool_result=True)
+            text = parts_content(_parts(item.output), where, in_tool_result=True)
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": text})
     return out
 

@@ -26,6 +26,9 @@ class InputPart(BaseModel):
     ]
     text: str | None = None
     refusal: str | None = None
+    image_url: str | None = None  # input_image: a data URL or an http(s) URL
+    file_id: str | None = None
+    detail: str | None = None
 
 
 Parts = bounded_list(InputPart, MAX_PARTS)

@@ -10,6 +10,7 @@ from typing import Annotated, Literal
 from pydantic import ByteSize, Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.images import ImageLimits
 from engine.distributed_config import DistributedConfig, launched
 from kvcache.eviction import EVICTION_POLICIES
 from kvcache.index import PromptCacheConfig, VolatilePolicy
@@ -192,6 +193,42 @@ class Settings(BaseSettings):
         "reasoning_content / thinking blocks); the model still thinks",
     )
 
+    vision: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="serve images through mlx-vlm: auto (when config.json has a "
+        "vision_config and mlx-vlm knows the model type), on (refuse to start otherwise) "
+        "or off (the text model only)",
+    )
+    images: Literal["reject", "placeholder"] = Field(
+        "reject",
+        description="images sent to a text-only model: reject (400) or placeholder (each "
+        "becomes a short note naming its stable id, so a conversation can move between a "
+        "vision and a text model)",
+    )
+    max_images: int = Field(5, ge=0, le=64, description="images one request may carry")
+    max_image_bytes: ByteSize = Field(
+        "20MB", description="largest encoded image (after base64 decoding or download)"
+    )
+    max_images_bytes: ByteSize = Field("50MB", description="all of one request's images")
+    max_image_pixels: int = Field(
+        40_000_000,
+        ge=1,
+        description="decompression-bomb guard: largest width x height decoded (read from "
+        "the image's header before any pixel is)",
+    )
+    min_pixels: int | None = Field(
+        None, ge=1, description="the vision processor's smallest image area (model default)"
+    )
+    max_pixels: int | None = Field(
+        None, ge=1, description="the vision processor's largest image area (model default)"
+    )
+    fetch_urls: bool = Field(
+        True,
+        description="fetch http(s) image URLs (--no-fetch-urls: only data URLs and base64 "
+        "images are accepted)",
+    )
+    fetch_timeout: float = Field(10.0, gt=0, description="seconds to fetch one image URL")
+
     distributed: bool = Field(
         False,
         description="join a distributed group without mlx.launch (ring backend): this "
@@ -348,6 +385,17 @@ class Settings(BaseSettings):
     def kv_disk_limit(self) -> int | None:
         """Bytes for the SSD tier; None: auto (decided once the folder exists)."""
         return None if self.kv_disk_bytes == "auto" else int(self.kv_disk_bytes)
+
+    @property
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(
+            max_images=self.max_images,
+            max_image_bytes=int(self.max_image_bytes),
+            max_total_bytes=int(self.max_images_bytes),
+            max_pixels=self.max_image_pixels,
+            fetch_urls=self.fetch_urls,
+            fetch_timeout=self.fetch_timeout,
+        )
 
     @property
     def max_body_size(self) -> int:

@@ -31,6 +31,8 @@ from engine.lora import AdapterTag, is_tag
 from engine.row_faults import FaultLedger, GuardedProcessor, GuardedSampler
 from engine.sampling import SamplerFactory
 from engine.text_output import TextOutput
+from engine.vision import VisionPrefill
+from kvcache.image_ids import real_tokens
 from kvcache.manager import TieredKVManager
 from kvcache.payloads import plain_kv_only
 from kvcache.prompt_key import PromptKey
@@ -141,8 +143,12 @@ class BatchRunner:
         prefill_batch: int,
         prefix_cache: TieredKVManager | None = None,
         max_step_s: float = 0.0,
+        vision: VisionPrefill | None = None,
     ):
         self.model = model
+        self.vision = vision  # a vision model's image prefill (engine.vision)
+        # image identity id -> the image's tokens: maps cached keys back to model ids
+        self._expansions: dict[int, tuple[int, ...]] = {}
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
         self._detokenizer = detokenizer_factory(tokenizer)
@@ -218,6 +224,13 @@ class BatchRunner:
             slot=slot,
         )
         prompt = request.prompt_tokens
+        if request.images and self.vision is None:
+            raise ValueError("images sent to a text model")  # the HTTP layer refuses these
+        for image in request.images:  # a hit aligns only where this request's images are
+            self._expansions.pop(image.identity, None)
+            self._expansions[image.identity] = image.tokens
+            while len(self._expansions) > 4096:
+                del self._expansions[next(iter(self._expansions))]
         cache, cached_tokens = None, None
         hints = request.cache if self.prefix_cache is not None else None
         if hints is not None:
@@ -231,9 +244,9 @@ class BatchRunner:
                 row.cached, row.kv_offset = reuse.request_depth, reuse.kv_depth
                 row.kv_key, row.entry_id = reuse.kv_key, reuse.entry_id
                 cache = reuse.caches
-                cached_tokens = list(reuse.kv_key.model_tokens[: reuse.kv_depth])
+                cached_tokens = self._model_ids(reuse.kv_key.model_tokens[: reuse.kv_depth])
         rest = prompt[row.cached :]
-        if hints is not None:
+        if hints is not None and not request.images:  # image rows: prefilled in one go
             row.checkpoints = self._checkpoints(hints, row.cached, len(rest))
         bounds = [0, *row.checkpoints, len(rest)]
         segments = [rest[a:b] for a, b in zip(bounds, bounds[1:])]
@@ -253,6 +266,28 @@ class BatchRunner:
             cached_tokens=row.cached,
             cache=row.report,
         )
+
+    def _model_ids(self, tokens) -> list[int]:
+        """A cached key's tokens as the model's ids (image identities expanded)."""
+        return real_tokens(tokens, self._expansions) if self._expansions else list(tokens)
+
+    def _vision_prefill(self, w: _Waiting) -> None:
+        """Run the row's prompt through its last uncached image (engine.vision): it
+        then joins the batch like a prefix hit, with the text after the image."""
+        row, request = w.row, w.row.request
+        if self.vision is None or all(i.end <= row.cached for i in request.images):
+            return
+        cache = list(w.cache) if w.cache is not None else make_prompt_cache(self.model)
+        done = self.vision.run(request.prompt_tokens, request.images, row.cached, cache)
+        gained = done - row.cached
+        rest = request.prompt_tokens[done:]
+        w.cache = cache
+        w.cached_tokens = (w.cached_tokens or []) + list(request.prompt_tokens[row.cached : done])
+        w.segments = [rest]
+        row.kv_offset += gained
+        row.prefill_len = len(rest)
+        row.stops = (len(rest) - 1,)
+        self.prefill_tokens += gained
 
     def _insert(self, row: _Row, segments, cache, cached_tokens, generator=None) -> int:
         request = row.request
@@ -339,7 +374,7 @@ class BatchRunner:
         if row.kv_key is None or not caches:
             return
         base = row.kv_key.model_tokens
-        if tuple(all_tokens[: len(base)]) != base:
+        if list(all_tokens[: len(base)]) != self._model_ids(base):
             return  # should not happen; never store KV under the wrong tokens
         key = row.kv_key.extended(all_tokens[len(base) :])
         hints = row.request.cache
@@ -367,6 +402,8 @@ class BatchRunner:
         for request_id in plan.start:
             w = self._waiting.pop(request_id)
             try:
+                if w.row.request.images:
+                    self._vision_prefill(w)
                 uid = self._insert(w.row, w.segments, w.cache, w.cached_tokens)
             except Exception as exc:  # noqa: BLE001 - this row's own inputs
                 self._release(w.row)

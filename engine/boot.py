@@ -48,7 +48,9 @@ def boot_mlx(config: EngineConfig) -> Booted:
     ranks = _group_boot(config)
     if ranks is not None:
         ranks.check_same(model_fingerprint(prepare_model_dir(config.source)), _shared(config))
-    loaded = load_model(config.source, shard=ranks.shard if ranks is not None else None)
+    loaded = load_model(
+        config.source, shard=ranks.shard if ranks is not None else None, vision=config.vision
+    )
     cfg = config
     total = cfg.memory_budget_bytes or measured.total_bytes
     prefill_rows = min(cfg.max_batch, 8)
@@ -93,6 +95,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
         prefill_batch=prefill_rows,
         prefix_cache=prefix_cache,
         max_step_s=step_budget_ms(cfg.max_step_ms, device) / 1e3,
+        vision=loaded.vision,
     )
     if ranks is not None:
         ranks.same_randomness()
@@ -109,6 +112,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
         device=device,
         syntax=probe_syntax(loaded.tokenizer),
         bandwidth_bytes_s=bandwidth,
+        vision=_image_front(loaded, cfg),
     )
     syntax = info.syntax
     log.info(
@@ -186,6 +190,25 @@ def boot_mlx(config: EngineConfig) -> Booted:
         ranks=monitor,
         group=ranks,
     )
+
+
+def _image_front(loaded, config: EngineConfig):
+    """The processor side of a vision model, for request preparation."""
+    if loaded.vision is None:
+        return None
+    from engine.vision import VisionFront
+
+    front = VisionFront(loaded.processor, loaded.tokenizer, *config.image_pixels)
+    log.info(
+        "vision model (mlx-vlm %s): images become %r tokens; vision tower and language "
+        "model share the %.0f MiB of weights above; image features of the last %d MiB of "
+        "images are kept for re-sent images",
+        type(loaded.vision.vlm).__module__.rsplit(".", 1)[0],
+        front.placeholder,
+        loaded.weights_bytes / 2**20,
+        loaded.vision.feature_bytes // 2**20,
+    )
+    return front
 
 
 def _group_boot(config: EngineConfig) -> GroupBoot | None:

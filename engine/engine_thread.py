@@ -87,6 +87,8 @@ class EngineConfig:
     # one model over several processes (engine.distributed); None: this process alone
     distributed: DistributedConfig | None = None
     group: Any = None  # the joined engine.distributed.RankGroup (set by the CLI)
+    vision: str = "auto"  # --vision auto|on|off (engine.vision.wants_vision)
+    image_pixels: tuple[int | None, int | None] = (None, None)  # --min/--max-pixels
 
 
 class EngineThread(threading.Thread):

@@ -46,6 +46,8 @@ class LoadedModel:
     layout: KVLayout
     num_heads: int
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    vision: Any = None  # engine.vision.VisionPrefill of a vision model; None: text only
+    processor: Any = None  # its mlx-vlm processor
 
 
 def prefers_float32() -> bool:
@@ -139,10 +141,46 @@ def _num_heads(model: Any, config: dict[str, Any]) -> int:
     return int(heads or 1)
 
 
-def load_model(source: ModelSource, shard: Callable[[Any], object] | None = None) -> LoadedModel:
-    """Load with mlx-lm; ``shard`` (distributed) splits the still-lazy model first,
-    so a rank only ever reads its own part of the weights."""
+def load_vision_model(source: ModelSource, model_dir: Path) -> LoadedModel:
+    """A vision-language model: mlx-vlm's model and processor, mlx-lm's tokenizer;
+    the engine's generator runs its language model (engine.vision)."""
+    from mlx_lm.utils import load_tokenizer
+
+    from engine.vision import LanguageView, VisionPrefill, load_vision
+
+    vlm, processor = load_vision(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
+    view = LanguageView(vlm)
+    weights = sum(v.nbytes for _, v in tree_flatten(vlm.parameters()))  # the tower's too
+    text_config = config.get("text_config", {})
+    return LoadedModel(
+        model=view,
+        tokenizer=tokenizer,
+        model_dir=model_dir,
+        model_id=source.model_id,
+        config=config,
+        context_length=_context_length(config, tokenizer),
+        weights_bytes=weights,
+        layout=probe_layout(view),
+        num_heads=int(text_config.get("num_attention_heads") or 1),
+        generation_defaults=_generation_defaults(model_dir),
+        vision=VisionPrefill(vlm, view),
+        processor=processor,
+    )
+
+
+def load_model(
+    source: ModelSource, shard: Callable[[Any], object] | None = None, vision: str = "off"
+) -> LoadedModel:
+    """Load with mlx-lm (mlx-vlm for a vision model, ``vision``: --vision);
+    ``shard`` (distributed) splits the still-lazy model first, so a rank only
+    ever reads its own part of the weights."""
+    from engine.vision import wants_vision
+
     model_dir = prepare_model_dir(source)
+    if shard is None and wants_vision(model_dir, vision):
+        return load_vision_model(source, model_dir)
     try:
         model, tokenizer, config = mlx_lm_load(
             str(model_dir), return_config=True, lazy=shard is not None

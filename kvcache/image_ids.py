@@ -14,7 +14,9 @@ placeholder ids before any token reaches the model.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+
+from kvcache.prompt_key import PromptKey, TokenSpan
 
 IMAGE_ID_BASE = -(1 << 40)  # volatile sentinels are small negatives (-1 - rule)
 _ID_SPACE = 1 << 48
@@ -43,3 +45,46 @@ def image_start(tokens: Sequence[int], depth: int) -> int:
     while depth > 0 and tokens[depth - 1] == ident:
         depth -= 1
     return depth
+
+
+def expand_images(key: PromptKey, slots: Sequence[tuple[int, int, int]]) -> PromptKey:
+    """``key`` with the placeholder token at each ``(position, length, identity)``
+    (ascending positions) widened to ``length`` identity tokens; volatile spans,
+    message ends and the stable prefix move with the text after each image."""
+    tokens: list[int] = []
+    pos = 0
+    for at, length, identity in slots:
+        tokens += key.model_tokens[pos:at]
+        tokens += [identity] * length
+        pos = at + 1
+
+    def moved(p: int) -> int:  # a boundary at p (never inside a placeholder)
+        return p + sum(length - 1 for at, length, _ in slots if at < p)
+
+    tokens += key.model_tokens[pos:]
+    spans = [TokenSpan(moved(s.start), moved(s.end), s.rule) for s in key.spans]
+    return PromptKey.build(
+        tokens,
+        spans,
+        [moved(e) for e in key.message_ends],
+        moved(key.stable_prefix_end),
+    )
+
+
+def real_tokens(tokens: Sequence[int], expansions: Mapping[int, Sequence[int]]) -> list[int]:
+    """The model's ids for a key's tokens: each identity run becomes its image's
+    tokens (a run of the same image twice in a row repeats them)."""
+    out = list(tokens)
+    i = 0
+    while i < len(out):
+        ident = out[i]
+        if not is_image_id(ident):
+            i += 1
+            continue
+        exp = expansions[ident]
+        j = i
+        while j < len(out) and out[j] == ident:
+            out[j] = exp[(j - i) % len(exp)]
+            j += 1
+        i = j
+    return out

@@ -12,7 +12,7 @@ from kvcache.interface import KVCacheManager
 from kvcache.prompt_key import RenderedPrompt
 from kvcache.stats import KVCacheStats
 from scheduler.admission import MemoryBudget
-from scheduler.request import Request, RequestOutput
+from scheduler.request import ImageInput, Request, RequestOutput
 from scheduler.step_timings import StepReport, StepTimings
 
 T = TypeVar("T")
@@ -36,6 +36,17 @@ class PromptFormatter(Protocol):
 
     def check_length(self, text: str) -> None:
         """Raise ContextLengthExceeded if no tokenisation of ``text`` fits the context."""
+        ...
+
+
+class ImageFront(Protocol):
+    """A vision model's processor as request preparation uses it (worker threads)."""
+
+    placeholder: str  # the text the chat template gets where an image goes
+    placeholder_id: int  # the one token that text becomes
+
+    def image_input(self, image: Any, digest: bytes, start: int) -> ImageInput:
+        """The image's tokens and pixel inputs, placed at prompt position ``start``."""
         ...
 
 
@@ -136,6 +147,7 @@ class ModelInfo:
     syntax: TextSyntax = field(default_factory=TextSyntax)
     # memory bandwidth as decode sees it, measured once at start (engine.device_memory)
     bandwidth_bytes_s: float = 0.0
+    vision: ImageFront | None = None  # None: a text-only model
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvcache.prompt_key import PromptKey
 
@@ -63,6 +64,21 @@ class CacheHints:
     adapter: str = ""
 
 
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a vision request: where its tokens sit in the prompt, what
+    they are, and the processor's pixel inputs (numpy arrays) for the engine."""
+
+    start: int  # first prompt token of the image
+    tokens: tuple[int, ...]  # the model's ids for it (placeholders and markers)
+    identity: int  # its id in the cache key's view (kvcache.image_ids)
+    inputs: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
 @dataclass
 class Request:
     """One generation job. ``prompt_tokens`` are exactly what the model sees."""
@@ -77,6 +93,7 @@ class Request:
     trim_leading_space: bool = True
     cache: CacheHints | None = None  # None: this request neither reads nor feeds the cache
     adapter: str | None = None  # a mounted LoRA adapter's id; None: the base model
+    images: tuple[ImageInput, ...] = ()  # in prompt order (vision models)
     request_id: str = field(default_factory=next_request_id)
     arrival_time: float = field(default_factory=time.monotonic)
     state: RequestState = RequestState.WAITING

@@ -15,7 +15,7 @@ from tests.helpers.tiny_models import write_byte_tokenizer
 # the Idefics3 (SmolVLM) processor's own tokens, added to the byte tokenizer
 IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
 IDEFICS3_TOKENS += [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
-IMAGE_SIDE = 32  # the vision tower's input: one 32x32 tile = 4 patches -> 1 token
+IMAGE_SIDE = 32  # one tile: 4x4 patches of 8 pixels, pixel-shuffled (x2) to 4 tokens
 
 
 def _add_tokens(path: Path, tokens: list[str]) -> dict[str, int]:
@@ -94,7 +94,7 @@ def write_tiny_smolvlm(path: Path, seed: int = 0, longest_edge: int = 2 * IMAGE_
         )
     )
     (path / "processor_config.json").write_text(
-        json.dumps({"processor_class": "Idefics3Processor", "image_seq_len": 1})
+        json.dumps({"processor_class": "Idefics3Processor", "image_seq_len": 4})
     )
     return path
 

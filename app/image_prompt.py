@@ -1,0 +1,161 @@
+"""Images in a chat prompt: from content parts to the tokens the model reads.
+
+Runs in request preparation (a worker thread), in two halves around rendering:
+
+1. ``resolve_images`` turns every message's parts into the string content the
+   chat template renders. On a vision model each image becomes the model's
+   placeholder token (and is decoded, within the limits); on a text model it
+   is refused, or becomes a note naming its stable id (``--images
+   placeholder``; images inside tool results always do, so an agent whose
+   history holds a screenshot can go on).
+2. ``attach_images`` widens each placeholder in the rendered key to the image's
+   tokens (the processor decides how many) under its identity id, and hands the
+   engine each image's tokens and pixel inputs.
+
+Images are numbered by content within a request (which holds the whole
+conversation): a picture re-sent three times is "image 1" each time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.content_parts import IMAGE_OMITTED
+from app.errors import APIError
+from app.images import ImageLimits, ImageSource, LoadedImage, check_count, load_images
+from kvcache.image_ids import expand_images
+from kvcache.prompt_key import PromptKey
+from scheduler.contracts import ImageFront
+from scheduler.request import ImageInput
+
+
+@dataclass
+class ResolvedImages:
+    """The request's images in prompt order (vision models) and their numbering."""
+
+    images: list[LoadedImage] = field(default_factory=list)
+    numbers: dict[bytes, int] = field(default_factory=dict)  # digest -> "image N"
+
+    def number(self, image: LoadedImage) -> int:
+        return self.numbers.setdefault(image.digest, len(self.numbers) + 1)
+
+
+def _sources(messages: Sequence[dict[str, Any]]) -> list[ImageSource]:
+    return [
+        part["source"]
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if part.get("type") == "image"
+    ]
+
+
+def resolve_images(
+    messages: list[dict[str, Any]],
+    front: ImageFront | None,
+    limits: ImageLimits,
+    placeholder_notes: bool,
+) -> tuple[list[dict[str, Any]], ResolvedImages]:
+    """Messages with string contents, and the images the model will read."""
+    sources = _sources(messages)
+    resolved = ResolvedImages()
+    if not sources:
+        return messages, resolved
+    reading = front is not None or placeholder_notes
+    loaded: list[LoadedImage] = []
+    if reading:
+        loaded = load_images(sources, limits)
+    else:
+        check_count(len(sources), limits)
+    out = []
+    k = 0
+    for index, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            if front is not None and isinstance(content, str) and front.placeholder in content:
+                raise _forged(front, index)
+            out.append(message)
+            continue
+        pieces = []
+        for part in content:
+            if part.get("type") != "image":
+                text = part.get("text", "")
+                if front is not None and front.placeholder in text:
+                    raise _forged(front, index)
+                pieces.append(text)
+                continue
+            if front is not None:
+                image = loaded[k]
+                resolved.number(image)
+                resolved.images.append(image)
+                pieces.append(front.placeholder)
+            elif placeholder_notes:
+                image = loaded[k]
+                pieces.append(f"[image {resolved.number(image)}: {image.short_id}]")
+            elif message.get("role") == "tool":
+                pieces.append(IMAGE_OMITTED)
+            else:
+                raise APIError(
+                    400,
+                    "Image content is not supported by this model (a text model: serve a "
+                    "vision model, or start with --images placeholder to replace images "
+                    "with a note).",
+                    param=f"messages.{index}.content",
+                )
+            k += 1
+        out.append({**message, "content": _join(pieces, front)})
+    return out, resolved
+
+
+def _join(pieces: list[str], front: ImageFront | None) -> str:
+    """Text parts on their own lines; the image placeholder flush with its neighbours
+    (the template decides the spacing around an image, as with parts)."""
+    text = ""
+    for i, piece in enumerate(pieces):
+        if i and front is not None and front.placeholder in (piece, pieces[i - 1]):
+            text += piece
+        elif i:
+            text += "\n" + piece
+        else:
+            text = piece
+    return text
+
+
+def _forged(front: ImageFront, index: int) -> APIError:
+    return APIError(
+        400,
+        f"Message text contains this model's image marker {front.placeholder!r}: send "
+        "images as image parts.",
+        param=f"messages.{index}.content",
+    )
+
+
+def attach_images(
+    key: PromptKey, resolved: ResolvedImages, front: ImageFront
+) -> tuple[PromptKey, list[int], tuple[ImageInput, ...]]:
+    """The rendered key with each image widened to its tokens: the key (identity
+    view), the model's prompt tokens, and the engine's image inputs."""
+    if not resolved.images:
+        return key, list(key.model_tokens), ()
+    at = [i for i, t in enumerate(key.model_tokens) if t == front.placeholder_id]
+    if len(at) != len(resolved.images):
+        raise APIError(
+            400,
+            f"The chat template placed {len(at)} image markers for {len(resolved.images)} "
+            "images (does it render every message's content?).",
+        )
+    inputs: list[ImageInput] = []
+    shift = 0
+    for pos, image in zip(at, resolved.images):
+        item = front.image_input(image.image, image.digest, pos + shift)
+        inputs.append(item)
+        shift += len(item.tokens) - 1
+    wide = expand_images(key, [(p, len(i.tokens), i.identity) for p, i in zip(at, inputs)])
+    prompt = list(wide.model_tokens)
+    if inputs[-1].end >= len(prompt):
+        raise APIError(400, "A prompt cannot end with an image: nothing follows it to read it.")
+    for item in inputs:
+        prompt[item.start : item.end] = item.tokens
+    return wide, prompt, tuple(inputs)

@@ -1,0 +1,194 @@
+"""Images from any dialect, decoded once at the boundary (worker thread).
+
+Each dialect names an image its own way (chat ``image_url``, Anthropic
+``source``, Responses ``input_image``); all become an ``ImageSource``. Loading
+one enforces every limit before the next costly step: the encoded size before
+base64 decoding or while downloading, the pixel count from the header before
+any pixel is decoded. The identity of an image is a digest of its decoded
+pixels, so the same picture re-encoded (another PNG compressor, a data URL
+instead of a file) is the same image to the cache.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import re
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from app.errors import APIError
+
+_DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?((?:;[\w.+-]+=[^;,]*)*)(;base64)?,", re.I)
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    """The seed servers' limits, all settable (--max-images etc.)."""
+
+    max_images: int = 5
+    max_image_bytes: int = 20 * 10**6
+    max_total_bytes: int = 50 * 10**6
+    max_pixels: int = 40_000_000  # decompression-bomb guard, from the header
+    fetch_urls: bool = True
+    fetch_timeout: float = 10.0
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """Where an image's bytes are: a URL (data: or http(s)) or inline base64."""
+
+    url: str | None = None
+    base64: str | None = None
+    media_type: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadedImage:
+    """One decoded image: RGB pixels and the digest that names them."""
+
+    image: Any  # PIL.Image.Image in RGB
+    digest: bytes
+    encoded_bytes: int
+
+    @property
+    def short_id(self) -> str:
+        return self.digest.hex()[:12]
+
+
+def source_of(part: dict[str, Any], where: str) -> ImageSource:
+    """The ``ImageSource`` of one content part of any dialect."""
+    kind = part.get("type")
+    if kind == "image_url":  # chat completions
+        ref = part.get("image_url")
+        url = ref.get("url") if isinstance(ref, dict) else ref
+        if isinstance(url, str):
+            return ImageSource(url=url)
+    elif kind == "input_image":  # Responses
+        url = part.get("image_url")
+        if isinstance(url, str):
+            return ImageSource(url=url)
+        if part.get("file_id") is not None:
+            raise APIError(
+                400, "input_image by file_id is not supported: send image_url", param=where
+            )
+    elif kind == "image":  # Anthropic
+        src = part.get("source")
+        if isinstance(src, dict) and src.get("type") == "base64":
+            data, media = src.get("data"), src.get("media_type")
+            if isinstance(data, str):
+                return ImageSource(
+                    base64=data, media_type=media if isinstance(media, str) else None
+                )
+        if isinstance(src, dict) and src.get("type") == "url" and isinstance(src.get("url"), str):
+            return ImageSource(url=src["url"])
+    raise APIError(400, f"{kind} content has no image URL or base64 data.", param=where)
+
+
+def check_count(n: int, limits: ImageLimits, where: str = "messages") -> None:
+    if n > limits.max_images:
+        raise APIError(
+            400,
+            f"Too many images: {n} in this request; the limit is {limits.max_images} "
+            "(--max-images).",
+            param=where,
+        )
+
+
+def load_images(sources: list[ImageSource], limits: ImageLimits) -> list[LoadedImage]:
+    """Every image of one request, decoded, within the request's limits."""
+    check_count(len(sources), limits)
+    out: list[LoadedImage] = []
+    total = 0
+    for i, source in enumerate(sources):
+        where = f"image {i + 1}"
+        raw = _encoded(source, limits, where)
+        total += len(raw)
+        if total > limits.max_total_bytes:
+            raise APIError(
+                400,
+                f"Images too large in total: {total} bytes so far; the limit is "
+                f"{limits.max_total_bytes} bytes a request (--max-images-bytes).",
+                param=where,
+            )
+        out.append(decode_image(raw, limits, where))
+    return out
+
+
+def decode_image(raw: bytes, limits: ImageLimits, where: str = "image") -> LoadedImage:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(raw))
+        width, height = image.size  # the header only: nothing decoded yet
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise APIError(400, f"{where}: not an image this server can read ({exc}).") from exc
+    if width * height > limits.max_pixels:
+        raise APIError(
+            400,
+            f"{where}: {width}x{height} = {width * height} pixels; the limit is "
+            f"{limits.max_pixels} (--max-image-pixels).",
+        )
+    try:
+        rgb = image.convert("RGB")  # decodes: corrupt data fails here
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise APIError(400, f"{where}: the image data is corrupt ({exc}).") from exc
+    digest = hashlib.blake2b(f"{width}x{height}".encode(), digest_size=16)
+    digest.update(rgb.tobytes())
+    return LoadedImage(rgb, digest.digest(), len(raw))
+
+
+def _too_big(n: int, limits: ImageLimits, where: str) -> APIError:
+    return APIError(
+        400,
+        f"{where}: {n} bytes; the limit is {limits.max_image_bytes} bytes an image "
+        "(--max-image-bytes).",
+    )
+
+
+def _b64(data: str, limits: ImageLimits, where: str) -> bytes:
+    if len(data) * 3 // 4 > limits.max_image_bytes + 3:
+        raise _too_big(len(data) * 3 // 4, limits, where)
+    try:
+        raw = base64.b64decode(data, validate=False)
+    except (binascii.Error, ValueError) as exc:
+        raise APIError(400, f"{where}: invalid base64 data ({exc}).") from exc
+    if len(raw) > limits.max_image_bytes:
+        raise _too_big(len(raw), limits, where)
+    return raw
+
+
+def _encoded(source: ImageSource, limits: ImageLimits, where: str) -> bytes:
+    if source.base64 is not None:
+        return _b64(source.base64, limits, where)
+    url = source.url or ""
+    match = _DATA_URL.match(url)
+    if match:
+        if not match.group(3):
+            raise APIError(400, f"{where}: a data URL must be base64 encoded.")
+        return _b64(url[match.end() :], limits, where)
+    if url.startswith(("http://", "https://")):
+        if not limits.fetch_urls:
+            raise APIError(
+                400,
+                f"{where}: this server does not fetch image URLs (--no-fetch-urls); send "
+                "the image as a data URL or base64.",
+            )
+        return _fetch(url, limits, where)
+    raise APIError(400, f"{where}: image URLs must be data:, http: or https: URLs.")
+
+
+def _fetch(url: str, limits: ImageLimits, where: str) -> bytes:
+    """Download with a timeout, reading no more than the size limit allows."""
+    request = urllib.request.Request(url, headers={"User-Agent": "kvwarm"})
+    try:
+        with urllib.request.urlopen(request, timeout=limits.fetch_timeout) as resp:  # noqa: S310
+            raw = resp.read(limits.max_image_bytes + 1)
+    except Exception as exc:  # noqa: BLE001 - any network failure is the client's URL
+        raise APIError(400, f"{where}: could not fetch {url[:200]} ({exc}).") from exc
+    if len(raw) > limits.max_image_bytes:
+        raise _too_big(len(raw), limits, where)
+    return raw

@@ -1,0 +1,152 @@
+"""Images over real HTTP against `kvwarm serve` on a tiny SmolVLM-shaped model:
+every dialect, tool results, each limit's 400, corrupt data, the cache."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import kvwarm_server
+from tests.helpers.tiny_vlm import png_bytes, write_tiny_smolvlm
+
+PNG = png_bytes(50, 40, (10, 200, 30))
+B64 = base64.b64encode(PNG).decode()
+URL = f"data:image/png;base64,{B64}"
+
+
+@pytest.fixture(scope="module")
+def vision_server(model_cache, tmp_path_factory):
+    model = write_tiny_smolvlm(tmp_path_factory.mktemp("tiny-smolvlm"), seed=2)
+    log = tmp_path_factory.mktemp("serve-vision") / "kvwarm.log"
+    args = ("--model", str(model), "--max-images", "2", "--max-image-bytes", "100KB")
+    args += ("--max-image-pixels", "1000000", "--no-fetch-urls")
+    with kvwarm_server(model_cache, *args, log=log) as base:
+        yield base
+
+
+def chat(base: str, content, **extra) -> httpx.Response:
+    body = {"model": "m", "max_tokens": 4, "temperature": 0, **extra}
+    body.setdefault("messages", [{"role": "user", "content": content}])
+    return httpx.post(base + "/v1/chat/completions", json=body, timeout=120)
+
+
+def image_part(url: str = URL) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def test_images_reach_the_model_in_every_dialect_and_hit_the_cache(vision_server):
+    base = vision_server
+    first = chat(base, [image_part(), {"type": "text", "text": "what is this?"}])
+    assert first.status_code == 200, first.text
+    again = chat(base, [image_part(), {"type": "text", "text": "what is this?"}])
+    usage = again.json()["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    assert (
+        again.json()["choices"][0]["message"]["content"]
+        == (first.json()["choices"][0]["message"]["content"])
+    )
+
+    anthropic = httpx.post(
+        base + "/v1/messages",
+        json={
+            "model": "m",
+            "max_tokens": 4,
+            "temperature": 0,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "image",
+                            "source": {"type": "base64", "media_type": "image/png", "data": B64},
+                        },
+                        {"type": "text", "text": "what is this?"},
+                    ],
+                }
+            ],
+        },
+        timeout=120,
+    )
+    assert anthropic.status_code == 200, anthropic.text
+    responses = httpx.post(
+        base + "/v1/responses",
+        json={
+            "model": "m",
+            "max_output_tokens": 4,
+            "temperature": 0,
+            "input": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_image", "image_url": URL},
+                        {"type": "input_text", "text": "what is this?"},
+                    ],
+                }
+            ],
+        },
+        timeout=120,
+    )
+    assert responses.status_code == 200, responses.text
+    # the same conversation in every dialect: the same tokens, so a warm hit each time
+    assert anthropic.json()["usage"]["cache_read_input_tokens"] > 0
+    assert responses.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+
+
+def test_a_screenshot_in_a_tool_result_reaches_the_model(vision_server):
+    messages = [
+        {"role": "user", "content": "take a screenshot"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "shot", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": [image_part()]},
+    ]
+    with_image = chat(vision_server, None, messages=messages)
+    assert with_image.status_code == 200, with_image.text
+    red = image_part(
+        f"data:image/png;base64,{base64.b64encode(png_bytes(50, 40, (200, 0, 0))).decode()}"
+    )
+    messages[-1]["content"] = [red]
+    other = chat(vision_server, None, messages=messages)
+    # a different screenshot: the same text, but nothing past the image is reused
+    first_usage, other_usage = with_image.json()["usage"], other.json()["usage"]
+    assert first_usage["prompt_tokens"] == other_usage["prompt_tokens"]
+    assert other_usage["prompt_tokens_details"]["cached_tokens"] < other_usage["prompt_tokens"] - 20
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ([image_part()] * 3, "Too many images: 3"),
+        ([image_part(f"data:image/png;base64,{'A' * 200_000}")], "--max-image-bytes"),
+        (
+            [
+                image_part(
+                    "data:image/png;base64,"
+                    + base64.b64encode(png_bytes(1200, 1000, (1, 2, 3))).decode()
+                )
+            ],
+            "--max-image-pixels",
+        ),
+        (
+            [image_part("data:image/png;base64," + base64.b64encode(b"not a png").decode())],
+            "not an image",
+        ),
+        ([image_part("data:image/png;base64," + base64.b64encode(PNG[:60]).decode())], "image"),
+        ([image_part("https://example.com/cat.png")], "--no-fetch-urls"),
+        ([image_part("ftp://example.com/cat.png")], "data:, http: or https:"),
+        ([image_part(), {"type": "text", "text": "sneaky <image> marker"}], "image marker"),
+    ],
+)
+def test_each_limit_and_bad_image_is_a_400_and_the_server_stays_healthy(
+    vision_server, content, needle
+):
+    resp = chat(vision_server, content)
+    assert resp.status_code == 400, resp.text
+    assert needle in resp.json()["error"]["message"]
+    assert httpx.get(vision_server + "/health", timeout=10).status_code == 200

@@ -1,0 +1,151 @@
+"""Vision rows on a tiny random-weight SmolVLM (mlx-vlm's Idefics3 classes):
+exact against mlx-vlm's own full-prompt forward, cached by image content, and
+batched with text rows without changing anyone's tokens."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from app.image_prompt import attach_images, resolve_images
+from app.images import ImageLimits, ImageSource
+from engine.batch_runner import BatchRunner
+from engine.loader import load_model
+from engine.model_source import ModelSource
+from engine.prompt_format import ChatFormatter
+from engine.vision import VisionFront
+from kvcache.index import PromptCacheConfig
+from kvcache.manager import TieredKVManager
+from scheduler.request import CacheHints, Request, SamplingParams
+from tests.helpers.tiny_vlm import png_bytes, write_tiny_smolvlm
+
+GREEN, RED = (10, 200, 30), (200, 10, 30)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    path = write_tiny_smolvlm(tmp_path_factory.mktemp("tiny-smolvlm"), seed=5)
+    loaded = load_model(ModelSource("mlx", Path(path), "tiny-smolvlm"), vision="auto")
+    front = VisionFront(loaded.processor, loaded.tokenizer, None, None)
+    return loaded, front, ChatFormatter(loaded.tokenizer, 8192)
+
+
+def runner_for(loaded, cache=True) -> BatchRunner:
+    kv = None
+    if cache:
+        kv = TieredKVManager(
+            PromptCacheConfig(), 64 * 2**20, "ns", make_prompt_cache(loaded.model), None, None
+        )
+    return BatchRunner(
+        loaded.model, loaded.tokenizer, 4, 512, 4, prefix_cache=kv, vision=loaded.vision
+    )
+
+
+def data_url(raw: bytes, mime: str = "image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(raw).decode()}"
+
+
+def request(vlm, text: str, *urls: str, max_tokens: int = 6) -> Request:
+    loaded, front, fmt = vlm
+    parts = [{"type": "image", "source": ImageSource(url=u)} for u in urls]
+    parts.append({"type": "text", "text": text})
+    messages, images = resolve_images(
+        [{"role": "user", "content": parts}], front, ImageLimits(), False
+    )
+    key, prompt, inputs = attach_images(fmt.render_chat(messages).key, images, front)
+    return Request(
+        prompt,
+        max_tokens,
+        SamplingParams(temperature=0.0),
+        cache=CacheHints(key, "s"),
+        images=inputs,
+    )
+
+
+def run(runner: BatchRunner, *requests: Request) -> list[tuple[tuple[int, ...], int]]:
+    """Greedy tokens and cached prompt tokens of each request, run together."""
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    cached: dict[str, int] = {}
+    for r in requests:
+        cached[r.request_id] = runner.add(r).cached_tokens
+    while runner.active:
+        for out in runner.step():
+            assert out.error is None, out.error
+            tokens[out.request_id] += out.token_ids
+    return [(tuple(tokens[r.request_id]), cached[r.request_id]) for r in requests]
+
+
+def reference(loaded, req: Request) -> tuple[int, ...]:
+    """mlx-vlm's own path: the whole prompt's embeddings at once, then greedy."""
+    vlm = loaded.vision.vlm
+    (image,) = req.images
+    inputs = {k: mx.array(v) for k, v in image.inputs.items()}
+    pixels = inputs.pop("pixel_values")
+    prompt = mx.array([req.prompt_tokens])
+    embeds = vlm.get_input_embeddings(prompt, pixels, **inputs).inputs_embeds
+    cache = make_prompt_cache(loaded.model)
+    logits = vlm.language_model(prompt, inputs_embeds=embeds, cache=cache).logits
+    out = []
+    for _ in range(req.max_tokens):
+        token = int(mx.argmax(logits[0, -1]).item())
+        out.append(token)
+        logits = vlm.language_model(mx.array([[token]]), cache=cache).logits
+    return tuple(out)
+
+
+def test_an_image_row_generates_what_mlx_vlm_does_with_the_whole_prompt(vlm):
+    loaded = vlm[0]
+    req = request(vlm, "what is in this picture?", data_url(png_bytes(50, 40, GREEN)))
+    ((tokens, _),) = run(runner_for(loaded, cache=False), req)
+    assert tokens == reference(loaded, req)
+
+
+def test_the_same_image_re_sent_or_re_encoded_hits_and_skips_the_tower(vlm):
+    loaded = vlm[0]
+    runner = runner_for(loaded)
+    png = png_bytes(50, 40, GREEN)
+    first = request(vlm, "describe it", data_url(png))
+    ((tokens, cached),) = run(runner, first)
+    assert cached == 0
+    runs = loaded.vision.counters.encoder_runs
+    # the same pixels as a BMP: another encoding, the same image
+    again = request(vlm, "describe it", data_url(png_bytes(50, 40, GREEN, "BMP"), "image/bmp"))
+    assert again.cache.key.model_tokens == first.cache.key.model_tokens
+    ((tokens2, cached2),) = run(runner, again)
+    assert tokens2 == tokens
+    assert cached2 == len(again.prompt_tokens) - 1  # all an ideal cache could
+    assert loaded.vision.counters.encoder_runs == runs  # the tower did not run
+
+
+def test_identical_text_with_another_image_never_hits_past_the_image(vlm):
+    loaded = vlm[0]
+    runner = runner_for(loaded)
+    green = request(vlm, "describe it", data_url(png_bytes(50, 40, GREEN)))
+    red = request(vlm, "describe it", data_url(png_bytes(50, 40, RED)))
+    assert green.prompt_tokens == red.prompt_tokens  # the model's ids agree...
+    (_, cached_red) = run(runner, green, red)[1]  # ...the cache must not
+    ((_, cached_again),) = run(runner, red)
+    assert cached_red <= red.images[0].start
+    assert cached_again == len(red.prompt_tokens) - 1
+    assert runner.prefix_cache.stats().vlm_retreat == 0  # clean traffic: no retreat
+
+
+def test_image_and_text_rows_in_one_batch_keep_their_own_tokens(vlm):
+    loaded = vlm[0]
+    make = [
+        lambda: request(vlm, "first picture", data_url(png_bytes(50, 40, GREEN))),
+        lambda: request(vlm, "no picture here, just text to read"),
+        lambda: request(
+            vlm,
+            "two pictures",
+            data_url(png_bytes(30, 60, RED)),
+            data_url(png_bytes(20, 20, GREEN)),
+        ),
+    ]
+    alone = [run(runner_for(loaded, cache=False), m())[0][0] for m in make]
+    together = [t for t, _ in run(runner_for(loaded, cache=False), *(m() for m in make))]
+    assert together == alone
