@@ -1,0 +1,133 @@
+"""A minimal streaming client for any OpenAI-compatible chat completions server.
+
+Used by `kvwarm chat`. It speaks plain HTTP through httpx and parses the SSE stream
+by hand, so it works against kvwarm, mlx_lm.server, llama.cpp, vLLM or OpenAI alike.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+
+class ChatError(Exception):
+    """A failure worth one readable line: HTTP error, unreachable server, bad stream."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    """One streamed piece of the reply: reasoning and/or answer text."""
+
+    reasoning: str = ""
+    content: str = ""
+
+
+@dataclass(frozen=True)
+class Usage:
+    completion_tokens: int | None
+    cached_tokens: int
+
+
+def base_url(host: str) -> str:
+    """`127.0.0.1:8080`, `http://h:8080` or `https://h/v1` -> the API root ending in /v1."""
+    url = host.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    # A URL that already names a path (`.../v1`, `.../openai/v1`) is taken as the API root.
+    if httpx.URL(url).path in ("", "/"):
+        url += "/v1"
+    return url
+
+
+def _error_message(response: httpx.Response) -> str:
+    """`HTTP 400 Bad Request: <the OpenAI error body's message>`."""
+    detail = response.text.strip()
+    try:
+        body = response.json()
+        error = body.get("error", body) if isinstance(body, dict) else body
+        if isinstance(error, dict):
+            detail = str(error.get("message") or error.get("detail") or error)
+        elif isinstance(error, str):
+            detail = error
+    except ValueError:
+        pass
+    status = f"HTTP {response.status_code} {response.reason_phrase}".strip()
+    return f"{status}: {detail[:500]}" if detail else status
+
+
+class ChatClient:
+    def __init__(self, host: str, api_key: str | None = None) -> None:
+        self.base = base_url(host)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # No read timeout: a long prompt's prefill can keep the first byte away for
+        # minutes on a CPU; Ctrl-C is the way out.
+        self._http = httpx.Client(
+            base_url=self.base, headers=headers, timeout=httpx.Timeout(10.0, read=None)
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def first_model(self) -> str:
+        """The first id GET /v1/models lists: the server's default model."""
+        try:
+            response = self._http.get("/models")
+        except httpx.TransportError as exc:
+            raise ChatError(f"cannot reach {self.base}: {exc}") from exc
+        if response.is_error:
+            raise ChatError(_error_message(response))
+        try:
+            return str(response.json()["data"][0]["id"])
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            raise ChatError(f"{self.base}/models lists no model") from exc
+
+    def stream(self, body: dict[str, Any]) -> Iterator[Delta | Usage]:
+        """POST a streaming chat completion and yield its deltas, then its usage.
+
+        Closing the generator (as Ctrl-C does) closes the HTTP stream, which tells
+        the server to stop generating.
+        """
+        try:
+            with self._http.stream("POST", "/chat/completions", json=body) as response:
+                if response.is_error:
+                    response.read()
+                    raise ChatError(_error_message(response))
+                for line in response.iter_lines():
+                    if not line.startswith("data:"):
+                        continue  # blank separators, `event:` lines, `: keep-alive` comments
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    yield from _parse_chunk(data)
+        except httpx.TransportError as exc:
+            raise ChatError(f"cannot reach {self.base}: {exc}") from exc
+
+
+def _parse_chunk(data: str) -> Iterator[Delta | Usage]:
+    try:
+        chunk = json.loads(data)
+    except ValueError as exc:
+        raise ChatError(f"unreadable stream chunk: {data[:200]}") from exc
+    if not isinstance(chunk, dict):
+        return
+    if chunk.get("error"):  # some servers report mid-stream failures as a data chunk
+        error = chunk["error"]
+        raise ChatError(str(error.get("message", error) if isinstance(error, dict) else error))
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta") or {}
+        # `reasoning_content` (DeepSeek, vLLM, kvwarm) or `reasoning` (OpenRouter, Ollama)
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
+        content = delta.get("content") or ""
+        if reasoning or content:
+            yield Delta(reasoning=str(reasoning), content=str(content))
+    usage = chunk.get("usage")
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details") or {}
+        yield Usage(
+            completion_tokens=usage.get("completion_tokens"),
+            cached_tokens=int(details.get("cached_tokens") or 0),
+        )

@@ -1,0 +1,255 @@
+"""`kvwarm chat`: a terminal REPL against any OpenAI-compatible server.
+
+Replies stream as they arrive, reasoning apart from the answer, and each turn ends
+with one stats line (TTFT, tokens/s, cached prompt tokens), which is what you want
+to watch when you are checking a server's prefix cache by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import mimetypes
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from app.chat_client import ChatClient, ChatError, Delta, Usage
+
+HELP = (
+    "image:PATH attaches an image · /reset or Ctrl-N: new conversation · "
+    "/quit, /exit or Ctrl-D: leave · Ctrl-C stops a reply"
+)
+PROMPT = "> "
+CTRL_N = "\x0e"
+# SGR codes: reasoning dim cyan, stats dim, errors red
+REASONING_STYLE, STATS_STYLE, ERROR_STYLE = "2;36", "2", "31"
+
+Content = str | list[dict[str, Any]]
+
+
+def build_content(line: str) -> Content:
+    """The user message for a typed line: `image:PATH` words become image parts.
+
+    Raises ChatError for an image that cannot be read, so the turn is not sent.
+    """
+    words = line.split()
+    is_image = [w.startswith("image:") and len(w) > len("image:") for w in words]
+    if not any(is_image):
+        return line.strip()
+    text = " ".join(w for w, image in zip(words, is_image) if not image)
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+    for word, image in zip(words, is_image):
+        if image:
+            url = image_data_url(word[len("image:") :])
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
+
+
+def image_data_url(path: str) -> str:
+    file = Path(path).expanduser()
+    try:
+        raw = file.read_bytes()
+    except OSError as exc:
+        raise ChatError(f"cannot read image {file}: {exc.strerror or exc}") from exc
+    mime = mimetypes.guess_type(file.name)[0] or "application/octet-stream"
+    return f"data:{mime};base64,{base64.b64encode(raw).decode('ascii')}"
+
+
+def style(text: str, code: str, enabled: bool) -> str:
+    return f"\033[{code}m{text}\033[0m" if enabled else text
+
+
+class ReplyPrinter:
+    """Prints a streamed reply: a `thinking:` block (coloured on a TTY), then the answer."""
+
+    def __init__(self, out: TextIO, colour: bool) -> None:
+        self.out, self.colour = out, colour
+        self.mode: str | None = None  # "reasoning" or "content": the block being written
+        self.answer = ""
+        self._line_open = False
+
+    def write(self, delta: Delta) -> None:
+        if delta.reasoning:
+            if self.mode != "reasoning":
+                self._start_block("reasoning", style("thinking: ", REASONING_STYLE, self.colour))
+            # Each fragment carries its own reset, so an interrupted reply leaves no colour on.
+            self._emit(style(delta.reasoning, REASONING_STYLE, self.colour))
+        if delta.content:
+            if self.mode != "content":
+                # Without colour a label is what keeps the answer apart from the reasoning.
+                label = "answer: " if self.mode and not self.colour else ""
+                self._start_block("content", label)
+            self.answer += delta.content
+            self._emit(delta.content)
+
+    def finish(self) -> None:
+        if self._line_open:
+            self._emit("\n")
+
+    def _start_block(self, mode: str, label: str) -> None:
+        if self.mode is not None:
+            self.finish()
+            self._emit("\n")  # a blank line between the thinking block and the answer
+        self.mode = mode
+        self._emit(label)
+
+    def _emit(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
+            self._line_open = not text.endswith("\n")
+
+
+@dataclass
+class TurnStats:
+    start: float
+    first: float | None = None  # first reasoning or content token
+    last: float | None = None
+    chunks: int = 0
+    usage: Usage | None = None
+
+    def token(self) -> None:
+        now = time.perf_counter()
+        self.first = self.first if self.first is not None else now
+        self.last = now
+        self.chunks += 1
+
+    def line(self) -> str:
+        usage = self.usage
+        tokens = self.chunks
+        if usage is not None and usage.completion_tokens is not None:
+            tokens = usage.completion_tokens
+        ttft = "–"
+        rate = "–"
+        if self.first is not None and self.last is not None:
+            ttft = f"{self.first - self.start:.2f}"
+            if self.last > self.first:
+                rate = f"{tokens / (self.last - self.first):.1f}"
+        cached = usage.cached_tokens if usage is not None else 0
+        return f"[ttft {ttft} s · {rate} tok/s · {tokens} tokens · cached {cached}]"
+
+
+def setup_readline() -> None:
+    """Line editing and history; Ctrl-N types `/reset` and submits it."""
+    try:
+        import readline
+    except ImportError:  # no readline (Windows): `/reset` still works
+        return
+    if "libedit" in (readline.__doc__ or ""):  # macOS's system Python uses editline
+        readline.parse_and_bind("bind -s ^N ^A^K/reset^J")
+    else:
+        # A macro: go to the line start, kill the line, type /reset, press Enter.
+        readline.parse_and_bind(r'"\C-n": "\C-a\C-k/reset\n"')
+
+
+class ChatRepl:
+    def __init__(
+        self,
+        client: ChatClient,
+        model: str | None,
+        max_tokens: int,
+        system: str | None,
+        out: TextIO = sys.stdout,
+    ) -> None:
+        self.client, self.model = client, model
+        self.max_tokens, self.system = max_tokens, system
+        self.out = out
+        self.colour = out.isatty() and "NO_COLOR" not in os.environ
+        self.history: list[dict[str, Any]] = []
+
+    def run(self) -> int:
+        if sys.stdin.isatty():
+            setup_readline()
+        if self.model is None:
+            try:
+                self.model = self.client.first_model()
+            except ChatError as exc:  # the server may come up later: retried each turn
+                self.error(f"{exc} (will retry on the next message)")
+        self.print(f"kvwarm chat · {self.client.base} · model {self.model or '?'}")
+        self.print(style(HELP, STATS_STYLE, self.colour))
+        while True:
+            try:
+                line = input(PROMPT)
+            except (EOFError, KeyboardInterrupt):  # Ctrl-D / Ctrl-C at the prompt
+                self.print("")
+                return 0
+            command = line.strip()
+            if command in ("/quit", "/exit"):
+                return 0
+            if command == "/reset" or CTRL_N in line:  # raw ^N: a terminal without readline
+                self.history.clear()
+                self.print(style("(new conversation)", STATS_STYLE, self.colour))
+            elif command == "/help":
+                self.print(HELP)
+            elif command.startswith("/") and " " not in command:
+                self.error(f"unknown command {command}; {HELP}")
+            elif command:
+                self.turn(command)
+
+    def turn(self, line: str) -> None:
+        try:
+            user = {"role": "user", "content": build_content(line)}
+            self.model = model = self.model or self.client.first_model()
+        except ChatError as exc:
+            self.error(str(exc))
+            return
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        body = {
+            "model": model,
+            "messages": system + self.history + [user],
+            "max_tokens": self.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        answer = self._stream_reply(body)
+        if answer:  # a failed turn is forgotten; an interrupted one keeps what was shown
+            self.history += [user, {"role": "assistant", "content": answer}]
+
+    def _stream_reply(self, body: dict[str, Any]) -> str | None:
+        printer = ReplyPrinter(self.out, self.colour)
+        stats = TurnStats(start=time.perf_counter())
+        stream = self.client.stream(body)
+        try:
+            for event in stream:
+                if isinstance(event, Usage):
+                    stats.usage = event
+                else:
+                    stats.token()
+                    printer.write(event)
+        except ChatError as exc:
+            printer.finish()
+            self.error(str(exc))
+            return None
+        except KeyboardInterrupt:
+            printer.finish()
+            self.print(style("[interrupted]", STATS_STYLE, self.colour))
+        finally:
+            stream.close()  # drops the connection, so the server stops generating
+        printer.finish()
+        self.print(style(stats.line(), STATS_STYLE, self.colour))
+        return printer.answer
+
+    def print(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def error(self, message: str) -> None:
+        self.out.flush()  # keep the order the two streams were written in
+        colour = sys.stderr.isatty() and "NO_COLOR" not in os.environ
+        print(style(f"error: {message}", ERROR_STYLE, colour), file=sys.stderr, flush=True)
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    """Entry point of `kvwarm chat` (flags defined in app/cli.py)."""
+    api_key = args.api_key or os.environ.get("KVWARM_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    client = ChatClient(args.host, api_key)
+    try:
+        return ChatRepl(client, args.model, args.max_tokens, args.system).run()
+    except KeyboardInterrupt:  # e.g. while the start-up model lookup waits
+        return 130
+    finally:
+        client.close()
