@@ -43,7 +43,6 @@ class ImageSource:
 
     url: str | None = None
     base64: str | None = None
-    media_type: str | None = None
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,6 @@ class LoadedImage:
 
     image: Any  # PIL.Image.Image in RGB
     digest: bytes
-    encoded_bytes: int
 
     @property
     def short_id(self) -> str:
@@ -78,11 +76,8 @@ def source_of(part: dict[str, Any], where: str) -> ImageSource:
     elif kind == "image":  # Anthropic
         src = part.get("source")
         if isinstance(src, dict) and src.get("type") == "base64":
-            data, media = src.get("data"), src.get("media_type")
-            if isinstance(data, str):
-                return ImageSource(
-                    base64=data, media_type=media if isinstance(media, str) else None
-                )
+            if isinstance(src.get("data"), str):
+                return ImageSource(base64=src["data"])
         if isinstance(src, dict) and src.get("type") == "url" and isinstance(src.get("url"), str):
             return ImageSource(url=src["url"])
     raise APIError(400, f"{kind} content has no image URL or base64 data.", param=where)
@@ -138,7 +133,7 @@ def decode_image(raw: bytes, limits: ImageLimits, where: str = "image") -> Loade
         raise APIError(400, f"{where}: the image data is corrupt ({exc}).") from exc
     digest = hashlib.blake2b(f"{width}x{height}".encode(), digest_size=16)
     digest.update(rgb.tobytes())
-    return LoadedImage(rgb, digest.digest(), len(raw))
+    return LoadedImage(rgb, digest.digest())
 
 
 def _too_big(n: int, limits: ImageLimits, where: str) -> APIError:

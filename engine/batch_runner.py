@@ -32,7 +32,6 @@ from engine.row_faults import FaultLedger, GuardedProcessor, GuardedSampler
 from engine.sampling import SamplerFactory
 from engine.text_output import TextOutput
 from engine.vision import VisionPrefill
-from kvcache.image_ids import real_tokens
 from kvcache.manager import TieredKVManager
 from kvcache.payloads import plain_kv_only
 from kvcache.prompt_key import PromptKey
@@ -147,8 +146,6 @@ class BatchRunner:
     ):
         self.model = model
         self.vision = vision  # a vision model's image prefill (engine.vision)
-        # image identity id -> the image's tokens: maps cached keys back to model ids
-        self._expansions: dict[int, tuple[int, ...]] = {}
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
         self._detokenizer = detokenizer_factory(tokenizer)
@@ -224,13 +221,10 @@ class BatchRunner:
             slot=slot,
         )
         prompt = request.prompt_tokens
-        if request.images and self.vision is None:
-            raise ValueError("images sent to a text model")  # the HTTP layer refuses these
-        for image in request.images:  # a hit aligns only where this request's images are
-            self._expansions.pop(image.identity, None)
-            self._expansions[image.identity] = image.tokens
-            while len(self._expansions) > 4096:
-                del self._expansions[next(iter(self._expansions))]
+        if request.images:
+            if self.vision is None:
+                raise ValueError("images sent to a text model")  # the HTTP layer refuses these
+            self.vision.remember(request.images)
         cache, cached_tokens = None, None
         hints = request.cache if self.prefix_cache is not None else None
         if hints is not None:
@@ -269,7 +263,7 @@ class BatchRunner:
 
     def _model_ids(self, tokens) -> list[int]:
         """A cached key's tokens as the model's ids (image identities expanded)."""
-        return real_tokens(tokens, self._expansions) if self._expansions else list(tokens)
+        return self.vision.model_ids(tokens) if self.vision is not None else list(tokens)
 
     def _vision_prefill(self, w: _Waiting) -> None:
         """Run the row's prompt through its last uncached image (engine.vision): it

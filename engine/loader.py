@@ -137,7 +137,11 @@ def kv_namespace(model_dir: Path, layout: KVLayout) -> str:
 
 def _num_heads(model: Any, config: dict[str, Any]) -> int:
     args = getattr(model, "args", None)
-    heads = getattr(args, "num_attention_heads", 0) or config.get("num_attention_heads", 0)
+    heads = (
+        getattr(args, "num_attention_heads", 0)
+        or config.get("num_attention_heads", 0)
+        or (config.get("text_config") or {}).get("num_attention_heads", 0)  # a VLM's
+    )
     return int(heads or 1)
 
 
@@ -151,23 +155,8 @@ def load_vision_model(source: ModelSource, model_dir: Path) -> LoadedModel:
     vlm, processor = load_vision(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
-    view = LanguageView(vlm)
-    weights = sum(v.nbytes for _, v in tree_flatten(vlm.parameters()))  # the tower's too
-    text_config = config.get("text_config", {})
-    return LoadedModel(
-        model=view,
-        tokenizer=tokenizer,
-        model_dir=model_dir,
-        model_id=source.model_id,
-        config=config,
-        context_length=_context_length(config, tokenizer),
-        weights_bytes=weights,
-        layout=probe_layout(view),
-        num_heads=int(text_config.get("num_attention_heads") or 1),
-        generation_defaults=_generation_defaults(model_dir),
-        vision=VisionPrefill(vlm, view),
-        processor=processor,
-    )
+    view = LanguageView(vlm)  # its parameters are the tower's and the language model's
+    return _loaded(source, model_dir, view, tokenizer, config, VisionPrefill(vlm, view), processor)
 
 
 def load_model(
@@ -190,8 +179,18 @@ def load_model(
     if shard is not None:
         shard(model)
         mx.eval(model.parameters())
-    weights = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    layout = probe_layout(model)
+    return _loaded(source, model_dir, model, tokenizer, config)
+
+
+def _loaded(
+    source: ModelSource,
+    model_dir: Path,
+    model: Any,
+    tokenizer: Any,
+    config: dict[str, Any],
+    vision: Any = None,
+    processor: Any = None,
+) -> LoadedModel:
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
@@ -199,8 +198,10 @@ def load_model(
         model_id=source.model_id,
         config=config,
         context_length=_context_length(config, tokenizer),
-        weights_bytes=weights,
-        layout=layout,
+        weights_bytes=sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+        layout=probe_layout(model),
         num_heads=_num_heads(model, config),
         generation_defaults=_generation_defaults(model_dir),
+        vision=vision,
+        processor=processor,
     )

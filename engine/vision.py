@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from engine.model_errors import UnsupportedModelError
-from kvcache.image_ids import image_identity
+from kvcache.image_ids import image_identity, real_tokens
 from scheduler.request import ImageInput
 
 log = logging.getLogger("kvwarm.engine.vision")
@@ -124,7 +124,6 @@ class VisionFront:
         self.placeholder = str(processor.image_token)
         self.placeholder_id = int(tokenizer.convert_tokens_to_ids(self.placeholder))
         self._bos = getattr(tokenizer, "bos_token_id", None)
-        self._kwargs: dict[str, Any] = {}
         image_processor = getattr(processor, "image_processor", None)
         if min_pixels is not None and hasattr(image_processor, "min_pixels"):
             image_processor.min_pixels = min_pixels
@@ -134,7 +133,7 @@ class VisionFront:
 
     def expand(self, image: Any) -> ImageExpansion:
         with self._lock:
-            out = self.processor(text=[self.placeholder], images=[image], **self._kwargs)
+            out = self.processor(text=[self.placeholder], images=[image])
         ids = [int(t) for t in np.asarray(out["input_ids"]).reshape(-1)]
         if ids and ids[0] == self._bos:
             ids = ids[1:]
@@ -169,6 +168,21 @@ class VisionPrefill:
     counters: VisionCounters = field(default_factory=VisionCounters)
     _features: OrderedDict[int, Any] = field(default_factory=OrderedDict)
     _held: int = 0
+    # image identity id -> the image's tokens: maps cached keys back to model ids
+    _expansions: OrderedDict[int, tuple[int, ...]] = field(default_factory=OrderedDict)
+
+    def remember(self, images: Sequence[ImageInput]) -> None:
+        """A row's images, before its lookup: a hit aligns only where they are, so
+        every identity a hit's tokens hold is known while the row needs it."""
+        for image in images:
+            self._expansions[image.identity] = image.tokens
+            self._expansions.move_to_end(image.identity)
+        while len(self._expansions) > 4096:
+            self._expansions.popitem(last=False)
+
+    def model_ids(self, tokens: Sequence[int]) -> list[int]:
+        """A cached key's tokens as the model's ids (image identities expanded)."""
+        return real_tokens(tokens, self._expansions)
 
     def run(
         self, prompt: Sequence[int], images: Sequence[ImageInput], start: int, cache: list
