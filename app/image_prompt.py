@@ -74,7 +74,7 @@ def resolve_images(
     for index, message in enumerate(messages):
         content = message.get("content")
         if not isinstance(content, list):
-            if front is not None and isinstance(content, str) and front.placeholder in content:
+            if front is not None and isinstance(content, str) and front.image_token in content:
                 raise _forged(front, index)
             out.append(message)
             continue
@@ -82,7 +82,7 @@ def resolve_images(
         for part in content:
             if part.get("type") != "image":
                 text = part.get("text", "")
-                if front is not None and front.placeholder in text:
+                if front is not None and front.image_token in text:
                     raise _forged(front, index)
                 pieces.append(text)
                 continue
@@ -126,7 +126,7 @@ def _join(pieces: list[str], front: ImageFront | None) -> str:
 def _forged(front: ImageFront, index: int) -> APIError:
     return APIError(
         400,
-        f"Message text contains this model's image marker {front.placeholder!r}: send "
+        f"Message text contains this model's image marker {front.image_token!r}: send "
         "images as image parts.",
         param=f"messages.{index}.content",
     )

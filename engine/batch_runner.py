@@ -28,6 +28,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from engine.adapters import AdapterSet
 from engine.fast_detok import detokenizer_factory
 from engine.lora import AdapterTag, is_tag
+from engine.mrope import positioned
 from engine.row_faults import FaultLedger, GuardedProcessor, GuardedSampler
 from engine.sampling import SamplerFactory
 from engine.text_output import TextOutput
@@ -72,6 +73,8 @@ class _Row:
     stops: tuple[int, ...] = ()  # progress values where the generator pauses prefill
     replayed: int = 0  # generated tokens prefilled again after a batch rebuild
     slot: int = 0  # its adapter's routing slot (engine.lora.BASE: none)
+    # multimodal RoPE: the next token's position minus the KV depth (engine.mrope)
+    rope_delta: int = 0
     joined_at: float = field(default_factory=time.monotonic)
     report: CacheReport = field(default_factory=CacheReport)
 
@@ -239,6 +242,10 @@ class BatchRunner:
                 row.kv_key, row.entry_id = reuse.kv_key, reuse.entry_id
                 cache = reuse.caches
                 cached_tokens = self._model_ids(reuse.kv_key.model_tokens[: reuse.kv_depth])
+                if self.vision is not None:
+                    row.rope_delta = self.vision.rope_delta(
+                        reuse.kv_key.model_tokens[: reuse.kv_depth]
+                    )
         rest = prompt[row.cached :]
         if hints is not None and not request.images:  # image rows: prefilled in one go
             row.checkpoints = self._checkpoints(hints, row.cached, len(rest))
@@ -272,7 +279,11 @@ class BatchRunner:
         if self.vision is None or all(i.end <= row.cached for i in request.images):
             return
         cache = list(w.cache) if w.cache is not None else make_prompt_cache(self.model)
-        done = self.vision.run(request.prompt_tokens, request.images, row.cached, cache)
+        skew = row.kv_offset - row.cached  # KV positions stepped over (volatile spans)
+        done, delta = self.vision.run(
+            request.prompt_tokens, request.images, row.cached, cache, row.rope_delta + skew
+        )
+        row.rope_delta = delta - skew
         gained = done - row.cached
         rest = request.prompt_tokens[done:]
         w.cache = cache
@@ -287,6 +298,8 @@ class BatchRunner:
         request = row.request
         # the row's caches end with its adapter tag: it follows the row through the batch
         kv = list(cache) if cache is not None else make_prompt_cache(self.model)
+        if self.vision is not None and self.vision.merge is not None:
+            kv = positioned(kv, row.rope_delta)
         (uid,) = (generator or self._generator).insert_segments(
             [segments],
             max_tokens=[request.max_tokens - row.generated],
@@ -605,28 +618,37 @@ class BatchRunner:
                 continue
             # the KV is rebuilt from the request's own tokens, whatever a hit had reused
             row.kv_key = row.request.cache.key if row.request.cache else None
-            row.kv_offset = 0
-            replay = self._replay_tokens(row)
+            replay, cache, cached_tokens = self._replay(row)
             row.prefill_len, row.stops, row.replayed = (
                 len(replay),
                 (len(replay) - 1,),
                 row.generated,
             )
-            uid = self._insert(row, [replay], None, None)
+            uid = self._insert(row, [replay], cache, cached_tokens)
             self._prefilled[uid] = 0
         if len(outputs) == len(rows) and not self._model_healthy():
             raise EngineFault(f"the model no longer runs: {type(exc).__name__}: {exc}") from exc
         return outputs
 
-    @staticmethod
-    def _replay_tokens(row: _Row) -> list[int]:
-        return list(row.request.prompt_tokens) + row.tokens
+    def _replay(self, row: _Row) -> tuple[list[int], list | None, list[int] | None]:
+        """The row from scratch: what to prefill (its prompt and what it generated
+        so far), its images run through the vision prefill again into a new cache."""
+        tokens = list(row.request.prompt_tokens) + row.tokens
+        row.kv_offset = row.rope_delta = 0
+        if not row.request.images or self.vision is None:
+            return tokens, None, None
+        cache = make_prompt_cache(self.model)
+        done, row.rope_delta = self.vision.run(
+            row.request.prompt_tokens, row.request.images, 0, cache
+        )
+        return tokens[done:], cache, tokens[:done]
 
     def _probe(self, row: _Row) -> str | None:
         """Run ``row`` alone in a throwaway batch up to its next token: its fault, or None."""
         probe = self._new_generator(1, 1)
         try:
-            self._insert(row, [self._replay_tokens(row)], None, None, generator=probe)
+            replay, cache, cached_tokens = self._replay(row)
+            self._insert(row, [replay], cache, cached_tokens, generator=probe)
             while not probe.next()[1]:
                 pass
         except Exception as exc:  # noqa: BLE001

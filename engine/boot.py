@@ -198,7 +198,9 @@ def _image_front(loaded, config: EngineConfig):
         return None
     from engine.vision import VisionFront
 
-    front = VisionFront(loaded.processor, loaded.tokenizer, *config.image_pixels)
+    front = VisionFront.for_model(
+        loaded.vision.vlm, loaded.processor, loaded.tokenizer, *config.image_pixels
+    )
     log.info(
         "vision model (mlx-vlm %s): images become %r tokens; vision tower and language "
         "model share the %.0f MiB of weights above; image features of the last %d MiB of "

@@ -15,9 +15,10 @@ its last image, so rows with and without images prefill and decode together.
 - ``VisionPrefill`` (engine thread) runs the tower, keeps each image's merged
   embeddings by identity (a re-sent image skips the tower), and fills caches.
 
-Only families whose language model places image tokens at ordinary sequential
-positions are served (Idefics3 / SmolVLM, LLaVA-style, Gemma 3); multimodal
-RoPE families (Qwen2-VL and later) are refused at start with that reason.
+Served: families whose language model reads image tokens at sequential
+positions (Idefics3 / SmolVLM, LLaVA-style, Gemma 3, Mistral 3 / Pixtral), and
+the multimodal-RoPE Qwen2-VL and Qwen2.5-VL, whose images sit on a grid of
+positions (engine.mrope: each row's position delta rides in its batch cache).
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ from typing import Any
 import numpy as np
 
 from engine.model_errors import UnsupportedModelError
+from engine.mrope import (
+    GRID_ROPE_FAMILIES,
+    PositionedKVCache,
+    batch_positions,
+    grid_shape,
+    image_positions,
+    position_span,
+    sequential_positions,
+)
 from kvcache.image_ids import image_identity, real_tokens
 from scheduler.request import ImageInput
 
@@ -42,6 +52,9 @@ log = logging.getLogger("kvwarm.engine.vision")
 
 # families whose language model reads image tokens at plain sequential positions
 SEQUENTIAL_FAMILIES = {"idefics3", "smolvlm", "llava", "gemma3", "mistral3", "pixtral"}
+SERVED_FAMILIES = SEQUENTIAL_FAMILIES | GRID_ROPE_FAMILIES
+# text around each image's token for families whose template writes it so
+_IMAGE_TEXT = {f: ("<|vision_start|>", "<|vision_end|>") for f in GRID_ROPE_FAMILIES}
 _NOT_INPUTS = {"input_ids", "attention_mask"}
 
 
@@ -70,11 +83,10 @@ def wants_vision(model_dir: Path, mode: str) -> bool:
             )
         return False
     family = str(config.get("model_type", ""))
-    if family not in SEQUENTIAL_FAMILIES:
+    if family not in SERVED_FAMILIES:
         reason = (
             f"vision model type {family!r} is not served yet: kvwarm serves "
-            f"{', '.join(sorted(SEQUENTIAL_FAMILIES))} (image tokens at sequential positions; "
-            "multimodal-RoPE families such as Qwen2-VL need per-row position offsets)"
+            f"{', '.join(sorted(SERVED_FAMILIES))}"
         )
         if mode == "on":
             raise UnsupportedModelError(reason)
@@ -83,18 +95,44 @@ def wants_vision(model_dir: Path, mode: str) -> bool:
     return True
 
 
+def family(vlm: Any) -> str:
+    return str(getattr(vlm.config, "model_type", ""))
+
+
+def grid_merge(vlm: Any) -> int | None:
+    """Patches merged per side into one image token, for a multimodal-RoPE model."""
+    if family(vlm) not in GRID_ROPE_FAMILIES:
+        return None
+    return int(vlm.config.vision_config.spatial_merge_size)
+
+
 class LanguageView:
     """A VLM's language model as mlx-lm calls a model: ids (or embeddings) in, logits out."""
 
     def __init__(self, vlm: Any):
         self.vlm = vlm
         self.language_model = vlm.language_model
+        self.grid_rope = grid_merge(vlm) is not None
         make_cache = getattr(self.language_model, "make_cache", None)
-        if make_cache is not None:
+        if self.grid_rope:  # every row's cache carries its position delta (engine.mrope)
+            self.make_cache = lambda: [PositionedKVCache() for _ in self.layers]
+        elif make_cache is not None:
             self.make_cache = make_cache
 
-    def __call__(self, inputs: Any, cache: Any = None, input_embeddings: Any = None, **_: Any):
-        out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache)
+    def __call__(
+        self,
+        inputs: Any,
+        cache: Any = None,
+        input_embeddings: Any = None,
+        position_ids: Any = None,
+        **_: Any,
+    ):
+        extra = {}
+        if self.grid_rope:  # explicit positions: the model's own guess is per batch
+            if position_ids is None:
+                position_ids = batch_positions(cache[0] if cache else None, inputs.shape[1])
+            extra["position_ids"] = position_ids
+        out = self.language_model(inputs, inputs_embeds=input_embeddings, cache=cache, **extra)
         return getattr(out, "logits", out)
 
     @property
@@ -118,11 +156,20 @@ class VisionFront:
     """The model's processor, for worker threads: placeholder text and expansions."""
 
     def __init__(
-        self, processor: Any, tokenizer: Any, min_pixels: int | None, max_pixels: int | None
+        self,
+        processor: Any,
+        tokenizer: Any,
+        min_pixels: int | None,
+        max_pixels: int | None,
+        model_type: str = "",
+        merge: int | None = None,
     ):
         self.processor = processor
-        self.placeholder = str(processor.image_token)
-        self.placeholder_id = int(tokenizer.convert_tokens_to_ids(self.placeholder))
+        self.image_token = str(processor.image_token)
+        before, after = _IMAGE_TEXT.get(model_type, ("", ""))
+        self.placeholder = before + self.image_token + after
+        self.placeholder_id = int(tokenizer.convert_tokens_to_ids(self.image_token))
+        self._merge = merge  # multimodal RoPE: the tokens span a grid of positions
         self._bos = getattr(tokenizer, "bos_token_id", None)
         image_processor = getattr(processor, "image_processor", None)
         if min_pixels is not None and hasattr(image_processor, "min_pixels"):
@@ -131,9 +178,20 @@ class VisionFront:
             image_processor.max_pixels = max_pixels
         self._lock = threading.Lock()  # processors keep state between calls
 
+    @classmethod
+    def for_model(
+        cls,
+        vlm: Any,
+        processor: Any,
+        tokenizer: Any,
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+    ) -> VisionFront:
+        return cls(processor, tokenizer, min_pixels, max_pixels, family(vlm), merge=grid_merge(vlm))
+
     def expand(self, image: Any) -> ImageExpansion:
         with self._lock:
-            out = self.processor(text=[self.placeholder], images=[image])
+            out = self.processor(text=[self.image_token], images=[image])
         ids = [int(t) for t in np.asarray(out["input_ids"]).reshape(-1)]
         if ids and ids[0] == self._bos:
             ids = ids[1:]
@@ -142,11 +200,15 @@ class VisionFront:
 
     def image_input(self, image: Any, digest: bytes, start: int) -> ImageInput:
         exp = self.expand(image)
+        shift = 0
+        if self._merge is not None:
+            shift = position_span(grid_shape(exp.inputs, self._merge)) - len(exp.tokens)
         return ImageInput(
             start=start,
             tokens=exp.tokens,
             identity=image_identity(digest, exp.tokens),
             inputs=exp.inputs,
+            rope_shift=shift,
         )
 
 
@@ -170,6 +232,11 @@ class VisionPrefill:
     _held: int = 0
     # image identity id -> the image's tokens: maps cached keys back to model ids
     _expansions: OrderedDict[int, tuple[int, ...]] = field(default_factory=OrderedDict)
+    _shifts: dict[int, int] = field(default_factory=dict)  # identity -> rope_shift
+
+    @property
+    def merge(self) -> int | None:
+        return grid_merge(self.vlm)
 
     def remember(self, images: Sequence[ImageInput]) -> None:
         """A row's images, before its lookup: a hit aligns only where they are, so
@@ -177,34 +244,66 @@ class VisionPrefill:
         for image in images:
             self._expansions[image.identity] = image.tokens
             self._expansions.move_to_end(image.identity)
+            if image.rope_shift:
+                self._shifts[image.identity] = image.rope_shift
         while len(self._expansions) > 4096:
-            self._expansions.popitem(last=False)
+            old, _ = self._expansions.popitem(last=False)
+            self._shifts.pop(old, None)
 
     def model_ids(self, tokens: Sequence[int]) -> list[int]:
         """A cached key's tokens as the model's ids (image identities expanded)."""
         return real_tokens(tokens, self._expansions)
 
+    def rope_delta(self, tokens: Sequence[int]) -> int:
+        """The position delta after a cached key's tokens (engine.mrope): the sum
+        of the shifts of the whole images in them."""
+        if not self._shifts:
+            return 0
+        delta, i = 0, 0
+        while i < len(tokens):
+            ident = tokens[i]
+            if ident not in self._shifts:
+                i += 1
+                continue
+            delta += self._shifts[ident]
+            i += len(self._expansions[ident])
+        return delta
+
     def run(
-        self, prompt: Sequence[int], images: Sequence[ImageInput], start: int, cache: list
-    ) -> int:
-        """Prefill ``prompt[start:]`` up to the end of its last image into ``cache``;
-        returns the depth reached (``start`` when every image is already cached)."""
+        self,
+        prompt: Sequence[int],
+        images: Sequence[ImageInput],
+        start: int,
+        cache: list,
+        delta: int = 0,
+    ) -> tuple[int, int]:
+        """Prefill ``prompt[start:]`` up to the end of its last image into ``cache``,
+        whose positions run ``delta`` from its depth; returns the depth reached
+        (``start`` when every image is already cached) and the delta there."""
         import mlx.core as mx
 
+        merge = self.merge
         pos = start
         for image in images:
             if image.end <= pos:
                 continue  # its KV came from the prefix cache
             if image.start < pos:
                 raise ValueError("a cached prefix ends inside an image")  # index retreats
+            text_pos = image_pos = None
+            if merge is not None:
+                text_pos = sequential_positions(pos + delta, image.start - pos)
+                image_pos = image_positions(grid_shape(image.inputs, merge), image.start + delta)
             if image.start > pos:
-                self.view(mx.array([list(prompt[pos : image.start])]), cache=cache)
+                ids = mx.array([list(prompt[pos : image.start])])
+                self.view(ids, cache=cache, position_ids=text_pos)
             embeds = self._embeddings(image)
-            self.view(mx.array([list(image.tokens)]), cache=cache, input_embeddings=embeds)
+            ids = mx.array([list(image.tokens)])
+            self.view(ids, cache=cache, input_embeddings=embeds, position_ids=image_pos)
             mx.eval([c.state for c in cache])
             pos = image.end
+            delta += image.rope_shift
             self.counters.images_prefilled += 1
-        return pos
+        return pos, delta
 
     def _embeddings(self, image: ImageInput) -> Any:
         import mlx.core as mx

@@ -43,7 +43,8 @@ class ImageFront(Protocol):
     """A vision model's processor as request preparation uses it (worker threads)."""
 
     placeholder: str  # the text the chat template gets where an image goes
-    placeholder_id: int  # the one token that text becomes
+    image_token: str  # the token in it that the processor widens to the image
+    placeholder_id: int  # that token's id
 
     def image_input(self, image: Any, digest: bytes, start: int) -> ImageInput:
         """The image's tokens and pixel inputs, placed at prompt position ``start``."""

@@ -73,6 +73,9 @@ class ImageInput:
     tokens: tuple[int, ...]  # the model's ids for it (placeholders and markers)
     identity: int  # its id in the cache key's view (kvcache.image_ids)
     inputs: dict[str, Any] = field(default_factory=dict, compare=False)
+    # positions its tokens take minus their count: multimodal RoPE (Qwen2-VL) lays
+    # an image on a grid, so the text after it sits this far from its index
+    rope_shift: int = 0
 
     @property
     def end(self) -> int:

@@ -1,10 +1,11 @@
-"""Vision rows on a tiny random-weight SmolVLM (mlx-vlm's Idefics3 classes):
-exact against mlx-vlm's own full-prompt forward, cached by image content, and
+"""Vision rows on tiny random-weight SmolVLM (Idefics3) and Qwen2-VL models
+built from mlx-vlm's own classes: exact against mlx-vlm's own full-prompt forward, cached by image content, and
 batched with text rows without changing anyone's tokens."""
 
 from __future__ import annotations
 
 import base64
+from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
@@ -21,16 +22,28 @@ from engine.vision import VisionFront
 from kvcache.index import PromptCacheConfig
 from kvcache.manager import TieredKVManager
 from scheduler.request import CacheHints, Request, SamplingParams
-from tests.helpers.tiny_vlm import png_bytes, write_tiny_smolvlm
+from tests.helpers.tiny_vlm import png_bytes, write_tiny_qwen2vl, write_tiny_smolvlm
 
 GREEN, RED = (10, 200, 30), (200, 10, 30)
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    path = write_tiny_smolvlm(tmp_path_factory.mktemp("tiny-smolvlm"), seed=5)
-    loaded = load_model(ModelSource("mlx", Path(path), "tiny-smolvlm"), vision="auto")
-    front = VisionFront(loaded.processor, loaded.tokenizer, None, None)
+# one family at sequential positions, one on multimodal RoPE (an image on a grid)
+FAMILIES = {
+    "smolvlm": write_tiny_smolvlm,
+    "qwen2vl": write_tiny_qwen2vl,
+    "qwen2_5vl": partial(write_tiny_qwen2vl, family="qwen2_5_vl"),
+}
+# random weights whose greedy output is not one token
+SEEDS = {"smolvlm": 5, "qwen2vl": 1, "qwen2_5vl": 1}
+SIZE = (110, 80)  # Qwen2-VL: 4x3 tokens on a grid spanning 4 positions, so a delta of -8
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def vlm(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    path = FAMILIES[request.param](folder, seed=SEEDS[request.param])
+    loaded = load_model(ModelSource("mlx", Path(path), f"tiny-{request.param}"), vision="auto")
+    front = VisionFront.for_model(loaded.vision.vlm, loaded.processor, loaded.tokenizer)
     return loaded, front, ChatFormatter(loaded.tokenizer, 8192)
 
 
@@ -86,34 +99,47 @@ def reference(loaded, req: Request) -> tuple[int, ...]:
     inputs = {k: mx.array(v) for k, v in image.inputs.items()}
     pixels = inputs.pop("pixel_values")
     prompt = mx.array([req.prompt_tokens])
-    embeds = vlm.get_input_embeddings(prompt, pixels, **inputs).inputs_embeds
+    features = vlm.get_input_embeddings(prompt, pixels, **inputs)
+    # multimodal RoPE: mlx-vlm's own positions for the whole prompt, then its deltas
+    rope = {}
+    if getattr(features, "rope_deltas", None) is not None:
+        rope = {"rope_deltas": features.rope_deltas}
     cache = make_prompt_cache(loaded.model)
-    logits = vlm.language_model(prompt, inputs_embeds=embeds, cache=cache).logits
+    logits = vlm.language_model(
+        prompt,
+        inputs_embeds=features.inputs_embeds,
+        cache=cache,
+        **({"position_ids": features.position_ids} if rope else {}),
+        **rope,
+    ).logits
     out = []
     for _ in range(req.max_tokens):
         token = int(mx.argmax(logits[0, -1]).item())
         out.append(token)
-        logits = vlm.language_model(mx.array([[token]]), cache=cache).logits
+        logits = vlm.language_model(mx.array([[token]]), cache=cache, **rope).logits
     return tuple(out)
 
 
 def test_an_image_row_generates_what_mlx_vlm_does_with_the_whole_prompt(vlm):
     loaded = vlm[0]
-    req = request(vlm, "what is in this picture?", data_url(png_bytes(50, 40, GREEN)))
+    req = request(vlm, "what is in this picture?", data_url(png_bytes(*SIZE, GREEN)), max_tokens=10)
+    if loaded.vision.merge is not None:  # the text after the image moved back
+        assert req.images[0].rope_shift == -8
     ((tokens, _),) = run(runner_for(loaded, cache=False), req)
     assert tokens == reference(loaded, req)
+    assert len(set(tokens)) > 1  # a model that ignores its input could not tell
 
 
 def test_the_same_image_re_sent_or_re_encoded_hits_and_skips_the_tower(vlm):
     loaded = vlm[0]
     runner = runner_for(loaded)
-    png = png_bytes(50, 40, GREEN)
+    png = png_bytes(*SIZE, GREEN)
     first = request(vlm, "describe it", data_url(png))
     ((tokens, cached),) = run(runner, first)
     assert cached == 0
     runs = loaded.vision.counters.encoder_runs
     # the same pixels as a BMP: another encoding, the same image
-    again = request(vlm, "describe it", data_url(png_bytes(50, 40, GREEN, "BMP"), "image/bmp"))
+    again = request(vlm, "describe it", data_url(png_bytes(*SIZE, GREEN, "BMP"), "image/bmp"))
     assert again.cache.key.model_tokens == first.cache.key.model_tokens
     ((tokens2, cached2),) = run(runner, again)
     assert tokens2 == tokens
@@ -124,8 +150,8 @@ def test_the_same_image_re_sent_or_re_encoded_hits_and_skips_the_tower(vlm):
 def test_identical_text_with_another_image_never_hits_past_the_image(vlm):
     loaded = vlm[0]
     runner = runner_for(loaded)
-    green = request(vlm, "describe it", data_url(png_bytes(50, 40, GREEN)))
-    red = request(vlm, "describe it", data_url(png_bytes(50, 40, RED)))
+    green = request(vlm, "describe it", data_url(png_bytes(*SIZE, GREEN)))
+    red = request(vlm, "describe it", data_url(png_bytes(*SIZE, RED)))
     assert green.prompt_tokens == red.prompt_tokens  # the model's ids agree...
     (_, cached_red) = run(runner, green, red)[1]  # ...the cache must not
     ((_, cached_again),) = run(runner, red)
@@ -137,12 +163,12 @@ def test_identical_text_with_another_image_never_hits_past_the_image(vlm):
 def test_image_and_text_rows_in_one_batch_keep_their_own_tokens(vlm):
     loaded = vlm[0]
     make = [
-        lambda: request(vlm, "first picture", data_url(png_bytes(50, 40, GREEN))),
+        lambda: request(vlm, "first picture", data_url(png_bytes(*SIZE, GREEN))),
         lambda: request(vlm, "no picture here, just text to read"),
         lambda: request(
             vlm,
             "two pictures",
-            data_url(png_bytes(30, 60, RED)),
+            data_url(png_bytes(60, 120, RED)),
             data_url(png_bytes(20, 20, GREEN)),
         ),
     ]

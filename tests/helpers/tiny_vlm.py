@@ -108,3 +108,93 @@ def png_bytes(width: int, height: int, color: tuple[int, int, int], fmt: str = "
     buf = io.BytesIO()
     image.save(buf, format=fmt)
     return buf.getvalue()
+
+
+# Qwen2-VL's own tokens, added to the byte tokenizer
+QWEN2VL_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN_PATCH = 14  # pixels per patch side; 2x2 patches merge into one image token
+
+
+# each family's one-block vision tower (its output: the text model's width, 64)
+QWEN_TOWERS = {
+    "qwen2_vl": {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2},
+    "qwen2_5_vl": {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "num_heads": 2,
+        "window_size": 4 * QWEN_PATCH,
+        "fullatt_block_indexes": [0],
+    },
+}
+
+
+def write_tiny_qwen2vl(
+    path: Path, seed: int = 0, max_tokens_per_image: int = 16, family: str = "qwen2_vl"
+) -> Path:
+    """A Qwen2-VL- or Qwen2.5-VL-shaped model (multimodal RoPE: an image's tokens
+    sit on a 2-D grid of positions): a qwen2 text model (hidden 64, 2 layers)
+    behind a one-block vision tower; images resized to at most
+    ``max_tokens_per_image`` tokens."""
+    import importlib
+
+    from mlx_vlm.utils import update_module_configs
+
+    module = importlib.import_module(f"mlx_vlm.models.{family}")
+
+    write_byte_tokenizer(path)
+    ids = _add_tokens(path, QWEN2VL_TOKENS)
+    vocab = max(ids.values()) + 1
+    config = {
+        "model_type": family,
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "vocab_size": vocab,
+        # Qwen2-VL keeps its text model's settings at the top level
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 8192,
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+        "tie_word_embeddings": False,
+        "vision_config": {
+            "model_type": family,
+            **QWEN_TOWERS[family],
+            "patch_size": QWEN_PATCH,
+            "spatial_patch_size": QWEN_PATCH,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+    }
+    mx.random.seed(seed)
+    nested = dict(config)  # from_dict nests the top-level text settings in it
+    model_config = update_module_configs(
+        module.ModelConfig.from_dict(nested), module, nested, ["text", "vision"]
+    )
+    model = module.Model(model_config)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    unit = (2 * QWEN_PATCH) ** 2  # the pixels of one image token
+    (path / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "processor_class": "Qwen2VLProcessor",
+                "patch_size": QWEN_PATCH,
+                "temporal_patch_size": 2,
+                "merge_size": 2,
+                "min_pixels": unit,
+                "max_pixels": unit * max_tokens_per_image,
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711],
+            }
+        )
+    )
+    return path
