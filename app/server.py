@@ -7,6 +7,7 @@ import gc
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
@@ -267,5 +268,6 @@ def _add_admin_routes(app: FastAPI) -> None:
                 "step_budget": eng.steps_report.as_dict() if eng.steps_report else None,
             },
             "prompt_cache": eng.prompt_cache.as_dict() if eng.prompt_cache else None,
+            "vision": asdict(eng.vision) if eng.vision else None,
             "healing": {"entries": len(state.healing), "healed": state.healing.healed},
         }

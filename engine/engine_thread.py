@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,6 +36,7 @@ from scheduler.contracts import (
     ModelInfo,
     Runner,
     StepPlan,
+    VisionStats,
 )
 from scheduler.request import FinishReason, RequestOutput
 from scheduler.scheduler import Scheduler
@@ -160,6 +161,7 @@ class EngineThread(threading.Thread):
             row_faults=runner.row_faults if runner else 0,
             recoveries=runner.recoveries if runner else 0,
             steps_report=runner.timings.snapshot() if runner else None,
+            vision=_vision_stats(runner),
         )
 
     def kv(self, op: Callable[[KVCacheManager], T]) -> Future[T]:
@@ -450,3 +452,8 @@ def exit_now(code: int) -> None:
     """Leave without joining threads: one may be blocked in a collective for good."""
     logging.shutdown()
     os._exit(code)
+
+
+def _vision_stats(runner: Runner | None) -> VisionStats | None:
+    vision = getattr(runner, "vision", None)  # engine.vision.VisionPrefill
+    return VisionStats(**asdict(vision.counters)) if vision is not None else None

@@ -186,6 +186,24 @@ class _StateCollector(Collector):
                 f"mlx_{name}_memory_bytes", f"MLX allocator: {name} bytes.", eng.memory.get(key, 0)
             )
         yield _batch_histogram(snap.model, eng.batch_sizes)
+        if eng.vision is not None:  # a vision model: what its tower did
+            vis = eng.vision
+            yield counter(
+                "vision_encoder_runs", "Images run through the vision tower.", vis.encoder_runs
+            )
+            yield counter(
+                "vision_encoder_seconds", "Seconds spent in the vision tower.", vis.encoder_seconds
+            )
+            yield counter(
+                "vision_feature_hits",
+                "Re-sent images whose vision features were reused (the tower skipped).",
+                vis.feature_hits,
+            )
+            yield counter(
+                "vision_images_prefilled",
+                "Images whose tokens went through the language model (not from the prefix cache).",
+                vis.images_prefilled,
+            )
         if eng.steps_report is not None:
             yield from _step_metrics(snap.model, eng.steps_report)
 

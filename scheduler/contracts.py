@@ -152,6 +152,16 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class VisionStats:
+    """What the vision tower did (engine.vision), for /stats and /metrics."""
+
+    encoder_runs: int = 0  # images run through the tower
+    encoder_seconds: float = 0.0
+    feature_hits: int = 0  # re-sent images whose features were reused (the tower skipped)
+    images_prefilled: int = 0  # images whose tokens went through the language model
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """Counters the engine thread keeps (read without locks; ints are atomic)."""
 
@@ -166,6 +176,7 @@ class EngineStats:
     row_faults: int = 0  # requests failed alone by a fault of their own
     recoveries: int = 0  # batches rebuilt after a step fault no row owned
     steps_report: StepReport | None = None  # step times, prefill slices, the cost model
+    vision: VisionStats | None = None  # None: a text model
 
 
 @dataclass

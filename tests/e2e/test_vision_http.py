@@ -47,6 +47,17 @@ def test_images_reach_the_model_in_every_dialect_and_hit_the_cache(vision_server
         again.json()["choices"][0]["message"]["content"]
         == (first.json()["choices"][0]["message"]["content"])
     )
+    # the repeat came from the prefix cache: the tower ran for the first request only
+    vision = httpx.get(base + "/stats", timeout=10).json()["vision"]
+    assert vision["encoder_runs"] == 1 and vision["images_prefilled"] == 1
+    assert vision["encoder_seconds"] > 0
+    metrics = httpx.get(base + "/metrics", timeout=10).text
+    runs = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("kvwarm:vision_encoder_runs_total{")
+    ]
+    assert runs and runs[0].endswith(" 1.0")
 
     anthropic = httpx.post(
         base + "/v1/messages",
