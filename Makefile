@@ -26,7 +26,8 @@ help:
 	@echo "make bench-dialects  one agent conversation via chat, Messages and Responses: reuse per dialect"
 	@echo "make install create $(VENV) and install kvwarm (idempotent)"
 
-# OpenBLAS makes MLX's Linux CPU backend ~50x faster at matmul (see DESIGN.md).
+# OpenBLAS makes MLX's Linux CPU backend ~50x faster at matmul (see DESIGN.md);
+# ffmpeg reads video_url parts' frames for vision models.
 system-deps:
 	@if [ "$(UNAME)" = Linux ] && [ ! -e "$(OPENBLAS)" ] && command -v apt-get >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=skip; fi; \
@@ -38,6 +39,20 @@ system-deps:
 	    { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q libopenblas0-pthread >/dev/null; } || \
 	    echo "warning: could not install libopenblas0-pthread; MLX will use its slow reference BLAS"; \
 	  fi; \
+	fi
+	@if [ "$(UNAME)" = Linux ] && ! command -v ffmpeg >/dev/null && command -v apt-get >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=skip; fi; \
+	  if [ "$$SUDO" = skip ]; then \
+	    echo "note: not root; install ffmpeg for video_url parts (vision models)"; \
+	  else \
+	    echo "installing ffmpeg (video frames for vision models)"; \
+	    $$SUDO apt-get install -y -q --no-install-recommends ffmpeg >/dev/null 2>&1 || \
+	    { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q --no-install-recommends ffmpeg >/dev/null; } || \
+	    echo "warning: could not install ffmpeg; video_url parts will be refused (400)"; \
+	  fi; \
+	fi
+	@if [ "$(UNAME)" = Darwin ] && ! command -v ffmpeg >/dev/null; then \
+	  echo "note: brew install ffmpeg for video_url parts (vision models)"; \
 	fi
 
 # Real peers the monitoring tests run against: Prometheus (Debian package) and the

@@ -64,6 +64,8 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "max_pixels": {"type": int, "metavar": "N"},
     "fetch_urls": {"action": argparse.BooleanOptionalAction},
     "fetch_timeout": {"type": float, "metavar": "SECONDS"},
+    "video_frames": {"type": int, "metavar": "N"},
+    "max_video_bytes": {"metavar": "SIZE"},
     "distributed": {"action": "store_true"},
     "distributed_mode": {"choices": ["auto", "tensor", "pipeline"]},
     "distributed_server_rank": {"type": int, "metavar": "RANK"},

@@ -10,8 +10,11 @@ from app.images import source_of
 
 IMAGE_OMITTED = "[image omitted: this model cannot read images]"
 TEXT_PARTS = frozenset({"text", "input_text", "output_text", "reasoning_text", "summary_text"})
-IMAGE_PARTS = frozenset({"image", "input_image", "image_url", "document", "input_file"})
-IMAGE_KINDS = frozenset({"image", "input_image", "image_url"})  # a vision model reads these
+IMAGE_PARTS = frozenset(
+    {"image", "input_image", "image_url", "video_url", "document", "input_file"}
+)
+# a vision model reads these (a video as frames: app.video_frames)
+IMAGE_KINDS = frozenset({"image", "input_image", "image_url", "video_url"})
 
 
 def parts_content(

@@ -64,7 +64,7 @@ def resolve_images(
     if not sources:
         return messages, resolved
     reading = front is not None or placeholder_notes
-    loaded: list[LoadedImage] = []
+    loaded: list[list[LoadedImage]] = []  # per source: an image, or a video's frames
     if reading:
         loaded = load_images(sources, limits)
     else:
@@ -87,13 +87,12 @@ def resolve_images(
                 pieces.append(text)
                 continue
             if front is not None:
-                image = loaded[k]
-                resolved.number(image)
-                resolved.images.append(image)
-                pieces.append(front.placeholder)
+                for image in loaded[k]:
+                    resolved.number(image)
+                    resolved.images.append(image)
+                    pieces.append(front.placeholder)
             elif placeholder_notes:
-                image = loaded[k]
-                pieces.append(f"[image {resolved.number(image)}: {image.short_id}]")
+                pieces += [f"[image {resolved.number(i)}: {i.short_id}]" for i in loaded[k]]
             elif message.get("role") == "tool":
                 pieces.append(IMAGE_OMITTED)
             else:

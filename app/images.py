@@ -35,14 +35,19 @@ class ImageLimits:
     max_pixels: int = 40_000_000  # decompression-bomb guard, from the header
     fetch_urls: bool = True
     fetch_timeout: float = 10.0
+    video_frames: int = 8  # frames a video part becomes (0: videos refused)
+    max_video_bytes: int = 100 * 10**6
+    video_timeout: float = 30.0  # ffmpeg's time to read one video's frames
 
 
 @dataclass(frozen=True)
 class ImageSource:
-    """Where an image's bytes are: a URL (data: or http(s)) or inline base64."""
+    """Where an image's bytes are: a URL (data: or http(s)) or inline base64.
+    A video's are read as frames (app.video_frames)."""
 
     url: str | None = None
     base64: str | None = None
+    video: bool = False
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,11 @@ def source_of(part: dict[str, Any], where: str) -> ImageSource:
         url = ref.get("url") if isinstance(ref, dict) else ref
         if isinstance(url, str):
             return ImageSource(url=url)
+    elif kind == "video_url":  # chat completions (vLLM's extension)
+        ref = part.get("video_url")
+        url = ref.get("url") if isinstance(ref, dict) else ref
+        if isinstance(url, str):
+            return ImageSource(url=url, video=True)
     elif kind == "input_image":  # Responses
         url = part.get("image_url")
         if isinstance(url, str):
@@ -93,12 +103,16 @@ def check_count(n: int, limits: ImageLimits, where: str = "messages") -> None:
         )
 
 
-def load_images(sources: list[ImageSource], limits: ImageLimits) -> list[LoadedImage]:
-    """Every image of one request, decoded, within the request's limits."""
+def load_images(sources: list[ImageSource], limits: ImageLimits) -> list[list[LoadedImage]]:
+    """Every image of one request, decoded, within the request's limits: one
+    image per source, a video's frames for a video."""
     check_count(len(sources), limits)
-    out: list[LoadedImage] = []
+    out: list[list[LoadedImage]] = []
     total = 0
     for i, source in enumerate(sources):
+        if source.video:
+            out.append(_video(source, limits, f"video {i + 1}"))
+            continue
         where = f"image {i + 1}"
         raw = _encoded(source, limits, where)
         total += len(raw)
@@ -109,8 +123,18 @@ def load_images(sources: list[ImageSource], limits: ImageLimits) -> list[LoadedI
                 f"{limits.max_total_bytes} bytes a request (--max-images-bytes).",
                 param=where,
             )
-        out.append(decode_image(raw, limits, where))
+        out.append([decode_image(raw, limits, where)])
     return out
+
+
+def _video(source: ImageSource, limits: ImageLimits, where: str) -> list[LoadedImage]:
+    from app.video_frames import extract_frames
+
+    if limits.video_frames <= 0:
+        raise APIError(400, f"{where}: this server does not read videos (--video-frames 0).")
+    raw = _encoded(source, limits, where)
+    frames = extract_frames(raw, limits.video_frames, limits.video_timeout, where)
+    return [decode_image(f, limits, f"{where} frame {j + 1}") for j, f in enumerate(frames)]
 
 
 def decode_image(raw: bytes, limits: ImageLimits, where: str = "image") -> LoadedImage:
@@ -136,54 +160,68 @@ def decode_image(raw: bytes, limits: ImageLimits, where: str = "image") -> Loade
     return LoadedImage(rgb, digest.digest())
 
 
-def _too_big(n: int, limits: ImageLimits, where: str) -> APIError:
+@dataclass(frozen=True)
+class _Cap:
+    """The size limit one source is read under."""
+
+    nbytes: int
+    what: str  # "an image" / "a video"
+    flag: str
+
+
+def _cap(source: ImageSource, limits: ImageLimits) -> _Cap:
+    if source.video:
+        return _Cap(limits.max_video_bytes, "a video", "--max-video-bytes")
+    return _Cap(limits.max_image_bytes, "an image", "--max-image-bytes")
+
+
+def _too_big(n: int, cap: _Cap, where: str) -> APIError:
     return APIError(
-        400,
-        f"{where}: {n} bytes; the limit is {limits.max_image_bytes} bytes an image "
-        "(--max-image-bytes).",
+        400, f"{where}: {n} bytes; the limit is {cap.nbytes} bytes {cap.what} ({cap.flag})."
     )
 
 
-def _b64(data: str, limits: ImageLimits, where: str) -> bytes:
-    if len(data) * 3 // 4 > limits.max_image_bytes + 3:
-        raise _too_big(len(data) * 3 // 4, limits, where)
+def _b64(data: str, cap: _Cap, where: str) -> bytes:
+    if len(data) * 3 // 4 > cap.nbytes + 3:
+        raise _too_big(len(data) * 3 // 4, cap, where)
     try:
         raw = base64.b64decode(data, validate=False)
     except (binascii.Error, ValueError) as exc:
         raise APIError(400, f"{where}: invalid base64 data ({exc}).") from exc
-    if len(raw) > limits.max_image_bytes:
-        raise _too_big(len(raw), limits, where)
+    if len(raw) > cap.nbytes:
+        raise _too_big(len(raw), cap, where)
     return raw
 
 
 def _encoded(source: ImageSource, limits: ImageLimits, where: str) -> bytes:
+    cap = _cap(source, limits)
     if source.base64 is not None:
-        return _b64(source.base64, limits, where)
+        return _b64(source.base64, cap, where)
     url = source.url or ""
     match = _DATA_URL.match(url)
     if match:
         if not match.group(3):
             raise APIError(400, f"{where}: a data URL must be base64 encoded.")
-        return _b64(url[match.end() :], limits, where)
+        return _b64(url[match.end() :], cap, where)
     if url.startswith(("http://", "https://")):
         if not limits.fetch_urls:
             raise APIError(
                 400,
-                f"{where}: this server does not fetch image URLs (--no-fetch-urls); send "
-                "the image as a data URL or base64.",
+                f"{where}: this server does not fetch URLs (--no-fetch-urls); send "
+                "the data as a data URL or base64.",
             )
-        return _fetch(url, limits, where)
-    raise APIError(400, f"{where}: image URLs must be data:, http: or https: URLs.")
+        return _fetch(url, limits, cap, where)
+    raise APIError(400, f"{where}: URLs must be data:, http: or https: URLs.")
 
 
-def _fetch(url: str, limits: ImageLimits, where: str) -> bytes:
+def _fetch(url: str, limits: ImageLimits, cap: _Cap, where: str) -> bytes:
     """Download with a timeout, reading no more than the size limit allows."""
     request = urllib.request.Request(url, headers={"User-Agent": "kvwarm"})
     try:
         with urllib.request.urlopen(request, timeout=limits.fetch_timeout) as resp:  # noqa: S310
-            raw = resp.read(limits.max_image_bytes + 1)
+            raw = resp.read(cap.nbytes + 1)
     except Exception as exc:  # noqa: BLE001 - any network failure is the client's URL
         raise APIError(400, f"{where}: could not fetch {url[:200]} ({exc}).") from exc
-    if len(raw) > limits.max_image_bytes:
-        raise _too_big(len(raw), limits, where)
+    if len(raw) > cap.nbytes:
+        raise _too_big(len(raw), cap, where)
     return raw

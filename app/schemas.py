@@ -59,6 +59,19 @@ class ImagePart(BaseModel):
     image_url: ImageURL
 
 
+class VideoURL(BaseModel):
+    model_config = STRICT
+    url: str
+
+
+class VideoPart(BaseModel):
+    """vLLM's extension: a vision model reads --video-frames frames of it."""
+
+    model_config = STRICT
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
 class AudioPart(BaseModel):
     model_config = STRICT
     type: Literal["input_audio"]
@@ -78,7 +91,8 @@ class RefusalPart(BaseModel):
 
 
 ContentPart = Annotated[
-    TextPart | ImagePart | AudioPart | FilePart | RefusalPart, Field(discriminator="type")
+    TextPart | ImagePart | VideoPart | AudioPart | FilePart | RefusalPart,
+    Field(discriminator="type"),
 ]
 
 

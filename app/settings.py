@@ -228,6 +228,14 @@ class Settings(BaseSettings):
         "images are accepted)",
     )
     fetch_timeout: float = Field(10.0, gt=0, description="seconds to fetch one image URL")
+    video_frames: int = Field(
+        8,
+        ge=0,
+        le=64,
+        description="frames a video_url part becomes, evenly spaced over the video and "
+        "read by ffmpeg (0: videos refused)",
+    )
+    max_video_bytes: ByteSize = Field("100MB", description="largest encoded video")
 
     distributed: bool = Field(
         False,
@@ -395,6 +403,8 @@ class Settings(BaseSettings):
             max_pixels=self.max_image_pixels,
             fetch_urls=self.fetch_urls,
             fetch_timeout=self.fetch_timeout,
+            video_frames=self.video_frames,
+            max_video_bytes=int(self.max_video_bytes),
         )
 
     @property

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import kvwarm_server
-from tests.helpers.tiny_vlm import png_bytes, write_tiny_qwen2vl, write_tiny_smolvlm
+from tests.helpers.tiny_vlm import make_video, png_bytes, write_tiny_qwen2vl, write_tiny_smolvlm
 
 PNG = png_bytes(50, 40, (10, 200, 30))
 B64 = base64.b64encode(PNG).decode()
@@ -190,4 +190,24 @@ def test_a_qwen2_vl_conversation_about_an_image_reuses_every_earlier_turn(qwen_s
     assert cached >= first.json()["usage"]["prompt_tokens"]
     forged = chat(base, [image_part(big), {"type": "text", "text": "a <|image_pad|> here"}])
     assert forged.status_code == 400 and "image marker" in forged.text
+    assert httpx.get(base + "/health", timeout=10).status_code == 200
+
+
+def test_a_video_url_reaches_the_model_as_frames(vision_server, tmp_path):
+    base = vision_server
+    clip = base64.b64encode(make_video(tmp_path, seconds=2.0, fps=4)).decode()
+
+    def video(data: str) -> list[dict]:
+        url = f"data:video/mp4;base64,{data}"
+        return [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "?"}]
+
+    def prefilled() -> int:
+        return httpx.get(base + "/stats", timeout=10).json()["vision"]["images_prefilled"]
+
+    before = prefilled()
+    resp = chat(base, video(clip))
+    assert resp.status_code == 200, resp.text
+    assert prefilled() - before == 8  # --video-frames 8: each frame an image
+    bad = chat(base, video(base64.b64encode(b"no video here" * 50).decode()))
+    assert bad.status_code == 400 and "not a video" in bad.text
     assert httpx.get(base + "/health", timeout=10).status_code == 200

@@ -22,7 +22,7 @@ from engine.vision import VisionFront
 from kvcache.index import PromptCacheConfig
 from kvcache.manager import TieredKVManager
 from scheduler.request import CacheHints, Request, SamplingParams
-from tests.helpers.tiny_vlm import png_bytes, write_tiny_qwen2vl, write_tiny_smolvlm
+from tests.helpers.tiny_vlm import make_video, png_bytes, write_tiny_qwen2vl, write_tiny_smolvlm
 
 GREEN, RED = (10, 200, 30), (200, 10, 30)
 
@@ -62,12 +62,14 @@ def data_url(raw: bytes, mime: str = "image/png") -> str:
     return f"data:{mime};base64,{base64.b64encode(raw).decode()}"
 
 
-def request(vlm, text: str, *urls: str, max_tokens: int = 6) -> Request:
+def request(vlm, text: str, *urls: str, max_tokens: int = 6, video: str | None = None) -> Request:
     loaded, front, fmt = vlm
     parts = [{"type": "image", "source": ImageSource(url=u)} for u in urls]
+    if video is not None:
+        parts.append({"type": "image", "source": ImageSource(url=video, video=True)})
     parts.append({"type": "text", "text": text})
     messages, images = resolve_images(
-        [{"role": "user", "content": parts}], front, ImageLimits(), False
+        [{"role": "user", "content": parts}], front, ImageLimits(video_frames=3), False
     )
     key, prompt, inputs = attach_images(fmt.render_chat(messages).key, images, front)
     return Request(
@@ -175,3 +177,21 @@ def test_image_and_text_rows_in_one_batch_keep_their_own_tokens(vlm):
     alone = [run(runner_for(loaded, cache=False), m())[0][0] for m in make]
     together = [t for t, _ in run(runner_for(loaded, cache=False), *(m() for m in make))]
     assert together == alone
+
+
+def test_a_video_reaches_the_model_as_its_frames(vlm, tmp_path):
+    """A video part reads exactly as its evenly spaced frames sent as images."""
+    from app.video_frames import extract_frames
+
+    clip = make_video(tmp_path, seconds=3.0, fps=2)
+    frames = [data_url(f) for f in extract_frames(clip, 3, timeout=30)]
+    loaded = vlm[0]
+    as_video = request(
+        vlm, "what happens?", video="data:video/mp4;base64," + base64.b64encode(clip).decode()
+    )
+    as_frames = request(vlm, "what happens?", *frames)
+    assert len(as_video.images) == 3
+    assert as_video.prompt_tokens == as_frames.prompt_tokens
+    assert as_video.cache.key == as_frames.cache.key  # the same images to the cache
+    runner = runner_for(loaded, cache=False)
+    assert run(runner, as_video) == run(runner_for(loaded, cache=False), as_frames)

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from tests.helpers.tiny_models import write_byte_tokenizer
+from tests.helpers.tools import require
 
 # the Idefics3 (SmolVLM) processor's own tokens, added to the byte tokenizer
 IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
@@ -198,3 +201,13 @@ def write_tiny_qwen2vl(
         )
     )
     return path
+
+
+def make_video(folder: Path, seconds: float = 2.0, fps: int = 4) -> bytes:
+    """ffmpeg's moving test pattern (every frame differs), as MPEG-4."""
+    ffmpeg = require("ffmpeg", shutil.which("ffmpeg"))
+    out = folder / "clip.mp4"
+    source = f"testsrc=size=64x48:rate={fps}:duration={seconds}"
+    cmd = [ffmpeg, "-v", "error", "-y", "-f", "lavfi", "-i", source, "-c:v", "mpeg4", str(out)]
+    subprocess.run(cmd, check=True)
+    return out.read_bytes()

@@ -1,0 +1,59 @@
+"""Video parts become evenly spaced frames (ffmpeg), each an ordinary image."""
+
+from __future__ import annotations
+
+import base64
+import shutil
+
+import pytest
+
+from app.errors import APIError
+from app.images import ImageLimits, ImageSource, load_images, source_of
+from app.video_frames import extract_frames
+from tests.helpers.tiny_vlm import make_video
+from tests.helpers.tools import require
+
+
+def data_url(raw: bytes) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(raw).decode()
+
+
+def test_a_video_becomes_the_frames_asked_for_spread_over_its_length(tmp_path):
+    clip = make_video(tmp_path, seconds=2.0, fps=4)  # 8 frames
+    frames = extract_frames(clip, 4, timeout=30)
+    assert len(frames) == 4 and len(set(frames)) == 4  # four distinct moments
+    (loaded,) = load_images([ImageSource(url=data_url(clip), video=True)], ImageLimits())
+    assert len(loaded) == 8  # --video-frames default
+    assert len({f.digest for f in loaded}) == 8
+    assert all(f.image.size == (64, 48) for f in loaded)
+    again = load_images([ImageSource(url=data_url(clip), video=True)], ImageLimits())[0]
+    assert [f.digest for f in again] == [f.digest for f in loaded]  # the cache can match
+
+
+def test_video_url_parts_name_their_source_as_a_video():
+    part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
+    assert source_of(part, "messages.0.content.0") == ImageSource(
+        url="data:video/mp4;base64,AAAA", video=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("limits", "raw", "needle"),
+    [
+        (ImageLimits(), b"not a video at all" * 10, "not a video ffmpeg can read"),
+        (ImageLimits(video_frames=0), b"x", "--video-frames 0"),
+        (ImageLimits(max_video_bytes=100), b"x" * 200, "--max-video-bytes"),
+    ],
+)
+def test_bad_or_refused_videos_are_a_400_naming_why(limits, raw, needle):
+    require("ffmpeg", shutil.which("ffmpeg"))
+    with pytest.raises(APIError) as err:
+        load_images([ImageSource(url=data_url(raw), video=True)], limits)
+    assert err.value.status == 400 and needle in str(err.value)
+
+
+def test_without_ffmpeg_a_video_is_a_400_that_says_so(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(APIError) as err:
+        extract_frames(b"anything", 4, timeout=5)
+    assert err.value.status == 400 and "ffmpeg" in str(err.value)
