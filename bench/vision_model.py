@@ -7,13 +7,16 @@ classes, real Idefics3 processor configs; no model hub needed).
   embeddings copied into ``lm_head``), vocab enlarged by the Idefics3 special tokens
   (new embedding rows random at the scale of the real ones, their ``lm_head`` rows
   zero so the text model never emits them);
-- vision: SigLIP hidden 768, 12 layers, 12 heads, intermediate 3072, patch 16,
-  image_size 512 (SmolVLM-256M's tower), random weights; connector pixel shuffle
-  x4, so one 512 px tile is 1024 patches -> 64 image tokens. The connector's
-  projection is scaled so image features have the RMS of the text embeddings
-  (random features at full scale would drown the real text model). The full
-  12-layer tower encodes a 512 px tile in about 1 s on the 2-core CPU with
-  OpenBLAS, under the ~4 s bound, so it is kept at full depth;
+- vision: SigLIP hidden 768, 12 heads, intermediate 3072, patch 16, image_size 512
+  (SmolVLM-256M's tower) but 4 layers instead of 12, random weights; connector
+  pixel shuffle x4, so one 512 px tile is 1024 patches -> 64 image tokens. The
+  connector's projection is scaled so image features have the RMS of the text
+  embeddings (random features at full scale would drown the real text model).
+  Why 4 layers: on the 2-core CPU with OpenBLAS (~55 GFLOP/s measured on matmul
+  here, MLX's CPU attention ~0.37 s per layer over 1024 patches) one SigLIP layer
+  takes ~0.85 s on a 512 px tile, so the full 12-layer tower takes ~10.7 s per
+  image; 4 layers take ~3.5 s, under the ~4 s the benchmark aims at
+  (``vision_layers=12`` builds the full tower);
 - processor: no image splitting, each image resized to one 512 x 512 tile:
   ``<fake_token_around_image><global-img>`` + 64 x ``<image>`` +
   ``<fake_token_around_image>`` = 67 tokens per image;
@@ -21,7 +24,8 @@ classes, real Idefics3 processor configs; no model hub needed).
   to list contents (text parts, and ``<image>`` for image parts) so both kvwarm and
   mlx-vlm's server render the same prompt.
 
-    python bench/vision_model.py [--out DIR]   # builds (once) and prints the folder
+    python bench/vision_model.py [--out DIR] [--vision-layers 4]
+        # builds it (once) and prints the folder
 """
 
 from __future__ import annotations
@@ -51,11 +55,11 @@ VISION = {
     "hidden_size": 768,
     "intermediate_size": 3072,
     "num_attention_heads": 12,
-    "num_hidden_layers": 12,
     "patch_size": PATCH,
     "image_size": TILE,
     "layer_norm_eps": 1e-6,
 }
+VISION_LAYERS = 4  # of SmolVLM-256M's 12 (see the module docstring)
 VERSION = 1  # bump when the recipe changes: the cache folder's name carries it
 DEFAULT_DIR = Path.home() / ".cache" / "kvwarm" / "bench-models"
 
@@ -91,19 +95,25 @@ def _text_model_dir() -> Path:
     return Path(prepare_model())
 
 
-def bench_model_dir(text_dir: Path | None = None, root: Path = DEFAULT_DIR) -> Path:
+def bench_model_dir(
+    text_dir: Path | None = None, vision_layers: int = VISION_LAYERS, root: Path = DEFAULT_DIR
+) -> Path:
     """Where the model built from ``text_dir`` is cached (its name says what it is from)."""
     text_dir = Path(text_dir or _text_model_dir())
-    digest = hashlib.sha256(f"{VERSION}:{text_dir.resolve()}".encode()).hexdigest()[:10]
-    return root / f"smolvlm-bench-{digest}"
+    key = f"{VERSION}:{vision_layers}:{text_dir.resolve()}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+    return root / f"smolvlm-bench-v{vision_layers}-{digest}"
 
 
-def write_bench_smolvlm(path: Path | None = None, text_dir: Path | None = None) -> Path:
+def write_bench_smolvlm(
+    path: Path | None = None, text_dir: Path | None = None, vision_layers: int = VISION_LAYERS
+) -> Path:
     """Build the benchmark's SmolVLM-shaped model in ``path`` (default: a cache folder
-    under ~/.cache/kvwarm/bench-models named after its text model) once; later calls
-    return the folder as it is. Returns the folder."""
+    under ~/.cache/kvwarm/bench-models named after its text model and tower depth)
+    once; later calls return the folder as it is. ``text_dir``: the float mlx-lm
+    SmolLM2 directory (default: what ``kvwarm prepare`` prints). Returns the folder."""
     text_dir = Path(text_dir or _text_model_dir())
-    path = Path(path or bench_model_dir(text_dir))
+    path = Path(path or bench_model_dir(text_dir, vision_layers))
     if (path / ".complete").exists():
         return path
     from engine.blas import preload_openblas
@@ -112,8 +122,9 @@ def write_bench_smolvlm(path: Path | None = None, text_dir: Path | None = None) 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".", dir=path.parent))
     try:
-        _build(tmp, text_dir)
-        (tmp / ".complete").write_text(json.dumps({"version": VERSION, "text": str(text_dir)}))
+        _build(tmp, text_dir, vision_layers)
+        done = {"version": VERSION, "text": str(text_dir), "vision_layers": vision_layers}
+        (tmp / ".complete").write_text(json.dumps(done))
         if path.exists():  # an unfinished earlier build
             shutil.rmtree(path)
         os.replace(tmp, path)
@@ -123,7 +134,7 @@ def write_bench_smolvlm(path: Path | None = None, text_dir: Path | None = None) 
     return path
 
 
-def _build(out: Path, text_dir: Path) -> None:
+def _build(out: Path, text_dir: Path, vision_layers: int) -> None:
     import mlx.core as mx
     import numpy as np
     from mlx.utils import tree_flatten, tree_unflatten
@@ -149,7 +160,7 @@ def _build(out: Path, text_dir: Path) -> None:
         "vocab_size": vocab,
         "eos_token_id": [int(text.get("eos_token_id", 2)), ids["<end_of_utterance>"]],
         "text_config": text_config,
-        "vision_config": dict(VISION),
+        "vision_config": dict(VISION, num_hidden_layers=vision_layers),
     }
     mx.random.seed(0)
     model_config = update_module_configs(
@@ -226,8 +237,9 @@ def main() -> int:
     )
     ap.add_argument("--out", type=Path, default=None, help="folder (default: the cache)")
     ap.add_argument("--text-dir", type=Path, default=None, help="mlx-lm SmolLM2 directory")
+    ap.add_argument("--vision-layers", type=int, default=VISION_LAYERS, help="SigLIP depth")
     args = ap.parse_args()
-    print(write_bench_smolvlm(args.out, args.text_dir))
+    print(write_bench_smolvlm(args.out, args.text_dir, args.vision_layers))
     return 0
 
 

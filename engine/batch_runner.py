@@ -149,6 +149,8 @@ class BatchRunner:
     ):
         self.model = model
         self.vision = vision  # a vision model's image prefill (engine.vision)
+        if vision is not None:
+            vision.chunk = prefill_step_size
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
         self._detokenizer = detokenizer_factory(tokenizer)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.engine_thread import Booted, EngineConfig
 from scheduler.admission import AdmissionController, plan_budget
@@ -53,6 +53,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
     )
     cfg = config
     total = cfg.memory_budget_bytes or measured.total_bytes
+    front, vision_bytes = _image_front(loaded, cfg, device)
     prefill_rows = min(cfg.max_batch, 8)
     pc = cfg.prompt_cache
     budget = plan_budget(
@@ -66,6 +67,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
         source="--memory-budget" if measured is None else measured.source,
         layout=loaded.layout,
         prompt_cache=pc.resolve_bytes if pc else None,
+        extra_reserve=vision_bytes,
     )
     cache_bytes = budget.prompt_cache_bytes
     if ranks is not None:
@@ -112,7 +114,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
         device=device,
         syntax=probe_syntax(loaded.tokenizer),
         bandwidth_bytes_s=bandwidth,
-        vision=_image_front(loaded, cfg),
+        vision=front,
     )
     syntax = info.syntax
     log.info(
@@ -192,25 +194,32 @@ def boot_mlx(config: EngineConfig) -> Booted:
     )
 
 
-def _image_front(loaded, config: EngineConfig):
-    """The processor side of a vision model, for request preparation."""
+def _image_front(loaded, config: EngineConfig, device: str) -> tuple[Any, int]:
+    """The processor side of a vision model, for request preparation, and the
+    memory admission holds back for its images (engine.vision.VisionReserve)."""
     if loaded.vision is None:
-        return None
-    from engine.vision import VisionFront
+        return None, 0
+    from engine.vision import VisionFront, family, vision_reserve
 
     front = VisionFront.for_model(
         loaded.vision.vlm, loaded.processor, loaded.tokenizer, *config.image_pixels
     )
+    reserve = vision_reserve(loaded.vision, front, device)
     log.info(
-        "vision model (mlx-vlm %s): images become %r tokens; vision tower and language "
-        "model share the %.0f MiB of weights above; image features of the last %d MiB of "
-        "images are kept for re-sent images",
-        type(loaded.vision.vlm).__module__.rsplit(".", 1)[0],
+        "vision model (mlx-vlm, %s): images become %r tokens; the vision tower's weights "
+        "are in the %.0f MiB above; reserved for images: %.0f MiB = %.0f MiB for the one in "
+        "flight (the largest the processor makes: %d tokens from %d patches; --max-pixels "
+        "shrinks it) + %.0f MiB of image features kept for re-sent images",
+        family(loaded.vision.vlm),
         front.placeholder,
         loaded.weights_bytes / 2**20,
-        loaded.vision.feature_bytes // 2**20,
+        reserve.total / 2**20,
+        reserve.image / 2**20,
+        reserve.image_tokens,
+        reserve.patches,
+        reserve.features / 2**20,
     )
-    return front
+    return front, reserve.total
 
 
 def _group_boot(config: EngineConfig) -> GroupBoot | None:

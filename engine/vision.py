@@ -227,6 +227,7 @@ class VisionPrefill:
     vlm: Any
     view: LanguageView
     feature_bytes: int = 256 * 2**20  # merged embeddings kept for re-sent images
+    chunk: int = 512  # tokens per language-model call (the runner's prefill step size)
     counters: VisionCounters = field(default_factory=VisionCounters)
     _features: OrderedDict[int, Any] = field(default_factory=OrderedDict)
     _held: int = 0
@@ -294,16 +295,29 @@ class VisionPrefill:
                 text_pos = sequential_positions(pos + delta, image.start - pos)
                 image_pos = image_positions(grid_shape(image.inputs, merge), image.start + delta)
             if image.start > pos:
-                ids = mx.array([list(prompt[pos : image.start])])
-                self.view(ids, cache=cache, position_ids=text_pos)
+                self._feed(mx.array([list(prompt[pos : image.start])]), cache, None, text_pos)
             embeds = self._embeddings(image)
-            ids = mx.array([list(image.tokens)])
-            self.view(ids, cache=cache, input_embeddings=embeds, position_ids=image_pos)
-            mx.eval([c.state for c in cache])
+            self._feed(mx.array([list(image.tokens)]), cache, embeds, image_pos)
             pos = image.end
             delta += image.rope_shift
             self.counters.images_prefilled += 1
         return pos, delta
+
+    def _feed(self, ids: Any, cache: list, embeds: Any, positions: Any) -> None:
+        """Through the language model in chunks of ``chunk`` tokens: the attention
+        transient stays what admission reserves for a text prefill step."""
+        import mlx.core as mx
+
+        n = ids.shape[1]
+        for a in range(0, n, self.chunk):
+            b = min(n, a + self.chunk)
+            self.view(
+                ids[:, a:b],
+                cache=cache,
+                input_embeddings=embeds[:, a:b] if embeds is not None else None,
+                position_ids=positions[..., a:b] if positions is not None else None,
+            )
+            mx.eval([c.state for c in cache])
 
     def _embeddings(self, image: ImageInput) -> Any:
         import mlx.core as mx
@@ -327,6 +341,62 @@ class VisionPrefill:
             _, old = self._features.popitem(last=False)
             self._held -= old.nbytes
         return embeds
+
+
+@dataclass(frozen=True)
+class VisionReserve:
+    """Memory a vision model needs beyond weights, KV and a text prefill step,
+    held back from the KV budget at start: the feature cache's cap, plus one
+    image in flight (the engine encodes one at a time) sized for the largest
+    image the processor makes: the tower's activations, its attention scores
+    per attention block where the backend materialises them (the CPU's
+    attention does; Metal's and CUDA's fused kernels do not), and the image's
+    merged embeddings. The language model reads them in prefill-step chunks,
+    within the text reserve."""
+
+    features: int
+    image: int
+    image_tokens: int  # of the largest image
+    patches: int  # the tower's input positions for it
+
+    @property
+    def total(self) -> int:
+        return self.features + self.image
+
+
+def vision_reserve(
+    prefill: VisionPrefill, front: VisionFront, device: str, largest_side: int = 4096
+) -> VisionReserve:
+    """Sized by running the processor on a ``largest_side`` square (it scales
+    down to its own maximum), so --max-pixels shrinks it."""
+    from PIL import Image
+
+    side = largest_side
+    max_pixels = getattr(getattr(front.processor, "image_processor", None), "max_pixels", None)
+    if isinstance(max_pixels, int) and max_pixels > side * side:
+        side = int(max_pixels**0.5) + 1
+    exp = front.expand(Image.new("RGB", (side, side), (127, 127, 127)))
+    tower = prefill.vlm.config.vision_config
+    width = int(getattr(tower, "embed_dim", 0) or tower.hidden_size)
+    heads = int(getattr(tower, "num_attention_heads", 0) or getattr(tower, "num_heads", 1))
+    pixels = exp.inputs["pixel_values"]
+    if pixels.ndim == 2:  # flattened patches (Qwen-VL): one attention block per image
+        blocks, per_block = 1, pixels.shape[0]
+    else:  # tiles (..., C, H, W), each attended to on its own
+        patch = int(tower.patch_size)
+        blocks = int(np.prod(pixels.shape[:-3]))
+        per_block = (pixels.shape[-2] // patch) * (pixels.shape[-1] // patch)
+    patches = blocks * per_block
+    activations = patches * width * 4 * 8  # residual stream, MLP, q/k/v copies (float32)
+    scores = blocks * heads * per_block * per_block * 4 if "cpu" in device.lower() else 0
+    text_width = int(prefill.vlm.config.text_config.hidden_size)
+    embeddings = len(exp.tokens) * text_width * 4
+    return VisionReserve(
+        features=prefill.feature_bytes,
+        image=activations + scores + embeddings,
+        image_tokens=len(exp.tokens),
+        patches=patches,
+    )
 
 
 def load_vision(model_dir: Path) -> tuple[Any, Any]:

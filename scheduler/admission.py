@@ -104,11 +104,14 @@ def plan_budget(
     source: str = "configured",
     layout: KVLayout | None = None,
     prompt_cache: Callable[[int], int] | None = None,
+    extra_reserve: int = 0,
 ) -> MemoryBudget:
     """How a memory budget splits for one model: what engine.boot enforces and
     what the fit views predict (scheduler.fit), from one rule. ``prompt_cache``
-    sizes the prefix cache from the bytes weights and reserve leave (None: off)."""
+    sizes the prefix cache from the bytes weights and reserve leave (None: off);
+    ``extra_reserve``: what else the model holds (a vision model's, engine.vision)."""
     reserve = transient_reserve(total_bytes, prefill_chunk, context_length, num_heads)
+    reserve += extra_reserve
     cache = prompt_cache(total_bytes - weights_bytes - reserve) if prompt_cache else 0
     return MemoryBudget(
         total_bytes=total_bytes,

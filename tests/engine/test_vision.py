@@ -18,7 +18,7 @@ from engine.batch_runner import BatchRunner
 from engine.loader import load_model
 from engine.model_source import ModelSource
 from engine.prompt_format import ChatFormatter
-from engine.vision import VisionFront
+from engine.vision import VisionFront, vision_reserve
 from kvcache.index import PromptCacheConfig
 from kvcache.manager import TieredKVManager
 from scheduler.request import CacheHints, Request, SamplingParams
@@ -195,3 +195,28 @@ def test_a_video_reaches_the_model_as_its_frames(vlm, tmp_path):
     assert as_video.cache.key == as_frames.cache.key  # the same images to the cache
     runner = runner_for(loaded, cache=False)
     assert run(runner, as_video) == run(runner_for(loaded, cache=False), as_frames)
+
+
+def test_an_image_prefilled_in_small_chunks_reads_the_same(vlm):
+    """The vision prefill feeds the language model --prefill-step-size tokens at a
+    time (its attention transient bounded like a text step's)."""
+    loaded = vlm[0]
+    make = lambda: request(vlm, "what is this?", data_url(png_bytes(*SIZE, GREEN)))  # noqa: E731
+    whole = run(runner_for(loaded, cache=False), make())
+    chunked = runner_for(loaded, cache=False)
+    chunked.vision.chunk = 3
+    try:
+        assert run(chunked, make()) == whole
+    finally:
+        loaded.vision.chunk = 512
+
+
+def test_admission_reserves_the_largest_image_the_processor_makes(vlm):
+    loaded, front, _ = vlm
+    cpu = vision_reserve(loaded.vision, front, "Device(cpu, 0)")
+    gpu = vision_reserve(loaded.vision, front, "Device(gpu, 0)")
+    assert cpu.features == gpu.features == loaded.vision.feature_bytes
+    assert cpu.image > gpu.image > 0  # the CPU's attention materialises its scores
+    # the largest image: at least as many tokens as any image a request can send
+    biggest = request(vlm, "?", data_url(png_bytes(2000, 1500, GREEN)))
+    assert cpu.image_tokens >= len(biggest.images[0].tokens)
