@@ -14,8 +14,9 @@ Per server, after one warm-up request with an image of its own (not counted):
      first send to the last finish; TTFT (first content chunk) per request; the
      completion tokens of each request (lengths may differ between servers:
      tok/s counts generated tokens either way).
-  B  each agent's second turn, all at once: turn 1's messages + the assistant's
-     reply + a new question, the same image re-sent as a data URL. Per request:
+  B  each agent's second turn, all at once: turn 1's messages (its image re-sent
+     as the same data URL, as agents resend their history) + the assistant's
+     reply + a new text question. Per request:
      prompt tokens, usage.prompt_tokens_details.cached_tokens (both servers
      report it), reuse = cached / ideal, turn-2 TTFT against turn-1 TTFT.
      ideal = min(turn-1 prompt + turn-1 completion tokens, turn-2 prompt - 1),
@@ -266,7 +267,7 @@ def measure(key: str, url: str, model: str, images: list[bytes], args) -> dict:
     s1 = vision_stats(key, url)
     for i, conv in enumerate(convs):
         conv.append({"role": "assistant", "content": a[i]["text"]})
-        conv.append(user_turn(data_url(images[i]), QUESTIONS_2[i % len(QUESTIONS_2)]))
+        conv.append(user_turn(None, QUESTIONS_2[i % len(QUESTIONS_2)]))
     b, wall_b = run_phase(url, model, convs, args.max_tokens)
     s2 = vision_stats(key, url)
 
