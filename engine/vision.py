@@ -15,9 +15,8 @@ its last image, so rows with and without images prefill and decode together.
 - ``VisionPrefill`` (engine thread) runs the tower, keeps each image's merged
   embeddings by identity (a re-sent image skips the tower), and fills caches.
 
-Served: families whose language model reads image tokens at sequential
-positions (Idefics3 / SmolVLM, LLaVA-style, Gemma 3, Mistral 3 / Pixtral), and
-the multimodal-RoPE Qwen2-VL and Qwen2.5-VL, whose images sit on a grid of
+Served: Idefics3 / SmolVLM (image tokens at sequential positions) and the
+multimodal-RoPE Qwen2-VL and Qwen2.5-VL, whose images sit on a grid of
 positions (engine.mrope: each row's position delta rides in its batch cache).
 """
 
@@ -50,8 +49,10 @@ from scheduler.request import ImageInput
 
 log = logging.getLogger("kvwarm.engine.vision")
 
-# families whose language model reads image tokens at plain sequential positions
-SEQUENTIAL_FAMILIES = {"idefics3", "smolvlm", "llava", "gemma3", "mistral3", "pixtral"}
+# families whose language model reads image tokens at plain sequential positions,
+# checked token for token against mlx-vlm's own forward (tests/engine/test_vision.py);
+# others (Gemma 3's image masks, LLaVA, Pixtral) wait for that proof
+SEQUENTIAL_FAMILIES = {"idefics3", "smolvlm"}
 SERVED_FAMILIES = SEQUENTIAL_FAMILIES | GRID_ROPE_FAMILIES
 # text around each image's token for families whose template writes it so
 _IMAGE_TEXT = {f: ("<|vision_start|>", "<|vision_end|>") for f in GRID_ROPE_FAMILIES}
