@@ -133,6 +133,7 @@ class _Waiting:
     cache: list | None
     cached_tokens: list[int] | None
     waited: int = 0  # steps it was held back
+    vision_at: int | None = None  # prompt tokens its images' prefill reached so far
 
 
 class BatchRunner:
@@ -274,27 +275,37 @@ class BatchRunner:
         """A cached key's tokens as the model's ids (image identities expanded)."""
         return self.vision.model_ids(tokens) if self.vision is not None else list(tokens)
 
-    def _vision_prefill(self, w: _Waiting) -> None:
-        """Run the row's prompt through its last uncached image (engine.vision): it
-        then joins the batch like a prefix hit, with the text after the image."""
+    def _vision_prefill(self, w: _Waiting) -> bool:
+        """Run the row's prompt through its next uncached image (engine.vision), one
+        image a step so that a many-image prompt does not stall the running rows;
+        True once past its last image: it then joins the batch like a prefix hit,
+        with the text after the image."""
         row, request = w.row, w.row.request
-        if self.vision is None or all(i.end <= row.cached for i in request.images):
-            return
+        start = w.vision_at if w.vision_at is not None else row.cached
+        if self.vision is None or all(i.end <= start for i in request.images):
+            return True
         cache = list(w.cache) if w.cache is not None else make_prompt_cache(self.model)
-        skew = row.kv_offset - row.cached  # KV positions stepped over (volatile spans)
+        skew = row.kv_offset - start  # KV positions stepped over (volatile spans)
         done, delta = self.vision.run(
-            request.prompt_tokens, request.images, row.cached, cache, row.rope_delta + skew
+            request.prompt_tokens,
+            request.images,
+            start,
+            cache,
+            row.rope_delta + skew,
+            max_images=1,
         )
         row.rope_delta = delta - skew
-        gained = done - row.cached
+        gained = done - start
         rest = request.prompt_tokens[done:]
+        w.vision_at = done
         w.cache = cache
-        w.cached_tokens = (w.cached_tokens or []) + list(request.prompt_tokens[row.cached : done])
+        w.cached_tokens = (w.cached_tokens or []) + list(request.prompt_tokens[start:done])
         w.segments = [rest]
         row.kv_offset += gained
         row.prefill_len = len(rest)
         row.stops = (len(rest) - 1,)
         self.prefill_tokens += gained
+        return all(i.end <= done for i in request.images)
 
     def _insert(self, row: _Row, segments, cache, cached_tokens, generator=None) -> int:
         request = row.request
@@ -411,8 +422,9 @@ class BatchRunner:
         for request_id in plan.start:
             w = self._waiting.pop(request_id)
             try:
-                if w.row.request.images:
-                    self._vision_prefill(w)
+                if w.row.request.images and not self._vision_prefill(w):
+                    self._waiting[request_id] = w  # its next image next step
+                    continue
                 uid = self._insert(w.row, w.segments, w.cache, w.cached_tokens)
             except Exception as exc:  # noqa: BLE001 - this row's own inputs
                 self._release(w.row)

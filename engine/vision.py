@@ -278,17 +278,23 @@ class VisionPrefill:
         start: int,
         cache: list,
         delta: int = 0,
+        max_images: int | None = None,
     ) -> tuple[int, int]:
-        """Prefill ``prompt[start:]`` up to the end of its last image into ``cache``,
-        whose positions run ``delta`` from its depth; returns the depth reached
-        (``start`` when every image is already cached) and the delta there."""
+        """Prefill ``prompt[start:]`` up to the end of its last image (or of its
+        ``max_images``-th uncached one) into ``cache``, whose positions run ``delta``
+        from its depth; returns the depth reached (``start`` when every image is
+        already cached) and the delta there."""
         import mlx.core as mx
 
         merge = self.merge
         pos = start
+        ran = 0
         for image in images:
             if image.end <= pos:
                 continue  # its KV came from the prefix cache
+            if max_images is not None and ran >= max_images:
+                break
+            ran += 1
             if image.start < pos:
                 raise ValueError("a cached prefix ends inside an image")  # index retreats
             text_pos = image_pos = None

@@ -220,3 +220,27 @@ def test_admission_reserves_the_largest_image_the_processor_makes(vlm):
     # the largest image: at least as many tokens as any image a request can send
     biggest = request(vlm, "?", data_url(png_bytes(2000, 1500, GREEN)))
     assert cpu.image_tokens >= len(biggest.images[0].tokens)
+
+
+def test_a_many_image_prompt_prefills_one_image_a_step(vlm):
+    """Running rows wait for one image's prefill at a time, not for all of them."""
+    loaded = vlm[0]
+    runner = runner_for(loaded, cache=False)
+    urls = [data_url(png_bytes(*SIZE, c)) for c in (GREEN, RED, (30, 30, 200))]
+    req = request(vlm, "compare them", *urls)
+    before = loaded.vision.counters.images_prefilled
+    runner.add(req)
+    runner.step()
+    assert loaded.vision.counters.images_prefilled - before == 1
+    assert req.request_id in runner._waiting  # still before the batch
+    runner.step()
+    assert loaded.vision.counters.images_prefilled - before == 2
+    tokens = []
+    while runner.active:
+        for out in runner.step():
+            assert out.error is None, out.error
+            tokens += out.token_ids
+    assert loaded.vision.counters.images_prefilled - before == 3
+    assert (tuple(tokens), 0) == run(
+        runner_for(loaded, cache=False), request(vlm, "compare them", *urls)
+    )[0]
