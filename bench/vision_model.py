@@ -42,9 +42,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-# Idefics3's own tokens (as tests/helpers/tiny_vlm.py adds them)
-IDEFICS3_TOKENS = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"]
-IDEFICS3_TOKENS += [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 7)]
+# Idefics3's own tokens and processor files, as the tiny test models have them
+from tests.helpers.tiny_vlm import IDEFICS3_TOKENS, add_special_tokens, write_idefics3_processor  # noqa: E402
 
 TILE = 512  # pixels per side of the one tile an image becomes
 PATCH = 16
@@ -78,15 +77,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
-
-
-def _add_tokens(path: Path, tokens: list[str]) -> dict[str, int]:
-    from tokenizers import AddedToken, Tokenizer
-
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
-    (path / "tokenizer.json").write_text(tok.to_str())
-    return {t: tok.token_to_id(t) for t in tokens}
 
 
 def _text_model_dir() -> Path:
@@ -144,7 +134,7 @@ def _build(out: Path, text_dir: Path, vision_layers: int) -> None:
     for name in TOKENIZER_FILES:
         if (text_dir / name).exists():
             shutil.copy(text_dir / name, out / name)
-    ids = _add_tokens(out, IDEFICS3_TOKENS)
+    ids = add_special_tokens(out, IDEFICS3_TOKENS)
     tok_config = json.loads((out / "tokenizer_config.json").read_text())
     tok_config["chat_template"] = CHAT_TEMPLATE
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
@@ -205,30 +195,7 @@ def _build(out: Path, text_dir: Path, vision_layers: int) -> None:
     mx.save_safetensors(str(out / "model.safetensors"), params, metadata={"format": "mlx"})
 
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    (out / "preprocessor_config.json").write_text(
-        json.dumps(
-            {
-                "image_processor_type": "Idefics3ImageProcessor",
-                "processor_class": "Idefics3Processor",
-                "do_convert_rgb": True,
-                "do_resize": True,
-                "size": {"longest_edge": TILE},
-                "max_image_size": {"longest_edge": TILE},
-                "do_image_splitting": False,
-                "do_rescale": True,
-                "rescale_factor": 1 / 255,
-                "do_normalize": True,
-                "image_mean": [0.5, 0.5, 0.5],
-                "image_std": [0.5, 0.5, 0.5],
-                "do_pad": True,
-                "resample": 1,
-            },
-            indent=2,
-        )
-    )
-    (out / "processor_config.json").write_text(
-        json.dumps({"processor_class": "Idefics3Processor", "image_seq_len": IMAGE_SEQ_LEN})
-    )
+    write_idefics3_processor(out, TILE, TILE, splitting=False, image_seq_len=IMAGE_SEQ_LEN)
 
 
 def main() -> int:

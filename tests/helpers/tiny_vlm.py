@@ -21,7 +21,7 @@ IDEFICS3_TOKENS += [f"<row_{r}_col_{c}>" for r in range(1, 7) for c in range(1, 
 IMAGE_SIDE = 32  # one tile: 4x4 patches of 8 pixels, pixel-shuffled (x2) to 4 tokens
 
 
-def _add_tokens(path: Path, tokens: list[str]) -> dict[str, int]:
+def add_special_tokens(path: Path, tokens: list[str]) -> dict[str, int]:
     from tokenizers import AddedToken, Tokenizer
 
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
@@ -39,7 +39,7 @@ def write_tiny_smolvlm(path: Path, seed: int = 0, longest_edge: int = 2 * IMAGE_
     from mlx_vlm.utils import update_module_configs
 
     write_byte_tokenizer(path)
-    ids = _add_tokens(path, IDEFICS3_TOKENS)
+    ids = add_special_tokens(path, IDEFICS3_TOKENS)
     vocab = max(ids.values()) + 1
     config = {
         "model_type": "idefics3",
@@ -76,6 +76,16 @@ def write_tiny_smolvlm(path: Path, seed: int = 0, longest_edge: int = 2 * IMAGE_
     model = idefics3.Model(model_config)
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (path / "config.json").write_text(json.dumps(config))
+    write_idefics3_processor(path, longest_edge, IMAGE_SIDE, splitting=True, image_seq_len=4)
+    return path
+
+
+def write_idefics3_processor(
+    path: Path, longest_edge: int, tile: int, splitting: bool, image_seq_len: int
+) -> None:
+    """The Idefics3 (SmolVLM) processor's own config files: images resized to
+    ``longest_edge``, cut into ``tile`` pixel tiles (plus a global view) when
+    ``splitting``, each tile ``image_seq_len`` tokens."""
     (path / "preprocessor_config.json").write_text(
         json.dumps(
             {
@@ -84,8 +94,8 @@ def write_tiny_smolvlm(path: Path, seed: int = 0, longest_edge: int = 2 * IMAGE_
                 "do_convert_rgb": True,
                 "do_resize": True,
                 "size": {"longest_edge": longest_edge},
-                "max_image_size": {"longest_edge": IMAGE_SIDE},
-                "do_image_splitting": True,
+                "max_image_size": {"longest_edge": tile},
+                "do_image_splitting": splitting,
                 "do_rescale": True,
                 "rescale_factor": 1 / 255,
                 "do_normalize": True,
@@ -93,13 +103,13 @@ def write_tiny_smolvlm(path: Path, seed: int = 0, longest_edge: int = 2 * IMAGE_
                 "image_std": [0.5, 0.5, 0.5],
                 "do_pad": True,
                 "resample": 1,
-            }
+            },
+            indent=2,
         )
     )
     (path / "processor_config.json").write_text(
-        json.dumps({"processor_class": "Idefics3Processor", "image_seq_len": 4})
+        json.dumps({"processor_class": "Idefics3Processor", "image_seq_len": image_seq_len})
     )
-    return path
 
 
 def png_bytes(width: int, height: int, color: tuple[int, int, int], fmt: str = "PNG") -> bytes:
@@ -147,7 +157,7 @@ def write_tiny_qwen2vl(
     module = importlib.import_module(f"mlx_vlm.models.{family}")
 
     write_byte_tokenizer(path)
-    ids = _add_tokens(path, QWEN2VL_TOKENS)
+    ids = add_special_tokens(path, QWEN2VL_TOKENS)
     vocab = max(ids.values()) + 1
     config = {
         "model_type": family,
