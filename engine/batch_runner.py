@@ -250,15 +250,10 @@ class BatchRunner:
                         reuse.kv_key.model_tokens[: reuse.kv_depth]
                     )
         rest = prompt[row.cached :]
-        if hints is not None and not request.images:  # image rows: prefilled in one go
-            row.checkpoints = self._checkpoints(hints, row.cached, len(rest))
-        bounds = [0, *row.checkpoints, len(rest)]
-        segments = [rest[a:b] for a, b in zip(bounds, bounds[1:])]
         if not rest or request.max_tokens - row.generated <= 0:
             self._release(row)
             raise ValueError("nothing to generate: an empty prompt or max_tokens <= 0")
-        row.prefill_len = len(rest)
-        row.stops = tuple(bounds[1:-1]) + (len(rest) - 1,)
+        segments = self._segments(row, rest, row.cached)
         # prefill starts when the step budget has room for it (``step``)
         self._waiting[request.request_id] = _Waiting(row, segments, cache, cached_tokens)
         if hints is None:
@@ -300,10 +295,8 @@ class BatchRunner:
         w.vision_at = done
         w.cache = cache
         w.cached_tokens = (w.cached_tokens or []) + list(request.prompt_tokens[start:done])
-        w.segments = [rest]
         row.kv_offset += gained
-        row.prefill_len = len(rest)
-        row.stops = (len(rest) - 1,)
+        w.segments = self._segments(row, rest, done)  # checkpoints after its images
         self.prefill_tokens += gained
         return all(i.end <= done for i in request.images)
 
@@ -365,6 +358,16 @@ class BatchRunner:
         if row.entry_id is not None:
             self.prefix_cache.release(row.entry_id)
             row.entry_id = None
+
+    def _segments(self, row: _Row, rest: list[int], start: int) -> list[list[int]]:
+        """The prompt after ``start`` as the generator prefills it: cut at the
+        checkpoints where its KV is stored on the way."""
+        hints = row.request.cache if self.prefix_cache is not None else None
+        row.checkpoints = self._checkpoints(hints, start, len(rest)) if hints else []
+        bounds = [0, *row.checkpoints, len(rest)]
+        row.prefill_len = len(rest)
+        row.stops = tuple(bounds[1:-1]) + (len(rest) - 1,)
+        return [rest[a:b] for a, b in zip(bounds, bounds[1:])]
 
     def _checkpoints(self, hints, cached: int, remaining: int) -> list[int]:
         """Where prefill pauses to store KV (as progress after ``cached``).

@@ -15,7 +15,7 @@ its last image, so rows with and without images prefill and decode together.
 - ``VisionPrefill`` (engine thread) runs the tower, keeps each image's merged
   embeddings by identity (a re-sent image skips the tower), and fills caches.
 
-Served: Idefics3 / SmolVLM (image tokens at sequential positions) and the
+Served: Idefics3 / SmolVLM and Gemma 3 (image tokens at sequential positions), and the
 multimodal-RoPE Qwen2-VL and Qwen2.5-VL, whose images sit on a grid of
 positions (engine.mrope: each row's position delta rides in its batch cache).
 """
@@ -51,11 +51,14 @@ log = logging.getLogger("kvwarm.engine.vision")
 
 # families whose language model reads image tokens at plain sequential positions,
 # checked token for token against mlx-vlm's own forward (tests/engine/test_vision.py);
-# others (Gemma 3's image masks, LLaVA, Pixtral) wait for that proof
-SEQUENTIAL_FAMILIES = {"idefics3", "smolvlm"}
+# others (LLaVA, Pixtral, ...) wait for that proof
+SEQUENTIAL_FAMILIES = {"idefics3", "smolvlm", "gemma3"}
 SERVED_FAMILIES = SEQUENTIAL_FAMILIES | GRID_ROPE_FAMILIES
 # text around each image's token for families whose template writes it so
 _IMAGE_TEXT = {f: ("<|vision_start|>", "<|vision_end|>") for f in GRID_ROPE_FAMILIES}
+# the processor attribute naming the token it widens (default: image_token); Gemma 3
+# widens its begin-of-image token into "\n\n<boi>" + soft tokens + "<eoi>\n\n"
+_MARKER = {"gemma3": "boi_token"}
 _NOT_INPUTS = {"input_ids", "attention_mask"}
 
 
@@ -117,8 +120,8 @@ class LanguageView:
         make_cache = getattr(self.language_model, "make_cache", None)
         if self.grid_rope:  # every row's cache carries its position delta (engine.mrope)
             self.make_cache = lambda: [PositionedKVCache() for _ in self.layers]
-        elif make_cache is not None:
-            self.make_cache = make_cache
+        elif make_cache is not None:  # mlx-vlm's own cache classes, as mlx-lm's
+            self.make_cache = lambda: [mlx_lm_cache(c) for c in make_cache()]
 
     def __call__(
         self,
@@ -147,6 +150,19 @@ class LanguageView:
         return getattr(self.language_model, name)
 
 
+def mlx_lm_cache(cache: Any) -> Any:
+    """mlx-lm's class for one of mlx-vlm's cache objects: mlx-lm's BatchGenerator
+    merges, filters and extracts only its own (both keep the same state)."""
+    from mlx_lm.models import cache as lm
+
+    kind = type(cache).__name__
+    if kind == "KVCache":
+        return lm.KVCache()
+    if kind == "RotatingKVCache":
+        return lm.RotatingKVCache(max_size=cache.max_size, keep=cache.keep)
+    raise UnsupportedModelError(f"mlx-vlm's {kind} has no mlx-lm batch counterpart")
+
+
 @dataclass(frozen=True)
 class ImageExpansion:
     tokens: tuple[int, ...]  # the image's tokens as the model reads them
@@ -166,7 +182,7 @@ class VisionFront:
         merge: int | None = None,
     ):
         self.processor = processor
-        self.image_token = str(processor.image_token)
+        self.image_token = str(getattr(processor, _MARKER.get(model_type, "image_token")))
         before, after = _IMAGE_TEXT.get(model_type, ("", ""))
         self.placeholder = before + self.image_token + after
         self.placeholder_id = int(tokenizer.convert_tokens_to_ids(self.image_token))
@@ -337,7 +353,10 @@ class VisionPrefill:
         started = time.perf_counter()
         inputs = {k: mx.array(v) for k, v in image.inputs.items()}
         pixels = inputs.pop("pixel_values", None)
-        out = self.vlm.get_input_embeddings(mx.array([list(image.tokens)]), pixels, **inputs)
+        ids = mx.array([list(image.tokens)])
+        # every token is real (Gemma 3 builds its attention mask from this one)
+        inputs.setdefault("mask", mx.ones(ids.shape, dtype=mx.int32))
+        out = self.vlm.get_input_embeddings(ids, pixels, **inputs)
         embeds = out.inputs_embeds
         mx.eval(embeds)
         self.counters.encoder_runs += 1

@@ -221,3 +221,92 @@ def make_video(folder: Path, seconds: float = 2.0, fps: int = 4) -> bytes:
     cmd = [ffmpeg, "-v", "error", "-y", "-f", "lavfi", "-i", source, "-c:v", "mpeg4", str(out)]
     subprocess.run(cmd, check=True)
     return out.read_bytes()
+
+
+# Gemma 3's own tokens (an image: "\n\n<start_of_image>" + soft tokens + "<end_of_image>\n\n")
+GEMMA3_TOKENS = ["<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+
+
+def write_tiny_gemma3(path: Path, seed: int = 0, sliding_window: int = 64) -> Path:
+    """A Gemma 3-shaped vision model: a gemma3 text model (hidden 64, 2 layers:
+    a sliding-window one, then a global one) behind a one-layer SigLIP tower;
+    each image is one 32 px square of 4x4 patches pooled to 4 soft tokens. The
+    window is wider than the tests' prompts: a filled window cannot be cut back,
+    so a re-sent prompt would hit only whole entries (kvcache's rule for them)."""
+    from mlx_vlm.models import gemma3
+    from mlx_vlm.utils import update_module_configs
+
+    write_byte_tokenizer(path)
+    ids = add_special_tokens(path, GEMMA3_TOKENS)
+    cfg_path = path / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    tok_cfg["extra_special_tokens"] = {
+        "boi_token": "<start_of_image>",
+        "eoi_token": "<end_of_image>",
+        "image_token": "<image_soft_token>",
+    }
+    cfg_path.write_text(json.dumps(tok_cfg))
+    vocab = max(ids.values()) + 1
+    config = {
+        "model_type": "gemma3",
+        "image_token_index": ids["<image_soft_token>"],
+        "boi_token_index": ids["<start_of_image>"],
+        "eoi_token_index": ids["<end_of_image>"],
+        "mm_tokens_per_image": 4,
+        "vocab_size": vocab,
+        "hidden_size": 64,
+        "pad_token_id": 0,
+        "text_config": {
+            "model_type": "gemma3",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "num_hidden_layers": 2,
+            "sliding_window": sliding_window,
+            "sliding_window_pattern": 2,
+            "vocab_size": vocab,
+            "mm_tokens_per_image": 4,
+            "max_position_embeddings": 8192,
+        },
+        "vision_config": {
+            "model_type": "siglip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_attention_heads": 2,
+            "num_hidden_layers": 1,
+            "patch_size": 8,
+            "image_size": 32,
+        },
+    }
+    mx.random.seed(seed)
+    model_config = update_module_configs(
+        gemma3.ModelConfig.from_dict(config), gemma3, config, ["text", "vision"]
+    )
+    model = gemma3.Model(model_config)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "Gemma3ImageProcessor",
+                "processor_class": "Gemma3Processor",
+                "do_convert_rgb": True,
+                "do_resize": True,
+                "size": {"height": 32, "width": 32},
+                "do_rescale": True,
+                "rescale_factor": 1 / 255,
+                "do_normalize": True,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+                "do_pan_and_scan": False,
+                "resample": 2,
+            }
+        )
+    )
+    (path / "processor_config.json").write_text(
+        json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": 4})
+    )
+    return path
