@@ -310,3 +310,80 @@ def write_tiny_gemma3(path: Path, seed: int = 0, sliding_window: int = 64) -> Pa
         json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": 4})
     )
     return path
+
+
+def write_tiny_llava(path: Path, seed: int = 0) -> Path:
+    """A LLaVA-1.5-shaped model: a llama text model (hidden 64, 2 layers) behind a
+    one-layer CLIP tower; each image one 32 px square of 4x4 patches, 16 tokens."""
+    from mlx_vlm.models import llava
+    from mlx_vlm.utils import update_module_configs
+
+    write_byte_tokenizer(path)
+    ids = add_special_tokens(path, ["<image>"])
+    vocab = max(ids.values()) + 1
+    config = {
+        "model_type": "llava",
+        "image_token_index": ids["<image>"],
+        "vocab_size": vocab,
+        "vision_feature_select_strategy": "default",
+        "vision_feature_layer": -2,
+        "projector_hidden_act": "gelu",
+        "text_config": {
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 2,
+            "rms_norm_eps": 1e-5,
+            "vocab_size": vocab,
+            "max_position_embeddings": 8192,
+        },
+        "vision_config": {
+            "model_type": "clip_vision_model",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_attention_heads": 2,
+            "num_hidden_layers": 2,
+            "image_size": 32,
+            "patch_size": 8,
+            "projection_dim": 32,
+        },
+    }
+    mx.random.seed(seed)
+    model_config = update_module_configs(
+        llava.ModelConfig.from_dict(config), llava, config, ["text", "vision"]
+    )
+    model = llava.Model(model_config)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "CLIPImageProcessor",
+                "processor_class": "LlavaProcessor",
+                "do_resize": True,
+                "size": {"shortest_edge": 32},
+                "do_center_crop": True,
+                "crop_size": {"height": 32, "width": 32},
+                "do_rescale": True,
+                "rescale_factor": 1 / 255,
+                "do_normalize": True,
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711],
+                "do_convert_rgb": True,
+                "resample": 3,
+            }
+        )
+    )
+    (path / "processor_config.json").write_text(
+        json.dumps(
+            {
+                "processor_class": "LlavaProcessor",
+                "patch_size": 8,
+                "vision_feature_select_strategy": "default",
+                "num_additional_image_tokens": 1,
+            }
+        )
+    )
+    return path
