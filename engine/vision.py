@@ -15,7 +15,8 @@ its last image, so rows with and without images prefill and decode together.
 - ``VisionPrefill`` (engine thread) runs the tower, keeps each image's merged
   embeddings by identity (a re-sent image skips the tower), and fills caches.
 
-Served: Idefics3 / SmolVLM, Gemma 3 and LLaVA (image tokens at sequential positions), and the
+Served: Idefics3 / SmolVLM, Gemma 3, LLaVA, Pixtral and Mistral 3 (image tokens at
+sequential positions), and the
 multimodal-RoPE Qwen2-VL and Qwen2.5-VL, whose images sit on a grid of
 positions (engine.mrope: each row's position delta rides in its batch cache).
 """
@@ -51,8 +52,8 @@ log = logging.getLogger("kvwarm.engine.vision")
 
 # families whose language model reads image tokens at plain sequential positions,
 # checked token for token against mlx-vlm's own forward (tests/engine/test_vision.py);
-# others (Pixtral, Mistral 3, ...) wait for that proof
-SEQUENTIAL_FAMILIES = {"idefics3", "smolvlm", "gemma3", "llava"}
+# others (LLaVA-NeXT's tiling, Gemma 3n/4, ...) wait for that proof
+SEQUENTIAL_FAMILIES = {"idefics3", "smolvlm", "gemma3", "llava", "pixtral", "mistral3"}
 SERVED_FAMILIES = SEQUENTIAL_FAMILIES | GRID_ROPE_FAMILIES
 # text around each image's token for families whose template writes it so
 _IMAGE_TEXT = {f: ("<|vision_start|>", "<|vision_end|>") for f in GRID_ROPE_FAMILIES}

@@ -28,6 +28,7 @@ from tests.helpers.tiny_vlm import (
     png_bytes,
     write_tiny_gemma3,
     write_tiny_llava,
+    write_tiny_pixtral,
     write_tiny_qwen2vl,
     write_tiny_smolvlm,
 )
@@ -42,9 +43,19 @@ FAMILIES = {
     "qwen2_5vl": partial(write_tiny_qwen2vl, family="qwen2_5_vl"),
     "gemma3": write_tiny_gemma3,
     "llava": write_tiny_llava,
+    "pixtral": write_tiny_pixtral,
+    "mistral3": partial(write_tiny_pixtral, family="mistral3"),
 }
 # random weights whose greedy output is not one token
-SEEDS = {"smolvlm": 5, "qwen2vl": 1, "qwen2_5vl": 1, "gemma3": 1, "llava": 1}
+SEEDS = {
+    "smolvlm": 5,
+    "qwen2vl": 1,
+    "qwen2_5vl": 1,
+    "gemma3": 1,
+    "llava": 1,
+    "pixtral": 1,
+    "mistral3": 1,
+}
 SIZE = (110, 80)  # Qwen2-VL: 4x3 tokens on a grid spanning 4 positions, so a delta of -8
 
 

@@ -387,3 +387,87 @@ def write_tiny_llava(path: Path, seed: int = 0) -> Path:
         )
     )
     return path
+
+
+PIXTRAL_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+
+
+def write_tiny_pixtral(path: Path, seed: int = 0, family: str = "pixtral") -> Path:
+    """A Pixtral-shaped model: a mistral text model (hidden 64, 2 layers) behind a
+    one-layer Pixtral tower (2-D RoPE over patches); images keep their aspect up to
+    48 px, one [IMG] token per 8 px patch, [IMG_BREAK] after each row, [IMG_END].
+    ``family="mistral3"``: Mistral Small 3.1's shape, 2x2 patches merged into a token."""
+    import importlib
+
+    from mlx_vlm.utils import update_module_configs
+
+    module = importlib.import_module(f"mlx_vlm.models.{family}")
+    merge = 2 if family == "mistral3" else 1
+
+    write_byte_tokenizer(path)
+    ids = add_special_tokens(path, PIXTRAL_TOKENS)
+    vocab = max(ids.values()) + 1
+    config = {
+        "model_type": family,
+        "image_token_index": ids["[IMG]"],
+        "spatial_merge_size": merge,
+        "vocab_size": vocab,
+        "vision_feature_layer": -1,
+        "projector_hidden_act": "gelu",
+        "text_config": {
+            "model_type": "mistral",
+            "hidden_size": 64,
+            "head_dim": 16,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 2,
+            "rms_norm_eps": 1e-5,
+            "vocab_size": vocab,
+            "rope_theta": 10000.0,
+            "max_position_embeddings": 8192,
+            "tie_word_embeddings": False,
+        },
+        "vision_config": {
+            "model_type": "pixtral",
+            "hidden_size": 32,
+            "head_dim": 16,
+            "intermediate_size": 64,
+            "num_attention_heads": 2,
+            "num_hidden_layers": 1,
+            "image_size": 48,
+            "patch_size": 8,
+            "rope_theta": 10000.0,
+        },
+    }
+    mx.random.seed(seed)
+    model_config = update_module_configs(
+        module.ModelConfig.from_dict(config), module, config, ["text", "vision"]
+    )
+    model = module.Model(model_config)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "PixtralImageProcessor",
+                "processor_class": "PixtralProcessor",
+                "size": {"longest_edge": 48},
+                "patch_size": {"height": 8, "width": 8},
+                "do_resize": True,
+                "do_rescale": True,
+                "do_normalize": True,
+                "do_convert_rgb": True,
+            }
+        )
+    )
+    (path / "processor_config.json").write_text(
+        json.dumps(
+            {
+                "processor_class": "Mistral3Processor" if merge > 1 else "PixtralProcessor",
+                "patch_size": 8,
+                "spatial_merge_size": merge,
+            }
+        )
+    )
+    return path

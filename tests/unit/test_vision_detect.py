@@ -15,7 +15,10 @@ def model_dir(tmp_path, config: dict):
     return tmp_path
 
 
-@pytest.mark.parametrize("family", ["idefics3", "smolvlm", "gemma3", "llava", "qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize(
+    "family",
+    ["idefics3", "smolvlm", "gemma3", "llava", "pixtral", "mistral3", "qwen2_vl", "qwen2_5_vl"],
+)
 def test_served_vision_families_are_detected(tmp_path, family):
     path = model_dir(tmp_path, {"model_type": family, "vision_config": {}})
     assert wants_vision(path, "auto") and wants_vision(path, "on")
@@ -23,9 +26,9 @@ def test_served_vision_families_are_detected(tmp_path, family):
 
 
 def test_an_unserved_vision_family_is_refused_under_on_and_text_only_under_auto(tmp_path):
-    path = model_dir(tmp_path, {"model_type": "pixtral", "vision_config": {}})
+    path = model_dir(tmp_path, {"model_type": "llava_next", "vision_config": {}})
     assert not wants_vision(path, "auto")
-    with pytest.raises(UnsupportedModelError, match="'pixtral' is not served yet"):
+    with pytest.raises(UnsupportedModelError, match="'llava_next' is not served yet"):
         wants_vision(path, "on")
 
 
