@@ -30,35 +30,66 @@ def add_special_tokens(path: Path, tokens: list[str]) -> dict[str, int]:
     return {t: tok.token_to_id(t) for t in tokens}
 
 
+def _tokenizer(path: Path, tokens: list[str]) -> tuple[dict[str, int], int]:
+    """The byte tokenizer plus a family's own tokens: their ids, and the vocab size."""
+    write_byte_tokenizer(path)
+    ids = add_special_tokens(path, tokens)
+    return ids, max(ids.values()) + 1
+
+
+def _text(vocab: int, model_type: str = "llama", **extra: object) -> dict:
+    """A 2-layer text model of width 64, the settings every family here shares."""
+    return {
+        "model_type": model_type,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 2,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": vocab,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 8192,
+        **extra,
+    }
+
+
+def _save(path: Path, config: dict, seed: int) -> None:
+    """Random weights of mlx-vlm's own ``config["model_type"]`` classes, saved with
+    the config as ``mlx_vlm.load`` reads them."""
+    import importlib
+
+    from mlx_vlm.utils import update_module_configs
+
+    module = importlib.import_module(f"mlx_vlm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    nested = dict(config)  # Qwen2-VL's from_dict nests its top-level text settings here
+    model_config = update_module_configs(
+        module.ModelConfig.from_dict(nested), module, nested, ["text", "vision"]
+    )
+    model = module.Model(model_config)
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def _processor_files(path: Path, preprocessor: dict, processor: dict | None = None) -> None:
+    (path / "preprocessor_config.json").write_text(json.dumps(preprocessor))
+    if processor is not None:
+        (path / "processor_config.json").write_text(json.dumps(processor))
+
+
 def write_tiny_smolvlm(path: Path, seed: int = 0, longest_edge: int = 2 * IMAGE_SIDE) -> Path:
     """An Idefics3 / SmolVLM-shaped model: a llama text model (hidden 64, 2 layers)
     behind a one-layer SigLIP tower. Images are split into tiles of
     ``IMAGE_SIDE`` pixels (up to ``longest_edge``) plus a global view, each tile
     one image token, as SmolVLM does at full size."""
-    from mlx_vlm.models import idefics3
-    from mlx_vlm.utils import update_module_configs
-
-    write_byte_tokenizer(path)
-    ids = add_special_tokens(path, IDEFICS3_TOKENS)
-    vocab = max(ids.values()) + 1
+    ids, vocab = _tokenizer(path, IDEFICS3_TOKENS)
     config = {
         "model_type": "idefics3",
         "image_token_id": ids["<image>"],
         "scale_factor": 2,
         "vocab_size": vocab,
-        "text_config": {
-            "model_type": "llama",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "num_hidden_layers": 2,
-            "rms_norm_eps": 1e-5,
-            "vocab_size": vocab,
-            "rope_theta": 10000.0,
-            "max_position_embeddings": 8192,
-            "tie_word_embeddings": False,
-        },
+        "text_config": _text(vocab, tie_word_embeddings=False),
         "vision_config": {
             "model_type": "idefics3_vision",
             "hidden_size": 32,
@@ -69,13 +100,7 @@ def write_tiny_smolvlm(path: Path, seed: int = 0, longest_edge: int = 2 * IMAGE_
             "image_size": IMAGE_SIDE,
         },
     }
-    mx.random.seed(seed)
-    model_config = update_module_configs(
-        idefics3.ModelConfig.from_dict(config), idefics3, config, ["text", "vision"]
-    )
-    model = idefics3.Model(model_config)
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps(config))
+    _save(path, config, seed)
     write_idefics3_processor(path, longest_edge, IMAGE_SIDE, splitting=True, image_seq_len=4)
     return path
 
@@ -150,33 +175,21 @@ def write_tiny_qwen2vl(
     sit on a 2-D grid of positions): a qwen2 text model (hidden 64, 2 layers)
     behind a one-block vision tower; images resized to at most
     ``max_tokens_per_image`` tokens."""
-    import importlib
-
-    from mlx_vlm.utils import update_module_configs
-
-    module = importlib.import_module(f"mlx_vlm.models.{family}")
-
-    write_byte_tokenizer(path)
-    ids = add_special_tokens(path, QWEN2VL_TOKENS)
-    vocab = max(ids.values()) + 1
+    ids, vocab = _tokenizer(path, QWEN2VL_TOKENS)
     config = {
         "model_type": family,
         "image_token_id": ids["<|image_pad|>"],
         "video_token_id": ids["<|video_pad|>"],
         "vision_start_token_id": ids["<|vision_start|>"],
         "vision_end_token_id": ids["<|vision_end|>"],
-        "vocab_size": vocab,
         # Qwen2-VL keeps its text model's settings at the top level
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 2,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 8192,
-        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
-        "tie_word_embeddings": False,
+        **_text(
+            vocab,
+            family,
+            rms_norm_eps=1e-6,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+            tie_word_embeddings=False,
+        ),
         "vision_config": {
             "model_type": family,
             **QWEN_TOWERS[family],
@@ -186,29 +199,21 @@ def write_tiny_qwen2vl(
             "temporal_patch_size": 2,
         },
     }
-    mx.random.seed(seed)
-    nested = dict(config)  # from_dict nests the top-level text settings in it
-    model_config = update_module_configs(
-        module.ModelConfig.from_dict(nested), module, nested, ["text", "vision"]
-    )
-    model = module.Model(model_config)
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps(config))
+    _save(path, config, seed)
     unit = (2 * QWEN_PATCH) ** 2  # the pixels of one image token
-    (path / "preprocessor_config.json").write_text(
-        json.dumps(
-            {
-                "image_processor_type": "Qwen2VLImageProcessor",
-                "processor_class": "Qwen2VLProcessor",
-                "patch_size": QWEN_PATCH,
-                "temporal_patch_size": 2,
-                "merge_size": 2,
-                "min_pixels": unit,
-                "max_pixels": unit * max_tokens_per_image,
-                "image_mean": [0.48145466, 0.4578275, 0.40821073],
-                "image_std": [0.26862954, 0.26130258, 0.27577711],
-            }
-        )
+    _processor_files(
+        path,
+        {
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "processor_class": "Qwen2VLProcessor",
+            "patch_size": QWEN_PATCH,
+            "temporal_patch_size": 2,
+            "merge_size": 2,
+            "min_pixels": unit,
+            "max_pixels": unit * max_tokens_per_image,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+        },
     )
     return path
 
@@ -233,11 +238,7 @@ def write_tiny_gemma3(path: Path, seed: int = 0, sliding_window: int = 64) -> Pa
     each image is one 32 px square of 4x4 patches pooled to 4 soft tokens. The
     window is wider than the tests' prompts: a filled window cannot be cut back,
     so a re-sent prompt would hit only whole entries (kvcache's rule for them)."""
-    from mlx_vlm.models import gemma3
-    from mlx_vlm.utils import update_module_configs
-
-    write_byte_tokenizer(path)
-    ids = add_special_tokens(path, GEMMA3_TOKENS)
+    ids, vocab = _tokenizer(path, GEMMA3_TOKENS)
     cfg_path = path / "tokenizer_config.json"
     tok_cfg = json.loads(cfg_path.read_text())
     tok_cfg["extra_special_tokens"] = {
@@ -246,7 +247,6 @@ def write_tiny_gemma3(path: Path, seed: int = 0, sliding_window: int = 64) -> Pa
         "image_token": "<image_soft_token>",
     }
     cfg_path.write_text(json.dumps(tok_cfg))
-    vocab = max(ids.values()) + 1
     config = {
         "model_type": "gemma3",
         "image_token_index": ids["<image_soft_token>"],
@@ -256,21 +256,16 @@ def write_tiny_gemma3(path: Path, seed: int = 0, sliding_window: int = 64) -> Pa
         "vocab_size": vocab,
         "hidden_size": 64,
         "pad_token_id": 0,
-        "text_config": {
-            "model_type": "gemma3",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "query_pre_attn_scalar": 16,
-            "num_hidden_layers": 2,
-            "sliding_window": sliding_window,
-            "sliding_window_pattern": 2,
-            "vocab_size": vocab,
-            "mm_tokens_per_image": 4,
-            "max_position_embeddings": 8192,
-        },
+        "text_config": _text(
+            vocab,
+            "gemma3",
+            rms_norm_eps=1e-6,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=sliding_window,
+            sliding_window_pattern=2,
+            mm_tokens_per_image=4,
+        ),
         "vision_config": {
             "model_type": "siglip_vision_model",
             "hidden_size": 32,
@@ -281,33 +276,24 @@ def write_tiny_gemma3(path: Path, seed: int = 0, sliding_window: int = 64) -> Pa
             "image_size": 32,
         },
     }
-    mx.random.seed(seed)
-    model_config = update_module_configs(
-        gemma3.ModelConfig.from_dict(config), gemma3, config, ["text", "vision"]
-    )
-    model = gemma3.Model(model_config)
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps(config))
-    (path / "preprocessor_config.json").write_text(
-        json.dumps(
-            {
-                "image_processor_type": "Gemma3ImageProcessor",
-                "processor_class": "Gemma3Processor",
-                "do_convert_rgb": True,
-                "do_resize": True,
-                "size": {"height": 32, "width": 32},
-                "do_rescale": True,
-                "rescale_factor": 1 / 255,
-                "do_normalize": True,
-                "image_mean": [0.5, 0.5, 0.5],
-                "image_std": [0.5, 0.5, 0.5],
-                "do_pan_and_scan": False,
-                "resample": 2,
-            }
-        )
-    )
-    (path / "processor_config.json").write_text(
-        json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": 4})
+    _save(path, config, seed)
+    _processor_files(
+        path,
+        {
+            "image_processor_type": "Gemma3ImageProcessor",
+            "processor_class": "Gemma3Processor",
+            "do_convert_rgb": True,
+            "do_resize": True,
+            "size": {"height": 32, "width": 32},
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": [0.5, 0.5, 0.5],
+            "image_std": [0.5, 0.5, 0.5],
+            "do_pan_and_scan": False,
+            "resample": 2,
+        },
+        {"processor_class": "Gemma3Processor", "image_seq_length": 4},
     )
     return path
 
@@ -315,12 +301,7 @@ def write_tiny_gemma3(path: Path, seed: int = 0, sliding_window: int = 64) -> Pa
 def write_tiny_llava(path: Path, seed: int = 0) -> Path:
     """A LLaVA-1.5-shaped model: a llama text model (hidden 64, 2 layers) behind a
     one-layer CLIP tower; each image one 32 px square of 4x4 patches, 16 tokens."""
-    from mlx_vlm.models import llava
-    from mlx_vlm.utils import update_module_configs
-
-    write_byte_tokenizer(path)
-    ids = add_special_tokens(path, ["<image>"])
-    vocab = max(ids.values()) + 1
+    ids, vocab = _tokenizer(path, ["<image>"])
     config = {
         "model_type": "llava",
         "image_token_index": ids["<image>"],
@@ -328,17 +309,7 @@ def write_tiny_llava(path: Path, seed: int = 0) -> Path:
         "vision_feature_select_strategy": "default",
         "vision_feature_layer": -2,
         "projector_hidden_act": "gelu",
-        "text_config": {
-            "model_type": "llama",
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "num_hidden_layers": 2,
-            "rms_norm_eps": 1e-5,
-            "vocab_size": vocab,
-            "max_position_embeddings": 8192,
-        },
+        "text_config": _text(vocab),
         "vision_config": {
             "model_type": "clip_vision_model",
             "hidden_size": 32,
@@ -350,41 +321,30 @@ def write_tiny_llava(path: Path, seed: int = 0) -> Path:
             "projection_dim": 32,
         },
     }
-    mx.random.seed(seed)
-    model_config = update_module_configs(
-        llava.ModelConfig.from_dict(config), llava, config, ["text", "vision"]
-    )
-    model = llava.Model(model_config)
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps(config))
-    (path / "preprocessor_config.json").write_text(
-        json.dumps(
-            {
-                "image_processor_type": "CLIPImageProcessor",
-                "processor_class": "LlavaProcessor",
-                "do_resize": True,
-                "size": {"shortest_edge": 32},
-                "do_center_crop": True,
-                "crop_size": {"height": 32, "width": 32},
-                "do_rescale": True,
-                "rescale_factor": 1 / 255,
-                "do_normalize": True,
-                "image_mean": [0.48145466, 0.4578275, 0.40821073],
-                "image_std": [0.26862954, 0.26130258, 0.27577711],
-                "do_convert_rgb": True,
-                "resample": 3,
-            }
-        )
-    )
-    (path / "processor_config.json").write_text(
-        json.dumps(
-            {
-                "processor_class": "LlavaProcessor",
-                "patch_size": 8,
-                "vision_feature_select_strategy": "default",
-                "num_additional_image_tokens": 1,
-            }
-        )
+    _save(path, config, seed)
+    _processor_files(
+        path,
+        {
+            "image_processor_type": "CLIPImageProcessor",
+            "processor_class": "LlavaProcessor",
+            "do_resize": True,
+            "size": {"shortest_edge": 32},
+            "do_center_crop": True,
+            "crop_size": {"height": 32, "width": 32},
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": [0.48145466, 0.4578275, 0.40821073],
+            "image_std": [0.26862954, 0.26130258, 0.27577711],
+            "do_convert_rgb": True,
+            "resample": 3,
+        },
+        {
+            "processor_class": "LlavaProcessor",
+            "patch_size": 8,
+            "vision_feature_select_strategy": "default",
+            "num_additional_image_tokens": 1,
+        },
     )
     return path
 
@@ -397,16 +357,9 @@ def write_tiny_pixtral(path: Path, seed: int = 0, family: str = "pixtral") -> Pa
     one-layer Pixtral tower (2-D RoPE over patches); images keep their aspect up to
     48 px, one [IMG] token per 8 px patch, [IMG_BREAK] after each row, [IMG_END].
     ``family="mistral3"``: Mistral Small 3.1's shape, 2x2 patches merged into a token."""
-    import importlib
-
-    from mlx_vlm.utils import update_module_configs
-
-    module = importlib.import_module(f"mlx_vlm.models.{family}")
     merge = 2 if family == "mistral3" else 1
 
-    write_byte_tokenizer(path)
-    ids = add_special_tokens(path, PIXTRAL_TOKENS)
-    vocab = max(ids.values()) + 1
+    ids, vocab = _tokenizer(path, PIXTRAL_TOKENS)
     config = {
         "model_type": family,
         "image_token_index": ids["[IMG]"],
@@ -414,20 +367,7 @@ def write_tiny_pixtral(path: Path, seed: int = 0, family: str = "pixtral") -> Pa
         "vocab_size": vocab,
         "vision_feature_layer": -1,
         "projector_hidden_act": "gelu",
-        "text_config": {
-            "model_type": "mistral",
-            "hidden_size": 64,
-            "head_dim": 16,
-            "intermediate_size": 128,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "num_hidden_layers": 2,
-            "rms_norm_eps": 1e-5,
-            "vocab_size": vocab,
-            "rope_theta": 10000.0,
-            "max_position_embeddings": 8192,
-            "tie_word_embeddings": False,
-        },
+        "text_config": _text(vocab, "mistral", head_dim=16, tie_word_embeddings=False),
         "vision_config": {
             "model_type": "pixtral",
             "hidden_size": 32,
@@ -440,34 +380,23 @@ def write_tiny_pixtral(path: Path, seed: int = 0, family: str = "pixtral") -> Pa
             "rope_theta": 10000.0,
         },
     }
-    mx.random.seed(seed)
-    model_config = update_module_configs(
-        module.ModelConfig.from_dict(config), module, config, ["text", "vision"]
-    )
-    model = module.Model(model_config)
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (path / "config.json").write_text(json.dumps(config))
-    (path / "preprocessor_config.json").write_text(
-        json.dumps(
-            {
-                "image_processor_type": "PixtralImageProcessor",
-                "processor_class": "PixtralProcessor",
-                "size": {"longest_edge": 48},
-                "patch_size": {"height": 8, "width": 8},
-                "do_resize": True,
-                "do_rescale": True,
-                "do_normalize": True,
-                "do_convert_rgb": True,
-            }
-        )
-    )
-    (path / "processor_config.json").write_text(
-        json.dumps(
-            {
-                "processor_class": "Mistral3Processor" if merge > 1 else "PixtralProcessor",
-                "patch_size": 8,
-                "spatial_merge_size": merge,
-            }
-        )
+    _save(path, config, seed)
+    _processor_files(
+        path,
+        {
+            "image_processor_type": "PixtralImageProcessor",
+            "processor_class": "PixtralProcessor",
+            "size": {"longest_edge": 48},
+            "patch_size": {"height": 8, "width": 8},
+            "do_resize": True,
+            "do_rescale": True,
+            "do_normalize": True,
+            "do_convert_rgb": True,
+        },
+        {
+            "processor_class": "Mistral3Processor" if merge > 1 else "PixtralProcessor",
+            "patch_size": 8,
+            "spatial_merge_size": merge,
+        },
     )
     return path
