@@ -17,6 +17,15 @@ from pathlib import Path
 from app.errors import APIError
 
 MAX_FRAME_SIDE = 1280  # frames are scaled down to this; the processor resizes anyway
+# What ffmpeg may open for a client's bytes: the temporary file only (no network,
+# no other file), read by self-contained container demuxers only. A playlist
+# (HLS, concat, ...) would otherwise fetch URLs or read the server's own files.
+SAFE_INPUT = [
+    "-protocol_whitelist",
+    "file",
+    "-format_whitelist",
+    "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,gif,mpeg,mpegts,flv,ogg,asf",
+]
 
 
 def ffmpeg_path() -> str | None:
@@ -40,7 +49,7 @@ def extract_frames(raw: bytes, frames: int, timeout: float, where: str = "video"
         rate = f"{frames}/{duration:.6f}" if duration else "1"
         scale = f"scale='min({MAX_FRAME_SIDE},iw)':'min({MAX_FRAME_SIDE},ih)'"
         scale += ":force_original_aspect_ratio=decrease"
-        cmd = [ffmpeg, "-v", "error", "-nostdin", "-i", str(video)]
+        cmd = [ffmpeg, "-v", "error", "-nostdin", *SAFE_INPUT, "-i", str(video)]
         cmd += ["-vf", f"fps={rate},{scale}", "-frames:v", str(frames)]
         cmd += [str(Path(tmp) / "frame%04d.png")]
         _run(cmd, timeout, where)
@@ -53,7 +62,8 @@ def extract_frames(raw: bytes, frames: int, timeout: float, where: str = "video"
 def _duration(ffmpeg: str, video: Path, timeout: float) -> float | None:
     """The container's duration in seconds (ffprobe beside ffmpeg), or None."""
     ffprobe = shutil.which("ffprobe") or str(Path(ffmpeg).with_name("ffprobe"))
-    cmd = [ffprobe, "-v", "error", "-show_entries", "format=duration", "-of", "csv=p=0"]
+    cmd = [ffprobe, "-v", "error", *SAFE_INPUT, "-show_entries", "format=duration"]
+    cmd += ["-of", "csv=p=0"]
     try:
         out = subprocess.run(
             [*cmd, str(video)], capture_output=True, text=True, timeout=timeout, check=False

@@ -57,3 +57,16 @@ def test_without_ffmpeg_a_video_is_a_400_that_says_so(monkeypatch):
     with pytest.raises(APIError) as err:
         extract_frames(b"anything", 4, timeout=5)
     assert err.value.status == 400 and "ffmpeg" in str(err.value)
+
+
+def test_a_playlist_cannot_make_ffmpeg_read_the_servers_files_or_urls(tmp_path):
+    """An HLS playlist naming a local video (and a URL) is refused, not followed."""
+    clip = tmp_path / "private.mp4"
+    clip.write_bytes(make_video(tmp_path))
+    playlist = (
+        "#EXTM3U\n#EXT-X-TARGETDURATION:10\n#EXTINF:10,\nhttp://127.0.0.1:9/x.ts\n"
+        f"#EXTINF:10,\nfile://{clip}\n#EXT-X-ENDLIST\n"
+    ).encode()
+    with pytest.raises(APIError) as err:
+        extract_frames(playlist, 2, timeout=30)
+    assert err.value.status == 400
