@@ -22,6 +22,9 @@ from typing import Any
 
 from app.errors import APIError
 
+# the formats a client's bytes may be decoded as: what browsers and agents send
+# (never EPS/PDF, which Pillow hands to Ghostscript, or other exotic decoders)
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")
 _DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?((?:;[\w.+-]+=[^;,]*)*)(;base64)?,", re.I)
 
 
@@ -141,7 +144,7 @@ def decode_image(raw: bytes, limits: ImageLimits, where: str = "image") -> Loade
     from PIL import Image, UnidentifiedImageError
 
     try:
-        image = Image.open(io.BytesIO(raw))
+        image = Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)
         width, height = image.size  # the header only: nothing decoded yet
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise APIError(400, f"{where}: not an image this server can read ({exc}).") from exc

@@ -1,0 +1,27 @@
+"""Client image bytes are decoded only as the formats agents send."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from PIL import Image
+
+from app.errors import APIError
+from app.images import IMAGE_FORMATS, ImageLimits, decode_image
+
+
+@pytest.mark.parametrize("fmt", IMAGE_FORMATS)
+def test_common_formats_decode_to_the_same_pixels_identity(fmt):
+    buf = io.BytesIO()
+    Image.new("RGB", (6, 4), (10, 20, 30)).save(buf, format=fmt)
+    loaded = decode_image(buf.getvalue(), ImageLimits())
+    assert loaded.image.size == (6, 4) and loaded.image.mode == "RGB"
+
+
+def test_postscript_is_never_handed_to_a_decoder():
+    """EPS would reach Ghostscript through Pillow: refused as not an image."""
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
+    with pytest.raises(APIError) as err:
+        decode_image(eps, ImageLimits())
+    assert err.value.status == 400 and "not an image" in err.value.message
