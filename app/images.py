@@ -39,7 +39,7 @@ class ImageLimits:
     fetch_urls: bool = True
     fetch_timeout: float = 10.0
     video_frames: int = 8  # frames a video part becomes (0: videos refused)
-    max_video_bytes: int = 100 * 10**6
+    max_video_bytes: int = 50 * 10**6  # and within max_total_bytes with the images
     video_timeout: float = 30.0  # ffmpeg's time to read one video's frames
 
 
@@ -113,12 +113,11 @@ def load_images(sources: list[ImageSource], limits: ImageLimits) -> list[list[Lo
     out: list[list[LoadedImage]] = []
     total = 0
     for i, source in enumerate(sources):
-        if source.video:
-            out.append(_video(source, limits, f"video {i + 1}"))
-            continue
-        where = f"image {i + 1}"
+        where = f"{'video' if source.video else 'image'} {i + 1}"
+        if source.video and limits.video_frames <= 0:
+            raise APIError(400, f"{where}: this server does not read videos (--video-frames 0).")
         raw = _encoded(source, limits, where)
-        total += len(raw)
+        total += len(raw)  # a video's bytes count too: one budget a request
         if total > limits.max_total_bytes:
             raise APIError(
                 400,
@@ -126,17 +125,18 @@ def load_images(sources: list[ImageSource], limits: ImageLimits) -> list[list[Lo
                 f"{limits.max_total_bytes} bytes a request (--max-images-bytes).",
                 param=where,
             )
-        out.append([decode_image(raw, limits, where)])
+        out.append(
+            _video(raw, limits, where) if source.video else [decode_image(raw, limits, where)]
+        )
     return out
 
 
-def _video(source: ImageSource, limits: ImageLimits, where: str) -> list[LoadedImage]:
+def _video(raw: bytes, limits: ImageLimits, where: str) -> list[LoadedImage]:
     from app.video_frames import extract_frames
 
-    if limits.video_frames <= 0:
-        raise APIError(400, f"{where}: this server does not read videos (--video-frames 0).")
-    raw = _encoded(source, limits, where)
-    frames = extract_frames(raw, limits.video_frames, limits.video_timeout, where)
+    frames = extract_frames(
+        raw, limits.video_frames, limits.video_timeout, limits.max_pixels, where
+    )
     return [decode_image(f, limits, f"{where} frame {j + 1}") for j, f in enumerate(frames)]
 
 

@@ -235,7 +235,9 @@ class Settings(BaseSettings):
         description="frames a video_url part becomes, evenly spaced over the video and "
         "read by ffmpeg (0: videos refused)",
     )
-    max_video_bytes: ByteSize = Field("100MB", description="largest encoded video")
+    max_video_bytes: ByteSize = Field(
+        "50MB", description="largest encoded video (counted in --max-images-bytes too)"
+    )
 
     distributed: bool = Field(
         False,

@@ -9,9 +9,12 @@ containers need to seek); without ffmpeg a video is a clear 400.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from app.errors import APIError
@@ -32,8 +35,12 @@ def ffmpeg_path() -> str | None:
     return shutil.which("ffmpeg")
 
 
-def extract_frames(raw: bytes, frames: int, timeout: float, where: str = "video") -> list[bytes]:
-    """``frames`` PNG frames of a video, evenly spaced over its duration."""
+def extract_frames(
+    raw: bytes, frames: int, timeout: float, max_pixels: int | None = None, where: str = "video"
+) -> list[bytes]:
+    """``frames`` PNG frames of a video, evenly spaced over its duration; within
+    ``timeout`` seconds in all, refusing frames over ``max_pixels`` before any
+    is decoded (a decoder runs at the size the file declares)."""
     ffmpeg = ffmpeg_path()
     if ffmpeg is None:
         raise APIError(
@@ -41,44 +48,67 @@ def extract_frames(raw: bytes, frames: int, timeout: float, where: str = "video"
             f"{where}: video needs ffmpeg on the server, and it is not installed "
             "(make install installs it; or apt-get install ffmpeg / brew install ffmpeg).",
         )
+    deadline = time.monotonic() + timeout
     with tempfile.TemporaryDirectory(prefix="kvwarm-video-") as tmp:
         video = Path(tmp) / "video"
         video.write_bytes(raw)
-        duration = _duration(ffmpeg, video, timeout)
+        probe = _probe(ffmpeg, video, deadline, where)
+        if max_pixels is not None and probe.width * probe.height > max_pixels:
+            raise APIError(
+                400,
+                f"{where}: frames of {probe.width}x{probe.height} = "
+                f"{probe.width * probe.height} pixels; the limit is {max_pixels} "
+                "(--max-image-pixels).",
+            )
         # evenly spaced: N frames over the duration (1 fps when it is unknown)
-        rate = f"{frames}/{duration:.6f}" if duration else "1"
+        rate = f"{frames}/{probe.duration:.6f}" if probe.duration else "1"
         scale = f"scale='min({MAX_FRAME_SIDE},iw)':'min({MAX_FRAME_SIDE},ih)'"
         scale += ":force_original_aspect_ratio=decrease"
-        cmd = [ffmpeg, "-v", "error", "-nostdin", *SAFE_INPUT, "-i", str(video)]
+        cmd = [ffmpeg, "-v", "error", "-nostdin", "-threads", "1", *SAFE_INPUT, "-i", str(video)]
         cmd += ["-vf", f"fps={rate},{scale}", "-frames:v", str(frames)]
         cmd += [str(Path(tmp) / "frame%04d.png")]
-        _run(cmd, timeout, where)
+        _run(cmd, deadline, where)
         out = [p.read_bytes() for p in sorted(Path(tmp).glob("frame*.png"))]
     if not out:
         raise APIError(400, f"{where}: no frames could be read from the video.")
     return out
 
 
-def _duration(ffmpeg: str, video: Path, timeout: float) -> float | None:
-    """The container's duration in seconds (ffprobe beside ffmpeg), or None."""
+@dataclass(frozen=True)
+class _Probe:
+    width: int
+    height: int
+    duration: float | None  # seconds; None when the container does not say
+
+
+def _probe(ffmpeg: str, video: Path, deadline: float, where: str) -> _Probe:
+    """The first video stream's size and the container's duration (ffprobe)."""
     ffprobe = shutil.which("ffprobe") or str(Path(ffmpeg).with_name("ffprobe"))
-    cmd = [ffprobe, "-v", "error", *SAFE_INPUT, "-show_entries", "format=duration"]
-    cmd += ["-of", "csv=p=0"]
+    cmd = [ffprobe, "-v", "error", *SAFE_INPUT, "-select_streams", "v:0"]
+    cmd += ["-show_entries", "stream=width,height:format=duration", "-of", "json", str(video)]
+    out = _run(cmd, deadline, where)
     try:
-        out = subprocess.run(
-            [*cmd, str(video)], capture_output=True, text=True, timeout=timeout, check=False
-        )
-        value = float(out.stdout.strip())
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        return None
-    return value if value > 0 else None
+        info = json.loads(out)
+        stream = info["streams"][0]
+        width, height = int(stream["width"]), int(stream["height"])
+    except (ValueError, KeyError, IndexError, TypeError) as exc:
+        raise APIError(400, f"{where}: no video stream ffmpeg can read.") from exc
+    try:
+        duration: float | None = float(info.get("format", {}).get("duration"))
+    except (TypeError, ValueError):
+        duration = None
+    return _Probe(width, height, duration if duration and duration > 0 else None)
 
 
-def _run(cmd: list[str], timeout: float, where: str) -> None:
+def _run(cmd: list[str], deadline: float, where: str) -> str:
+    left = deadline - time.monotonic()
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+        if left <= 0:
+            raise subprocess.TimeoutExpired(cmd, 0)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=left, check=False)
     except subprocess.TimeoutExpired as exc:
-        raise APIError(400, f"{where}: reading frames took over {timeout:g} s.") from exc
+        raise APIError(400, f"{where}: reading the video took too long.") from exc
     if done.returncode != 0:
         detail = (done.stderr or "").strip().splitlines()[-1:] or ["unknown error"]
         raise APIError(400, f"{where}: not a video ffmpeg can read ({detail[0][:200]}).")
+    return done.stdout

@@ -288,6 +288,8 @@ class BatchRunner:
             cache,
             row.rope_delta + skew,
             max_images=1,
+            model=self.adapters.routed,
+            tag=AdapterTag(row.slot),
         )
         row.rope_delta = delta - skew
         gained = done - start
@@ -421,13 +423,19 @@ class BatchRunner:
             prefills.append(w.row.prefill(0, running=False, waited=w.waited))
         return self.budget.plan(decode_rows, decode_depth, prefills)
 
-    def _start_waiting(self, plan: SlicePlan, failed: list[RequestOutput]) -> None:
+    def _start_waiting(self, plan: SlicePlan, failed: list[RequestOutput]) -> float:
+        """Start the rows the plan starts; returns the seconds their images took."""
+        vision_s = 0.0
         for request_id in plan.start:
             w = self._waiting.pop(request_id)
             try:
-                if w.row.request.images and not self._vision_prefill(w):
-                    self._waiting[request_id] = w  # its next image next step
-                    continue
+                if w.row.request.images:
+                    began = time.perf_counter()
+                    past_images = self._vision_prefill(w)
+                    vision_s += time.perf_counter() - began
+                    if not past_images:
+                        self._waiting[request_id] = w  # its next image next step
+                        continue
                 uid = self._insert(w.row, w.segments, w.cache, w.cached_tokens)
             except Exception as exc:  # noqa: BLE001 - this row's own inputs
                 self._release(w.row)
@@ -438,6 +446,7 @@ class BatchRunner:
             self._prefilled[uid] = 0
         for w in self._waiting.values():
             w.waited += 1
+        return vision_s
 
     def _account_prefill(self, prompt_responses, failed: dict[int, str]) -> StepShape:
         """Record prefill progress; returns the prefill the step really ran."""
@@ -491,7 +500,7 @@ class BatchRunner:
         if plan is None:
             plan = self._plan()
         outputs: list[RequestOutput] = []
-        self._start_waiting(plan, outputs)
+        vision_s = self._start_waiting(plan, outputs)
         self._generator.prefill_step_size = plan.slice_tokens
         try:
             prompt_responses, responses = self._generator.next()
@@ -499,7 +508,8 @@ class BatchRunner:
             if not self.recoverable:
                 raise EngineFault(f"engine step failed: {type(exc).__name__}: {exc}") from exc
             return outputs + self._recover(exc)
-        ran = time.perf_counter() - started
+        # the cost model learns the generator's step; an image's prefill is not one
+        ran = time.perf_counter() - started - vision_s
         self._recovering = 0
         failed = self._faulted_rows()
         prefill = self._account_prefill(prompt_responses, failed)
@@ -656,8 +666,14 @@ class BatchRunner:
             return tokens, None, None
         cache = make_prompt_cache(self.model)
         done, row.rope_delta = self.vision.run(
-            row.request.prompt_tokens, row.request.images, 0, cache
+            row.request.prompt_tokens,
+            row.request.images,
+            0,
+            cache,
+            model=self.adapters.routed,
+            tag=AdapterTag(row.slot),
         )
+        row.kv_offset = done
         return tokens[done:], cache, tokens[:done]
 
     def _probe(self, row: _Row) -> str | None:

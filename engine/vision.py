@@ -296,11 +296,15 @@ class VisionPrefill:
         cache: list,
         delta: int = 0,
         max_images: int | None = None,
+        model: Any = None,
+        tag: Any = None,
     ) -> tuple[int, int]:
         """Prefill ``prompt[start:]`` up to the end of its last image (or of its
         ``max_images``-th uncached one) into ``cache``, whose positions run ``delta``
         from its depth; returns the depth reached (``start`` when every image is
-        already cached) and the delta there."""
+        already cached) and the delta there. ``model`` and ``tag``: the routed
+        model and the row's adapter tag (engine.lora), so a LoRA row reads its
+        images with its adapter, as it reads the rest of its prompt."""
         import mlx.core as mx
 
         merge = self.merge
@@ -319,25 +323,30 @@ class VisionPrefill:
                 text_pos = sequential_positions(pos + delta, image.start - pos)
                 image_pos = image_positions(grid_shape(image.inputs, merge), image.start + delta)
             if image.start > pos:
-                self._feed(mx.array([list(prompt[pos : image.start])]), cache, None, text_pos)
+                ids = mx.array([list(prompt[pos : image.start])])
+                self._feed(ids, cache, None, text_pos, model, tag)
             embeds = self._embeddings(image)
-            self._feed(mx.array([list(image.tokens)]), cache, embeds, image_pos)
+            self._feed(mx.array([list(image.tokens)]), cache, embeds, image_pos, model, tag)
             pos = image.end
             delta += image.rope_shift
             self.counters.images_prefilled += 1
         return pos, delta
 
-    def _feed(self, ids: Any, cache: list, embeds: Any, positions: Any) -> None:
+    def _feed(
+        self, ids: Any, cache: list, embeds: Any, positions: Any, model: Any, tag: Any
+    ) -> None:
         """Through the language model in chunks of ``chunk`` tokens: the attention
         transient stays what admission reserves for a text prefill step."""
         import mlx.core as mx
 
+        forward = model if model is not None else self.view
+        layers = cache if tag is None else [*cache, tag]
         n = ids.shape[1]
         for a in range(0, n, self.chunk):
             b = min(n, a + self.chunk)
-            self.view(
+            forward(
                 ids[:, a:b],
-                cache=cache,
+                cache=layers,
                 input_embeddings=embeds[:, a:b] if embeds is not None else None,
                 position_ids=positions[..., a:b] if positions is not None else None,
             )

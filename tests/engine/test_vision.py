@@ -16,6 +16,7 @@ from app.image_prompt import attach_images, resolve_images
 from app.images import ImageLimits, ImageSource
 from engine.batch_runner import BatchRunner
 from engine.loader import load_model
+from engine.lora import BASE, is_tag
 from engine.model_source import ModelSource
 from engine.prompt_format import ChatFormatter
 from engine.vision import VisionFront, vision_reserve
@@ -277,3 +278,25 @@ def test_a_many_image_prompt_prefills_one_image_a_step(vlm):
     assert (tuple(tokens), 0) == run(
         runner_for(loaded, cache=False), request(vlm, "compare them", *urls)
     )[0]
+
+
+def test_an_image_is_read_through_the_rows_adapter_route(vlm):
+    """The vision prefill goes through the routed model with the row's adapter
+    tag, as the rest of its prompt does (a LoRA row reads its images with it)."""
+    loaded = vlm[0]
+    runner = runner_for(loaded, cache=False)
+    routed, slots = runner.adapters.routed, []
+
+    class Spy:
+        def __call__(self, inputs, cache=None, **kwargs):
+            slots.append(cache[-1].slots if cache and is_tag(cache[-1]) else None)
+            return routed(inputs, cache=cache, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(routed, name)
+
+    runner.adapters.routed = Spy()
+    req = request(vlm, "what is this?", data_url(png_bytes(*SIZE, GREEN)))
+    runner.add(req)
+    runner.step()  # the image's prefill; nothing else has run yet
+    assert slots and all(s == [BASE] for s in slots)

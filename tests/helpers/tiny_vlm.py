@@ -218,11 +218,13 @@ def write_tiny_qwen2vl(
     return path
 
 
-def make_video(folder: Path, seconds: float = 2.0, fps: int = 4) -> bytes:
+def make_video(
+    folder: Path, seconds: float = 2.0, fps: int = 4, size: tuple[int, int] = (64, 48)
+) -> bytes:
     """ffmpeg's moving test pattern (every frame differs), as MPEG-4."""
     ffmpeg = require("ffmpeg", shutil.which("ffmpeg"))
     out = folder / "clip.mp4"
-    source = f"testsrc=size=64x48:rate={fps}:duration={seconds}"
+    source = f"testsrc=size={size[0]}x{size[1]}:rate={fps}:duration={seconds}"
     cmd = [ffmpeg, "-v", "error", "-y", "-f", "lavfi", "-i", source, "-c:v", "mpeg4", str(out)]
     subprocess.run(cmd, check=True)
     return out.read_bytes()

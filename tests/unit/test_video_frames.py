@@ -70,3 +70,20 @@ def test_a_playlist_cannot_make_ffmpeg_read_the_servers_files_or_urls(tmp_path):
     with pytest.raises(APIError) as err:
         extract_frames(playlist, 2, timeout=30)
     assert err.value.status == 400
+
+
+def test_a_videos_frame_size_is_checked_before_any_frame_is_decoded(tmp_path):
+    clip = make_video(tmp_path, seconds=1.0, size=(320, 240))
+    with pytest.raises(APIError) as err:
+        extract_frames(clip, 2, timeout=30, max_pixels=320 * 240 - 1)
+    assert err.value.status == 400 and "320x240" in str(err.value)
+    assert "--max-image-pixels" in str(err.value)
+    assert len(extract_frames(clip, 2, timeout=30, max_pixels=320 * 240)) == 2
+
+
+def test_a_videos_bytes_count_in_the_requests_total(tmp_path):
+    clip = make_video(tmp_path)
+    limits = ImageLimits(max_total_bytes=len(clip) - 1)
+    with pytest.raises(APIError) as err:
+        load_images([ImageSource(url=data_url(clip), video=True)], limits)
+    assert err.value.status == 400 and "--max-images-bytes" in str(err.value)
