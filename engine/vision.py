@@ -45,7 +45,7 @@ from engine.mrope import (
     position_span,
     sequential_positions,
 )
-from kvcache.image_ids import image_identity, real_tokens
+from kvcache.image_ids import image_identity, image_runs, real_tokens
 from scheduler.request import ImageInput
 
 log = logging.getLogger("kvwarm.engine.vision")
@@ -278,14 +278,11 @@ class VisionPrefill:
         of the shifts of the whole images in them."""
         if not self._shifts:
             return 0
-        delta, i = 0, 0
-        while i < len(tokens):
-            ident = tokens[i]
-            if ident not in self._shifts:
-                i += 1
-                continue
-            delta += self._shifts[ident]
-            i += len(self._expansions[ident])
+        delta = 0
+        for ident, start, end in image_runs(tokens):
+            if ident in self._shifts:  # the images in the run (it may repeat one)
+                per = len(self._expansions[ident])
+                delta += self._shifts[ident] * -(-(end - start) // per)
         return delta
 
     def run(

@@ -14,7 +14,7 @@ placeholder ids before any token reaches the model.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from kvcache.prompt_key import PromptKey, TokenSpan
 
@@ -71,20 +71,27 @@ def expand_images(key: PromptKey, slots: Sequence[tuple[int, int, int]]) -> Prom
     )
 
 
+def image_runs(tokens: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """Each maximal run of one identity id: ``(identity, start, end)``. A run is one
+    image, or the same image several times in a row."""
+    i = 0
+    while i < len(tokens):
+        ident = tokens[i]
+        if not is_image_id(ident):
+            i += 1
+            continue
+        j = i
+        while j < len(tokens) and tokens[j] == ident:
+            j += 1
+        yield ident, i, j
+        i = j
+
+
 def real_tokens(tokens: Sequence[int], expansions: Mapping[int, Sequence[int]]) -> list[int]:
     """The model's ids for a key's tokens: each identity run becomes its image's
     tokens (a run of the same image twice in a row repeats them)."""
     out = list(tokens)
-    i = 0
-    while i < len(out):
-        ident = out[i]
-        if not is_image_id(ident):
-            i += 1
-            continue
+    for ident, start, end in image_runs(tokens):
         exp = expansions[ident]
-        j = i
-        while j < len(out) and out[j] == ident:
-            out[j] = exp[(j - i) % len(exp)]
-            j += 1
-        i = j
+        out[start:end] = [exp[k % len(exp)] for k in range(end - start)]
     return out
