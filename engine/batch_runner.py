@@ -281,16 +281,7 @@ class BatchRunner:
             return True
         cache = list(w.cache) if w.cache is not None else make_prompt_cache(self.model)
         skew = row.kv_offset - start  # KV positions stepped over (volatile spans)
-        done, delta = self.vision.run(
-            request.prompt_tokens,
-            request.images,
-            start,
-            cache,
-            row.rope_delta + skew,
-            max_images=1,
-            model=self.adapters.routed,
-            tag=AdapterTag(row.slot),
-        )
+        done, delta = self._read_images(row, cache, start, row.rope_delta + skew, max_images=1)
         row.rope_delta = delta - skew
         gained = done - start
         rest = request.prompt_tokens[done:]
@@ -301,6 +292,25 @@ class BatchRunner:
         w.segments = self._segments(row, rest, done)  # checkpoints after its images
         self.prefill_tokens += gained
         return all(i.end <= done for i in request.images)
+
+    def _read_images(
+        self, row: _Row, cache: list, start: int, delta: int, max_images: int | None = None
+    ) -> tuple[int, int]:
+        """The row's prompt from ``start`` through its images into ``cache``
+        (engine.vision), through the routed model with the row's adapter tag, as
+        the generator runs the rest of its prompt."""
+        assert self.vision is not None
+        request = row.request
+        return self.vision.run(
+            request.prompt_tokens,
+            request.images,
+            start,
+            cache,
+            delta,
+            max_images=max_images,
+            model=self.adapters.routed,
+            tag=AdapterTag(row.slot),
+        )
 
     def _insert(self, row: _Row, segments, cache, cached_tokens, generator=None) -> int:
         request = row.request
@@ -665,14 +675,7 @@ class BatchRunner:
         if not row.request.images or self.vision is None:
             return tokens, None, None
         cache = make_prompt_cache(self.model)
-        done, row.rope_delta = self.vision.run(
-            row.request.prompt_tokens,
-            row.request.images,
-            0,
-            cache,
-            model=self.adapters.routed,
-            tag=AdapterTag(row.slot),
-        )
+        done, row.rope_delta = self._read_images(row, cache, 0, 0)
         row.kv_offset = done
         return tokens[done:], cache, tokens[:done]
 
