@@ -137,14 +137,15 @@ class LeaderRunner:
     def step(self) -> list[RequestOutput]:
         at = self._now()
         plan = self.inner.plan_step()
-        self._send(Op("step", at, plan=plan))
         if self._on_step:
-            self._on_step(True)
+            self._on_step(True)  # the broadcast is timed too: a hung rank stalls it
         try:
+            self._send(Op("step", at, plan=plan))
             outputs = self.inner.step(plan)
         except Exception as exc:
             # every rank ran this step; a fault here is the group's, not a row's
-            # (a rank died mid-collective, or all of them failed alike)
+            # (a rank died mid-collective or before the plan's broadcast reached
+            # it, or all of them failed alike)
             cause = exc.__cause__ if exc.__cause__ is not None else exc
             raise LockstepError(
                 "a rank of the distributed group was lost or failed: "

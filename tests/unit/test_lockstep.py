@@ -136,6 +136,23 @@ def test_a_broken_group_is_not_told_to_stop():
     assert not wire  # a broadcast would wait for the lost rank forever
 
 
+def test_a_broadcast_that_finds_a_rank_gone_is_the_groups_loss():
+    """The plan's broadcast is a collective too: a rank killed between steps
+    fails it, and that must read as a lost rank, not a model fault."""
+    clock = TickClock()
+    timed: list[bool] = []
+
+    def lost(_: bytes) -> None:
+        raise RuntimeError("[ring] connection to a peer was lost")
+
+    inner = RecordingRunner(clock)
+    leader = LeaderRunner(inner, lost, clock, on_step=timed.append)
+    with pytest.raises(LockstepError, match="rank of the distributed group was lost"):
+        leader.step()
+    assert not [c for c in inner.calls if c[0] == "step"]  # never ran alone
+    assert timed == [True, False]  # the monitor timed the broadcast, then let go
+
+
 def test_unknown_bytes_are_refused():
     from engine.lockstep import decode, encode
 
