@@ -573,31 +573,38 @@ class BatchRunner:
         self._last_prefilled = shape.prefill_tokens > 0
 
     def _advance(self, row: _Row, resp, now: float) -> RequestOutput:
-        """This row's share of a step: its token as text, and whether it finished."""
+        """This row's share of a step: its token as text, and whether it finished.
+        Runs once per row per step on the host's critical path: kept lean."""
+        token = resp.token
         row.generated += 1
-        row.tokens.append(resp.token)
+        row.tokens.append(token)
         self.generated_tokens += 1
-        ttft = None
+        eos = resp.finish_reason == "stop"  # only EOS tokens are token-level stops
+        text = "" if eos else row.text.add_token(token)
+        request = row.request
+        out = RequestOutput(
+            request.request_id,
+            text,
+            (token,),
+            None,
+            len(request.prompt_tokens),
+            row.generated,
+            row.cached,
+            at=now,
+        )
         if row.first_token_at is None:
             row.first_token_at = now
-            ttft = now - row.request.arrival_time
-        eos = resp.finish_reason == "stop"  # only EOS tokens are token-level stops
-        text = "" if eos else row.text.add_token(resp.token)
-        finish = None
+            out.ttft = now - request.arrival_time
+            out.cache = row.report
         if row.text.stopped:
-            finish = FinishReason.STOP
+            out.finish_reason = FinishReason.STOP
         elif resp.finish_reason is not None:
-            text += row.text.finish()
-            finish = FinishReason.STOP if eos else FinishReason.LENGTH
-        return row.output(
-            text=text,
-            token_ids=(resp.token,),
-            finish_reason=finish,
-            ttft=ttft,
-            cache=row.report if ttft is not None else None,
-            stop_sequence=row.text.matched_stop,
-            stats=row.stats(now) if finish is not None else None,
-        )
+            out.text += row.text.finish()
+            out.finish_reason = FinishReason.STOP if eos else FinishReason.LENGTH
+        if out.finish_reason is not None:
+            out.stop_sequence = row.text.matched_stop
+            out.stats = row.stats(now)
+        return out
 
     def _store_quietly(self, row: _Row, caches, all_tokens) -> None:
         """A reply already delivered must not fail because its KV could not be kept."""

@@ -20,7 +20,12 @@ SPACE = 32
 
 
 class TableBPEDetokenizer(BPEStreamingDetokenizer):
-    """A BPEStreamingDetokenizer reading token bytes from a precomputed table."""
+    """A BPEStreamingDetokenizer reading token bytes from a precomputed table.
+
+    Text is kept as the pieces emitted (joined only when ``text`` is read) and
+    each piece is handed out once by ``push``/``last_segment``: mlx-lm's
+    ``self.text +=`` copies the whole reply on every token, which grows with
+    the reply's length."""
 
     def __init__(self, template: BPEStreamingDetokenizer, table: list[bytes], lone: list[bool]):
         self.__dict__.update(template.__dict__)  # tokenmap and settings, shared
@@ -29,26 +34,62 @@ class TableBPEDetokenizer(BPEStreamingDetokenizer):
         self.reset()
 
     def reset(self) -> None:
-        super().reset()
-        self._held = b""
+        self.offset = 0
+        self.tokens = []
+        self._unflushed = ""  # held tokens' strings, for mlx-lm's finalize
+        self._held = b""  # held tokens' bytes (an incomplete character, a lone space)
+        self._parts: list[str] = []  # every piece emitted, none empty
+        self._segment = ""  # emitted, not yet read
+
+    @property  # type: ignore[override]
+    def text(self) -> str:
+        if len(self._parts) > 1:
+            self._parts[:] = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    @property
+    def last_segment(self) -> str:
+        segment, self._segment = self._segment, ""
+        return segment
+
+    def _maybe_trim_space(self, current_text: str) -> str:
+        if current_text[:1] == " " and not self._parts:
+            return current_text[1:]
+        return current_text
+
+    def push(self, token: int) -> str:
+        """Add ``token``; the text it completes (what ``last_segment`` would give)."""
+        self.add_token(token)
+        segment, self._segment = self._segment, ""
+        return segment
 
     def add_token(self, token: int) -> None:
         self.tokens.append(token)
         if token < len(self._table):
-            v, raw, lone = self.tokenmap[token], self._table[token], self._lone_space[token]
+            raw, lone = self._table[token], self._lone_space[token]
         else:  # mlx-lm's fallback for ids past the vocabulary (a padded head)
-            v, raw, lone = "!", b"!", False
-        self._unflushed += v
-        self._held += raw
-        text = self._held.decode("utf-8", "replace")
-        if not text.endswith("\ufffd") and not lone:
-            self.text += self._maybe_trim_space(text)
-            self._unflushed = ""
-            self._held = b""
+            raw, lone = b"!", False
+        held = self._held + raw if self._held else raw
+        text = held.decode("utf-8", "replace")
+        if lone or text.endswith("\ufffd"):
+            self._held = held
+            self._unflushed += self.tokenmap[token] if token < len(self._table) else "!"
+            return
+        self._held = b""
+        self._unflushed = ""
+        self._emit(self._maybe_trim_space(text) if not self._parts else text)
 
     def finalize(self) -> None:
-        super().finalize()
+        decoder = _byte_decoder()  # mlx-lm's finalize, exactly (its strict byte map)
+        current = bytearray(decoder[c] for c in self._unflushed).decode("utf-8", "replace")
+        self._unflushed = ""
         self._held = b""
+        self._emit(self._maybe_trim_space(current))
+
+    def _emit(self, piece: str) -> None:
+        if piece:
+            self._parts.append(piece)
+            self._segment += piece
 
 
 def _token_bytes(token: str) -> bytes:

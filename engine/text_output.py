@@ -16,6 +16,9 @@ class TextOutput:
     def __init__(self, detokenizer, stops: tuple[str, ...], trim_leading_space: bool = True):
         self._detok = detokenizer
         self._stop = StopMatcher(stops)
+        # the table detokenizer's one-call form (engine.fast_detok): this runs per
+        # row per step, on the host's critical path
+        self._push = getattr(detokenizer, "push", None)
         if not trim_leading_space:
             _keep_leading_space(detokenizer)
 
@@ -28,6 +31,9 @@ class TextOutput:
         return self._stop.matched
 
     def add_token(self, token: int) -> str:
+        push = self._push
+        if push is not None:
+            return self._stop.feed(push(token))
         self._detok.add_token(token)
         return self._stop.feed(self._detok.last_segment)
 

@@ -61,7 +61,8 @@ class ForgettingLeastSquares:
         self._xy = [0.0] * features
         self._yy = 0.0
         self.samples = 0
-        self.coef: tuple[float, ...] = (0.0,) * features
+        self._coef: tuple[float, ...] = (0.0,) * features
+        self._stale = False  # samples since the last solve
 
     def observe(self, x: tuple[float, ...], y: float) -> None:
         f = self.forgetting
@@ -72,7 +73,16 @@ class ForgettingLeastSquares:
                 row[j] = f * row[j] + x[i] * x[j]
         self._yy = f * self._yy + y * y
         self.samples += 1
-        self.coef = self._solve()
+        self._stale = True
+
+    @property
+    def coef(self) -> tuple[float, ...]:
+        """Solved when read, not per sample: a decode-only step observes but plans
+        nothing, and the solve is most of what the model costs the step loop."""
+        if self._stale:
+            self._coef = self._solve()
+            self._stale = False
+        return self._coef
 
     def predict(self, x: tuple[float, ...]) -> float:
         return sum(c * v for c, v in zip(self.coef, x))

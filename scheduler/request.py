@@ -139,9 +139,14 @@ class RequestStats:
     cache: CacheReport = field(default_factory=CacheReport)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
-    """What one engine step produced for one request (a delta, not a total)."""
+    """What one engine step produced for one request (a delta, not a total).
+
+    Never changed once built, but not ``frozen``: the engine makes one per row
+    per step, and a frozen dataclass's ``__init__`` costs eight times as much
+    (a large batch's step pays it on the host's critical path).
+    """
 
     request_id: str
     text: str = ""

@@ -87,6 +87,8 @@ class StepBudget:
         self._admit_slice = min(chunk, ADMIT_SLICE * self.min_row_slice // MIN_ROW_SLICE)
 
     def plan(self, decode_rows: int, decode_depth: int, prefills: Sequence[Prefill]) -> SlicePlan:
+        if not prefills:  # decode alone: nothing to size (and no solve to pay for)
+            return self._done(decode_rows, decode_depth, [], 0, self.chunk, False)
         running = [p for p in prefills if p.running]
         waiting = self._by_priority([p for p in prefills if not p.running])
         free = max(0, self.max_rows - len(running))

@@ -11,9 +11,12 @@ from engine.fast_detok import TableBPEDetokenizer, detokenizer_factory
 from engine.text_output import _keep_leading_space
 
 
-def stream(detok, tokens):
+def stream(detok, tokens, push=False):
     segments = []
     for t in tokens:
+        if push:  # the one-call form TextOutput uses
+            segments.append(detok.push(t))
+            continue
         detok.add_token(t)
         segments.append(detok.last_segment)
     detok.finalize()
@@ -32,8 +35,8 @@ ids = st.lists(st.integers(0, 262), max_size=40)  # specials and past-vocab ids 
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=st.one_of(words, ids), trim=st.booleans())
-def test_same_segments_and_text_as_mlx_lm(byte_tokenizer, make, data, trim):
+@given(data=st.one_of(words, ids), trim=st.booleans(), push=st.booleans())
+def test_same_segments_and_text_as_mlx_lm(byte_tokenizer, make, data, trim, push):
     # text as the model would write it (spaces, multi-byte characters), or any ids
     tokens = (
         byte_tokenizer.encode(data, add_special_tokens=False) if isinstance(data, str) else data
@@ -43,7 +46,7 @@ def test_same_segments_and_text_as_mlx_lm(byte_tokenizer, make, data, trim):
     if not trim:
         _keep_leading_space(theirs)
         _keep_leading_space(ours)
-    assert stream(ours, tokens) == stream(theirs, tokens)
+    assert stream(ours, tokens, push) == stream(theirs, tokens)
 
 
 def test_fresh_detokenizers_share_nothing_but_the_table(make):
