@@ -422,11 +422,12 @@ class BatchRunner:
         """This step's prefill slice, and which waiting rows start prefilling."""
         decode_rows = decode_depth = 0
         prefills = []
+        prefilled = self._prefilled
         for uid, row in self._rows.items():
-            done = self._prefilled.get(uid)
-            if done is None:
+            done = prefilled.get(uid)
+            if done is None:  # row.kv_depth(row.prefill_len), inline: this runs per row
                 decode_rows += 1
-                decode_depth += row.kv_depth(row.prefill_len)
+                decode_depth += row.kv_offset + row.prefill_len + row.generated - row.replayed
             else:
                 prefills.append(row.prefill(done, running=True))
         for w in self._waiting.values():
@@ -528,17 +529,18 @@ class BatchRunner:
         stopped_by_text: dict[int, _Row] = {}
         if responses:
             self.batch_sizes[min(len(responses), len(self.batch_sizes) - 1)] += 1
+        rows, advance, emit = self._rows, self._advance, outputs.append  # per row: kept lean
         for resp in responses:
-            row = self._rows.get(resp.uid)
+            row = rows.get(resp.uid)
             if row is None or resp.uid in failed:
                 continue
             try:
-                out = self._advance(row, resp, now)
+                out = advance(row, resp, now)
             except Exception as exc:  # noqa: BLE001 - its detokeniser, stop matcher or cache
                 failed[resp.uid] = f"{type(exc).__name__}: {exc}"
                 continue
-            outputs.append(out)
-            if out.finished:
+            emit(out)
+            if out.finish_reason is not None:
                 self._uids.pop(row.request.request_id, None)
                 del self._rows[resp.uid]
                 self._release(row)
