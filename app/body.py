@@ -10,7 +10,10 @@ prompt that fits the model's context needs that many.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -28,7 +31,10 @@ T = TypeVar("T")
 # above anything a prompt that fits could hold
 VALUES_PER_CONTEXT_TOKEN = 8
 VALUES_FLOOR = 16_384
-PREPARE_THREADS = 2  # preparations at once; more would only contend for the GIL
+PREPARE_THREADS = 2  # preparations at once on the CPU; more would only contend for the GIL
+# preparations at once waiting on the network or a subprocess (an image URL,
+# ffmpeg) with their CPU slot given up; past this, more such waits are refused
+MEDIA_WAITS = 8
 SCAN_WINDOW = 1 << 20
 
 
@@ -81,16 +87,82 @@ def parse_body(raw: bytes, model: type[M], context_length: int) -> M:
 
 
 class Preparer:
-    """Runs request preparation in a small thread pool, off the event loop."""
+    """Runs request preparation in worker threads, off the event loop: at most
+    ``threads`` at once on the CPU. A job waiting on the network or a subprocess
+    (``io_wait``: an image URL, ffmpeg) gives its CPU slot up meanwhile, so a
+    slow download holds no other agent's request back."""
 
-    def __init__(self, threads: int = PREPARE_THREADS):
-        self._limiter = anyio.CapacityLimiter(threads)
+    def __init__(self, threads: int = PREPARE_THREADS, media_waits: int = MEDIA_WAITS):
+        self._cpu = _Gate(threads, media_waits)
+        # threads: every CPU slot plus every wait, so waiting jobs never starve the CPU's
+        self._limiter = anyio.CapacityLimiter(threads + media_waits)
 
     async def run(self, job: Callable[[], T]) -> T:
-        return await anyio.to_thread.run_sync(job, limiter=self._limiter)
+        gate = self._cpu
+
+        def gated() -> T:
+            with gate.slot():
+                token = _GATE.set(gate)
+                try:
+                    return job()
+                finally:
+                    _GATE.reset(token)
+
+        return await anyio.to_thread.run_sync(gated, limiter=self._limiter)
 
     async def body(self, http: HTTPRequest, job: Callable[[bytes], T]) -> T:
         """Receive the body (the loop's part), then join it and run ``job(raw)`` in the
         pool: even joining a 30 MB body would hold the loop for tens of ms."""
         chunks = [chunk async for chunk in http.stream()]
         return await self.run(lambda: job(b"".join(chunks)))
+
+
+class _Gate:
+    """CPU slots for preparation jobs, and the count of jobs waiting on I/O."""
+
+    def __init__(self, slots: int, max_waits: int):
+        self._slots = threading.Semaphore(slots)
+        self._max_waits = max_waits
+        self._waits = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def slot(self) -> Iterator[None]:
+        with self._slots:
+            yield
+
+    @contextmanager
+    def released(self) -> Iterator[None]:
+        with self._lock:
+            if self._waits >= self._max_waits:
+                raise APIError(
+                    503,
+                    f"{self._waits} requests are already waiting on image downloads or video "
+                    "decoding; retry shortly.",
+                    "overloaded_error",
+                    code="media_busy",
+                    headers={"Retry-After": "1"},
+                )
+            self._waits += 1
+        self._slots.release()
+        try:
+            yield
+        finally:
+            self._slots.acquire()
+            with self._lock:
+                self._waits -= 1
+
+
+_GATE: ContextVar[_Gate | None] = ContextVar("kvwarm_prepare_gate", default=None)
+
+
+@contextmanager
+def io_wait() -> Iterator[None]:
+    """Around a preparation's wait on the network or a subprocess: its CPU slot
+    goes to another request meanwhile (outside a Preparer job: no effect)."""
+    gate = _GATE.get()
+    if gate is None:
+        yield
+        return
+    with gate.released():
+        yield

@@ -16,15 +16,18 @@ import binascii
 import hashlib
 import io
 import re
+import time
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
+from app.body import io_wait
 from app.errors import APIError
 
 # the formats a client's bytes may be decoded as: what browsers and agents send
 # (never EPS/PDF, which Pillow hands to Ghostscript, or other exotic decoders)
 IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")
+FETCH_CHUNK = 1 << 16  # bytes a read asks for: the deadline is checked between reads
 _DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?((?:;[\w.+-]+=[^;,]*)*)(;base64)?,", re.I)
 
 
@@ -218,13 +221,33 @@ def _encoded(source: ImageSource, limits: ImageLimits, where: str) -> bytes:
 
 
 def _fetch(url: str, limits: ImageLimits, cap: _Cap, where: str) -> bytes:
-    """Download with a timeout, reading no more than the size limit allows."""
+    """Download within ``fetch_timeout`` seconds in all, reading no more than the
+    size limit allows. urllib's timeout bounds each socket read, not the whole: a
+    server trickling a byte a second would hold the request for as long as it
+    liked, so the deadline is checked between reads (a stalled read is cut one
+    timeout later at most). The wait gives the preparation's CPU slot up."""
+    deadline = time.monotonic() + limits.fetch_timeout
     request = urllib.request.Request(url, headers={"User-Agent": "kvwarm"})
+    chunks: list[bytes] = []
+    size = 0
     try:
-        with urllib.request.urlopen(request, timeout=limits.fetch_timeout) as resp:  # noqa: S310
-            raw = resp.read(cap.nbytes + 1)
+        with io_wait(), urllib.request.urlopen(request, timeout=limits.fetch_timeout) as resp:  # noqa: S310
+            while size <= cap.nbytes:
+                if time.monotonic() > deadline:
+                    raise APIError(
+                        400,
+                        f"{where}: {url[:200]} did not arrive within {limits.fetch_timeout:g} s "
+                        "(--fetch-timeout).",
+                    )
+                chunk = resp.read1(min(FETCH_CHUNK, cap.nbytes + 1 - size))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                size += len(chunk)
+    except APIError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any network failure is the client's URL
         raise APIError(400, f"{where}: could not fetch {url[:200]} ({exc}).") from exc
-    if len(raw) > cap.nbytes:
-        raise _too_big(len(raw), cap, where)
-    return raw
+    if size > cap.nbytes:
+        raise _too_big(size, cap, where)
+    return b"".join(chunks)

@@ -227,7 +227,7 @@ class Settings(BaseSettings):
         description="fetch http(s) image URLs (--no-fetch-urls: only data URLs and base64 "
         "images are accepted)",
     )
-    fetch_timeout: float = Field(10.0, gt=0, description="seconds to fetch one image URL")
+    fetch_timeout: float = Field(10.0, gt=0, description="seconds to fetch one image URL, in all")
     video_frames: int = Field(
         8,
         ge=0,

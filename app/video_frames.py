@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from app.body import io_wait
 from app.errors import APIError
 
 MAX_FRAME_SIDE = 1280  # frames are scaled down to this; the processor resizes anyway
@@ -105,7 +106,8 @@ def _run(cmd: list[str], deadline: float, where: str) -> str:
     try:
         if left <= 0:
             raise subprocess.TimeoutExpired(cmd, 0)
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=left, check=False)
+        with io_wait():  # a subprocess's time: the CPU slot goes to other requests
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=left, check=False)
     except subprocess.TimeoutExpired as exc:
         raise APIError(400, f"{where}: reading the video took too long.") from exc
     if done.returncode != 0:
