@@ -145,7 +145,9 @@ class LeaderRunner:
         except Exception as exc:
             # every rank ran this step; a fault here is the group's, not a row's
             # (a rank died mid-collective or before the plan's broadcast reached
-            # it, or all of them failed alike)
+            # it, or all of them failed alike). Either way no goodbye follows: it
+            # would wait on a rank that is gone or leaving too.
+            self.broken = True
             cause = exc.__cause__ if exc.__cause__ is not None else exc
             raise LockstepError(
                 "a rank of the distributed group was lost or failed: "

@@ -16,6 +16,7 @@ are built in; until a part has seen a step it predicts 0 (see ``ready``).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -63,26 +64,30 @@ class ForgettingLeastSquares:
         self.samples = 0
         self._coef: tuple[float, ...] = (0.0,) * features
         self._stale = False  # samples since the last solve
+        # the engine thread observes and plans; /stats reads coef from another
+        self._lock = threading.Lock()
 
     def observe(self, x: tuple[float, ...], y: float) -> None:
         f = self.forgetting
-        for i in range(self.n):
-            self._xy[i] = f * self._xy[i] + x[i] * y
-            row = self._xx[i]
-            for j in range(self.n):
-                row[j] = f * row[j] + x[i] * x[j]
-        self._yy = f * self._yy + y * y
-        self.samples += 1
-        self._stale = True
+        with self._lock:
+            for i in range(self.n):
+                self._xy[i] = f * self._xy[i] + x[i] * y
+                row = self._xx[i]
+                for j in range(self.n):
+                    row[j] = f * row[j] + x[i] * x[j]
+            self._yy = f * self._yy + y * y
+            self.samples += 1
+            self._stale = True
 
     @property
     def coef(self) -> tuple[float, ...]:
         """Solved when read, not per sample: a decode-only step observes but plans
         nothing, and the solve is most of what the model costs the step loop."""
-        if self._stale:
-            self._coef = self._solve()
-            self._stale = False
-        return self._coef
+        with self._lock:
+            if self._stale:
+                self._coef = self._solve()
+                self._stale = False
+            return self._coef
 
     def predict(self, x: tuple[float, ...]) -> float:
         return sum(c * v for c, v in zip(self.coef, x))

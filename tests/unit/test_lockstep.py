@@ -142,7 +142,10 @@ def test_a_broadcast_that_finds_a_rank_gone_is_the_groups_loss():
     clock = TickClock()
     timed: list[bool] = []
 
-    def lost(_: bytes) -> None:
+    sent: list[bytes] = []
+
+    def lost(tick: bytes) -> None:
+        sent.append(tick)
         raise RuntimeError("[ring] connection to a peer was lost")
 
     inner = RecordingRunner(clock)
@@ -151,6 +154,9 @@ def test_a_broadcast_that_finds_a_rank_gone_is_the_groups_loss():
         leader.step()
     assert not [c for c in inner.calls if c[0] == "step"]  # never ran alone
     assert timed == [True, False]  # the monitor timed the broadcast, then let go
+    leader.close()
+    assert len(sent) == 1  # no goodbye over the broken group: it could hang
+    assert inner.closed
 
 
 def test_unknown_bytes_are_refused():
