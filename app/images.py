@@ -14,9 +14,12 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import http.client
 import io
 import re
-import time
+import socket
+import ssl
+import threading
 import urllib.request
 from dataclasses import dataclass
 from typing import Any
@@ -223,22 +226,17 @@ def _encoded(source: ImageSource, limits: ImageLimits, where: str) -> bytes:
 def _fetch(url: str, limits: ImageLimits, cap: _Cap, where: str) -> bytes:
     """Download within ``fetch_timeout`` seconds in all, reading no more than the
     size limit allows. urllib's timeout bounds each socket read, not the whole: a
-    server trickling a byte a second would hold the request for as long as it
-    liked, so the deadline is checked between reads (a stalled read is cut one
-    timeout later at most). The wait gives the preparation's CPU slot up."""
-    deadline = time.monotonic() + limits.fetch_timeout
+    server trickling its headers or body a byte at a time would hold the request
+    as long as it liked, so a watchdog shuts the connection at the deadline. The
+    wait gives the preparation's CPU slot up (``io_wait``)."""
+    deadline = _Deadline(limits.fetch_timeout)
+    opener = urllib.request.build_opener(_HTTPHandler(deadline), _HTTPSHandler(deadline))
     request = urllib.request.Request(url, headers={"User-Agent": "kvwarm"})
     chunks: list[bytes] = []
     size = 0
     try:
-        with io_wait(), urllib.request.urlopen(request, timeout=limits.fetch_timeout) as resp:  # noqa: S310
-            while size <= cap.nbytes:
-                if time.monotonic() > deadline:
-                    raise APIError(
-                        400,
-                        f"{where}: {url[:200]} did not arrive within {limits.fetch_timeout:g} s "
-                        "(--fetch-timeout).",
-                    )
+        with io_wait(), deadline, opener.open(request, timeout=limits.fetch_timeout) as resp:
+            while size <= cap.nbytes and not deadline.expired:
                 chunk = resp.read1(min(FETCH_CHUNK, cap.nbytes + 1 - size))
                 if not chunk:
                     break
@@ -247,7 +245,82 @@ def _fetch(url: str, limits: ImageLimits, cap: _Cap, where: str) -> bytes:
     except APIError:
         raise
     except Exception as exc:  # noqa: BLE001 - any network failure is the client's URL
-        raise APIError(400, f"{where}: could not fetch {url[:200]} ({exc}).") from exc
+        if not deadline.expired:
+            raise APIError(400, f"{where}: could not fetch {url[:200]} ({exc}).") from exc
+    if deadline.expired:
+        raise APIError(
+            400,
+            f"{where}: {url[:200]} did not arrive within {limits.fetch_timeout:g} s "
+            "(--fetch-timeout).",
+        )
     if size > cap.nbytes:
         raise _too_big(size, cap, where)
     return b"".join(chunks)
+
+
+class _Deadline:
+    """Shuts every connection of one fetch (redirects included) once its time is up:
+    a read blocked in another thread then fails at once."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.expired = False
+        self._connections: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self) -> _Deadline:
+        self._timer = threading.Timer(self.seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def connection(self, cls: type[http.client.HTTPConnection]):
+        """``cls``'s constructor, recording each connection it makes."""
+
+        def make(*args: Any, **kwargs: Any) -> http.client.HTTPConnection:
+            conn = cls(*args, **kwargs)
+            with self._lock:
+                self._connections.append(conn)
+            if self.expired:
+                conn.close()
+            return conn
+
+        return make
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            connections = list(self._connections)
+        for conn in connections:
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # already closed
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self._deadline = deadline
+
+    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(self._deadline.connection(http.client.HTTPConnection), req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def __init__(self, deadline: _Deadline):
+        super().__init__()
+        self._deadline = deadline
+        self._tls = ssl.create_default_context()
+
+    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
+        return self.do_open(
+            self._deadline.connection(http.client.HTTPSConnection), req, context=self._tls
+        )

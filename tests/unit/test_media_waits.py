@@ -26,9 +26,12 @@ def png() -> bytes:
 
 
 @contextmanager
-def http_server(body: bytes, pause: float = 0.0, length: int | None = None) -> Iterator[str]:
+def http_server(
+    body: bytes, pause: float = 0.0, length: int | None = None, slow_head: bool = False
+) -> Iterator[str]:
     """One-connection-at-a-time HTTP server sending ``body`` a byte every ``pause``
-    seconds (0: all at once), announcing ``length`` bytes."""
+    seconds (0: all at once), announcing ``length`` bytes; ``slow_head``: its
+    headers too, a byte at a time (endless ones)."""
     listener = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
 
@@ -42,16 +45,20 @@ def http_server(body: bytes, pause: float = 0.0, length: int | None = None) -> I
             with conn:
                 conn.recv(65536)
                 head = f"HTTP/1.1 200 OK\r\nContent-Length: {length or len(body)}\r\n\r\n"
+                data, gap = body, pause
+                if slow_head:  # the headers are the slow part, and they never end
+                    data, gap = ("HTTP/1.1 200 OK\r\nX-Padding: " + "x" * 100_000).encode(), 0.1
+                    head = ""
                 try:
                     conn.sendall(head.encode())
-                    if not pause:
-                        conn.sendall(body)
+                    if not gap:
+                        conn.sendall(data)
                         continue
-                    for i in range(len(body)):
+                    for i in range(len(data)):
                         if stop.is_set():
                             break
-                        conn.sendall(body[i : i + 1])
-                        time.sleep(pause)
+                        conn.sendall(data[i : i + 1])
+                        time.sleep(gap)
                 except OSError:
                     pass  # the client gave up
 
@@ -84,6 +91,21 @@ def test_a_trickling_server_cannot_hold_a_request_past_the_fetch_timeout():
         load_images([ImageSource(url=url)], ImageLimits(fetch_timeout=0.5))
     assert time.monotonic() - began < 3
     assert err.value.status == 400 and "--fetch-timeout" in err.value.message
+
+
+def test_a_server_trickling_its_headers_is_cut_at_the_fetch_timeout_too():
+    began = time.monotonic()
+    with http_server(b"", slow_head=True) as url, pytest.raises(APIError) as err:
+        load_images([ImageSource(url=url)], ImageLimits(fetch_timeout=0.5))
+    assert time.monotonic() - began < 3
+    assert err.value.status == 400 and "--fetch-timeout" in err.value.message
+
+
+def test_https_goes_through_the_same_watched_handler():
+    # a plain-HTTP server answering a TLS hello: a clear 400, at once
+    with http_server(png()) as url, pytest.raises(APIError) as err:
+        load_images([ImageSource(url=url.replace("http:", "https:"))], ImageLimits())
+    assert err.value.status == 400 and "could not fetch" in err.value.message
 
 
 def test_a_job_waiting_on_io_gives_its_cpu_slot_to_other_requests():
