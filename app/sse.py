@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -32,29 +33,44 @@ def sse_event(event: str, payload: dict[str, Any]) -> str:
 async def with_heartbeat(items: AsyncIterator[T], interval: float) -> AsyncIterator[T | None]:
     """``items``, with a None whenever ``interval`` seconds pass without one, so a
     stream can send keep-alives through a long prefill. Closing this iterator
-    closes ``items`` (which aborts the request)."""
-    queue: asyncio.Queue[tuple[bool, Any]] = asyncio.Queue()
+    closes ``items`` (which aborts the request).
+
+    A task drains ``items`` into a buffer (an async generator cannot be waited on
+    with a timeout without cancelling it); the reader waits on one future and one
+    timer per idle wait. This runs for every token of every stream, on the event
+    loop: an asyncio.Queue with a get task and asyncio.wait per item cost 3x as much."""
+    loop = asyncio.get_running_loop()
+    buffer: deque[tuple[bool, Any]] = deque()
+    wake: asyncio.Future[None] | None = None
+
+    def push(entry: tuple[bool, Any]) -> None:
+        buffer.append(entry)
+        if wake is not None and not wake.done():
+            wake.set_result(None)
 
     async def pump() -> None:
         try:
             async for item in items:
-                await queue.put((False, item))
-            await queue.put((True, None))
+                push((False, item))
+            push((True, None))
         except BaseException as exc:  # noqa: BLE001 - handed to the reader
-            await queue.put((True, exc))
+            push((True, exc))
 
     task = asyncio.create_task(pump())
-    getter: asyncio.Task | None = None
     try:
         while True:
-            # one pending get survives timeouts, so no item is lost to a cancellation
-            getter = getter or asyncio.create_task(queue.get())
-            ready, _ = await asyncio.wait({getter}, timeout=interval)
-            if not ready:
-                yield None
-                continue
-            done, value = getter.result()
-            getter = None
+            if not buffer:
+                wake = loop.create_future()
+                timer = loop.call_later(interval, _wake, wake)
+                try:
+                    await wake
+                finally:
+                    timer.cancel()
+                    wake = None
+                if not buffer:
+                    yield None  # idle for ``interval``
+                    continue
+            done, value = buffer.popleft()
             if done:
                 if isinstance(value, BaseException) and not isinstance(
                     value, asyncio.CancelledError
@@ -63,8 +79,11 @@ async def with_heartbeat(items: AsyncIterator[T], interval: float) -> AsyncItera
                 return
             yield value
     finally:
-        for pending in (getter, task):
-            if pending is not None:
-                pending.cancel()
+        task.cancel()
         with contextlib.suppress(BaseException):
             await task
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -80,3 +80,19 @@ async def test_heartbeat_passes_errors_through():
     else:
         raise AssertionError("the error was swallowed")
     assert seen == [1]
+
+
+async def test_heartbeat_loses_and_reorders_nothing_around_keepalives():
+    """Items arriving at every phase of the reader's idle wait (before it, during
+    it, as its timer fires) all come through, once, in order."""
+
+    async def bursty():
+        for i in range(300):
+            if i % 7 == 0:
+                await asyncio.sleep(0.003)  # about the keep-alive interval
+            elif i % 3 == 0:
+                await asyncio.sleep(0)
+            yield i
+
+    seen = [item async for item in with_heartbeat(bursty(), 0.002)]
+    assert [i for i in seen if i is not None] == list(range(300))
