@@ -39,7 +39,9 @@ RETRYABLE = frozenset({"queue_timeout", "server_shutdown"})
 class Outcome:
     """Everything one request produced, accumulated from its events."""
 
-    events: list[Event] = field(default_factory=list)  # in output order, text merged
+    # in output order as the parser gave them; ``events`` merges adjacent text when
+    # read (merging per delta would copy the whole reply on every token)
+    raw_events: list[Event] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -72,7 +74,14 @@ class Outcome:
                 self.cache = out.stats.cache
 
     def add_event(self, event: Event) -> None:
-        self.events[-1:] = merge(self.events[-1:] + [event])
+        self.raw_events.append(event)
+
+    @property
+    def events(self) -> list[Event]:
+        """In output order, adjacent text of one kind merged."""
+        if len(self.raw_events) > 1:
+            self.raw_events[:] = merge(self.raw_events)
+        return list(self.raw_events)
 
     @property
     def reasoning(self) -> str:

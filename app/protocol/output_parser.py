@@ -260,12 +260,22 @@ class OutputParser:
 
 
 def merge(events: Iterable[Event]) -> list[Event]:
-    """Adjacent text events of one kind joined."""
+    """Adjacent text events of one kind joined (each run joined once: linear in
+    the text, however many deltas it came in)."""
     out: list[Event] = []
+    run: list[str] = []
+    kind: type[Reasoning] | type[Content] | None = None
     for event in events:
-        prev = out[-1] if out else None
-        if isinstance(event, (Reasoning, Content)) and type(prev) is type(event):
-            out[-1] = type(event)(prev.text + event.text)  # type: ignore[union-attr]
+        if isinstance(event, (Reasoning, Content)) and type(event) is kind:
+            run.append(event.text)
+            continue
+        if kind is not None:
+            out.append(kind("".join(run)))
+            kind, run = None, []
+        if isinstance(event, (Reasoning, Content)):
+            kind, run = type(event), [event.text]
         else:
             out.append(event)
+    if kind is not None:
+        out.append(kind("".join(run)))
     return out

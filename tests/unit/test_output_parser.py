@@ -223,3 +223,46 @@ def test_a_complete_call_before_the_cut_is_still_a_call():
     done = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     events = merge(parser.feed(done + " and th") + parser.finish(truncated=True))
     assert events == [ToolCall("get_weather", '{"city": "Oslo"}'), Content("and th")]
+
+
+def _naive_merge(events):
+    """The pairwise fold merge replaced (it copied the run's text per delta)."""
+    out = []
+    for event in events:
+        prev = out[-1] if out else None
+        if isinstance(event, (Reasoning, Content)) and type(prev) is type(event):
+            out[-1] = type(event)(prev.text + event.text)
+        else:
+            out.append(event)
+    return out
+
+
+_events = st.lists(
+    st.one_of(
+        st.builds(Content, st.text(max_size=3)),
+        st.builds(Reasoning, st.text(max_size=3)),
+        st.builds(ToolCall, st.sampled_from(["f", "g"]), st.just("{}")),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(events=_events, split=st.integers(0, 30))
+def test_merge_joins_runs_as_the_pairwise_fold_did(events, split):
+    assert merge(events) == _naive_merge(events)
+    # merging is idempotent, and merging in two reads equals merging once
+    assert merge(merge(events[:split]) + events[split:]) == merge(events)
+
+
+@settings(max_examples=100, deadline=None)
+@given(events=_events, reads=st.sets(st.integers(0, 30)))
+def test_an_outcome_read_mid_stream_still_merges_everything(events, reads):
+    from app.generation import Outcome
+
+    outcome = Outcome()
+    for i, event in enumerate(events):
+        if i in reads:
+            outcome.events  # noqa: B018 - a read merges what came so far
+        outcome.add_event(event)
+    assert outcome.events == _naive_merge(events)
