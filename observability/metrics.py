@@ -11,6 +11,7 @@ engine and scheduler state is read at scrape time from a ``ServerSnapshot``
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -374,6 +375,9 @@ class Metrics:
             "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
         )
         self._model = "unknown"
+        # observed for every token of every stream: the labelled child is looked
+        # up once per model, not per token (``labels`` takes a lock and builds a key)
+        self._itl: Any = None
         self._per_adapter = [self.prompt_tokens, self.generation_tokens, self.req_cached]
         self._per_model = [
             self.ttft,
@@ -392,6 +396,7 @@ class Metrics:
         if model == self._model:
             return
         self._model = model
+        self._itl = self.itl.labels(model)
         for metric in self._per_model:
             metric.labels(model)
         for metric in self._per_adapter:
@@ -426,7 +431,9 @@ class Metrics:
     def observe_itl(self, seconds: float, tokens: int = 1) -> None:
         """``tokens`` arrived ``seconds`` after the previous ones (one engine step)."""
         per = seconds / max(1, tokens)
-        h = self.itl.labels(self._model)
+        h = self._itl
+        if h is None:
+            h = self._itl = self.itl.labels(self._model)
         for _ in range(max(1, tokens)):
             h.observe(per)
 
