@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import APIRouter
@@ -31,7 +31,7 @@ from app.content_parts import parts_content, parts_text
 from app.errors import APIError, anthropic_error_body
 from app.generation import Generation, Outcome
 from app.openapi_doc import ANTHROPIC_ERROR, MESSAGE, TOKEN_COUNT, generation_route
-from app.protocol.output_parser import Content, Reasoning
+from app.protocol.output_parser import Content, Event, Reasoning
 from app.protocol.tool_formats import ToolCall
 from app.protocol.tool_schema import ToolChoice
 from app.request_fields import ignored_fields
@@ -327,29 +327,31 @@ async def _stream(gen: Generation, message: dict[str, Any]) -> AsyncIterator[str
         },
     )
     blocks = _Blocks()
-    async for event in with_heartbeat(gen.events(), KEEPALIVE_S):
-        if event is None:
-            yield sse_event("ping", {"type": "ping"})
-        elif isinstance(event, Reasoning):
-            for frame in blocks.switch(
+
+    def frames(event: Event) -> Iterator[str]:
+        if isinstance(event, Reasoning):
+            yield from blocks.switch(
                 "thinking", {"type": "thinking", "thinking": "", "signature": ""}
-            ):
-                yield frame
+            )
             yield blocks.delta({"type": "thinking_delta", "thinking": event.text})
         elif isinstance(event, Content):
-            for frame in blocks.switch("text", {"type": "text", "text": ""}):
-                yield frame
+            yield from blocks.switch("text", {"type": "text", "text": ""})
             yield blocks.delta({"type": "text_delta", "text": event.text})
         else:
             block = tool_use_block(event)
-            for frame in blocks.switch("tool_use", {**block, "input": {}}):
-                yield frame
+            yield from blocks.switch("tool_use", {**block, "input": {}})
             yield blocks.delta(
                 {
                     "type": "input_json_delta",
                     "partial_json": json.dumps(block["input"], ensure_ascii=False),
                 }
             )
+
+    async for batch in with_heartbeat(gen.events(), KEEPALIVE_S):
+        if batch is None:
+            yield sse_event("ping", {"type": "ping"})
+        else:
+            yield "".join(frame for event in batch for frame in frames(event))
     for frame in blocks.close():
         yield frame
     if done.failed:

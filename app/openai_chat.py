@@ -22,7 +22,7 @@ from app.content_parts import parts_content
 from app.errors import APIError, error_body
 from app.generation import Generation, Outcome, openai_tool_calls
 from app.openapi_doc import CHAT_COMPLETION, generation_route
-from app.protocol.output_parser import Content, Reasoning
+from app.protocol.output_parser import Content, Event, Reasoning
 from app.protocol.tool_formats import ToolCall
 from app.protocol.tool_schema import function_tools
 from app.request_fields import ignored_fields
@@ -159,10 +159,9 @@ async def _stream_chunks(
     calls = 0
     first = {"role": "assistant", "content": "", "message_id": gen.request_id}
     yield sse_data({**_chunk(meta, first, None), **usage_field})
-    async for event in with_heartbeat(gen.events(), KEEPALIVE_S):
-        if event is None:
-            yield SSE_KEEPALIVE
-            continue
+
+    def frame(event: Event) -> str:
+        nonlocal calls
         if isinstance(event, Reasoning):
             delta: dict[str, Any] = {"reasoning_content": event.text}
         elif isinstance(event, Content):
@@ -171,7 +170,10 @@ async def _stream_chunks(
             (tool,) = openai_tool_calls([event], [call_id(event)])
             delta = {"tool_calls": [{"index": calls, **tool}]}
             calls += 1
-        yield sse_data({**_chunk(meta, delta, None), **usage_field})
+        return sse_data({**_chunk(meta, delta, None), **usage_field})
+
+    async for batch in with_heartbeat(gen.events(), KEEPALIVE_S):
+        yield SSE_KEEPALIVE if batch is None else "".join(map(frame, batch))
     if done.failed:
         err = done.failure()
         yield sse_data(error_body(err.message, err.error_type, err.code))

@@ -19,7 +19,7 @@ from app.generation import Generation
 from app.generation_params import resolve_max_tokens, resolve_sampling
 from app.openai_chat import usage
 from app.openapi_doc import TEXT_COMPLETION, generation_route
-from app.protocol.output_parser import OutputParser, Syntax
+from app.protocol.output_parser import Event, OutputParser, Syntax
 from app.request_fields import ignored_fields
 from app.schemas import CompletionRequest
 from app.session_id import session_id_from
@@ -131,11 +131,12 @@ async def _stream(
     usage_field = {"usage": None} if include_usage else {}
     if echo:
         yield sse_data({**meta, "choices": [_choice(echo, None)], **usage_field})
-    async for event in with_heartbeat(gen.events(), KEEPALIVE_S):
-        if event is None:
-            yield SSE_KEEPALIVE
-            continue
-        yield sse_data({**meta, "choices": [_choice(event.text, None)], **usage_field})  # type: ignore[union-attr]
+
+    def frame(event: Event) -> str:
+        return sse_data({**meta, "choices": [_choice(event.text, None)], **usage_field})  # type: ignore[union-attr]
+
+    async for batch in with_heartbeat(gen.events(), KEEPALIVE_S):
+        yield SSE_KEEPALIVE if batch is None else "".join(map(frame, batch))
     done = gen.outcome
     if done.failed:
         err = done.failure()

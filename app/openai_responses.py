@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from fastapi import APIRouter
@@ -23,7 +23,7 @@ from app.content_parts import parts_content, parts_text
 from app.errors import APIError
 from app.generation import Generation, Outcome
 from app.openapi_doc import DELETED, OPENAI_ERROR, RESPONSE, errors, generation_route, json_content
-from app.protocol.output_parser import Content, Reasoning
+from app.protocol.output_parser import Content, Event, Reasoning
 from app.protocol.tool_formats import ToolCall
 from app.request_fields import ignored_fields
 from app.responses_schemas import (
@@ -408,17 +408,14 @@ async def _stream(gen: Generation, response: dict[str, Any], store) -> AsyncIter
     items = _Items()
     yield emit("response.created", response=dict(response))
     yield emit("response.in_progress", response=dict(response))
-    async for event in with_heartbeat(gen.events(), KEEPALIVE_S):
-        if event is None:
-            yield SSE_KEEPALIVE
-            continue
+
+    def frames(event: Event) -> Iterator[str]:
         before = items.current
         item, new = _apply(items, event)
         index = len(items.items) - 1
         if new:
             if before is not None:
-                for frame in _item_done_frames(emit, before, index - 1):
-                    yield frame
+                yield from _item_done_frames(emit, before, index - 1)
             if item["type"] == "function_call":
                 added = {**item, "arguments": "", "status": "in_progress"}
             else:
@@ -457,6 +454,12 @@ async def _stream(gen: Generation, response: dict[str, Any], store) -> AsyncIter
                 output_index=index,
                 delta=event.arguments,
             )
+
+    async for batch in with_heartbeat(gen.events(), KEEPALIVE_S):
+        if batch is None:
+            yield SSE_KEEPALIVE
+        else:
+            yield "".join(frame for event in batch for frame in frames(event))
     done = gen.outcome
     if done.finish_reason is None:
         return  # the client left

@@ -56,12 +56,12 @@ async def test_heartbeat_fills_idle_gaps_and_closing_closes_the_source():
 
     seen = []
     stream = with_heartbeat(slow(), 0.05)
-    async for item in stream:
-        seen.append(item)
-        if item == 2:
+    async for batch in stream:
+        seen.append(batch)
+        if batch == [2]:
             break
     await stream.aclose()
-    assert [i for i in seen if i is not None] == [1, 2]
+    assert [b for b in seen if b is not None] == [[1], [2]]
     assert None in seen[1:-1]  # keep-alives while the source was idle
     await asyncio.wait_for(closed.wait(), 1)
 
@@ -73,13 +73,13 @@ async def test_heartbeat_passes_errors_through():
 
     seen = []
     try:
-        async for item in with_heartbeat(failing(), 1):
-            seen.append(item)
+        async for batch in with_heartbeat(failing(), 1):
+            seen += batch
     except ValueError as exc:
         assert str(exc) == "boom"
     else:
         raise AssertionError("the error was swallowed")
-    assert seen == [1]
+    assert seen == [1]  # what came before the error is delivered first
 
 
 async def test_heartbeat_loses_and_reorders_nothing_around_keepalives():
@@ -94,5 +94,24 @@ async def test_heartbeat_loses_and_reorders_nothing_around_keepalives():
                 await asyncio.sleep(0)
             yield i
 
-    seen = [item async for item in with_heartbeat(bursty(), 0.002)]
-    assert [i for i in seen if i is not None] == list(range(300))
+    batches = [batch async for batch in with_heartbeat(bursty(), 0.002)]
+    assert [i for batch in batches if batch for i in batch] == list(range(300))
+    assert all(batch is None or batch for batch in batches)  # no empty batch
+
+
+async def test_a_reader_that_fell_behind_takes_what_is_waiting_in_one_batch():
+    """The stream then catches up in one write instead of one per token."""
+    release = asyncio.Event()
+
+    async def fast():
+        yield 0
+        await release.wait()
+        for i in range(1, 50):
+            yield i
+
+    stream = with_heartbeat(fast(), 10)
+    assert await anext(stream) == [0]
+    release.set()
+    await asyncio.sleep(0.05)  # the reader is busy elsewhere while 49 arrive
+    assert await anext(stream) == list(range(1, 50))
+    await stream.aclose()
