@@ -27,7 +27,15 @@ from app.protocol.tool_formats import ToolCall
 from app.protocol.tool_schema import function_tools
 from app.request_fields import ignored_fields
 from app.schemas import ChatCompletionRequest, ChatMessage
-from app.sse import KEEPALIVE_S, SSE_DONE, SSE_HEADERS, SSE_KEEPALIVE, sse_data, with_heartbeat
+from app.sse import (
+    KEEPALIVE_S,
+    SSE_DONE,
+    SSE_HEADERS,
+    SSE_KEEPALIVE,
+    FrameTemplate,
+    sse_data,
+    with_heartbeat,
+)
 from app.state import AppState
 
 router = APIRouter()
@@ -143,7 +151,7 @@ async def chat_completions(http: HTTPRequest):
     )
 
 
-def _chunk(meta: dict[str, Any], delta: dict[str, Any], finish: str | None) -> dict[str, Any]:
+def _chunk(meta: dict[str, Any], delta: Any, finish: str | None) -> dict[str, Any]:
     return {
         **meta,
         "object": "chat.completion.chunk",
@@ -160,6 +168,8 @@ async def _stream_chunks(
     first = {"role": "assistant", "content": "", "message_id": gen.request_id}
     yield sse_data({**_chunk(meta, first, None), **usage_field})
 
+    chunk = FrameTemplate({**_chunk(meta, FrameTemplate.HOLE, None), **usage_field})
+
     def frame(event: Event) -> str:
         nonlocal calls
         if isinstance(event, Reasoning):
@@ -170,7 +180,7 @@ async def _stream_chunks(
             (tool,) = openai_tool_calls([event], [call_id(event)])
             delta = {"tool_calls": [{"index": calls, **tool}]}
             calls += 1
-        return sse_data({**_chunk(meta, delta, None), **usage_field})
+        return chunk(delta)
 
     async for batch in with_heartbeat(gen.events(), KEEPALIVE_S):
         yield SSE_KEEPALIVE if batch is None else "".join(map(frame, batch))

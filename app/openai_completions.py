@@ -23,7 +23,15 @@ from app.protocol.output_parser import Event, OutputParser, Syntax
 from app.request_fields import ignored_fields
 from app.schemas import CompletionRequest
 from app.session_id import session_id_from
-from app.sse import KEEPALIVE_S, SSE_DONE, SSE_HEADERS, SSE_KEEPALIVE, sse_data, with_heartbeat
+from app.sse import (
+    KEEPALIVE_S,
+    SSE_DONE,
+    SSE_HEADERS,
+    SSE_KEEPALIVE,
+    FrameTemplate,
+    sse_data,
+    with_heartbeat,
+)
 from app.state import AppState
 from kvcache.prompt_key import PromptKey
 from kvcache.sessions import fallback_session_id
@@ -132,8 +140,10 @@ async def _stream(
     if echo:
         yield sse_data({**meta, "choices": [_choice(echo, None)], **usage_field})
 
+    chunk = FrameTemplate({**meta, "choices": [_choice(FrameTemplate.HOLE, None)], **usage_field})
+
     def frame(event: Event) -> str:
-        return sse_data({**meta, "choices": [_choice(event.text, None)], **usage_field})  # type: ignore[union-attr]
+        return chunk(event.text)  # type: ignore[union-attr]
 
     async for batch in with_heartbeat(gen.events(), KEEPALIVE_S):
         yield SSE_KEEPALIVE if batch is None else "".join(map(frame, batch))

@@ -17,6 +17,25 @@ def sse_data(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+class FrameTemplate:
+    """A stream's data frame that differs per event in one value (``HOLE``): the
+    rest (a chunk's id, model, constant fields) is encoded once per stream, not
+    once per token. The bytes are ``sse_data``'s for the same payload."""
+
+    HOLE = "\x00kvwarm-hole\x00"
+
+    def __init__(self, payload: dict[str, Any]):
+        head, *rest = sse_data(payload).split(json.dumps(self.HOLE))
+        if len(rest) != 1:
+            raise ValueError("a frame template needs exactly one HOLE")
+        self._head, self._tail = head, rest[0]
+
+    def __call__(self, value: Any) -> str:
+        return (
+            self._head + json.dumps(value, ensure_ascii=False, separators=(",", ":")) + self._tail
+        )
+
+
 SSE_DONE = "data: [DONE]\n\n"
 # an SSE comment: clients skip it, proxies and idle timeouts see a live stream
 SSE_KEEPALIVE = ": keep-alive\n\n"

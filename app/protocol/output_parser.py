@@ -86,6 +86,13 @@ class OutputParser:
         # the raw text minus tool-call markup that decoded: what the model wrote
         # besides its calls, for healing the echoed turn
         self._kept: list[str] = []
+        # built once: feed runs for every token of every stream, on the event loop
+        self._steps = {
+            _Mode.BOUNDARY: self._boundary,
+            _Mode.CONTENT: self._content,
+            _Mode.REASONING: self._reasoning,
+            _Mode.TOOL: self._tool_markup,
+        }
 
     # -- public ----------------------------------------------------------------
     def feed(self, text: str) -> list[Event]:
@@ -125,13 +132,8 @@ class OutputParser:
 
     # -- state machine ---------------------------------------------------------
     def _drain(self, final: bool) -> None:
-        step = {
-            _Mode.BOUNDARY: self._boundary,
-            _Mode.CONTENT: self._content,
-            _Mode.REASONING: self._reasoning,
-            _Mode.TOOL: self._tool_markup,
-        }
-        while step[self._mode](final):
+        steps = self._steps
+        while steps[self._mode](final):
             pass
 
     def _emit(self, kind: type[Reasoning] | type[Content], text: str) -> None:
@@ -140,8 +142,8 @@ class OutputParser:
             self._kept.append(text)
 
     def _flush(self) -> list[Event]:
-        out, self._out = merge(self._out), []
-        return out
+        out, self._out = self._out, []
+        return out if len(out) < 2 else merge(out)
 
     def _boundary(self, final: bool) -> bool:
         stripped = self._buf.lstrip()
@@ -188,6 +190,10 @@ class OutputParser:
         self._ws = ""
 
     def _content(self, final: bool) -> bool:
+        if not self._markups:  # no tool calls to find: everything is content
+            self._emit(Content, self._buf)
+            self._buf = ""
+            return False
         found = [(i, m) for m in self._markups if (i := self._buf.find(m.start)) >= 0]
         if found:
             i, markup = min(found, key=lambda f: f[0])

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from app.response_store import ResponseStore
-from app.sse import with_heartbeat
+from app.sse import FrameTemplate, sse_data, with_heartbeat
 
 
 def _resp(rid: str, pad: int = 0) -> dict:
@@ -115,3 +118,23 @@ async def test_a_reader_that_fell_behind_takes_what_is_waiting_in_one_batch():
     await asyncio.sleep(0.05)  # the reader is busy elsewhere while 49 arrive
     assert await anext(stream) == list(range(1, 50))
     await stream.aclose()
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(meta=st.dictionaries(st.text(), _json, max_size=4), value=_json, usage=st.booleans())
+def test_a_frame_template_gives_sse_datas_bytes(meta, value, usage):
+    """What a stream's chunk template writes equals encoding the whole payload."""
+    meta = {k: v for k, v in meta.items() if k not in ("choices", "usage")}
+
+    def payload(delta):
+        chunk = {**meta, "choices": [{"index": 0, "delta": delta, "finish_reason": None}]}
+        return {**chunk, "usage": None} if usage else chunk
+
+    assert FrameTemplate(payload(FrameTemplate.HOLE))(value) == sse_data(payload(value))
