@@ -166,9 +166,8 @@ async def _stream_chunks(
     done = gen.outcome
     calls = 0
     first = {"role": "assistant", "content": "", "message_id": gen.request_id}
-    yield sse_data({**_chunk(meta, first, None), **usage_field})
-
     chunk = FrameTemplate({**_chunk(meta, FrameTemplate.HOLE, None), **usage_field})
+    yield sse_data({**_chunk(meta, first, None), **usage_field})
 
     def frame(event: Event) -> str:
         nonlocal calls

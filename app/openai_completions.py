@@ -137,10 +137,9 @@ async def _stream(
     gen: Generation, meta: dict[str, Any], echo: str, include_usage: bool
 ) -> AsyncIterator[str]:
     usage_field = {"usage": None} if include_usage else {}
+    chunk = FrameTemplate({**meta, "choices": [_choice(FrameTemplate.HOLE, None)], **usage_field})
     if echo:
         yield sse_data({**meta, "choices": [_choice(echo, None)], **usage_field})
-
-    chunk = FrameTemplate({**meta, "choices": [_choice(FrameTemplate.HOLE, None)], **usage_field})
 
     def frame(event: Event) -> str:
         return chunk(event.text)  # type: ignore[union-attr]
