@@ -87,10 +87,12 @@ class _Row:
             cache=self.report,
         )
 
-    def output(self, **fields) -> RequestOutput:
+    def output(self, text: str = "", token_ids: tuple[int, ...] = (), **fields) -> RequestOutput:
         """An output of this row carrying its running totals."""
         return RequestOutput(
             request_id=self.request.request_id,
+            text=text,
+            token_ids=token_ids,
             prompt_tokens=len(self.request.prompt_tokens),
             completion_tokens=self.generated,
             cached_tokens=self.cached,
@@ -422,12 +424,11 @@ class BatchRunner:
         """This step's prefill slice, and which waiting rows start prefilling."""
         decode_rows = decode_depth = 0
         prefills = []
-        prefilled = self._prefilled
         for uid, row in self._rows.items():
-            done = prefilled.get(uid)
-            if done is None:  # row.kv_depth(row.prefill_len), inline: this runs per row
+            done = self._prefilled.get(uid)
+            if done is None:
                 decode_rows += 1
-                decode_depth += row.kv_offset + row.prefill_len + row.generated - row.replayed
+                decode_depth += row.kv_depth(row.prefill_len)
             else:
                 prefills.append(row.prefill(done, running=True))
         for w in self._waiting.values():
@@ -583,20 +584,10 @@ class BatchRunner:
         self.generated_tokens += 1
         eos = resp.finish_reason == "stop"  # only EOS tokens are token-level stops
         text = "" if eos else row.text.add_token(token)
-        request = row.request
-        out = RequestOutput(
-            request.request_id,
-            text,
-            (token,),
-            None,
-            len(request.prompt_tokens),
-            row.generated,
-            row.cached,
-            at=now,
-        )
+        out = row.output(text, (token,), at=now)
         if row.first_token_at is None:
             row.first_token_at = now
-            out.ttft = now - request.arrival_time
+            out.ttft = now - row.request.arrival_time
             out.cache = row.report
         if row.text.stopped:
             out.finish_reason = FinishReason.STOP

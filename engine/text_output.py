@@ -33,7 +33,7 @@ class TextOutput:
     def add_token(self, token: int) -> str:
         push = self._push
         if push is not None:
-            return self._stop.feed(push(token)) if self._stop.stops else push(token)
+            return self._stop.feed(push(token))
         self._detok.add_token(token)
         return self._stop.feed(self._detok.last_segment)
 

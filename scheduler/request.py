@@ -143,9 +143,9 @@ class RequestStats:
 class RequestOutput:
     """What one engine step produced for one request (a delta, not a total).
 
-    Never changed once built, but not ``frozen``: the engine makes one per row
-    per step, and a frozen dataclass's ``__init__`` costs eight times as much
-    (a large batch's step pays it on the host's critical path).
+    Not changed once it leaves the engine, but not ``frozen``: the engine makes
+    one per row per step, and a frozen dataclass's ``__init__`` costs eight times
+    as much (a large batch's step pays it on the host's critical path).
     """
 
     request_id: str
