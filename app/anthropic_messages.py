@@ -35,7 +35,7 @@ from app.protocol.output_parser import Content, Event, Reasoning
 from app.protocol.tool_formats import ToolCall
 from app.protocol.tool_schema import ToolChoice
 from app.request_fields import ignored_fields
-from app.sse import KEEPALIVE_S, SSE_HEADERS, sse_event, with_heartbeat
+from app.sse import SSE_HEADERS, framed, sse_event
 from app.state import AppState
 
 router = APIRouter()
@@ -347,11 +347,9 @@ async def _stream(gen: Generation, message: dict[str, Any]) -> AsyncIterator[str
                 }
             )
 
-    async for batch in with_heartbeat(gen.events(), KEEPALIVE_S):
-        if batch is None:
-            yield sse_event("ping", {"type": "ping"})
-        else:
-            yield "".join(frame for event in batch for frame in frames(event))
+    ping = sse_event("ping", {"type": "ping"})
+    async for text in framed(gen.events(), lambda event: "".join(frames(event)), ping):
+        yield text
     for frame in blocks.close():
         yield frame
     if done.failed:

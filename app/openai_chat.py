@@ -27,15 +27,7 @@ from app.protocol.tool_formats import ToolCall
 from app.protocol.tool_schema import function_tools
 from app.request_fields import ignored_fields
 from app.schemas import ChatCompletionRequest, ChatMessage
-from app.sse import (
-    KEEPALIVE_S,
-    SSE_DONE,
-    SSE_HEADERS,
-    SSE_KEEPALIVE,
-    FrameTemplate,
-    sse_data,
-    with_heartbeat,
-)
+from app.sse import SSE_DONE, SSE_HEADERS, FrameTemplate, framed, sse_data
 from app.state import AppState
 
 router = APIRouter()
@@ -181,8 +173,8 @@ async def _stream_chunks(
             calls += 1
         return chunk(delta)
 
-    async for batch in with_heartbeat(gen.events(), KEEPALIVE_S):
-        yield SSE_KEEPALIVE if batch is None else "".join(map(frame, batch))
+    async for frames in framed(gen.events(), frame):
+        yield frames
     if done.failed:
         err = done.failure()
         yield sse_data(error_body(err.message, err.error_type, err.code))

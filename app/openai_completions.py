@@ -23,15 +23,7 @@ from app.protocol.output_parser import Event, OutputParser, Syntax
 from app.request_fields import ignored_fields
 from app.schemas import CompletionRequest
 from app.session_id import session_id_from
-from app.sse import (
-    KEEPALIVE_S,
-    SSE_DONE,
-    SSE_HEADERS,
-    SSE_KEEPALIVE,
-    FrameTemplate,
-    sse_data,
-    with_heartbeat,
-)
+from app.sse import SSE_DONE, SSE_HEADERS, FrameTemplate, framed, sse_data
 from app.state import AppState
 from kvcache.prompt_key import PromptKey
 from kvcache.sessions import fallback_session_id
@@ -144,8 +136,8 @@ async def _stream(
     def frame(event: Event) -> str:
         return chunk(event.text)  # type: ignore[union-attr]
 
-    async for batch in with_heartbeat(gen.events(), KEEPALIVE_S):
-        yield SSE_KEEPALIVE if batch is None else "".join(map(frame, batch))
+    async for frames in framed(gen.events(), frame):
+        yield frames
     done = gen.outcome
     if done.failed:
         err = done.failure()

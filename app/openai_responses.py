@@ -34,7 +34,7 @@ from app.responses_schemas import (
     ResponsesRequest,
     ResponsesTool,
 )
-from app.sse import KEEPALIVE_S, SSE_HEADERS, SSE_KEEPALIVE, sse_event, with_heartbeat
+from app.sse import SSE_HEADERS, framed, sse_event
 from app.state import AppState
 
 router = APIRouter()
@@ -455,11 +455,8 @@ async def _stream(gen: Generation, response: dict[str, Any], store) -> AsyncIter
                 delta=event.arguments,
             )
 
-    async for batch in with_heartbeat(gen.events(), KEEPALIVE_S):
-        if batch is None:
-            yield SSE_KEEPALIVE
-        else:
-            yield "".join(frame for event in batch for frame in frames(event))
+    async for text in framed(gen.events(), lambda event: "".join(frames(event))):
+        yield text
     done = gen.outcome
     if done.finish_reason is None:
         return  # the client left

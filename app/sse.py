@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -65,8 +65,8 @@ async def with_heartbeat(items: AsyncIterator[T], interval: float) -> AsyncItera
 
     def push(entry: tuple[bool, Any]) -> None:
         buffer.append(entry)
-        if wake is not None and not wake.done():
-            wake.set_result(None)
+        if wake is not None:
+            _wake(wake)
 
     async def pump() -> None:
         try:
@@ -111,3 +111,13 @@ async def with_heartbeat(items: AsyncIterator[T], interval: float) -> AsyncItera
 def _wake(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+async def framed(
+    events: AsyncIterator[T], frame: Callable[[T], str], keepalive: str = SSE_KEEPALIVE
+) -> AsyncIterator[str]:
+    """A stream's body: each batch of ``events`` that is waiting framed into one
+    string (one socket write however far the stream fell behind), ``keepalive``
+    whenever ``KEEPALIVE_S`` pass without one."""
+    async for batch in with_heartbeat(events, KEEPALIVE_S):
+        yield keepalive if batch is None else "".join(map(frame, batch))

@@ -190,10 +190,6 @@ class OutputParser:
         self._ws = ""
 
     def _content(self, final: bool) -> bool:
-        if not self._markups:  # no tool calls to find: everything is content
-            self._emit(Content, self._buf)
-            self._buf = ""
-            return False
         found = [(i, m) for m in self._markups if (i := self._buf.find(m.start)) >= 0]
         if found:
             i, markup = min(found, key=lambda f: f[0])

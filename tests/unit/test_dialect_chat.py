@@ -278,9 +278,9 @@ def test_bad_inputs_are_400s_not_500s(server):
 
 
 def test_slow_streams_carry_keep_alives(monkeypatch):
-    import app.openai_chat
+    import app.sse
 
-    monkeypatch.setattr(app.openai_chat, "KEEPALIVE_S", 0.05)
+    monkeypatch.setattr(app.sse, "KEEPALIVE_S", 0.05)  # every stream's keep-alive interval
     app_ = create_app(
         Settings(_env_file=None), lambda s, r: FakeEngine(s, r, step_delay=0.3, eos_after=2)
     )
