@@ -14,23 +14,17 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import http.client
 import io
 import re
-import socket
-import ssl
-import threading
-import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from app.body import io_wait
 from app.errors import APIError
+from app.media_fetch import FetchPolicy, fetch
 
 # the formats a client's bytes may be decoded as: what browsers and agents send
 # (never EPS/PDF, which Pillow hands to Ghostscript, or other exotic decoders)
 IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")
-FETCH_CHUNK = 1 << 16  # bytes a read asks for: the deadline is checked between reads
 _DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?((?:;[\w.+-]+=[^;,]*)*)(;base64)?,", re.I)
 
 
@@ -44,6 +38,7 @@ class ImageLimits:
     max_pixels: int = 40_000_000  # decompression-bomb guard, from the header
     fetch_urls: bool = True
     fetch_timeout: float = 10.0
+    allowed_media_domains: tuple[str, ...] = ()  # hosts URLs may name; empty: any
     video_frames: int = 8  # frames a video part becomes (0: videos refused)
     max_video_bytes: int = 50 * 10**6  # and within max_total_bytes with the images
     video_timeout: float = 30.0  # ffmpeg's time to read one video's frames
@@ -219,108 +214,9 @@ def _encoded(source: ImageSource, limits: ImageLimits, where: str) -> bytes:
                 f"{where}: this server does not fetch URLs (--no-fetch-urls); send "
                 "the data as a data URL or base64.",
             )
-        return _fetch(url, limits, cap, where)
+        policy = FetchPolicy(limits.fetch_timeout, limits.allowed_media_domains)
+        raw = fetch(url, policy, cap.nbytes, where)
+        if len(raw) > cap.nbytes:
+            raise _too_big(len(raw), cap, where)
+        return raw
     raise APIError(400, f"{where}: URLs must be data:, http: or https: URLs.")
-
-
-def _fetch(url: str, limits: ImageLimits, cap: _Cap, where: str) -> bytes:
-    """Download within ``fetch_timeout`` seconds in all, reading no more than the
-    size limit allows. urllib's timeout bounds each socket read, not the whole: a
-    server trickling its headers or body a byte at a time would hold the request
-    as long as it liked, so a watchdog shuts the connection at the deadline. The
-    wait gives the preparation's CPU slot up (``io_wait``)."""
-    deadline = _Deadline(limits.fetch_timeout)
-    opener = urllib.request.build_opener(_HTTPHandler(deadline), _HTTPSHandler(deadline))
-    request = urllib.request.Request(url, headers={"User-Agent": "kvwarm"})
-    chunks: list[bytes] = []
-    size = 0
-    try:
-        with io_wait(), deadline, opener.open(request, timeout=limits.fetch_timeout) as resp:
-            while size <= cap.nbytes and not deadline.expired:
-                chunk = resp.read1(min(FETCH_CHUNK, cap.nbytes + 1 - size))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                size += len(chunk)
-    except APIError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any network failure is the client's URL
-        if not deadline.expired:
-            raise APIError(400, f"{where}: could not fetch {url[:200]} ({exc}).") from exc
-    if deadline.expired:
-        raise APIError(
-            400,
-            f"{where}: {url[:200]} did not arrive within {limits.fetch_timeout:g} s "
-            "(--fetch-timeout).",
-        )
-    if size > cap.nbytes:
-        raise _too_big(size, cap, where)
-    return b"".join(chunks)
-
-
-class _Deadline:
-    """Shuts every connection of one fetch (redirects included) once its time is up:
-    a read blocked in another thread then fails at once."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self.expired = False
-        self._connections: list[http.client.HTTPConnection] = []
-        self._lock = threading.Lock()
-        self._timer: threading.Timer | None = None
-
-    def __enter__(self) -> _Deadline:
-        self._timer = threading.Timer(self.seconds, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-
-    def connection(self, cls: type[http.client.HTTPConnection]):
-        """``cls``'s constructor, recording each connection it makes."""
-
-        def make(*args: Any, **kwargs: Any) -> http.client.HTTPConnection:
-            conn = cls(*args, **kwargs)
-            with self._lock:
-                self._connections.append(conn)
-            if self.expired:
-                conn.close()
-            return conn
-
-        return make
-
-    def _expire(self) -> None:
-        with self._lock:
-            self.expired = True
-            connections = list(self._connections)
-        for conn in connections:
-            sock = conn.sock
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass  # already closed
-
-
-class _HTTPHandler(urllib.request.HTTPHandler):
-    def __init__(self, deadline: _Deadline):
-        super().__init__()
-        self._deadline = deadline
-
-    def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(self._deadline.connection(http.client.HTTPConnection), req)
-
-
-class _HTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, deadline: _Deadline):
-        super().__init__()
-        self._deadline = deadline
-        self._tls = ssl.create_default_context()
-
-    def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(
-            self._deadline.connection(http.client.HTTPSConnection), req, context=self._tls
-        )

@@ -227,7 +227,15 @@ class Settings(BaseSettings):
         description="fetch http(s) image URLs (--no-fetch-urls: only data URLs and base64 "
         "images are accepted)",
     )
-    fetch_timeout: float = Field(10.0, gt=0, description="seconds to fetch one image URL, in all")
+    fetch_timeout: float = Field(
+        10.0, gt=0, description="seconds to fetch one image URL, in all (name lookup included)"
+    )
+    allowed_media_domains: str | None = Field(
+        None,
+        description="comma-separated hosts image and video URLs may name, redirects "
+        "included (*.example.com: its subdomains); default: any host. Link-local, multicast "
+        "and unspecified addresses are never fetched",
+    )
     video_frames: int = Field(
         8,
         ge=0,
@@ -405,6 +413,9 @@ class Settings(BaseSettings):
             max_pixels=self.max_image_pixels,
             fetch_urls=self.fetch_urls,
             fetch_timeout=self.fetch_timeout,
+            allowed_media_domains=tuple(
+                d.strip() for d in (self.allowed_media_domains or "").split(",") if d.strip()
+            ),
             video_frames=self.video_frames,
             max_video_bytes=int(self.max_video_bytes),
         )

@@ -17,6 +17,7 @@ from PIL import Image
 from app.body import Preparer, io_wait
 from app.errors import APIError
 from app.images import ImageLimits, ImageSource, load_images
+from app.media_fetch import FetchPolicy
 
 
 def png() -> bytes:
@@ -141,3 +142,128 @@ def test_a_job_waiting_on_io_gives_its_cpu_slot_to_other_requests():
 def test_io_wait_outside_a_preparation_changes_nothing():
     with io_wait():
         pass
+
+
+# -- where a fetch may go, and its name lookup --------------------------------
+
+
+@contextmanager
+def redirecting_server(location: str) -> Iterator[str]:
+    """An HTTP server answering every request with a redirect to ``location``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.recv(65536)
+                conn.sendall(
+                    f"HTTP/1.1 302 Found\r\nLocation: {location}\r\n"
+                    "Content-Length: 0\r\n\r\n".encode()
+                )
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}/moved.png"
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+def test_a_host_outside_the_allowed_media_domains_is_refused_naming_the_flag():
+    with http_server(png()) as url, pytest.raises(APIError) as err:
+        load_images([ImageSource(url=url)], ImageLimits(allowed_media_domains=("example.com",)))
+    assert err.value.status == 400 and "--allowed-media-domains" in err.value.message
+    # the same URL with its host allowed is fetched
+    with http_server(png()) as url:
+        ((image,),) = load_images(
+            [ImageSource(url=url)], ImageLimits(allowed_media_domains=("127.0.0.1",))
+        )
+    assert image.image.size == (3, 2)
+
+
+def test_an_allowed_host_cannot_redirect_the_fetch_elsewhere():
+    with (
+        http_server(png()) as target,
+        redirecting_server(target.replace("127.0.0.1", "localhost")) as url,
+    ):
+        # followed when any host may be fetched
+        ((image,),) = load_images([ImageSource(url=url)], ImageLimits())
+        assert image.image.size == (3, 2)
+        with pytest.raises(APIError) as err:
+            load_images([ImageSource(url=url)], ImageLimits(allowed_media_domains=("127.0.0.1",)))
+    assert err.value.status == 400 and "'localhost'" in err.value.message
+    assert "--allowed-media-domains" in err.value.message
+
+
+def test_a_redirect_to_another_scheme_is_refused():
+    with redirecting_server("ftp://127.0.0.1/cat.png") as url, pytest.raises(APIError) as err:
+        load_images([ImageSource(url=url)], ImageLimits())
+    assert err.value.status == 400 and "not an http(s) URL" in err.value.message
+
+
+@pytest.mark.parametrize(
+    "address", ["169.254.169.254", "fe80::1", "::ffff:169.254.169.254", "224.0.0.1", "0.0.0.0"]
+)
+def test_link_local_multicast_and_unspecified_addresses_are_never_fetched(monkeypatch, address):
+    """Checked on the address connected to: a harmless-looking name resolving to
+    the cloud metadata service is refused too."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sockaddr = (address, 80, 0, 0) if family == socket.AF_INET6 else (address, 80)
+    connects: list[object] = []
+    monkeypatch.setattr(
+        "app.media_fetch.socket.getaddrinfo",
+        lambda *a, **k: [(family, socket.SOCK_STREAM, 6, "", sockaddr)],
+    )
+    monkeypatch.setattr("app.media_fetch.socket.socket.connect", connects.append)
+    with pytest.raises(APIError) as err:
+        load_images([ImageSource(url="http://images.example.com/cat.png")], ImageLimits())
+    assert err.value.status == 400 and "does not fetch from such addresses" in err.value.message
+    assert connects == []
+
+
+def test_a_name_lookup_that_hangs_is_cut_at_the_fetch_timeout(monkeypatch):
+    """The system resolver cannot be interrupted: the fetch stops waiting for it."""
+    release = threading.Event()
+
+    def hanging_lookup(*args: object, **kwargs: object) -> list:
+        release.wait(30)
+        return []
+
+    monkeypatch.setattr("app.media_fetch.socket.getaddrinfo", hanging_lookup)
+    began = time.monotonic()
+    try:
+        with pytest.raises(APIError) as err:
+            load_images(
+                [ImageSource(url="http://slow-dns.example.com/cat.png")],
+                ImageLimits(fetch_timeout=0.5),
+            )
+    finally:
+        release.set()
+    assert time.monotonic() - began < 3
+    assert err.value.status == 400 and "--fetch-timeout" in err.value.message
+
+
+def test_allowed_domain_patterns_match_hosts_exactly_or_by_subdomain():
+    policy = FetchPolicy(allowed_domains=("Example.com", "*.cdn.example.org"))
+    assert policy.allows("example.com") and policy.allows("EXAMPLE.COM.")
+    assert policy.allows("a.cdn.example.org") and policy.allows("a.b.cdn.example.org")
+    assert not policy.allows("cdn.example.org")  # the wildcard names subdomains only
+    assert not policy.allows("evilexample.com") and not policy.allows("a.example.com")
+    assert not policy.allows("x.evilcdn.example.org")
+    assert FetchPolicy().allows("anything.at.all")
+
+
+def test_the_allowed_media_domains_setting_reaches_the_image_limits():
+    from app.settings import Settings
+
+    limits = Settings(_env_file=None, allowed_media_domains=" a.com, *.b.org ,").image_limits
+    assert limits.allowed_media_domains == ("a.com", "*.b.org")
+    assert Settings(_env_file=None).image_limits.allowed_media_domains == ()
