@@ -8,7 +8,7 @@ import io
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -27,12 +27,9 @@ def png() -> bytes:
 
 
 @contextmanager
-def http_server(
-    body: bytes, pause: float = 0.0, length: int | None = None, slow_head: bool = False
-) -> Iterator[str]:
-    """One-connection-at-a-time HTTP server sending ``body`` a byte every ``pause``
-    seconds (0: all at once), announcing ``length`` bytes; ``slow_head``: its
-    headers too, a byte at a time (endless ones)."""
+def serving(answer: Callable[[socket.socket, threading.Event], None]) -> Iterator[str]:
+    """A one-connection-at-a-time HTTP server on loopback: ``answer(conn, stop)``
+    replies to each request (already read); yields a URL on it."""
     listener = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
 
@@ -45,21 +42,8 @@ def http_server(
                 continue
             with conn:
                 conn.recv(65536)
-                head = f"HTTP/1.1 200 OK\r\nContent-Length: {length or len(body)}\r\n\r\n"
-                data, gap = body, pause
-                if slow_head:  # the headers are the slow part, and they never end
-                    data, gap = ("HTTP/1.1 200 OK\r\nX-Padding: " + "x" * 100_000).encode(), 0.1
-                    head = ""
                 try:
-                    conn.sendall(head.encode())
-                    if not gap:
-                        conn.sendall(data)
-                        continue
-                    for i in range(len(data)):
-                        if stop.is_set():
-                            break
-                        conn.sendall(data[i : i + 1])
-                        time.sleep(gap)
+                    answer(conn, stop)
                 except OSError:
                     pass  # the client gave up
 
@@ -71,6 +55,31 @@ def http_server(
         stop.set()
         thread.join(5)
         listener.close()
+
+
+def http_server(
+    body: bytes, pause: float = 0.0, length: int | None = None, slow_head: bool = False
+):
+    """``body`` a byte every ``pause`` seconds (0: all at once), announcing
+    ``length`` bytes; ``slow_head``: its headers too, a byte at a time (endless ones)."""
+
+    def answer(conn: socket.socket, stop: threading.Event) -> None:
+        head = f"HTTP/1.1 200 OK\r\nContent-Length: {length or len(body)}\r\n\r\n"
+        data, gap = body, pause
+        if slow_head:  # the headers are the slow part, and they never end
+            data, gap = ("HTTP/1.1 200 OK\r\nX-Padding: " + "x" * 100_000).encode(), 0.1
+            head = ""
+        conn.sendall(head.encode())
+        if not gap:
+            conn.sendall(data)
+            return
+        for i in range(len(data)):
+            if stop.is_set():
+                break
+            conn.sendall(data[i : i + 1])
+            time.sleep(gap)
+
+    return serving(answer)
 
 
 def test_a_url_is_read_in_chunks_into_the_same_image():
@@ -147,34 +156,10 @@ def test_io_wait_outside_a_preparation_changes_nothing():
 # -- where a fetch may go, and its name lookup --------------------------------
 
 
-@contextmanager
-def redirecting_server(location: str) -> Iterator[str]:
-    """An HTTP server answering every request with a redirect to ``location``."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    stop = threading.Event()
-
-    def serve() -> None:
-        listener.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                continue
-            with conn:
-                conn.recv(65536)
-                conn.sendall(
-                    f"HTTP/1.1 302 Found\r\nLocation: {location}\r\n"
-                    "Content-Length: 0\r\n\r\n".encode()
-                )
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}/moved.png"
-    finally:
-        stop.set()
-        thread.join(5)
-        listener.close()
+def redirecting_server(location: str):
+    """Answers every request with a redirect to ``location``."""
+    reply = f"HTTP/1.1 302 Found\r\nLocation: {location}\r\nContent-Length: 0\r\n\r\n"
+    return serving(lambda conn, _: conn.sendall(reply.encode()))
 
 
 def test_a_host_outside_the_allowed_media_domains_is_refused_naming_the_flag():
