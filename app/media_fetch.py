@@ -6,10 +6,11 @@ lookup (the system resolver can take tens of seconds and cannot be interrupted,
 so it runs aside and is waited for only as long as time remains), the connect,
 the headers and the body (a watchdog shuts the socket however slowly the server
 trickles). Where it may go: the hosts of ``--allowed-media-domains`` when set
-(checked again on every redirect), never a link-local, multicast or unspecified
-address (cloud metadata services live at 169.254.169.254), and redirects only to
-http(s). The address checked is the one connected to, so a name that resolves
-differently the second time cannot slip past.
+(checked on every connection, redirects included), never a link-local,
+multicast or unspecified address or a cloud metadata service's, and redirects
+only to http(s). The address checked is the one connected to, so a name that
+resolves differently the second time cannot slip past; for the same reason no
+proxy is used (a proxy would connect wherever the URL says, unchecked).
 """
 
 from __future__ import annotations
@@ -55,17 +56,20 @@ def fetch(url: str, policy: FetchPolicy, max_bytes: int, where: str) -> bytes:
     ``max_bytes`` means too big: the caller names its limit). Any failure is a
     400: the URL is the client's. The wait gives the preparation's CPU slot up
     (``io_wait``)."""
-    _check_host(url, policy, where)
-    deadline = _Deadline(policy.timeout, where)
+    _check_host(_host_of(url, where), policy, where)
+    guard = _Guard(policy, where)
     opener = urllib.request.build_opener(
-        _HTTPHandler(deadline), _HTTPSHandler(deadline), _RedirectHandler(policy, where)
+        urllib.request.ProxyHandler({}),  # not HTTP(S)_PROXY nor the system's: see above
+        _HTTPHandler(guard),
+        _HTTPSHandler(guard),
+        _RedirectHandler(where),
     )
     request = urllib.request.Request(url, headers={"User-Agent": "kvwarm"})
     chunks: list[bytes] = []
     size = 0
     try:
-        with io_wait(), deadline, opener.open(request, timeout=policy.timeout) as resp:
-            while size <= max_bytes and not deadline.expired:
+        with io_wait(), guard, opener.open(request, timeout=policy.timeout) as resp:
+            while size <= max_bytes and not guard.expired:
                 chunk = resp.read1(min(FETCH_CHUNK, max_bytes + 1 - size))
                 if not chunk:
                     break
@@ -74,10 +78,10 @@ def fetch(url: str, policy: FetchPolicy, max_bytes: int, where: str) -> bytes:
     except APIError:
         raise
     except Exception as exc:  # noqa: BLE001 - any network failure is the client's URL
-        if not (deadline.expired or _timed_out(exc)):
+        if not (guard.expired or _timed_out(exc)):
             raise APIError(400, f"{where}: could not fetch {url[:200]} ({exc}).") from exc
-        deadline.expired = True
-    if deadline.expired:
+        guard.expired = True
+    if guard.expired:
         raise APIError(
             400,
             f"{where}: {url[:200]} did not arrive within {policy.timeout:g} s (--fetch-timeout).",
@@ -90,8 +94,14 @@ def _timed_out(exc: BaseException) -> bool:
     return isinstance(exc, TimeoutError) or isinstance(reason, TimeoutError)
 
 
-def _check_host(url: str, policy: FetchPolicy, where: str) -> None:
-    host = urllib.parse.urlsplit(url).hostname or ""
+def _host_of(url: str, where: str) -> str:
+    try:
+        return urllib.parse.urlsplit(url).hostname or ""
+    except ValueError as exc:  # "Invalid IPv6 URL", a netloc NFKC changes
+        raise APIError(400, f"{where}: {url[:200]} is not a valid URL ({exc}).") from exc
+
+
+def _check_host(host: str, policy: FetchPolicy, where: str) -> None:
     if not policy.allows(host):
         raise APIError(
             400,
@@ -100,10 +110,20 @@ def _check_host(url: str, policy: FetchPolicy, where: str) -> None:
         )
 
 
+# metadata services outside link-local: AWS over IPv6 (Nitro), Alibaba Cloud
+_METADATA = {ipaddress.ip_address("fd00:ec2::254"), ipaddress.ip_address("100.100.100.200")}
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+
+
 def _check_address(address: str, host: str, where: str) -> None:
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):  # an IPv4 address carried in IPv6
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        elif ip.sixtofour is not None:
+            ip = ip.sixtofour
+        elif ip in _NAT64:
+            ip = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
     kind = (
         "link-local"
         if ip.is_link_local
@@ -111,6 +131,8 @@ def _check_address(address: str, host: str, where: str) -> None:
         if ip.is_multicast
         else "unspecified"
         if ip.is_unspecified
+        else "cloud metadata"
+        if ip in _METADATA
         else None
     )
     if kind:
@@ -121,23 +143,25 @@ def _check_address(address: str, host: str, where: str) -> None:
         )
 
 
-class _Deadline:
-    """One fetch's time limit. Its connections (redirects included) resolve and
-    connect within what remains, and are shut once it is up: a read blocked in
-    another thread then fails at once."""
+class _Guard:
+    """One fetch's bounds. Its connections (redirects included) go only where
+    the policy allows, resolve and connect within the time that remains, and
+    their sockets are shut once it is up: a read blocked in another thread then
+    fails at once. Sockets, not connections: urllib lets go of a connection's
+    socket once the headers are in, while the body is still read through it."""
 
-    def __init__(self, seconds: float, where: str):
-        self.seconds = seconds
-        self.where = where  # what a refused address is reported as
+    def __init__(self, policy: FetchPolicy, where: str):
+        self.policy = policy
+        self.where = where  # what a refusal names
         self.expired = False
-        self._ends = time.monotonic() + seconds
-        self._connections: list[http.client.HTTPConnection] = []
+        self._ends = time.monotonic() + policy.timeout
+        self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
 
-    def __enter__(self) -> _Deadline:
-        self._ends = time.monotonic() + self.seconds
-        self._timer = threading.Timer(self.seconds, self._expire)
+    def __enter__(self) -> _Guard:
+        self._ends = time.monotonic() + self.policy.timeout
+        self._timer = threading.Timer(self.policy.timeout, self._expire)
         self._timer.daemon = True
         self._timer.start()
         return self
@@ -153,31 +177,35 @@ class _Deadline:
         return left
 
     def connection(self, cls: type[http.client.HTTPConnection]):
-        """``cls``'s constructor, recording each connection it makes and
-        connecting it within the deadline."""
+        """``cls``'s constructor: its connections are made and watched by this guard."""
 
         def make(*args: Any, **kwargs: Any) -> http.client.HTTPConnection:
             conn = cls(*args, **kwargs)
             # http.client's own seam for how a connection's socket is made
             conn._create_connection = lambda address, *_: self._connect(address)  # type: ignore[attr-defined]
-            with self._lock:
-                self._connections.append(conn)
-            if self.expired:
-                conn.close()
+            connect = conn.connect
+
+            def connect_watched() -> None:  # https: the TLS socket replaces the raw one
+                connect()
+                self._watch(conn.sock)
+
+            conn.connect = connect_watched  # type: ignore[method-assign]
             return conn
 
         return make
 
     def _connect(self, address: tuple[str, int]) -> socket.socket:
-        host, port = address
+        host, port = address  # as urllib parsed it: the host really connected to
+        _check_host(host, self.policy, self.where)
         error: OSError | None = None
         for family, kind, proto, _, sockaddr in _resolve(host, port, self.remaining()):
             _check_address(str(sockaddr[0]), host, self.where)
             sock = socket.socket(family, kind, proto)
+            self._watch(sock)
             try:
                 sock.settimeout(self.remaining())
                 sock.connect(sockaddr)
-                sock.settimeout(self.seconds)  # each later read: the watchdog bounds the whole
+                sock.settimeout(self.policy.timeout)  # each read: the watchdog bounds the whole
                 return sock
             except OSError as exc:
                 sock.close()
@@ -186,17 +214,28 @@ class _Deadline:
                     raise
         raise error or OSError(f"no address for {host}")
 
+    def _watch(self, sock: socket.socket | None) -> None:
+        if sock is None:
+            return
+        with self._lock:
+            self._sockets.append(sock)
+            expired = self.expired
+        if expired:
+            _shut(sock)
+
     def _expire(self) -> None:
         with self._lock:
             self.expired = True
-            connections = list(self._connections)
-        for conn in connections:
-            sock = conn.sock
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass  # already closed
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _shut(sock)
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed
 
 
 def _resolve(host: str, port: int, seconds: float) -> list[tuple[Any, ...]]:
@@ -214,54 +253,53 @@ def _resolve(host: str, port: int, seconds: float) -> list[tuple[Any, ...]]:
     def lookup() -> None:
         try:
             found.append(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM))
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - OSError, or IDNA's UnicodeError
             found.append(exc)
         done.set()
 
     threading.Thread(target=lookup, name="kvwarm-resolve", daemon=True).start()
     if not done.wait(seconds):
         raise TimeoutError(f"looking up {host} took over the fetch deadline")
-    if isinstance(found[0], OSError):
+    if isinstance(found[0], Exception):
         raise found[0]
     return found[0]
 
 
 class _HTTPHandler(urllib.request.HTTPHandler):
-    def __init__(self, deadline: _Deadline):
+    def __init__(self, guard: _Guard):
         super().__init__()
-        self._deadline = deadline
+        self._guard = guard
 
     def http_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
-        return self.do_open(self._deadline.connection(http.client.HTTPConnection), req)
+        return self.do_open(self._guard.connection(http.client.HTTPConnection), req)
 
 
 class _HTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, deadline: _Deadline):
+    def __init__(self, guard: _Guard):
         super().__init__()
-        self._deadline = deadline
+        self._guard = guard
         self._tls = ssl.create_default_context()
 
     def https_open(self, req: urllib.request.Request) -> http.client.HTTPResponse:
         return self.do_open(
-            self._deadline.connection(http.client.HTTPSConnection), req, context=self._tls
+            self._guard.connection(http.client.HTTPSConnection), req, context=self._tls
         )
 
 
 class _RedirectHandler(urllib.request.HTTPRedirectHandler):
-    """Follows a redirect only to http(s) (urllib would also take ftp:, outside
-    the deadline) and only to a host the policy allows."""
+    """Follows a redirect only to http(s): urllib would also take ftp:, outside
+    the guard. (Where a redirect may lead is checked when it connects.)"""
 
     max_redirections = 5
 
-    def __init__(self, policy: FetchPolicy, where: str):
+    def __init__(self, where: str):
         super().__init__()
-        self._policy = policy
         self._where = where
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):  # type: ignore[no-untyped-def]
         if urllib.parse.urlsplit(newurl).scheme.lower() not in ("http", "https"):
+            fp.close()  # the redirect's socket, else held until the cyclic GC
             raise APIError(
                 400, f"{self._where}: the URL redirects to {newurl[:200]}, not an http(s) URL."
             )
-        _check_host(newurl, self._policy, self._where)
         return super().redirect_request(req, fp, code, msg, headers, newurl)

@@ -195,7 +195,18 @@ def test_a_redirect_to_another_scheme_is_refused():
 
 
 @pytest.mark.parametrize(
-    "address", ["169.254.169.254", "fe80::1", "::ffff:169.254.169.254", "224.0.0.1", "0.0.0.0"]
+    "address",
+    [
+        "169.254.169.254",
+        "fe80::1",
+        "::ffff:169.254.169.254",
+        "2002:a9fe:a9fe::",  # 6to4 of 169.254.169.254
+        "64:ff9b::a9fe:a9fe",  # NAT64 of it
+        "fd00:ec2::254",  # AWS's metadata service over IPv6
+        "100.100.100.200",  # Alibaba Cloud's
+        "224.0.0.1",
+        "0.0.0.0",
+    ],
 )
 def test_link_local_multicast_and_unspecified_addresses_are_never_fetched(monkeypatch, address):
     """Checked on the address connected to: a harmless-looking name resolving to
@@ -212,6 +223,40 @@ def test_link_local_multicast_and_unspecified_addresses_are_never_fetched(monkey
         load_images([ImageSource(url="http://images.example.com/cat.png")], ImageLimits())
     assert err.value.status == 400 and "does not fetch from such addresses" in err.value.message
     assert connects == []
+
+
+def test_a_proxy_in_the_environment_is_not_used(monkeypatch):
+    """A proxy would connect wherever the URL says: the address checks would see
+    only the proxy's."""
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    with http_server(png()) as url:
+        ((image,),) = load_images([ImageSource(url=url)], ImageLimits())
+    assert image.image.size == (3, 2)
+
+
+@pytest.mark.parametrize("url", ["http://[::1/cat.png", "http://a..b.example/cat.png"])
+def test_a_malformed_url_or_host_name_is_a_400_at_once(url):
+    began = time.monotonic()
+    with pytest.raises(APIError) as err:
+        load_images([ImageSource(url=url)], ImageLimits(fetch_timeout=5))
+    assert err.value.status == 400 and "--fetch-timeout" not in err.value.message
+    assert time.monotonic() - began < 2.5
+
+
+def test_a_body_that_stalls_after_the_headers_is_cut_at_the_deadline():
+    """urllib lets go of the connection's socket once the headers are in: the
+    watchdog must still shut the one the body is read from. A read begun just
+    before the deadline would otherwise wait out a whole socket timeout more."""
+    with http_server(b"xxx", pause=1.8) as url:
+        began = time.monotonic()
+        with pytest.raises(APIError) as err:
+            load_images([ImageSource(url=url)], ImageLimits(fetch_timeout=2.0))
+        took = time.monotonic() - began
+    assert err.value.status == 400 and "--fetch-timeout" in err.value.message
+    assert took < 3.0  # not 1.8 + 2
 
 
 def test_a_name_lookup_that_hangs_is_cut_at_the_fetch_timeout(monkeypatch):
