@@ -10,6 +10,8 @@ prompt that fits the model's context needs that many.
 
 from __future__ import annotations
 
+import json
+import math
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -80,10 +82,37 @@ def parse_body(raw: bytes, model: type[M], context_length: int) -> M:
             code="body_too_complex",
         )
     try:
-        return model.model_validate_json(raw, context={"limits": limits})
+        parsed = model.model_validate_json(raw, context={"limits": limits})
     except ValidationError as exc:
         message, param = describe_errors(exc.errors())
         raise APIError(400, message, code="invalid_request", param=param) from exc
+    check_finite(raw)
+    return parsed
+
+
+def check_finite(raw: bytes) -> None:
+    """Refuse NaN, Infinity and numbers too large for a double anywhere in the
+    document. Typed fields refuse them already, but free-form values (metadata,
+    tool schemas, extra fields) would reach a response that echoes them, and
+    JSON cannot carry them: the reply would fail after the whole generation."""
+
+    def refuse(literal: str) -> None:
+        raise APIError(
+            400,
+            f"JSON numbers must be finite: the request holds {literal[:40]}.",
+            code="invalid_request",
+        )
+
+    def number(literal: str) -> float:
+        value = float(literal)
+        if math.isinf(value):
+            refuse(literal)
+        return value
+
+    try:
+        json.loads(raw, parse_constant=refuse, parse_float=number)
+    except (ValueError, RecursionError) as exc:  # what the validator let through: not expected
+        raise APIError(400, f"The request body is not JSON this server reads ({exc}).") from exc
 
 
 class Preparer:

@@ -89,7 +89,7 @@ def template_tool_calls(calls: Any) -> list[dict[str, Any]] | None:
         if isinstance(args, str):
             try:
                 fn["arguments"] = json.loads(args) if args.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
                 pass  # a template can still print the string
         out.append({**call, "type": call.get("type", "function"), "function": fn})
     return out

@@ -49,7 +49,7 @@ def canonical_tool_calls(tool_calls: Sequence[dict[str, Any]] | None) -> str:
         if isinstance(args, str):
             try:
                 args = json.loads(args)
-            except ValueError:
+            except (ValueError, RecursionError):  # compared as the string it is
                 pass
         out.append([fn.get("name"), args])
     return json.dumps(out, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

@@ -136,12 +136,11 @@ class ToolCallDecoder:
         for parser in self._parsers(markup, inner):
             try:
                 calls = _as_calls(parser(inner))
+                if markup is BARE_JSON and any(c["name"] not in self._schemas for c in calls):
+                    continue  # a JSON answer that merely looks like a call
+                return [self._finish(c) for c in calls]
             except Exception as exc:  # noqa: BLE001 - any model text must be survivable
                 log.debug("%s markup did not parse: %s", markup.kind, exc)
-                continue
-            if markup is BARE_JSON and any(c["name"] not in self._schemas for c in calls):
-                continue  # a JSON answer that merely looks like a call
-            return [self._finish(c) for c in calls]
         return None
 
     def _parsers(self, markup: Markup, inner: str):
@@ -163,7 +162,9 @@ class ToolCallDecoder:
     def _finish(self, call: dict[str, Any]) -> ToolCall:
         args = coerce_arguments(call["arguments"], self._schemas.get(call["name"], {}))
         call_id = call.get("id") if isinstance(call.get("id"), str) else None
-        return ToolCall(call["name"], json.dumps(args, ensure_ascii=False), call_id)
+        # NaN or Infinity is no JSON a client could parse: not a call, its text stays
+        arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
+        return ToolCall(call["name"], arguments, call_id)
 
 
 @dataclass(frozen=True)
@@ -190,5 +191,6 @@ def forced_opening(family: str | None, name: str | None) -> ForcedOpening:
     elif family == "minicpm5":
         markup, seed = MINICPM, f'"{name}">' if name else ""
     else:
-        markup, seed = TOOL_CALL_TAG, '\n{"name": "' + (f'{name}", "arguments": ' if name else "")
+        quoted = json.dumps(name)[1:-1] if name else ""  # names are checked; JSON all the same
+        markup, seed = TOOL_CALL_TAG, '\n{"name": "' + (f'{quoted}", "arguments": ' if name else "")
     return ForcedOpening(markup.start + seed, markup, seed)

@@ -60,7 +60,8 @@ def _types(schema: Any) -> set[str]:
         return {t for t in typ if isinstance(t, str)}
     found: set[str] = set()
     for key in ("anyOf", "oneOf"):
-        for sub in schema.get(key) or ():
+        subs = schema.get(key)
+        for sub in subs if isinstance(subs, list) else ():  # a client's schema: any shape
             found |= _types(sub)
     enum = schema.get("enum")
     if not found and isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
@@ -71,7 +72,10 @@ def _types(schema: Any) -> set[str]:
 def _number(text: str, integer_only: bool) -> int | float | None:
     text = text.strip()
     if _INT.fullmatch(text):
-        return int(text)
+        try:
+            return int(text)
+        except ValueError:  # past Python's digit limit for int(): as a float, infinite
+            return None
     if integer_only:
         try:
             value = float(text)
@@ -109,7 +113,7 @@ def coerce_value(value: Any, schema: Any) -> Any:
     if types & {"object", "array"}:
         try:
             decoded = json.loads(value, strict=False)
-        except ValueError:
+        except (ValueError, RecursionError):
             return value
         if isinstance(decoded, dict) and "object" in types:
             return decoded

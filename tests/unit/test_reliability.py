@@ -131,6 +131,50 @@ def test_good_requests_still_pass_through_every_envelope(base):
         assert r.status_code == 200, (path, r.text)
 
 
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
+@pytest.mark.parametrize(
+    "path, template",
+    [
+        (RESPONSES, '{"input": "hi", "max_output_tokens": 2, "metadata": {"foo": %s}}'),
+        (
+            RESPONSES,
+            '{"input": "hi", "max_output_tokens": 2, "tool_choice": {"type": "auto", "x": %s}}',
+        ),
+        (
+            CHAT,
+            '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": '
+            '[{"type": "function", "function": {"name": "f", "parameters": {"default": [%s]}}}]}',
+        ),
+        (
+            MESSAGES,
+            '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "x": {"y": %s}}',
+        ),
+    ],
+)
+def test_numbers_json_cannot_carry_are_refused_wherever_they_sit(base, path, template, literal):
+    """Free-form values (metadata, schemas, extra fields) would reach a reply that
+    echoes them: refused at the boundary, not a 500 after the whole generation."""
+    r = httpx.post(
+        base + path, content=template % literal, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400, r.text
+    assert "must be finite" in r.text and literal in r.text
+    assert httpx.get(base + "/health").status_code == 200
+
+
+def test_tool_call_arguments_nested_past_the_json_parsers_depth_are_passed_as_text(base):
+    deep = "[" * 5000 + "]" * 5000
+    r = httpx.post(base + CHAT, json=assistant_call({"name": "f", "arguments": deep}))
+    assert r.status_code == 200, r.text
+    items = [
+        {"role": "user", "content": "q"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": deep},
+        {"type": "function_call_output", "call_id": "c", "output": "r"},
+    ]
+    r = httpx.post(base + RESPONSES, json=responses(input=items))
+    assert r.status_code == 200, r.text
+
+
 def test_a_million_tiny_values_are_refused_before_parsing(base):
     body = (
         b'{"messages": ['

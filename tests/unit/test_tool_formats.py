@@ -7,7 +7,7 @@ import pytest
 
 from app.protocol.output_parser import Content, OutputParser, Reasoning, Syntax
 from app.protocol.thinking import resolve_thinking
-from app.protocol.tool_formats import ToolCall, ToolCallDecoder
+from app.protocol.tool_formats import ToolCall, ToolCallDecoder, forced_opening
 from app.protocol.tool_schema import coerce_value, function_tools
 
 TOOLS = function_tools(
@@ -197,10 +197,44 @@ def test_broken_markup_falls_back_to_content():
         ("7", {"anyOf": [{"type": "integer"}, {"type": "null"}]}, 7),
         ("a", {"enum": ["a", "b"]}, "a"),
         ("x", None, "x"),
+        # a client's schema of any shape, and values past the parsers' limits
+        ("7", {"anyOf": 5}, "7"),
+        ("7", {"oneOf": True, "anyOf": [{"type": "integer"}]}, 7),
+        ("9" * 5000, {"type": "integer"}, "9" * 5000),
+        ("[" * 5000 + "]" * 5000, {"type": "array"}, "[" * 5000 + "]" * 5000),
     ],
 )
 def test_values_decode_against_the_schema(value, schema, expected):
     assert coerce_value(value, schema) == expected
+
+
+def test_a_call_against_a_malformed_schema_still_decodes():
+    tools = function_tools(
+        [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "parameters": {"type": "object", "properties": {"city": {"anyOf": 5}}},
+                },
+            }
+        ]
+    )
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    parser = OutputParser(Syntax(), ToolCallDecoder(tools, "json_tools"))
+    assert parser.parse(text) == [ToolCall("get_weather", '{"city": "Oslo"}')]
+
+
+@pytest.mark.parametrize("args", ['{"x": NaN}', '{"x": 1e999}', '{"x": -Infinity}'])
+def test_a_call_whose_arguments_are_not_finite_json_stays_text(args):
+    """A client could not parse such arguments: the markup is passed on as text."""
+    text = f'<tool_call>\n{{"name": "run", "arguments": {args}}}\n</tool_call>'
+    assert parse(text, "json_tools") == [Content(text)]
+
+
+def test_a_forced_call_names_its_function_as_json():
+    opening = forced_opening(None, 'look"up')
+    assert opening.text.endswith('{"name": "look\\"up", "arguments": ')
 
 
 @pytest.mark.parametrize(
