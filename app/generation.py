@@ -73,6 +73,11 @@ class Outcome:
             if out.stats is not None:
                 self.cache = out.stats.cache
 
+    def fail(self, error: str) -> None:
+        """Ends the outcome as a failure of this request alone (an internal error)."""
+        self.finish_reason = FinishReason.ERROR
+        self.error, self.error_code = error, "engine_error"
+
     def add_event(self, event: Event) -> None:
         self.raw_events.append(event)
 
@@ -235,9 +240,16 @@ class Generation:
                 self._observe_itl(out)
                 self.outcome.add_output(out)
                 reasoning_before = parser.in_reasoning
-                events = parser.feed(out.text) if out.text else []
-                if out.finished:
-                    events += parser.finish(truncated=out.finish_reason == FinishReason.LENGTH)
+                try:
+                    events = parser.feed(out.text) if out.text else []
+                    if out.finished:
+                        events += parser.finish(truncated=out.finish_reason == FinishReason.LENGTH)
+                except Exception as exc:  # noqa: BLE001 - this reply fails alone, with an error event
+                    log.exception("%s: the reply could not be parsed", self.request_id)
+                    if not out.finished:
+                        self.state.service.cancel(self.request_id)
+                    self.outcome.fail(f"the reply could not be parsed: {type(exc).__name__}: {exc}")
+                    return
                 if reasoning_before or parser.in_reasoning:
                     # tokens read inside a think block, its tags included
                     self.outcome.reasoning_tokens += len(out.token_ids)

@@ -308,3 +308,31 @@ def test_allowed_hosts_and_cors_are_opt_in():
 def test_no_cors_headers_by_default(base):
     r = httpx.get(base + "/health", headers={"Origin": "http://evil.example"})
     assert "access-control-allow-origin" not in r.headers
+
+
+@pytest.mark.parametrize(
+    "path, body, ends",
+    [
+        (CHAT, chat(), "data: [DONE]"),
+        (MESSAGES, anthropic(), "event: error"),
+        (RESPONSES, responses(), "response.failed"),
+        (COMPLETIONS, completion(), "data: [DONE]"),
+    ],
+)
+def test_a_reply_whose_output_cannot_be_parsed_fails_alone_with_an_error(
+    base, monkeypatch, path, body, ends
+):
+    """A fault in the output parser (no known input causes one) ends that reply
+    with the dialect's error, streamed or not: never a cut connection."""
+
+    def broken(self, text):
+        raise RuntimeError("parser fault")
+
+    monkeypatch.setattr("app.protocol.output_parser.OutputParser.feed", broken)
+    r = httpx.post(base + path, json=body)
+    assert r.status_code == 500 and "could not be parsed" in r.text, r.text
+    r = httpx.post(base + path, json={**body, "stream": True})
+    assert "could not be parsed" in r.text and ends in r.text, r.text
+    monkeypatch.undo()
+    assert httpx.get(base + "/health").status_code == 200
+    assert httpx.post(base + path, json=body).status_code == 200
