@@ -79,8 +79,11 @@ class OutputParser:
         self._buf = ""
         self._markups: tuple[Markup, ...] = self.tools.markups if self.tools else ()
         self._tool: Markup | None = None
-        self._tool_text = ""
-        self._scanned = 0
+        # a call's markup so far, in pieces (joined once, at its end: += would copy
+        # it on every token), and the text an end tag split across tokens may start in
+        self._tool_parts: list[str] = []
+        self._tool_len = 0
+        self._tail = ""
         self._out: list[Event] = []
         self._truncated = False
         # the raw text minus tool-call markup that decoded: what the model wrote
@@ -111,7 +114,7 @@ class OutputParser:
     def open_tool(self, markup: Markup, seed: str) -> None:
         """Start inside a call whose opening the prompt already wrote (forced tool choice)."""
         self._start_tool(markup)
-        self._tool_text = seed
+        self._tool_parts, self._tool_len, self._tail = [seed], len(seed), seed
 
     def parse(self, text: str) -> list[Event]:
         """The whole text at once (non-streaming)."""
@@ -224,29 +227,32 @@ class OutputParser:
     def _start_tool(self, markup: Markup) -> None:
         self._mode = _Mode.TOOL
         self._tool = markup
-        self._tool_text = ""
-        self._scanned = 0
+        self._tool_parts, self._tool_len, self._tail = [], 0, ""
 
     def _tool_markup(self, final: bool) -> bool:
         markup = self._tool
         assert markup is not None
-        self._tool_text += self._buf
-        self._buf = ""
+        new, self._buf = self._buf, ""
         if markup.end:
-            # search only what is new (plus an overlap for a split end tag): linear time
-            i = self._tool_text.find(markup.end, max(0, self._scanned - len(markup.end) + 1))
+            # search only what is new, plus the tail an end tag split across tokens
+            # may begin in: linear time however long the call
+            window = self._tail + new
+            i = window.find(markup.end)
             if i >= 0:
-                rest = self._tool_text[i + len(markup.end) :]
-                self._close_tool(markup, self._tool_text[:i], markup.end)
-                self._buf = rest
+                cut = self._tool_len - len(self._tail) + i
+                text = "".join(self._tool_parts) + new
+                self._buf = text[cut + len(markup.end) :]
+                self._close_tool(markup, text[:cut], markup.end)
                 return True
-            self._scanned = len(self._tool_text)
+            self._tail = window[len(window) - len(markup.end) + 1 :]
+        self._tool_parts.append(new)
+        self._tool_len += len(new)
         if final and self._truncated:
             self._tool = None
-            self._emit(Content, markup.start + self._tool_text)
+            self._emit(Content, markup.start + "".join(self._tool_parts))
             self._mode = _Mode.CONTENT
         elif final:
-            self._close_tool(markup, self._tool_text, "")
+            self._close_tool(markup, "".join(self._tool_parts), "")
         return False
 
     def _close_tool(self, markup: Markup, inner: str, end: str) -> None:

@@ -157,9 +157,14 @@ def test_held_text_stays_bounded_on_long_streams():
         parser.feed("a<")
         assert parser.held <= LONGEST_TAG
     parser.feed("<tool_call>")
-    for _ in range(5000):  # a long withheld argument is scanned once, not per piece
+    for _ in range(5000):  # a long withheld argument is kept in pieces, scanned once
         parser.feed("x</tool_cal")
-    assert parser._scanned == len(parser._tool_text)  # noqa: SLF001
+        assert len(parser._tail) < len("</tool_call>")  # noqa: SLF001
+    assert len(parser._tool_parts) == 5001  # noqa: SLF001 - never joined per token
+    # an end tag split across pieces still closes the call, cut at the right place
+    assert parser.feed("l>") + parser.finish() == [
+        Content("<tool_call>" + "x</tool_cal" * 4999 + "x</tool_call>")
+    ]
 
 
 def test_text_around_calls_streams_and_whitespace_between_calls_is_dropped():
