@@ -187,14 +187,17 @@ def relocate_volatile_lines(contents: list[str | None], roles: list[str]) -> lis
         keep_from = 0
         kept: list[str] = []
         for span in spans:
-            line_start = content.rfind("\n", 0, span.start) + 1
+            if span.start < keep_from:  # on a line already moved
+                continue
+            # scans bounded by what is already done: each character examined at most
+            # twice however many spans share a line
+            newline = content.rfind("\n", keep_from, span.start)
+            line_start = keep_from if newline < 0 else newline + 1
             line_end = content.find("\n", max(span.end - 1, line_start))
             line_end = len(content) if line_end < 0 else line_end + 1
-            if line_start < keep_from:  # same line as the previous span
-                line_start = keep_from
             kept.append(content[keep_from:line_start])
             moved.append(content[line_start:line_end].rstrip("\n"))
-            keep_from = max(keep_from, line_end)
+            keep_from = line_end
         kept.append(content[keep_from:])
         out.append("".join(kept))
     if moved and out:

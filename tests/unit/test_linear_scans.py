@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.healing import visible_form
-from kvcache.volatile_rules import find_in_text
+from kvcache.volatile_rules import find_in_text, relocate_volatile_lines
 
 N = 200_000
 
@@ -40,6 +40,19 @@ class CountingText(str):
         lo = 0 if start is None else index(start)
         hi = len(self) if end is None else index(end)
         self.examined += (found + len(sub) if found >= 0 else hi) - lo
+        return found
+
+    def rfind(
+        self,
+        sub: str,
+        start: SupportsIndex | None = None,
+        end: SupportsIndex | None = None,
+        /,
+    ) -> int:
+        found = super().rfind(sub, start, end)
+        lo = 0 if start is None else index(start)
+        hi = len(self) if end is None else index(end)
+        self.examined += hi - (found if found >= 0 else lo)
         return found
 
 
@@ -93,3 +106,18 @@ def test_block_scans_stay_within_one_pass(text: str) -> None:
         counted = CountingText(text)
         scan(counted)
         assert counted.examined <= len(text)
+
+
+@pytest.mark.parametrize("unit", ["cch=1;", "cch=1;\n", "Current time: 2026-11-27 05:00:00 "])
+def test_relocating_volatile_lines_examines_each_character_at_most_three_times(
+    unit: str,
+) -> None:
+    """Many volatile spans on one long line: each span used to look for its line's
+    bounds from the start of the text (quadratic). Now: one pass to find the
+    spans, and each character at most twice for the lines' bounds."""
+    text = adversarial(unit)
+    assert find_in_text(text)
+    text.examined = 0
+    out = relocate_volatile_lines([text, "now"], ["user", "user"])
+    assert out[0] != text  # lines were moved
+    assert 0 < text.examined <= 3 * len(text)
