@@ -26,7 +26,7 @@ from app.anthropic_schemas import (
     ServerTool,
 )
 from app.body import parse_body
-from app.chat_pipeline import ChatCall, forced_tool, prepare_chat
+from app.chat_pipeline import ChatCall, choice_of, forced_tool, prepare_chat
 from app.content_parts import parts_content, parts_text
 from app.errors import APIError, anthropic_error_body
 from app.generation import Generation, Outcome
@@ -146,7 +146,7 @@ def tool_choice(value: AnthropicToolChoice | None, tools: list[dict[str, Any]]) 
         if not value or not value.name:
             raise APIError(400, "tool_choice of type tool needs a name.", param="tool_choice")
         return forced_tool(value.name, tools)
-    return ToolChoice({"auto": "auto", "any": "required", "none": "none"}[kind])
+    return choice_of({"auto": "auto", "any": "required", "none": "none"}[kind], tools)
 
 
 def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:

@@ -12,7 +12,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from app.request_fields import Envelope, EnvelopedSampling, StopString, bounded_list
-from app.schemas import MAX_NAME, MAX_PARTS, MAX_TOOLS, STRICT, MaxTokens, check_message_count
+from app.schemas import (
+    MAX_NAME,
+    MAX_PARTS,
+    MAX_TOOLS,
+    STRICT,
+    MaxTokens,
+    ToolName,
+    check_message_count,
+)
 
 
 class TextBlock(BaseModel):
@@ -87,7 +95,7 @@ class AnthropicMessage(BaseModel):
 class CustomTool(BaseModel):
     model_config = STRICT
     type: Literal["custom"] | None = None
-    name: str = Field(min_length=1, max_length=MAX_NAME)
+    name: ToolName
     description: str | None = None
     input_schema: dict[str, Any]
 
@@ -99,11 +107,18 @@ class ServerTool(BaseModel):
     type: str
     name: str | None = None
 
+    @field_validator("type")
+    @classmethod
+    def _not_custom(cls, value: str) -> str:
+        if value == "custom":  # a custom tool that failed its own checks: not ignorable
+            raise ValueError("a custom tool needs a valid name and input_schema")
+        return value
+
 
 class AnthropicToolChoice(BaseModel):
     model_config = STRICT
     type: Literal["auto", "any", "none", "tool"]
-    name: str | None = None
+    name: ToolName | None = None
     disable_parallel_tool_use: bool | None = None
 
 

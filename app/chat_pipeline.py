@@ -103,7 +103,7 @@ def parse_openai_tool_choice(value: Any, tools: list[dict[str, Any]]) -> ToolCho
     if isinstance(value, str):
         if value not in ("none", "auto", "required"):
             raise APIError(400, f"Unknown tool_choice {value!r}.", param="tool_choice")
-        return ToolChoice(value)
+        return choice_of(value, tools)
     if hasattr(value, "model_dump"):
         value = value.model_dump(exclude_none=True)
     if isinstance(value, Mapping):
@@ -112,10 +112,22 @@ def parse_openai_tool_choice(value: Any, tools: list[dict[str, Any]]) -> ToolCho
         if value.get("type") == "function" and isinstance(name, str):
             return forced_tool(name, tools)
         if value.get("type") in ("none", "auto", "required"):
-            return ToolChoice(value["type"])
+            return choice_of(value["type"], tools)
     raise APIError(
         400, "tool_choice must be none, auto, required or a function.", param="tool_choice"
     )
+
+
+def choice_of(mode: str, tools: list[dict[str, Any]]) -> ToolChoice:
+    """``mode`` (none, auto, required) for a request with ``tools``: a call cannot
+    be required when there is nothing to call."""
+    if mode == "required" and not tools:
+        raise APIError(
+            400,
+            "tool_choice requires a tool call, but the request has no function tools.",
+            param="tool_choice",
+        )
+    return ToolChoice(mode)
 
 
 def forced_tool(name: str, tools: list[dict[str, Any]]) -> ToolChoice:

@@ -4,10 +4,26 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Discriminator, Field, Tag, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from app.request_fields import Envelope, EnvelopedSampling, bounded_list
-from app.schemas import MAX_NAME, MAX_PARTS, MAX_TOOLS, STRICT, MaxTokens, check_message_count
+from app.schemas import (
+    MAX_NAME,
+    MAX_PARTS,
+    MAX_TOOLS,
+    STRICT,
+    MaxTokens,
+    ToolName,
+    check_message_count,
+)
 
 
 class InputPart(BaseModel):
@@ -83,16 +99,22 @@ class ResponsesTool(BaseModel):
 
     model_config = STRICT
     type: str
-    name: str | None = Field(None, min_length=1, max_length=MAX_NAME)
+    name: ToolName | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _function_has_a_name(self) -> ResponsesTool:
+        if self.type == "function" and self.name is None:
+            raise ValueError("a function tool needs a name")
+        return self
 
 
 class ResponsesToolChoice(BaseModel):
     model_config = STRICT
     type: str
-    name: str | None = None
+    name: ToolName | None = None
 
 
 class ReasoningConfig(BaseModel):

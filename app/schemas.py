@@ -28,6 +28,10 @@ MAX_PARTS = 4096  # content parts in one message
 MAX_CALLS = 1024  # tool calls in one assistant message
 MAX_NAME = 256
 MaxTokens = Annotated[int, Field(ge=1, le=2**31 - 1)]
+# a tool's name as it is written into prompts and forced-call openings: what
+# OpenAI and Anthropic accept ([A-Za-z0-9_-]), plus the dots and colons of
+# namespaced (MCP-style) names; never quotes, spaces or markup
+ToolName = Annotated[str, Field(min_length=1, max_length=MAX_NAME, pattern=r"^[A-Za-z0-9_.:-]+$")]
 
 
 def check_message_count(value: Any, info: ValidationInfo, what: str = "messages") -> Any:
@@ -133,7 +137,7 @@ class ChatMessage(BaseModel):
 
 class FunctionDef(BaseModel):
     model_config = STRICT
-    name: str = Field(min_length=1, max_length=MAX_NAME)
+    name: ToolName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -155,14 +159,14 @@ class ChatTool(BaseModel):
 
 class NamedFunction(BaseModel):
     model_config = STRICT
-    name: str
+    name: ToolName
 
 
 class ToolChoiceObject(BaseModel):
     model_config = STRICT
     type: str = "function"
     function: NamedFunction | None = None
-    name: str | None = None  # Responses puts it at the top level
+    name: ToolName | None = None  # Responses puts it at the top level
 
 
 class StreamOptions(BaseModel):

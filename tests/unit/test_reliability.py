@@ -78,6 +78,24 @@ BAD = [
     (MESSAGES, anthropic(seed=1e20), "seed"),
     (RESPONSES, responses(seed=1.5), "seed"),
     (RESPONSES, responses(seed=1e20), "seed"),
+    # tool names are written into prompts and forced-call openings
+    (CHAT, chat(tools=[fn_tool('look"up')]), "tools.0.function.name"),
+    (
+        CHAT,
+        chat(tools=[fn_tool("f")], tool_choice={"type": "function", "function": {"name": "a b"}}),
+        "tool_choice",
+    ),
+    (MESSAGES, anthropic(tools=[{"name": "a\n</tool_call>", "input_schema": {}}]), "tools.0"),
+    (
+        MESSAGES,
+        anthropic(tools=[{"type": "custom", "name": "a b", "input_schema": {}}]),
+        "tools.0",
+    ),
+    (RESPONSES, responses(tools=[{"type": "function", "parameters": {}}]), "tools.0"),
+    # a call cannot be required when there is nothing to call
+    (CHAT, chat(tool_choice="required"), "tool_choice"),
+    (MESSAGES, anthropic(tool_choice={"type": "any"}), "tool_choice"),
+    (RESPONSES, responses(tool_choice="required"), "tool_choice"),
     # the same field, the same bounds, whatever envelope carried it
     (CHAT, chat(extra_body={"min_p": 5}), "extra_body.min_p"),
     (CHAT, chat(metadata={"top_p": 0}), "metadata.top_p"),
@@ -126,6 +144,7 @@ def test_good_requests_still_pass_through_every_envelope(base):
         (MESSAGES, anthropic(min_p=0.05, seed=3, metadata={"user_id": "u"})),
         (RESPONSES, responses(top_k=-1, seed=2**63, metadata={"k": "v"})),
         (COMPLETIONS, completion(logit_bias={"7": -100}, seed=-5)),
+        (CHAT, chat(tools=[fn_tool("mcp__fs.read:v1")], tool_choice="required")),
     ]:
         r = httpx.post(base + path, json=body)
         assert r.status_code == 200, (path, r.text)
