@@ -158,6 +158,12 @@ READ_EXTRAS = frozenset(
 
 
 def ignored_fields(body: BaseModel) -> tuple[str, ...]:
-    """Top-level fields the client sent that nothing acts on (adapter,
-    response_format, ...): said in a response header and the log, never silent."""
-    return tuple(sorted(k for k in body.model_extra or {} if k not in READ_EXTRAS))
+    """Fields the client sent that nothing acts on (response_format, ...; inside
+    ``extra_body`` too, where only sampling, cache and thinking fields are read):
+    said in a response header and the log, never silent. ``metadata`` is the
+    client's own free-form record, not reported."""
+    ignored = [k for k in body.model_extra or {} if k not in READ_EXTRAS]
+    envelope = getattr(body, "extra_body", None)
+    if isinstance(envelope, BaseModel):
+        ignored += [f"extra_body.{k}" for k in envelope.model_extra or {} if k not in READ_EXTRAS]
+    return tuple(sorted(ignored))

@@ -215,6 +215,13 @@ def test_unknown_fields_are_reported_not_silently_dropped(base, caplog):
     assert r.status_code == 200
     # enable_thinking, kv_bits are read
     assert r.headers["x-kvwarm-ignored-fields"] == "guided_json"
+    # inside extra_body only sampling, cache and thinking fields are read
+    r = httpx.post(
+        base + CHAT,
+        json=chat(extra_body={"max_tokens": 1, "top_k": 5, "reasoning_effort": "none"}),
+    )
+    assert r.status_code == 200
+    assert r.headers["x-kvwarm-ignored-fields"] == "extra_body.max_tokens"
     with httpx.stream("POST", base + MESSAGES, json=anthropic(stream=True, top_a=8)) as s:
         assert s.headers["x-kvwarm-ignored-fields"] == "top_a"
 
