@@ -84,7 +84,7 @@ def parse_body(raw: bytes, model: type[M], context_length: int) -> M:
     try:
         parsed = model.model_validate_json(raw, context={"limits": limits})
     except ValidationError as exc:
-        message, param = describe_errors(exc.errors())
+        message, param = describe_errors(exc.errors(), raw)
         raise APIError(400, message, code="invalid_request", param=param) from exc
     check_finite(raw)
     return parsed

@@ -58,6 +58,7 @@ class ChatCall:
     use_kv_cache: bool = True  # false: neither reuse nor store KV for this request
     kv_bits: int | None = None  # store (and reuse) this request's KV at this precision
     adapter: str | None = None  # a mounted LoRA adapter's id; None: the base model
+    messages_field: str = "messages"  # what the dialect calls them, for errors (Responses: input)
 
 
 @dataclass
@@ -194,7 +195,11 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
     settings = state.settings
     adapter = state.adapter(call.adapter, call.fields.get("model"))
     if not call.messages:
-        raise APIError(400, "The request has no messages.", param="messages")
+        raise APIError(
+            400,
+            f"The request has no messages (in {call.messages_field}).",
+            param=call.messages_field,
+        )
     default = settings.thinking == "on" if call.thinking_default is None else call.thinking_default
     thinking = resolve_thinking(call.fields, default)
     kwargs = _template_kwargs(call, info.syntax, thinking)

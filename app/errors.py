@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -107,21 +108,56 @@ def _loc_part(part: Any) -> str | None:
     return None
 
 
-def describe_errors(errors: Sequence[Any]) -> tuple[str, str | None]:
-    """A validation failure as one message naming the field, and that field."""
+_ABSENT = object()
+
+
+def client_path(loc: Sequence[Any], document: Any = _ABSENT) -> list[str]:
+    """``loc`` as a path in the client's own document. pydantic's locations also
+    name the union branch tried ("str", "CustomTool", a discriminator's value):
+    walked along the document, a step that is no key or index of it is such a
+    tag, unless it is the last (the name of a missing field)."""
+    if document is _ABSENT:
+        return [p for p in map(_loc_part, loc) if p is not None]
+    path: list[str] = []
+    node = document
+    for i, part in enumerate(loc):
+        if isinstance(node, dict) and isinstance(part, str) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif i == len(loc) - 1 and isinstance(node, dict) and isinstance(part, str):
+            pass  # a missing field: named where it belongs
+        else:
+            continue  # a branch tag
+        path.append(str(part))
+    return path
+
+
+def describe_errors(errors: Sequence[Any], body: bytes | None = None) -> tuple[str, str | None]:
+    """A validation failure as one message naming the field, and that field.
+    Given the JSON ``body``, the error named is the one deepest in it: of a
+    union's failed branches, the one closest to what the client wrote."""
     if not errors:
         return "Invalid request body.", None
     first = errors[0]
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", "") or first.get("msg", "")
         return f"Request body is not valid JSON: {detail}".strip(), None
-    loc = [p for p in map(_loc_part, first.get("loc", ())) if p is not None]
-    param = ".".join(loc) or None
+    document = _ABSENT
+    if body is not None:
+        try:
+            document = json.loads(body)  # parsed again only on this failure path
+        except (ValueError, RecursionError):
+            pass
+    paths = [client_path(e.get("loc", ()), document) for e in errors]
+    deepest = max(range(len(errors)), key=lambda i: len(paths[i])) if document is not _ABSENT else 0
+    chosen = errors[deepest]
+    param = ".".join(paths[deepest]) or None
     where = f" at '{param}'" if param else ""
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
-    value = first.get("input")
+    value = chosen.get("input")
     got = f" (got {value!r:.60})" if isinstance(value, (str, int, float, bool)) else ""
-    return f"Invalid request{where}: {first.get('msg', 'invalid value')}{got}{more}", param
+    return f"Invalid request{where}: {chosen.get('msg', 'invalid value')}{got}{more}", param
 
 
 _STATUS_TYPES = {

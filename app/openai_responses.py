@@ -241,6 +241,7 @@ def _prepare_call(body: ResponsesRequest, history: list[dict[str, Any]], state: 
         kv_bits=body.kv_bits_requested(),
         adapter=body.adapter_requested(),
         ignored=ignored_fields(body),
+        messages_field="input",
     )
     return conversation, prepare_chat(call, state, headers)
 

@@ -96,6 +96,16 @@ BAD = [
     (CHAT, chat(tool_choice="required"), "tool_choice"),
     (MESSAGES, anthropic(tool_choice={"type": "any"}), "tool_choice"),
     (RESPONSES, responses(tool_choice="required"), "tool_choice"),
+    # a failed field named as the client wrote it, not by the union branch pydantic tried
+    (
+        CHAT,
+        chat(messages=[{"role": "user", "content": [{"type": "text"}]}]),
+        "messages.0.content.0.text",
+    ),
+    (CHAT, chat(stop=[1]), "stop.0"),
+    (RESPONSES, responses(input=[{}]), "input.0.content"),
+    (MESSAGES, anthropic(tools=[{"name": "", "input_schema": {}}]), "tools.0.name"),
+    (RESPONSES, responses(input=[{"type": "reasoning", "summary": []}]), "input"),
     # the same field, the same bounds, whatever envelope carried it
     (CHAT, chat(extra_body={"min_p": 5}), "extra_body.min_p"),
     (CHAT, chat(metadata={"top_p": 0}), "metadata.top_p"),
