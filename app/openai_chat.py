@@ -58,6 +58,8 @@ def template_message(message: ChatMessage, index: int) -> dict[str, Any]:
 
 
 def chat_call(body: ChatCompletionRequest) -> ChatCall:
+    if body.logprobs or body.top_logprobs:  # as /v1/completions: refused, never a silent null
+        raise APIError(400, "logprobs are not supported yet.", param="logprobs")
     tools = function_tools([t.model_dump(exclude_none=True) for t in body.tools or ()])
     return ChatCall(
         messages=[template_message(m, i) for i, m in enumerate(body.messages)],

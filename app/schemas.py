@@ -204,6 +204,8 @@ class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: bounded_list(ChatTool, MAX_TOOLS) | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
+    logprobs: bool | None = Field(None, description="not supported (400 when true)")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="not supported (400 above 0)")
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -96,6 +96,10 @@ BAD = [
     (CHAT, chat(tool_choice="required"), "tool_choice"),
     (MESSAGES, anthropic(tool_choice={"type": "any"}), "tool_choice"),
     (RESPONSES, responses(tool_choice="required"), "tool_choice"),
+    # chat's logprobs: typed, bounded, and refused like completions' (not a silent null)
+    (CHAT, chat(logprobs="x"), "logprobs"),
+    (CHAT, chat(top_logprobs=50), "top_logprobs"),
+    (CHAT, chat(logprobs=True), "logprobs"),
     # a failed field named as the client wrote it, not by the union branch pydantic tried
     (
         CHAT,
@@ -155,6 +159,7 @@ def test_good_requests_still_pass_through_every_envelope(base):
         (RESPONSES, responses(top_k=-1, seed=2**63, metadata={"k": "v"})),
         (COMPLETIONS, completion(logit_bias={"7": -100}, seed=-5)),
         (CHAT, chat(tools=[fn_tool("mcp__fs.read:v1")], tool_choice="required")),
+        (CHAT, chat(logprobs=False, top_logprobs=0)),
     ]:
         r = httpx.post(base + path, json=body)
         assert r.status_code == 200, (path, r.text)
