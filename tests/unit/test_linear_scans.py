@@ -20,7 +20,7 @@ N = 200_000
 
 
 class CountingText(str):
-    """A str that tallies the characters its ``find`` calls examine."""
+    """A str that tallies the characters its ``find`` and ``rfind`` calls examine."""
 
     examined: int
 
@@ -29,30 +29,19 @@ class CountingText(str):
         self.examined = 0
         return self
 
-    def find(
-        self,
-        sub: str,
-        start: SupportsIndex | None = None,
-        end: SupportsIndex | None = None,
-        /,
-    ) -> int:
+    def _bounds(self, start: SupportsIndex | None, end: SupportsIndex | None) -> tuple[int, int]:
+        return (0 if start is None else index(start)), (len(self) if end is None else index(end))
+
+    def find(self, sub: str, start: SupportsIndex | None = None, end=None, /) -> int:
         found = super().find(sub, start, end)
-        lo = 0 if start is None else index(start)
-        hi = len(self) if end is None else index(end)
-        self.examined += (found + len(sub) if found >= 0 else hi) - lo
+        lo, hi = self._bounds(start, end)
+        self.examined += (found + len(sub) if found >= 0 else hi) - lo  # forwards from lo
         return found
 
-    def rfind(
-        self,
-        sub: str,
-        start: SupportsIndex | None = None,
-        end: SupportsIndex | None = None,
-        /,
-    ) -> int:
+    def rfind(self, sub: str, start: SupportsIndex | None = None, end=None, /) -> int:
         found = super().rfind(sub, start, end)
-        lo = 0 if start is None else index(start)
-        hi = len(self) if end is None else index(end)
-        self.examined += hi - (found if found >= 0 else lo)
+        lo, hi = self._bounds(start, end)
+        self.examined += hi - (found if found >= 0 else lo)  # backwards from hi
         return found
 
 
