@@ -187,12 +187,15 @@ def relocate_volatile_lines(contents: list[str | None], roles: list[str]) -> lis
         keep_from = 0
         kept: list[str] = []
         for span in spans:
-            if span.start < keep_from:  # on a line already moved
+            if span.end <= keep_from:  # wholly on lines already moved
                 continue
-            # scans bounded by what is already done: each character examined at most
-            # twice however many spans share a line
-            newline = content.rfind("\n", keep_from, span.start)
-            line_start = keep_from if newline < 0 else newline + 1
+            if span.start < keep_from:  # starts on a moved line and runs past it
+                line_start = keep_from
+            else:
+                # scans bounded by what is already done: each character examined at
+                # most twice however many spans share a line
+                newline = content.rfind("\n", keep_from, span.start)
+                line_start = keep_from if newline < 0 else newline + 1
             line_end = content.find("\n", max(span.end - 1, line_start))
             line_end = len(content) if line_end < 0 else line_end + 1
             kept.append(content[keep_from:line_start])

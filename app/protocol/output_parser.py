@@ -244,7 +244,7 @@ class OutputParser:
                 self._buf = text[cut + len(markup.end) :]
                 self._close_tool(markup, text[:cut], markup.end)
                 return True
-            self._tail = window[len(window) - len(markup.end) + 1 :]
+            self._tail = window[max(0, len(window) - len(markup.end) + 1) :]
         self._tool_parts.append(new)
         self._tool_len += len(new)
         if final and self._truncated:

@@ -83,6 +83,25 @@ def test_any_chunking_gives_the_whole_text_result(text, cuts, with_tools, in_rea
 
 @settings(max_examples=300, deadline=None)
 @given(
+    st.sampled_from(MARKED),
+    st.sampled_from(["", "get_weather", '{"name": "get_weather", "arguments": {}}']),
+    st.lists(st.integers(1, 4), min_size=1, max_size=40),
+)
+def test_an_end_tag_fed_in_small_pieces_closes_a_short_call(markup, inner, sizes):
+    """Tiny feeds right after the opening: the end tag can begin in text fed
+    before the tail that is searched again is as long as the tag."""
+    text = markup.start + inner + markup.end + " done"
+    whole = _parser(True, False).parse(text)
+    parser, pieces, at = _parser(True, False), [], 0
+    for size in sizes * (len(text) // sum(sizes) + 1):
+        pieces.append(text[at : at + size])
+        at += size
+    events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
+    assert merge(events) == whole
+
+
+@settings(max_examples=300, deadline=None)
+@given(
     st.text(alphabet=st.characters(blacklist_characters="<"), max_size=30),
     st.text(alphabet=st.characters(blacklist_characters="<"), max_size=30),
     st.lists(st.integers(0, 80), max_size=20),

@@ -172,3 +172,15 @@ def test_a_block_finds_what_its_lazy_regex_finds(
     )
     found = Block(open_tag, close_tag, trailer)(text)
     assert list(found) == [m.span() for m in lazy.finditer(text)]
+
+
+def test_relocate_moves_all_of_a_block_that_starts_on_a_moved_line():
+    """A multi-line span (a system reminder) beginning on a line already moved for
+    another span: the rest of it moves too, no half block left in the prefix."""
+    first = (
+        "[message_id: 8812] <system-reminder>\nThe user opened foo.py\n</system-reminder>\n"
+        "You are a helpful agent.\n"
+    )
+    out = relocate_volatile_lines([first, "hi"], ["user", "user"])
+    assert out[0] == "You are a helpful agent.\n"
+    assert "The user opened foo.py" in (out[1] or "") and "</system-reminder>" in (out[1] or "")
