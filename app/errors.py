@@ -111,26 +111,38 @@ def _loc_part(part: Any) -> str | None:
 _ABSENT = object()
 
 
-def client_path(loc: Sequence[Any], document: Any = _ABSENT) -> list[str]:
+def client_path(loc: Sequence[Any], document: Any = _ABSENT, missing: bool = False) -> list[str]:
     """``loc`` as a path in the client's own document. pydantic's locations also
     name the union branch tried ("str", "CustomTool", a discriminator's value):
     walked along the document, a step that is no key or index of it is such a
-    tag, unless it is the last (the name of a missing field)."""
+    tag, unless it is the last step of a ``missing`` error (the field that is
+    absent)."""
     if document is _ABSENT:
         return [p for p in map(_loc_part, loc) if p is not None]
     path: list[str] = []
     node = document
     for i, part in enumerate(loc):
-        if isinstance(node, dict) and isinstance(part, str) and part in node:
-            node = node[part]
+        last = i == len(loc) - 1
+        if isinstance(node, dict) and isinstance(part, str):
+            if not last and part == node.get("type") and _is_tag(node, part, loc[i + 1]):
+                continue  # a tagged union's branch that is also a key ("text": ...)
+            if part in node:
+                node = node[part]
+            elif not (last and missing):
+                continue  # a branch tag
         elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
             node = node[part]
-        elif i == len(loc) - 1 and isinstance(node, dict) and isinstance(part, str):
-            pass  # a missing field: named where it belongs
         else:
             continue  # a branch tag
         path.append(str(part))
     return path
+
+
+def _is_tag(node: dict[str, Any], part: str, following: Any) -> bool:
+    """``part``, the object's own type and also one of its keys, is its tagged
+    union's branch when the next step is a key here rather than inside it."""
+    inner = node.get(part)
+    return following in node and not (isinstance(inner, dict) and following in inner)
 
 
 def describe_errors(errors: Sequence[Any], body: bytes | None = None) -> tuple[str, str | None]:
@@ -149,8 +161,16 @@ def describe_errors(errors: Sequence[Any], body: bytes | None = None) -> tuple[s
             document = json.loads(body)  # parsed again only on this failure path
         except (ValueError, RecursionError):
             pass
-    paths = [client_path(e.get("loc", ()), document) for e in errors]
-    deepest = max(range(len(errors)), key=lambda i: len(paths[i])) if document is not _ABSENT else 0
+    paths = [client_path(e.get("loc", ()), document, e.get("type") == "missing") for e in errors]
+    # deepest first; on a tie, a broken bound over a branch of the wrong type
+    deepest = (
+        max(
+            range(len(errors)),
+            key=lambda i: (len(paths[i]), not str(errors[i].get("type", "")).endswith("_type")),
+        )
+        if document is not _ABSENT
+        else 0
+    )
     chosen = errors[deepest]
     param = ".".join(paths[deepest]) or None
     where = f" at '{param}'" if param else ""

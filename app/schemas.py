@@ -29,9 +29,9 @@ MAX_CALLS = 1024  # tool calls in one assistant message
 MAX_NAME = 256
 MaxTokens = Annotated[int, Field(ge=1, le=2**31 - 1)]
 # a tool's name as it is written into prompts and forced-call openings: what
-# OpenAI and Anthropic accept ([A-Za-z0-9_-]), plus the dots and colons of
-# namespaced (MCP-style) names; never quotes, spaces or markup
-ToolName = Annotated[str, Field(min_length=1, max_length=MAX_NAME, pattern=r"^[A-Za-z0-9_.:-]+$")]
+# OpenAI and Anthropic accept ([A-Za-z0-9_-]), plus the dots, colons and slashes
+# of namespaced MCP names (SEP-986); never quotes, spaces or markup
+ToolName = Annotated[str, Field(min_length=1, max_length=MAX_NAME, pattern=r"^[A-Za-z0-9_.:/-]+$")]
 
 
 def check_message_count(value: Any, info: ValidationInfo, what: str = "messages") -> Any:

@@ -152,6 +152,37 @@ def test_bad_fields_are_400_naming_the_field(base, path, body, param):
     assert httpx.get(base + "/health").status_code == 200
 
 
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (
+            CHAT,
+            chat(messages=[{"role": "user", "content": {"type": "text"}}]),
+            "messages.0.content",
+        ),
+        (
+            CHAT,
+            chat(messages=[{"role": "user", "content": [{"type": "text", "text": {"v": 1}}]}]),
+            "messages.0.content.0.text",
+        ),
+        (CHAT, chat(tool_choice={"type": 5}), "tool_choice.type"),
+        (CHAT, chat(tools=[fn_tool("a b")]), "tools.0.function.name"),
+        (RESPONSES, responses(input={"x": 1}), "input"),
+        (RESPONSES, responses(input=[]), "input"),
+        (MESSAGES, anthropic(system={"x": 1}), "system"),
+    ],
+)
+def test_the_field_named_is_the_one_the_client_wrote(base, path, body, param):
+    """pydantic's locations name the union branches it tried ('content.str',
+    'tool_choice.literal[...]'); the error names the client's own field."""
+    r = httpx.post(base + path, json=body)
+    assert r.status_code == 400, r.text
+    if path == MESSAGES:
+        assert f"'{param}'" in r.json()["error"]["message"]
+    else:
+        assert r.json()["error"]["param"] == param
+
+
 def test_good_requests_still_pass_through_every_envelope(base):
     for path, body in [
         (CHAT, chat(extra_body={"min_p": 0.1, "top_k": 20}, metadata={"session_id": "s"})),
@@ -160,6 +191,7 @@ def test_good_requests_still_pass_through_every_envelope(base):
         (COMPLETIONS, completion(logit_bias={"7": -100}, seed=-5)),
         (CHAT, chat(tools=[fn_tool("mcp__fs.read:v1")], tool_choice="required")),
         (CHAT, chat(logprobs=False, top_logprobs=0)),
+        (CHAT, chat(tools=[fn_tool("user-profile/update")])),  # an MCP name (SEP-986)
     ]:
         r = httpx.post(base + path, json=body)
         assert r.status_code == 200, (path, r.text)
