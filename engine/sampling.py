@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -18,6 +20,27 @@ from engine.row_faults import FaultLedger, GuardedSampler
 from scheduler.request import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
+# mlx-lm compiles its sampling steps with these values as constants: each distinct
+# value is a fresh compile on the engine thread (0.6-0.9 s on the CPU backend, every
+# agent's step waiting) and a compiled function kept for good. Clients' values are
+# used to 0.01, so at most a few hundred of them can ever exist.
+SAMPLING_STEP_DECIMALS = 2
+SHARED_SAMPLERS = 64  # unseeded samplers kept for sharing, least recently used dropped
+
+
+def compiled_values(params: SamplingParams) -> SamplingParams:
+    """``params`` with temperature, top_p and min_p rounded to 0.01; a nonzero
+    temperature or top_p never rounds to 0 (which would mean greedy or no filter)."""
+
+    def rounded(value: float, floor: float) -> float:
+        return max(floor, round(value, SAMPLING_STEP_DECIMALS)) if value > 0 else value
+
+    return replace(
+        params,
+        temperature=rounded(params.temperature, 0.01),
+        top_p=rounded(params.top_p, 0.01),
+        min_p=rounded(params.min_p, 0.0),
+    )
 
 
 class SamplerFactory:
@@ -33,12 +56,13 @@ class SamplerFactory:
     def __init__(self, vocab_size: int, ledger: FaultLedger | None = None):
         self.vocab_size = vocab_size
         self.ledger = ledger if ledger is not None else FaultLedger()
-        self._shared: dict[tuple, GuardedSampler] = {}
+        self._shared: OrderedDict[tuple, GuardedSampler] = OrderedDict()
 
     def _top_k(self, params: SamplingParams) -> int:
         return params.top_k if 0 < params.top_k < self.vocab_size else 0
 
     def sampler(self, params: SamplingParams) -> GuardedSampler:
+        params = compiled_values(params)
         if params.seed is not None and not params.greedy:
             return GuardedSampler(_seeded_sampler(params, self._top_k(params)), self.ledger)
         key = (
@@ -46,9 +70,13 @@ class SamplerFactory:
             if params.greedy
             else (params.temperature, params.top_p, params.min_p, self._top_k(params))
         )
-        if key not in self._shared:
-            self._shared[key] = GuardedSampler(self._make(params), self.ledger)
-        return self._shared[key]
+        shared = self._shared.get(key)
+        if shared is None:
+            shared = self._shared[key] = GuardedSampler(self._make(params), self.ledger)
+            if len(self._shared) > SHARED_SAMPLERS:
+                self._shared.popitem(last=False)  # rows holding it keep it
+        self._shared.move_to_end(key)
+        return shared
 
     def _make(self, params: SamplingParams) -> Sampler:
         if params.greedy:
