@@ -71,12 +71,15 @@ class Prepared:
 
     @property
     def headers(self) -> dict[str, str]:
-        if not self.ignored:
-            return {}
-        # client-chosen names: escaped to ASCII (a header is latin-1) and bounded
-        shown = [n.encode("unicode_escape").decode("ascii")[:64] for n in self.ignored[:16]]
-        more = f", and {len(self.ignored) - 16} more" if len(self.ignored) > 16 else ""
-        return {"X-Kvwarm-Ignored-Fields": ", ".join(shown) + more}
+        return {"X-Kvwarm-Ignored-Fields": shown_names(self.ignored)} if self.ignored else {}
+
+
+def shown_names(names: tuple[str, ...]) -> str:
+    """Client-chosen field names for a header or a log line: escaped to ASCII (a
+    header is latin-1; a newline would forge a log line) and bounded."""
+    shown = [n.encode("unicode_escape").decode("ascii")[:64] for n in names[:16]]
+    more = f", and {len(names) - 16} more" if len(names) > 16 else ""
+    return ", ".join(shown) + more
 
 
 def template_tool_calls(calls: Any) -> list[dict[str, Any]] | None:
@@ -238,5 +241,5 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
         images=image_inputs,
     )
     if call.ignored:
-        log.info("%s: ignored fields: %s", request.request_id, ", ".join(call.ignored))
+        log.info("%s: ignored fields: %s", request.request_id, shown_names(call.ignored))
     return Prepared(request, parser, context_of(messages[-1]), call.ignored, session)

@@ -38,7 +38,8 @@ def plain_line(rec: RequestRecord) -> str:
         f"completion={rec.completion_tokens} queue={secs('queue_s')} prefill={secs('prefill_s')} "
         f"decode={secs('decode_s')} ttft={secs('ttft_s')} total={rec.e2e_s:.2f}s "
         f"({f['tokens_per_s']:.1f} tok/s) finish={rec.finish} tool_calls={rec.tool_calls} "
-        f"cache={cache} session={rec.session or '-'}"
+        # a client-chosen id: escaped, so a newline in it cannot forge a log line
+        f"cache={cache} session={(rec.session or '-').encode('unicode_escape').decode('ascii')}"
         + (f" adapter={rec.adapter}" if rec.adapter else "")
     )
 

@@ -273,6 +273,21 @@ def test_unknown_fields_are_reported_not_silently_dropped(base, caplog):
         assert s.headers["x-kvwarm-ignored-fields"] == "top_a"
 
 
+def test_client_chosen_names_reach_the_log_escaped_and_bounded(base, caplog):
+    """20,000 unknown keys made a 1.2 MB log line; a newline in a key or a session
+    id forged a line of its own."""
+    extra = {f"k{i}": 1 for i in range(20_000)}
+    extra["evil\nkvwarm.request INFO forged"] = 1
+    with caplog.at_level(logging.INFO):
+        r = httpx.post(base + CHAT, json=chat(session_id="s\nFORGED line", **extra))
+    assert r.status_code == 200
+    ignored = [m for m in caplog.messages if "ignored fields" in m]
+    assert ignored and all(len(m) < 2000 and "\n" not in m for m in ignored)
+    done = [m for m in caplog.messages if " done: " in m]
+    assert done and all("\n" not in m for m in done)
+    assert any("session=s\\nFORGED" in m for m in done)
+
+
 def test_preparation_runs_off_the_event_loop():
     """While one request's preparation is stuck, /health and other requests answer."""
     release = threading.Event()
