@@ -34,6 +34,8 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "cache_trace_dir": {"metavar": "DIR"},
     "api_key": {"metavar": "KEY"},
     "max_body_bytes": {"metavar": "SIZE"},
+    "max_bodies_bytes": {"metavar": "SIZE"},
+    "body_timeout": {"type": float, "metavar": "SECONDS"},
     "prompt_cache_bytes": {"metavar": "SIZE"},
     "prompt_cache_ttl": {"type": float, "metavar": "SECONDS"},
     "cache_block_size": {"type": int, "metavar": "N"},

@@ -6,13 +6,14 @@ and counts bytes of chunked bodies as they arrive).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import error_payload
+from app.errors import APIError, error_payload
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # Prometheus scrapes without a key, as with vLLM
 
@@ -59,9 +60,18 @@ class ApiKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int):
+    """Bounds request bodies: each one's size (413), all of them held at once
+    (503 beyond ``max_in_flight`` bytes: a client could otherwise open many
+    connections that each send most of a 32 MiB body, and hold it), and the wait
+    for each next chunk (408 after ``idle_timeout`` s: a body that stops coming
+    would hold its bytes for ever)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, max_in_flight: int, idle_timeout: float):
         self.app = app
         self.max_bytes = max_bytes
+        self.max_in_flight = max_in_flight
+        self.idle_timeout = idle_timeout
+        self.in_flight = 0  # body bytes of requests still being served (one event loop)
 
     def _message(self) -> str:
         return f"Request body exceeds the limit of {self.max_bytes} bytes (--max-body-bytes)."
@@ -76,16 +86,41 @@ class BodyLimitMiddleware:
                 scope, send, 413, self._message(), "invalid_request_error", "body_too_large"
             )
             return
-        received = 0
+        received = held = 0
+        complete = False
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    # surfaces through the app's HTTPException handler as a 413
-                    raise HTTPException(413, self._message())
+            nonlocal received, held, complete
+            if complete:  # past the body: a disconnect may be waited for as long as it takes
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.idle_timeout)
+            except asyncio.TimeoutError:
+                raise HTTPException(
+                    408, f"No request body data for {self.idle_timeout:g} s (--body-timeout)."
+                ) from None
+            if message["type"] != "http.request":
+                return message
+            chunk = len(message.get("body", b""))
+            complete = not message.get("more_body", False)
+            received += chunk
+            if received > self.max_bytes:
+                # surfaces through the app's HTTPException handler as a 413
+                raise HTTPException(413, self._message())
+            if self.in_flight + chunk > self.max_in_flight:
+                raise APIError(
+                    503,
+                    f"Request bodies of {self.in_flight} bytes are already held; the limit "
+                    f"is {self.max_in_flight} (--max-bodies-bytes). Retry shortly.",
+                    "overloaded_error",
+                    code="bodies_busy",
+                    headers={"Retry-After": "1"},
+                )
+            self.in_flight += chunk
+            held += chunk
             return message
 
-        await self.app(scope, limited_receive, send)
+        try:
+            await self.app(scope, limited_receive, send)
+        finally:
+            self.in_flight -= held

@@ -118,7 +118,12 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
     # preflights are answered before the key is asked for
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_size)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_bytes=settings.max_body_size,
+        max_in_flight=max(int(settings.max_bodies_bytes), settings.max_body_size),
+        idle_timeout=settings.body_timeout,
+    )
     if settings.cors_allowlist:
         app.add_middleware(
             CORSMiddleware,

@@ -85,6 +85,15 @@ class Settings(BaseSettings):
     max_body_bytes: ByteSize = Field(
         ByteSize(32 * 2**20), gt=0, description="largest request body accepted (413 above)"
     )
+    max_bodies_bytes: ByteSize = Field(
+        ByteSize(256 * 2**20),
+        gt=0,
+        description="request body bytes held at once, all requests together, until each "
+        "request ends (503 with Retry-After above)",
+    )
+    body_timeout: float = Field(
+        30.0, gt=0, description="seconds a request body may pause between chunks (408 after)"
+    )
     allowed_hosts: str | None = Field(
         None,
         description="comma-separated Host header values to answer (* = any); default: "

@@ -8,6 +8,7 @@ shape, naming the field, whatever envelope carried it; the server stays healthy.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 
@@ -424,3 +425,43 @@ def test_a_reply_whose_output_cannot_be_parsed_fails_alone_with_an_error(
     monkeypatch.undo()
     assert httpx.get(base + "/health").status_code == 200
     assert httpx.post(base + path, json=body).status_code == 200
+
+
+def _partial_body(url: str, announced: int, sent: int) -> socket.socket:
+    """A connection that announces ``announced`` body bytes, sends ``sent`` and stalls."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = socket.create_connection((host, int(port)))
+    conn.sendall(
+        f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {announced}\r\n\r\n".encode()
+        + b" " * sent
+    )
+    return conn
+
+
+def test_bodies_held_at_once_are_bounded_and_a_stalled_body_times_out():
+    """Connections that each send most of a large body and stop held it for ever
+    (12 x 30 MiB: +371 MiB resident): past --max-bodies-bytes a new body is a 503
+    worth retrying, and a body that pauses past --body-timeout is a 408."""
+    settings = Settings(
+        _env_file=None, max_body_bytes="1MB", max_bodies_bytes="1MB", body_timeout=1.5
+    )
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, eos_after=2))
+    with serve_app(app) as url:
+        stalled = _partial_body(url, 900_000, 800_000)
+        try:
+            time.sleep(0.3)  # its chunks are in
+            r = httpx.post(url + CHAT, content=b" " * 300_000 + b"{}", timeout=10)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+            assert r.json()["error"]["code"] == "bodies_busy"
+            # the stalled body is cut at the timeout, and its bytes are released
+            stalled.settimeout(10)
+            began = time.monotonic()
+            answer = stalled.recv(65536).decode()
+            assert answer.startswith("HTTP/1.1 408"), answer
+            assert time.monotonic() - began < 5
+        finally:
+            stalled.close()
+        r = httpx.post(url + CHAT, content=b" " * 300_000 + b"{}", timeout=10)
+        assert r.status_code == 400  # read in full and validated: not refused for room
+        assert httpx.post(url + CHAT, json=chat(), timeout=10).status_code == 200
