@@ -24,6 +24,7 @@ from fastapi import Request as HTTPRequest
 from pydantic import BaseModel, ValidationError
 
 from app.errors import APIError, describe_errors
+from app.middleware import RELEASE_BODY
 
 M = TypeVar("M", bound=BaseModel)
 T = TypeVar("T")
@@ -142,8 +143,13 @@ class Preparer:
     async def body(self, http: HTTPRequest, job: Callable[[bytes], T]) -> T:
         """Receive the body (the loop's part), then join it and run ``job(raw)`` in the
         pool: even joining a 30 MB body would hold the loop for tens of ms."""
-        chunks = [chunk async for chunk in http.stream()]
-        return await self.run(lambda: job(b"".join(chunks)))
+        try:
+            chunks = [chunk async for chunk in http.stream()]
+            return await self.run(lambda: job(b"".join(chunks)))
+        finally:
+            release = http.scope.get(RELEASE_BODY)
+            if release is not None:
+                release()  # prepared (or failed): its bytes no longer count
 
 
 class _Gate:

@@ -59,10 +59,14 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+RELEASE_BODY = "kvwarm.release_body"  # scope key: a request's body is no longer held
+
+
 class BodyLimitMiddleware:
     """Bounds request bodies: each one's size (413), all of them held at once
-    (503 beyond ``max_in_flight`` bytes: a client could otherwise open many
-    connections that each send most of a 32 MiB body, and hold it), and the wait
+    (503 beyond ``max_in_flight`` bytes until each is prepared: a client could
+    otherwise open many connections that each send most of a 32 MiB body, and
+    hold it), and the wait
     for each next chunk (408 after ``idle_timeout`` s: a body that stops coming
     would hold its bytes for ever)."""
 
@@ -71,7 +75,7 @@ class BodyLimitMiddleware:
         self.max_bytes = max_bytes
         self.max_in_flight = max_in_flight
         self.idle_timeout = idle_timeout
-        self.in_flight = 0  # body bytes of requests still being served (one event loop)
+        self.in_flight = 0  # body bytes received and not yet prepared (one event loop)
 
     def _message(self) -> str:
         return f"Request body exceeds the limit of {self.max_bytes} bytes (--max-body-bytes)."
@@ -120,7 +124,15 @@ class BodyLimitMiddleware:
             held += chunk
             return message
 
+        def release() -> None:
+            nonlocal held
+            self.in_flight -= held
+            held = 0
+
+        # the route releases the body once it is prepared (app.body.Preparer.body):
+        # a generation that runs for minutes holds parsed objects, not these bytes
+        scope[RELEASE_BODY] = release
         try:
             await self.app(scope, limited_receive, send)
         finally:
-            self.in_flight -= held
+            release()

@@ -88,8 +88,8 @@ class Settings(BaseSettings):
     max_bodies_bytes: ByteSize = Field(
         ByteSize(256 * 2**20),
         gt=0,
-        description="request body bytes held at once, all requests together, until each "
-        "request ends (503 with Retry-After above)",
+        description="request body bytes held at once, all requests together, from their "
+        "first byte until they are prepared (503 with Retry-After above)",
     )
     body_timeout: float = Field(
         30.0, gt=0, description="seconds a request body may pause between chunks (408 after)"

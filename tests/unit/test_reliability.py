@@ -7,6 +7,7 @@ shape, naming the field, whatever envelope carried it; the server stays healthy.
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import threading
@@ -15,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from app.middleware import BodyLimitMiddleware
 from app.server import create_app
 from app.settings import Settings
 from tests.helpers.fake_engine import FakeEngine
@@ -465,3 +467,19 @@ def test_bodies_held_at_once_are_bounded_and_a_stalled_body_times_out():
         r = httpx.post(url + CHAT, content=b" " * 300_000 + b"{}", timeout=10)
         assert r.status_code == 400  # read in full and validated: not refused for room
         assert httpx.post(url + CHAT, json=chat(), timeout=10).status_code == 200
+    # a body counts only until it is prepared, not while its reply generates
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, step_delay=0.5, eos_after=8))
+    with serve_app(app) as url:
+        middleware = app.middleware_stack
+        while not isinstance(middleware, BodyLimitMiddleware):
+            middleware = middleware.app
+        body = b" " * 600_000 + json.dumps(chat(max_tokens=8)).encode()
+        slow = threading.Thread(
+            target=lambda: httpx.post(
+                url + CHAT, content=body, headers={"content-type": "application/json"}, timeout=30
+            )
+        )
+        slow.start()
+        time.sleep(1.5)
+        assert slow.is_alive() and middleware.in_flight == 0
+        slow.join(30)
