@@ -254,7 +254,7 @@ async def create_response(http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
     headers = dict(http.headers)
     body = await state.preparer.body(http, lambda raw: _parse(raw, state))
-    history: list[dict[str, Any]] = []
+    stored = None
     if body.previous_response_id:
         stored = state.responses.get(body.previous_response_id)
         if stored is None:
@@ -265,9 +265,8 @@ async def create_response(http: HTTPRequest):
                 "previous_response_not_found",
                 "previous_response_id",
             )
-        history = list(stored.conversation)
     conversation, prepared = await state.preparer.run(
-        lambda: _prepare_call(body, history, state, headers)
+        lambda: _prepare_call(body, stored.conversation() if stored else [], state, headers)
     )
     gen = Generation(state, prepared, "responses", headers)
     response = _response(body, _new_id("resp"), int(time.time()), gen.model_name, "in_progress")
@@ -319,12 +318,12 @@ def _apply(items: _Items, event: Reasoning | Content | ToolCall) -> tuple[dict[s
         **errors(OPENAI_ERROR, [404]),
     },
 )
-async def get_response(response_id: str, http: HTTPRequest) -> dict[str, Any]:
+async def get_response(response_id: str, http: HTTPRequest) -> Response:
     state: AppState = http.app.state.kvwarm
     stored = state.responses.get(response_id)
     if stored is None:
         raise APIError(404, f"Response with id '{response_id}' not found.", code="not_found")
-    return stored.response
+    return Response(stored.response_json, media_type="application/json")
 
 
 @router.delete(

@@ -1,7 +1,8 @@
 """Stored Responses (``store: true``) for ``previous_response_id`` and GET/DELETE.
 
 Per process, in memory (cachetools' TTL cache): entries expire after a TTL and
-the least recently used go first when the byte cap is reached. A restart
+the least recently used go first when the byte cap is reached. Entries are kept
+as JSON bytes: the cap counts what is held, and GET serves the bytes as they are. A restart
 forgets them (clients then get 404 and resend the conversation). Used from the
 event loop only.
 """
@@ -19,9 +20,19 @@ from cachetools import TTLCache
 
 @dataclass(frozen=True)
 class StoredResponse:
-    response: dict[str, Any]  # the response object as returned
-    conversation: list[dict[str, Any]]  # template messages up to and including the reply
-    nbytes: int
+    """Kept as JSON bytes, so the byte cap is what the store really holds (as
+    Python objects a response with many small values weighed ~7x its JSON)."""
+
+    response_json: bytes  # the response object as returned
+    conversation_json: bytes  # template messages up to and including the reply
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.response_json) + len(self.conversation_json)
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """Parsed anew on each call (a worker thread's job for a long one)."""
+        return json.loads(self.conversation_json)
 
 
 class ResponseStore:
@@ -45,13 +56,17 @@ class ResponseStore:
         return int(self._items.currsize)
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        size = len(json.dumps(response, default=str)) + len(json.dumps(conversation, default=str))
-        if size > self.max_bytes:
+        item = StoredResponse(_json(response), _json(conversation))
+        if item.nbytes > self.max_bytes:
             return  # larger than the whole store: not kept
-        self._items[response["id"]] = StoredResponse(response, conversation, size)
+        self._items[response["id"]] = item
 
     def get(self, response_id: str) -> StoredResponse | None:
         return self._items.get(response_id)
 
     def delete(self, response_id: str) -> bool:
         return self._items.pop(response_id, None) is not None
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, default=str, ensure_ascii=False, separators=(",", ":")).encode()

@@ -38,6 +38,21 @@ def test_byte_cap_evicts_least_recently_used():
     assert store.get("huge") is None and len(store) == 3
 
 
+def test_the_byte_cap_counts_what_is_held():
+    """Kept as JSON bytes: many small values weighed ~7x their JSON as objects."""
+    store = ResponseStore(max_bytes=200_000)
+    meta = {f"k{i}": i for i in range(30_000)}  # ~350 KB of JSON: over the cap
+    store.put({"id": "big", "metadata": meta}, [])
+    assert store.get("big") is None and store.nbytes == 0
+    store.put({"id": "a", "metadata": {"k": "v"}}, [{"role": "user", "content": "é"}])
+    stored = store.get("a")
+    assert stored is not None and store.nbytes == stored.nbytes == len(stored.response_json) + len(
+        stored.conversation_json
+    )
+    assert stored.conversation() == [{"role": "user", "content": "é"}]
+    assert stored.conversation() is not stored.conversation()  # a fresh copy each time
+
+
 def test_delete():
     store = ResponseStore()
     store.put(_resp("a"), [])
