@@ -219,7 +219,7 @@ def cmd_fit(settings: Settings, models: list[str], as_json: bool, matrix: bool) 
 def cmd_serve(settings: Settings) -> int:
     import uvicorn
 
-    from app.lifecycle import GracefulServer
+    from app.lifecycle import GracefulServer, raise_open_files_limit
     from app.server import create_app
     from engine.distributed_config import share_cpu_threads
     from engine.engine_thread import EngineConfig, EngineThread
@@ -297,6 +297,9 @@ def cmd_serve(settings: Settings) -> int:
         log.warning(
             "binding %s without --api-key: anyone who can reach it can use it", settings.host
         )
+    before, after = raise_open_files_limit()
+    if after > before:
+        log.info("open files limit raised from %d to %d (one per connection)", before, after)
     server = GracefulServer(
         uvicorn.Config(
             app,

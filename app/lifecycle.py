@@ -88,3 +88,23 @@ class GracefulServer(uvicorn.Server):
             while len(state.service.router) and time.monotonic() < deadline:
                 await asyncio.sleep(POLL_S)
         self.should_exit = True
+
+
+def raise_open_files_limit(wanted: int = 65536) -> tuple[int, int]:
+    """The soft limit on open files raised toward the hard one (old, new). Each
+    connection is a file: at a service manager's default (256 under launchd,
+    1024 on Linux) a client holding that many idle connections leaves none for
+    other agents, and accept() fails."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return (0, 0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):  # macOS caps it below a reported unlimited hard limit
+            return (soft, soft)
+        return (soft, target)
+    return (soft, soft)

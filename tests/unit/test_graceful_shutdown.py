@@ -150,3 +150,27 @@ def test_engine_death_ends_every_stream_and_exits_nonzero(tmp_path):
     finally:
         proc.kill()
     assert_each_stream_failed(lines, "engine_error")
+
+
+def test_the_open_files_limit_is_raised_toward_the_hard_limit():
+    """Each connection is a file: at a service manager's default a client holding
+    that many idle connections left none for other agents."""
+    import resource
+    import subprocess
+    import sys
+
+    # a child process with a low soft limit, so this one's limits are untouched
+    code = (
+        "import resource\n"
+        "from app.lifecycle import raise_open_files_limit\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+        "before, after = raise_open_files_limit(4096)\n"
+        "print(before, after, resource.getrlimit(resource.RLIMIT_NOFILE)[0])\n"
+    )
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.split()
+    expected = 4096 if hard == resource.RLIM_INFINITY else min(4096, hard)
+    assert out == ["256", str(expected), str(expected)]
