@@ -20,9 +20,7 @@ def test_values_are_used_to_two_decimals_never_rounding_to_off():
 
 def test_a_thousand_distinct_temperatures_share_a_bounded_set_of_samplers():
     factory = SamplerFactory(vocab_size=32)
-    samplers = [
-        factory.sampler(SamplingParams(temperature=0.5 + i / 10_000)) for i in range(1000)
-    ]
+    samplers = [factory.sampler(SamplingParams(temperature=0.5 + i / 10_000)) for i in range(1000)]
     assert len({id(s) for s in samplers}) == 11  # 0.50 .. 0.60
     for i in range(200):
         factory.sampler(SamplingParams(temperature=1.0, top_p=0.01 + i / 1000))
