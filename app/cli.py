@@ -300,6 +300,8 @@ def cmd_serve(settings: Settings) -> int:
     before, after = raise_open_files_limit()
     if after > before:
         log.info("open files limit raised from %d to %d (one per connection)", before, after)
+    elif after < 4096:
+        log.warning("open files limit is %d: at most about that many connections at once", after)
     server = GracefulServer(
         uvicorn.Config(
             app,

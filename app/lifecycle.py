@@ -100,11 +100,16 @@ def raise_open_files_limit(wanted: int = 65536) -> tuple[int, int]:
     except ImportError:  # not on POSIX
         return (0, 0)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-        except (ValueError, OSError):  # macOS caps it below a reported unlimited hard limit
-            return (soft, soft)
-        return (soft, target)
+    top = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft == resource.RLIM_INFINITY or soft >= top:
+        return (soft, soft)
+    # macOS refuses more than kern.maxfilesperproc (61440 on small Macs) even under
+    # an "unlimited" hard limit, and 10240 (OPEN_MAX) under some launchd setups
+    for target in (top, 61440, 24576, 10240):
+        if soft < target <= top:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            except (ValueError, OSError):
+                continue
+            return (soft, target)
     return (soft, soft)

@@ -60,6 +60,7 @@ class ApiKeyMiddleware:
 
 
 RELEASE_BODY = "kvwarm.release_body"  # scope key: a request's body is no longer held
+MIN_BODY_RATE = 256 * 1024  # bytes a second a body must average (after --body-timeout)
 
 
 class BodyLimitMiddleware:
@@ -92,21 +93,30 @@ class BodyLimitMiddleware:
             return
         received = held = 0
         complete = False
+        # a body trickled a byte at a time would never pause long enough for the idle
+        # timeout while holding its share of the budget: the whole of it must also
+        # arrive at MIN_BODY_RATE or better, after a first --body-timeout
+        expected = int(length) if length is not None and length.isdigit() else self.max_bytes
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.idle_timeout + expected / MIN_BODY_RATE
 
         async def limited_receive() -> Message:
             nonlocal received, held, complete
             if complete:  # past the body: a disconnect may be waited for as long as it takes
                 return await receive()
+            left = deadline - loop.time()
             try:
-                message = await asyncio.wait_for(receive(), self.idle_timeout)
+                message = await asyncio.wait_for(receive(), max(0.0, min(self.idle_timeout, left)))
             except asyncio.TimeoutError:
-                raise HTTPException(
-                    408, f"No request body data for {self.idle_timeout:g} s (--body-timeout)."
-                ) from None
+                what = (
+                    f"No request body data for {self.idle_timeout:g} s (--body-timeout)."
+                    if left > self.idle_timeout
+                    else f"The request body arrived slower than {MIN_BODY_RATE // 1024} KiB/s."
+                )
+                raise HTTPException(408, what) from None
             if message["type"] != "http.request":
                 return message
             chunk = len(message.get("body", b""))
-            complete = not message.get("more_body", False)
             received += chunk
             if received > self.max_bytes:
                 # surfaces through the app's HTTPException handler as a 413
@@ -122,6 +132,7 @@ class BodyLimitMiddleware:
                 )
             self.in_flight += chunk
             held += chunk
+            complete = not message.get("more_body", False)
             return message
 
         def release() -> None:

@@ -10,12 +10,17 @@ event loop only.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from cachetools import TTLCache
+
+from app.images import ImageSource
+
+log = logging.getLogger("kvwarm.http")
 
 
 @dataclass(frozen=True)
@@ -31,8 +36,9 @@ class StoredResponse:
         return len(self.response_json) + len(self.conversation_json)
 
     def conversation(self) -> list[dict[str, Any]]:
-        """Parsed anew on each call (a worker thread's job for a long one)."""
-        return json.loads(self.conversation_json)
+        """Parsed anew on each call (a worker thread's job for a long one), its
+        image parts' sources rebuilt."""
+        return json.loads(self.conversation_json, object_hook=_image_source)
 
 
 class ResponseStore:
@@ -56,7 +62,11 @@ class ResponseStore:
         return int(self._items.currsize)
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
-        item = StoredResponse(_json(response), _json(conversation))
+        try:
+            item = StoredResponse(_json(response), _json(conversation))
+        except (TypeError, ValueError):  # a value JSON cannot hold: not kept, the reply stands
+            log.exception("response %s not stored", response.get("id"))
+            return
         if item.nbytes > self.max_bytes:
             return  # larger than the whole store: not kept
         self._items[response["id"]] = item
@@ -68,5 +78,23 @@ class ResponseStore:
         return self._items.pop(response_id, None) is not None
 
 
+_SOURCE = "__kvwarm_image_source__"
+
+
 def _json(value: Any) -> bytes:
-    return json.dumps(value, default=str, ensure_ascii=False, separators=(",", ":")).encode()
+    return json.dumps(
+        value, default=_encode, ensure_ascii=False, allow_nan=False, separators=(",", ":")
+    ).encode()
+
+
+def _encode(value: Any) -> Any:
+    """An image part's source (the conversation keeps where each image is); any
+    other type is an error, never silently stored as its repr."""
+    if isinstance(value, ImageSource):
+        return {_SOURCE: asdict(value)}
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _image_source(obj: dict[str, Any]) -> Any:
+    fields = obj.get(_SOURCE)
+    return ImageSource(**fields) if isinstance(fields, dict) and len(obj) == 1 else obj

@@ -174,3 +174,22 @@ def test_the_open_files_limit_is_raised_toward_the_hard_limit():
     ).stdout.split()
     expected = 4096 if hard == resource.RLIM_INFINITY else min(4096, hard)
     assert out == ["256", str(expected), str(expected)]
+
+
+def test_a_refused_limit_steps_down_to_one_the_system_grants(monkeypatch):
+    """macOS refuses a soft limit above kern.maxfilesperproc even under an
+    'unlimited' hard limit: it must not stay at launchd's 256."""
+    import resource
+
+    from app.lifecycle import raise_open_files_limit
+
+    granted: list[int] = []
+
+    def setrlimit(which: int, limits: tuple[int, int]) -> None:
+        if limits[0] > 61440:
+            raise ValueError("not allowed")
+        granted.append(limits[0])
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (256, resource.RLIM_INFINITY))
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    assert raise_open_files_limit() == (256, 61440) and granted == [61440]

@@ -483,3 +483,25 @@ def test_bodies_held_at_once_are_bounded_and_a_stalled_body_times_out():
         time.sleep(1.5)
         assert slow.is_alive() and middleware.in_flight == 0
         slow.join(30)
+
+
+def test_a_body_trickled_a_byte_at_a_time_is_cut_too():
+    """Never pausing past --body-timeout, a trickle would hold its share of
+    --max-bodies-bytes for ever: the whole body must average MIN_BODY_RATE."""
+    settings = Settings(_env_file=None, max_body_bytes="1MB", body_timeout=1.0)
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, eos_after=2))
+    with serve_app(app) as url:
+        conn = _partial_body(url, 500_000, 400_000)  # allowed 1 + 500 KB / 256 KiB/s ~ 2.9 s
+        conn.settimeout(0.3)
+        began, answer = time.monotonic(), b""
+        try:
+            while not answer and time.monotonic() - began < 10:
+                try:
+                    conn.sendall(b" ")
+                    answer = conn.recv(65536)
+                except TimeoutError:
+                    continue
+        finally:
+            conn.close()
+        assert answer.startswith(b"HTTP/1.1 408") and b"slower than" in answer, answer
+        assert time.monotonic() - began < 6

@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 
+import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from PIL import Image
 
+from app.images import ImageSource
 from app.response_store import ResponseStore
+from app.server import create_app
+from app.settings import Settings
 from app.sse import FrameTemplate, sse_data, with_heartbeat
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.http_server import serve_app
 
 
 def _resp(rid: str, pad: int = 0) -> dict:
@@ -51,6 +60,48 @@ def test_the_byte_cap_counts_what_is_held():
     )
     assert stored.conversation() == [{"role": "user", "content": "é"}]
     assert stored.conversation() is not stored.conversation()  # a fresh copy each time
+
+
+def test_a_stored_conversation_keeps_its_image_sources():
+    store = ResponseStore()
+    source = ImageSource(url="data:image/png;base64,AAAA")
+    part = {"type": "image", "source": source}
+    store.put({"id": "a"}, [{"role": "user", "content": [part]}])
+    stored = store.get("a")
+    assert stored is not None
+    assert stored.conversation() == [{"role": "user", "content": [part]}]
+
+
+def test_a_response_json_cannot_hold_is_not_stored_and_nothing_raises():
+    store = ResponseStore()
+    store.put({"id": "a", "x": object()}, [])
+    store.put({"id": "b", "x": float("nan")}, [])
+    assert store.get("a") is None and store.get("b") is None and store.nbytes == 0
+
+
+def test_previous_response_id_after_an_image_turn():
+    """The stored conversation of a turn with an image is read back whole (its
+    image source was stored as its repr, and the next turn failed with a 500)."""
+    buf = io.BytesIO()
+    Image.new("RGB", (4, 4), (255, 0, 0)).save(buf, "PNG")
+    image = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    app = create_app(
+        Settings(_env_file=None, images="placeholder"), lambda s, r: FakeEngine(s, r, eos_after=3)
+    )
+    content = [{"type": "input_text", "text": "what?"}, {"type": "input_image", "image_url": image}]
+    with serve_app(app) as url:
+        first = httpx.post(
+            url + "/v1/responses",
+            json={"store": True, "input": [{"role": "user", "content": content}]},
+            timeout=30,
+        )
+        assert first.status_code == 200, first.text
+        second = httpx.post(
+            url + "/v1/responses",
+            json={"previous_response_id": first.json()["id"], "input": "and now?"},
+            timeout=30,
+        )
+        assert second.status_code == 200, second.text
 
 
 def test_delete():
