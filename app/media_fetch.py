@@ -160,7 +160,6 @@ class _Guard:
         self._timer: threading.Timer | None = None
 
     def __enter__(self) -> _Guard:
-        self._ends = time.monotonic() + self.policy.timeout
         self._timer = threading.Timer(self.policy.timeout, self._expire)
         self._timer.daemon = True
         self._timer.start()

@@ -67,9 +67,9 @@ class BodyLimitMiddleware:
     """Bounds request bodies: each one's size (413), all of them held at once
     (503 beyond ``max_in_flight`` bytes until each is prepared: a client could
     otherwise open many connections that each send most of a 32 MiB body, and
-    hold it), and the wait
-    for each next chunk (408 after ``idle_timeout`` s: a body that stops coming
-    would hold its bytes for ever)."""
+    hold it), and the time they take (408 after ``idle_timeout`` s without a
+    chunk, or past the rate below: a body that stops coming, or trickles, would
+    hold its bytes for ever)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, max_in_flight: int, idle_timeout: float):
         self.app = app

@@ -92,7 +92,10 @@ class Settings(BaseSettings):
         "first byte until they are prepared (503 with Retry-After above)",
     )
     body_timeout: float = Field(
-        30.0, gt=0, description="seconds a request body may pause between chunks (408 after)"
+        30.0,
+        gt=0,
+        description="seconds a request body may pause between chunks, and after which it "
+        "must have averaged 256 KiB/s (408 otherwise)",
     )
     allowed_hosts: str | None = Field(
         None,
@@ -299,7 +302,7 @@ class Settings(BaseSettings):
     @classmethod
     def _adapter_list(cls, value: object) -> object:
         if isinstance(value, str):  # the environment: comma-separated
-            return [v.strip() for v in value.split(",") if v.strip()]
+            return list(_comma_list(value))
         return value
 
     @field_validator("adapter")
@@ -422,9 +425,7 @@ class Settings(BaseSettings):
             max_pixels=self.max_image_pixels,
             fetch_urls=self.fetch_urls,
             fetch_timeout=self.fetch_timeout,
-            allowed_media_domains=tuple(
-                d.strip() for d in (self.allowed_media_domains or "").split(",") if d.strip()
-            ),
+            allowed_media_domains=_comma_list(self.allowed_media_domains),
             video_frames=self.video_frames,
             max_video_bytes=int(self.max_video_bytes),
         )
@@ -437,12 +438,12 @@ class Settings(BaseSettings):
     def host_allowlist(self) -> list[str]:
         """Host header values to answer (["*"]: any)."""
         if self.allowed_hosts:
-            return [h.strip() for h in self.allowed_hosts.split(",") if h.strip()]
+            return list(_comma_list(self.allowed_hosts))
         return list(LOOPBACK_NAMES) if self.host in LOOPBACK_HOSTS else ["*"]
 
     @property
     def cors_allowlist(self) -> list[str]:
-        return [o.strip() for o in (self.cors_origins or "").split(",") if o.strip()]
+        return list(_comma_list(self.cors_origins))
 
     @property
     def distributed_config(self) -> DistributedConfig | None:
@@ -458,7 +459,7 @@ class Settings(BaseSettings):
             world_size=_env_int("WORLD_SIZE")
             if self.distributed_world_size is None
             else self.distributed_world_size,
-            hosts=tuple(h.strip() for h in (self.distributed_hosts or "").split(",") if h.strip()),
+            hosts=_comma_list(self.distributed_hosts),
             port=self.distributed_port,
         )
 
@@ -467,3 +468,8 @@ def _env_int(name: str) -> int | None:
     """The Kamiwaza seed's plain RANK / WORLD_SIZE variables, when set."""
     value = os.environ.get(name, "").strip()
     return int(value) if value.isdigit() else None
+
+
+def _comma_list(value: str | None) -> tuple[str, ...]:
+    """A comma-separated setting's items, blanks dropped."""
+    return tuple(item.strip() for item in (value or "").split(",") if item.strip())
