@@ -36,6 +36,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "max_body_bytes": {"metavar": "SIZE"},
     "max_bodies_bytes": {"metavar": "SIZE"},
     "body_timeout": {"type": float, "metavar": "SECONDS"},
+    "header_timeout": {"type": float, "metavar": "SECONDS"},
     "prompt_cache_bytes": {"metavar": "SIZE"},
     "prompt_cache_ttl": {"type": float, "metavar": "SECONDS"},
     "cache_block_size": {"type": int, "metavar": "N"},
@@ -217,9 +218,7 @@ def cmd_fit(settings: Settings, models: list[str], as_json: bool, matrix: bool) 
 
 
 def cmd_serve(settings: Settings) -> int:
-    import uvicorn
-
-    from app.lifecycle import GracefulServer, raise_open_files_limit
+    from app.lifecycle import GracefulServer, raise_open_files_limit, server_config
     from app.server import create_app
     from engine.distributed_config import share_cpu_threads
     from engine.engine_thread import EngineConfig, EngineThread
@@ -302,18 +301,7 @@ def cmd_serve(settings: Settings) -> int:
         log.info("open files limit raised from %d to %d (one per connection)", before, after)
     elif after < 4096:
         log.warning("open files limit is %d: at most about that many connections at once", after)
-    server = GracefulServer(
-        uvicorn.Config(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_config=None,
-            log_level=settings.log_level,
-            timeout_graceful_shutdown=5,
-        ),
-        app,
-        settings.shutdown_timeout,
-    )
+    server = GracefulServer(server_config(app, settings), app, settings.shutdown_timeout)
     log.info(
         "kvwarm serving on http://%s:%d (batch %d, queue %d, model %s)",
         settings.host,

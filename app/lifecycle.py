@@ -19,10 +19,27 @@ from types import FrameType
 import uvicorn
 from fastapi import FastAPI
 
+from app.http_protocol import with_head_timeout
+from app.settings import Settings
+
 log = logging.getLogger("kvwarm")
 
 FLUSH_S = 5.0  # how long ended streams get to write their last event
 POLL_S = 0.05
+
+
+def server_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
+    """uvicorn's settings for ``kvwarm serve``: logging stays kvwarm's, and request
+    heads get ``--header-timeout`` (app/http_protocol.py)."""
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_config=None,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=5,
+        http=with_head_timeout(settings.header_timeout),
+    )
 
 
 class GracefulServer(uvicorn.Server):

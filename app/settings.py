@@ -97,6 +97,12 @@ class Settings(BaseSettings):
         description="seconds a request body may pause between chunks, and after which it "
         "must have averaged 256 KiB/s (408 otherwise)",
     )
+    header_timeout: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a connection has to send a complete request head, from when it "
+        "opens or its last response ends (closed otherwise)",
+    )
     allowed_hosts: str | None = Field(
         None,
         description="comma-separated Host header values to answer (* = any); default: "

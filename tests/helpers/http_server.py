@@ -13,6 +13,9 @@ from pathlib import Path
 import httpx
 import uvicorn
 
+from app.lifecycle import server_config
+from app.settings import Settings
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -21,11 +24,18 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve_app(app, wait_ready: bool = True, timeout: float = 60) -> Iterator[str]:
+def serve_app(
+    app, wait_ready: bool = True, timeout: float = 60, settings: Settings | None = None
+) -> Iterator[str]:
+    """``settings`` given: uvicorn configured as ``kvwarm serve`` configures it."""
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    )
+    if settings is None:
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"
+        )
+    else:
+        config = server_config(app, settings.model_copy(update={"port": port}))
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     base = f"http://127.0.0.1:{port}"

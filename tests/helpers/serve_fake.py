@@ -1,5 +1,5 @@
 """`kvwarm serve`'s server loop around a model-free engine, for tests that need a
-real process (signals, exit codes): python -m tests.helpers.serve_fake PORT [STEP_S] [SHUTDOWN_S]
+real process (signals, exit codes): python -m tests.helpers.serve_fake PORT [STEP_S] [SHUTDOWN_S] [HEADER_S]
 
 SIGUSR1 makes the engine thread die (as a fault no request owns would)."""
 
@@ -9,17 +9,17 @@ import logging
 import signal
 import sys
 
-import uvicorn
-
-from app.lifecycle import GracefulServer
+from app.lifecycle import GracefulServer, server_config
 from app.server import create_app
 from app.settings import Settings
 from tests.helpers.fake_engine import FakeEngine
 
 
-def main(port: int, step_s: float = 0.05, shutdown_s: float = 30.0) -> int:
+def main(port: int, step_s: float = 0.05, shutdown_s: float = 30.0, header_s: float = 30.0) -> int:
     logging.basicConfig(level=logging.INFO)
-    settings = Settings(_env_file=None, port=port, shutdown_timeout=shutdown_s)
+    settings = Settings(
+        _env_file=None, port=port, shutdown_timeout=shutdown_s, header_timeout=header_s
+    )
     engines: list[FakeEngine] = []
 
     def engine(scheduler, router) -> FakeEngine:
@@ -30,9 +30,7 @@ def main(port: int, step_s: float = 0.05, shutdown_s: float = 30.0) -> int:
         server.engine_died(reason)
 
     app = create_app(settings, engine)
-    server = GracefulServer(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None), app, shutdown_s
-    )
+    server = GracefulServer(server_config(app, settings), app, shutdown_s)
     signal.signal(signal.SIGUSR1, lambda *_: engines[0].inject_fault(RuntimeError("injected")))
     server.run()
     return server.exit_code

@@ -1,0 +1,76 @@
+"""uvicorn's h11 protocol with a deadline on request heads.
+
+uvicorn never times out a request whose headers never finish (nor a connection
+that sends nothing): its keep-alive timer stops at the first byte. A client
+opening connections and trickling a header line now and then held each one,
+and a file descriptor, for ever; enough of them and every agent is refused.
+Here each connection gets ``--header-timeout`` seconds to deliver a complete
+request head, counted from when it opened or its last response ended; past
+that it is closed, as nginx's client_header_timeout does. The same deadline
+covers the rest of a body the app answered without reading. Bodies being read
+are bounded apart (``--body-timeout``, app/middleware.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("kvwarm")
+
+
+class HeadTimeoutProtocol(H11Protocol):
+    head_timeout: float = 30.0
+
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self._serving():  # a whole head arrived: the request's own limits apply now
+            self._cancel_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # waiting for the next head (a pipelined one may already be served), or for the
+        # rest of a body the app answered without reading: both are the client's to finish
+        if not self._serving() and not self.transport.is_closing():
+            self._arm_head_timer()
+
+    def _serving(self) -> bool:
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.head_timeout, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing() or self._serving():
+            return
+        peer = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
+        log.debug(
+            "closing a connection from %s: nothing complete from it in %g s (--header-timeout)",
+            peer,
+            self.head_timeout,
+        )
+        self.transport.close()
+
+
+def with_head_timeout(seconds: float) -> type[HeadTimeoutProtocol]:
+    """The protocol class for uvicorn's ``http=``: it builds each connection's instance."""
+    return type("HeadTimeoutProtocol", (HeadTimeoutProtocol,), {"head_timeout": seconds})
