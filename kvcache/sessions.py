@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 
 ANCHOR_TOKENS = 2048
 MAX_ANCHORS = 8
+# ~120 bytes each (a digest string, its end offset): about 30 MiB, all sessions
+# together. A count of sessions alone let 256 clients of 8,192 messages hold 242 MiB.
+MAX_MESSAGES = 262_144
 FALLBACK_PREFIX_TOKENS = 128
 
 
@@ -49,16 +52,27 @@ def change_point(old: Sequence[str], new: Sequence[str]) -> int:
 
 
 class SessionStore:
-    def __init__(self, max_sessions: int = 256):
+    """Least recently written records go first, past ``max_sessions`` records or
+    ``max_messages`` messages held; the record just written always stays."""
+
+    def __init__(self, max_sessions: int = 256, max_messages: int = MAX_MESSAGES):
         self.max_sessions = max_sessions
+        self.max_messages = max_messages
         self._records: OrderedDict[str, TurnRecord] = OrderedDict()
+        self._messages_held = 0
         self.rejected_writes = 0  # branches / edits that did not clobber a record
 
     def __len__(self) -> int:
         return len(self._records)
 
+    @property
+    def messages_held(self) -> int:
+        return self._messages_held
+
     def forget(self, session: str) -> None:
-        self._records.pop(session, None)
+        record = self._records.pop(session, None)
+        if record is not None:
+            self._messages_held -= len(record.messages)
 
     def get(self, session: str) -> TurnRecord | None:
         return self._records.get(session)
@@ -108,8 +122,12 @@ class SessionStore:
             if prev_tokens - last >= ANCHOR_TOKENS:
                 anchors.append((prev_tokens, record.entry_id))
                 del anchors[:-MAX_ANCHORS]
+        self.forget(session)
         self._records[session] = TurnRecord(messages, tuple(ends), entry_id, anchors)
-        self._records.move_to_end(session)
-        while len(self._records) > self.max_sessions:
-            self._records.popitem(last=False)
+        self._messages_held += len(messages)
+        while len(self._records) > 1 and (
+            len(self._records) > self.max_sessions or self._messages_held > self.max_messages
+        ):
+            _, oldest = self._records.popitem(last=False)
+            self._messages_held -= len(oldest.messages)
         return True

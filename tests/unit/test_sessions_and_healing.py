@@ -47,6 +47,41 @@ def test_lineage_keeps_anchors_as_the_conversation_grows():
     assert ids[0] == 6 and len(ids) > 2 and set(ids) <= set(range(1, 7))
 
 
+def test_records_are_bounded_by_the_messages_they_hold_not_only_their_count():
+    """256 sessions of 8,192 messages each held 242 MiB of digests."""
+    store = SessionStore(max_sessions=100, max_messages=10)
+    four = [f"m{i}" for i in range(4)]
+    store.record_turn("a", four, list(range(1, 5)), 1)
+    store.record_turn("b", four, list(range(1, 5)), 2)
+    store.record_turn("a", four + ["m4"], list(range(1, 6)), 3)  # growing refreshes it
+    assert store.messages_held == 9
+    store.record_turn("c", four, list(range(1, 5)), 4)  # 13 held: the oldest write goes
+    assert store.get("b") is None and store.get("a") is not None
+    assert store.messages_held == 9
+    # a record larger than the whole bound stays alone: its own session still reuses
+    store.record_turn("big", [f"x{i}" for i in range(12)], list(range(1, 13)), 5)
+    assert len(store) == 1 and store.messages_held == 12 and store.candidates("big") == [5]
+    store.forget("big")
+    assert store.messages_held == 0
+
+
+@given(st.lists(st.tuples(st.sampled_from("abcde"), st.integers(1, 6)), max_size=40))
+def test_messages_held_is_the_sum_over_records(writes):
+    store = SessionStore(max_sessions=3, max_messages=8)
+    for session, n in writes:
+        held = store.get(session)
+        base = list(held.messages) if held else []
+        store.record_turn(
+            session,
+            base + [f"{session}{len(base) + i}" for i in range(n)],
+            [1] * (len(base) + n),
+            1,
+        )
+        total = sum(len(store.get(s).messages) for s in "abcde" if store.get(s))
+        assert store.messages_held == total
+        assert len(store) <= 3 and (total <= 8 or len(store) == 1)
+
+
 def test_fallback_session_groups_by_the_head_of_the_cache_key():
     head = list(range(128))
     assert fallback_session_id(head + [1]) == fallback_session_id(head + [2])
