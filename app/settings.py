@@ -76,7 +76,8 @@ class Settings(BaseSettings):
     cache_trace_dir: str | None = Field(
         None,
         description="write one JSON line per request into DIR/<session>.jsonl: what the "
-        "prefix cache reused and why candidates were rejected (for debugging misses)",
+        "prefix cache reused and why candidates were rejected (for debugging misses); "
+        "writing stops once DIR's traces hold 1 GiB",
     )
     api_key: str | None = Field(
         None,

@@ -18,6 +18,8 @@ from pathlib import Path
 from observability.records import RequestRecord
 
 log = logging.getLogger("kvwarm.request")
+# a client choosing a new session id each request made a file each, without end
+MAX_TRACE_BYTES = 1 << 30
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -45,10 +47,13 @@ def plain_line(rec: RequestRecord) -> str:
 
 
 class RequestLog:
-    def __init__(self, trace_dir: str | Path | None = None):
+    def __init__(self, trace_dir: str | Path | None = None, max_trace_bytes: int = MAX_TRACE_BYTES):
         self.trace_dir = Path(trace_dir) if trace_dir else None
+        self.max_trace_bytes = max_trace_bytes
+        self._trace_bytes = 0  # what the trace files hold, earlier runs' included
         if self.trace_dir is not None:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
+            self._trace_bytes = sum(p.stat().st_size for p in self.trace_dir.glob("*.jsonl"))
         self._lock = threading.Lock()
 
     def write(self, rec: RequestRecord) -> None:
@@ -71,8 +76,21 @@ class RequestLog:
             "cache_candidates": cache.candidates if cache else 0,
             "cache_rejected": list(cache.rejected) if cache else [],
         }
-        try:
-            with self._lock, self.trace_path(rec.session).open("a") as out:
-                out.write(json.dumps(line, ensure_ascii=False) + "\n")
-        except OSError as exc:  # a full disk must not fail requests
-            log.warning("cache trace not written: %s", exc)
+        data = (json.dumps(line, ensure_ascii=False) + "\n").encode()
+        with self._lock:
+            if self._trace_bytes + len(data) > self.max_trace_bytes:
+                if self._trace_bytes <= self.max_trace_bytes:  # said once
+                    log.warning(
+                        "cache traces stopped: %s holds %d bytes, the limit is %d",
+                        self.trace_dir,
+                        self._trace_bytes,
+                        self.max_trace_bytes,
+                    )
+                    self._trace_bytes = self.max_trace_bytes + 1
+                return
+            try:
+                with self.trace_path(rec.session).open("ab") as out:
+                    out.write(data)
+                self._trace_bytes += len(data)
+            except OSError as exc:  # a full disk must not fail requests
+                log.warning("cache trace not written: %s", exc)

@@ -185,6 +185,20 @@ def test_json_log_lines_and_cache_trace_files(tmp_path):
     assert entry["cache_entry_tokens"] == 80
 
 
+def test_cache_trace_files_stop_at_their_byte_limit_counting_earlier_runs(tmp_path, caplog):
+    """A client choosing a new session id each request made a file each, without end."""
+    RequestLog(tmp_path, max_trace_bytes=10**6).write(record(session="old"))
+    held = (tmp_path / "old.jsonl").stat().st_size
+    log = RequestLog(tmp_path, max_trace_bytes=held * 3)  # a restart counts what is there
+    with caplog.at_level(logging.WARNING, logger="kvwarm.request"):
+        for i in range(10):
+            log.write(record(session=f"s{i}"))
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["old.jsonl", "s0.jsonl", "s1.jsonl"]
+    assert sum(p.stat().st_size for p in tmp_path.iterdir()) <= held * 3
+    assert sum("cache traces stopped" in m for m in caplog.messages) == 1
+
+
 def test_traces_carry_genai_attributes_and_the_callers_parent():
     receiver = OTLPReceiver()
     try:
