@@ -165,6 +165,7 @@ def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:
         use_kv_cache=body.kv_cache_enabled(),
         kv_bits=body.kv_bits_requested(),
         adapter=body.adapter_requested(),
+        template_kwargs=body.template_kwargs(),
         ignored=ignored_fields(body),
     )
 

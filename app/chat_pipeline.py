@@ -58,6 +58,7 @@ class ChatCall:
     use_kv_cache: bool = True  # false: neither reuse nor store KV for this request
     kv_bits: int | None = None  # store (and reuse) this request's KV at this precision
     adapter: str | None = None  # a mounted LoRA adapter's id; None: the base model
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # checked at the boundary
     messages_field: str = "messages"  # what the dialect calls them, for errors (Responses: input)
 
 
@@ -146,9 +147,7 @@ def _template_kwargs(call: ChatCall, syntax: TextSyntax, thinking: bool) -> dict
     kwargs: dict[str, Any] = {}
     if "preserve_thinking" in syntax.template_vars:
         kwargs["preserve_thinking"] = True  # past reasoning stays in the prompt: a stable prefix
-    requested = call.fields.get("chat_template_kwargs")
-    if isinstance(requested, Mapping):
-        kwargs.update(requested)
+    kwargs.update(call.template_kwargs)
     kwargs["enable_thinking"] = thinking
     if call.tools:
         # shown even under tool_choice none / a named tool: the tools block is part of

@@ -240,6 +240,7 @@ def _prepare_call(body: ResponsesRequest, history: list[dict[str, Any]], state: 
         use_kv_cache=body.kv_cache_enabled(),
         kv_bits=body.kv_bits_requested(),
         adapter=body.adapter_requested(),
+        template_kwargs=body.template_kwargs(),
         ignored=ignored_fields(body),
         messages_field="input",
     )

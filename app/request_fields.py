@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    StringConstraints,
+)
 
 # OpenAI-style logit_bias keys: token ids as decimal strings (ASCII digits only:
 # "²".isdigit() is true and int("²") raises)
@@ -97,12 +105,61 @@ class AdapterSwitch(BaseModel):
     )
 
 
-class Envelope(SamplingFields, CacheSwitch, AdapterSwitch):
+# apply_chat_template's own arguments, and the template variables the server sets:
+# a client's value would collide with them (a TypeError) or undo them
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "sanitize_control_tokens",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def _template_kwargs(value: dict[str, Any]) -> dict[str, Any]:
+    if "chat_template" in value:
+        # a template is code the server runs: nested loops over range(100000) held
+        # a preparation thread for hours, and two of them every request after
+        raise ValueError(
+            "a chat template sent with a request is not accepted (it is code the server "
+            "would run); the model's own template is used"
+        )
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))
+    if reserved:
+        raise ValueError(
+            f"{', '.join(reserved)} cannot be set here: the server sets "
+            f"{'it' if len(reserved) == 1 else 'them'} (tools go in the request's tools)"
+        )
+    return value
+
+
+class TemplateSwitch(BaseModel):
+    chat_template_kwargs: (
+        Annotated[dict[str, JsonValue], AfterValidator(_template_kwargs)] | None
+    ) = Field(
+        None,
+        description="extra variables for the model's chat template (e.g. enable_thinking); "
+        "a chat_template of its own and apply_chat_template's arguments are refused",
+    )
+
+
+class Envelope(SamplingFields, CacheSwitch, AdapterSwitch, TemplateSwitch):
     """``extra_body`` / ``metadata``: free-form, but any sampling field inside is
     held to the same bounds as at the top level."""
 
 
-class EnvelopedSampling(SamplingFields, CacheSwitch, AdapterSwitch):
+class EnvelopedSampling(SamplingFields, CacheSwitch, AdapterSwitch, TemplateSwitch):
     """A request body whose sampling fields may also arrive in an envelope."""
 
     extra_body: Envelope | None = None
@@ -123,6 +180,15 @@ class EnvelopedSampling(SamplingFields, CacheSwitch, AdapterSwitch):
         value = self._enveloped("adapter")
         return None if value is None else str(value)
 
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's extra variables: top level over ``extra_body`` over
+        ``metadata``, key by key."""
+        merged: dict[str, Any] = {}
+        for scope in (getattr(self, "metadata", None), self.extra_body, self):
+            if isinstance(scope, TemplateSwitch) and scope.chat_template_kwargs:
+                merged.update(scope.chat_template_kwargs)
+        return merged
+
     def kv_cache_enabled(self) -> bool:
         return self._enveloped("use_kv_cache") is not False
 
@@ -142,7 +208,6 @@ class EnvelopedSampling(SamplingFields, CacheSwitch, AdapterSwitch):
 # template kwargs, session ids: see app.protocol.thinking and app.session_id)
 READ_EXTRAS = frozenset(
     {
-        "chat_template_kwargs",
         "enable_thinking",
         "thinking",
         "reasoning_effort",

@@ -170,6 +170,20 @@ def test_thinking_controls_reach_the_template(server, extra, expected):
     assert server.formatter.last_kwargs["enable_thinking"] is expected
 
 
+def test_template_kwargs_reach_the_template_top_level_over_envelopes(server):
+    server.openai().chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=1,
+        extra_body={
+            "chat_template_kwargs": {"style": "top", "only_top": 1},
+            "metadata": {"chat_template_kwargs": {"style": "meta", "only_meta": 2}},
+        },
+    )
+    kwargs = server.formatter.last_kwargs
+    assert (kwargs["style"], kwargs["only_top"], kwargs["only_meta"]) == ("top", 1, 2)
+
+
 def test_server_thinking_default_and_strip_thinking():
     app = serve_scripted(thinking="off", strip_thinking=True)
     with serve_app(app) as url:

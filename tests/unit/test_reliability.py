@@ -29,6 +29,9 @@ RESPONSES = "/v1/responses"
 COMPLETIONS = "/v1/completions"
 
 
+NESTED_LOOPS = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
 def chat(**extra):
     return {"messages": USER, "max_tokens": 2, **extra}
 
@@ -129,6 +132,25 @@ BAD = [
     (MESSAGES, anthropic(stream="yes"), "stream"),
     (CHAT, chat(stop=["a", "b", "c", "d", "e"]), "stop"),
     (CHAT, chat(stop="x" * 300), "stop"),
+    # a chat template is code the server runs: nested range(100000) loops held a
+    # preparation thread for hours, and two such requests wedged every later one
+    (CHAT, chat(chat_template_kwargs={"chat_template": NESTED_LOOPS}), "chat_template_kwargs"),
+    (
+        MESSAGES,
+        anthropic(extra_body={"chat_template_kwargs": {"chat_template": "x"}}),
+        "extra_body.chat_template_kwargs",
+    ),
+    (
+        RESPONSES,
+        responses(metadata={"chat_template_kwargs": {"chat_template": "x"}}),
+        "metadata.chat_template_kwargs",
+    ),
+    # apply_chat_template's own arguments (a TypeError, or the server's choice undone)
+    (CHAT, chat(chat_template_kwargs={"tokenize": True}), "chat_template_kwargs"),
+    (CHAT, chat(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
+    (CHAT, chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
+    (MESSAGES, anthropic(chat_template_kwargs={"tools": 5}), "chat_template_kwargs"),
+    (CHAT, chat(chat_template_kwargs="x"), "chat_template_kwargs"),  # was ignored
 ]
 
 
@@ -195,6 +217,8 @@ def test_good_requests_still_pass_through_every_envelope(base):
         (CHAT, chat(tools=[fn_tool("mcp__fs.read:v1")], tool_choice="required")),
         (CHAT, chat(logprobs=False, top_logprobs=0)),
         (CHAT, chat(tools=[fn_tool("user-profile/update")])),  # an MCP name (SEP-986)
+        (CHAT, chat(chat_template_kwargs={"enable_thinking": False, "documents": []})),
+        (MESSAGES, anthropic(extra_body={"chat_template_kwargs": {"custom_flag": [1, {"a": 2}]}})),
     ]:
         r = httpx.post(base + path, json=body)
         assert r.status_code == 200, (path, r.text)
