@@ -23,6 +23,8 @@ from pydantic import (
     StringConstraints,
 )
 
+from app.protocol.thinking import readable_switch
+
 # OpenAI-style logit_bias keys: token ids as decimal strings (ASCII digits only:
 # "²".isdigit() is true and int("²") raises)
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,9}$")]
@@ -144,6 +146,17 @@ def _template_kwargs(value: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
+Effort = Annotated[str, AfterValidator(readable_switch)]
+
+
+class ThinkingSwitch(BaseModel):
+    """The thinking switches outside the dialects' own fields (app.protocol.thinking):
+    a value that says neither on nor off is a 400, not the server default."""
+
+    enable_thinking: Annotated[bool | int | str, AfterValidator(readable_switch)] | None = None
+    reasoning_effort: Effort | None = Field(None, description="none = thinking off")
+
+
 class TemplateSwitch(BaseModel):
     chat_template_kwargs: (
         Annotated[dict[str, JsonValue], AfterValidator(_template_kwargs)] | None
@@ -154,12 +167,12 @@ class TemplateSwitch(BaseModel):
     )
 
 
-class Envelope(SamplingFields, CacheSwitch, AdapterSwitch, TemplateSwitch):
+class Envelope(SamplingFields, CacheSwitch, AdapterSwitch, TemplateSwitch, ThinkingSwitch):
     """``extra_body`` / ``metadata``: free-form, but any sampling field inside is
     held to the same bounds as at the top level."""
 
 
-class EnvelopedSampling(SamplingFields, CacheSwitch, AdapterSwitch, TemplateSwitch):
+class EnvelopedSampling(SamplingFields, CacheSwitch, AdapterSwitch, TemplateSwitch, ThinkingSwitch):
     """A request body whose sampling fields may also arrive in an envelope."""
 
     extra_body: Envelope | None = None
@@ -208,9 +221,7 @@ class EnvelopedSampling(SamplingFields, CacheSwitch, AdapterSwitch, TemplateSwit
 # template kwargs, session ids: see app.protocol.thinking and app.session_id)
 READ_EXTRAS = frozenset(
     {
-        "enable_thinking",
         "thinking",
-        "reasoning_effort",
         "reasoning",
         "session_id",
         "conversation",

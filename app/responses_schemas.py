@@ -14,7 +14,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.request_fields import Envelope, EnvelopedSampling, bounded_list
+from app.request_fields import Effort, Envelope, EnvelopedSampling, bounded_list
 from app.schemas import (
     MAX_NAME,
     MAX_PARTS,
@@ -119,7 +119,7 @@ class ResponsesToolChoice(BaseModel):
 
 class ReasoningConfig(BaseModel):
     model_config = STRICT
-    effort: str | None = None
+    effort: Effort | None = None
     summary: str | None = None
 
 

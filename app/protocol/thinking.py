@@ -29,7 +29,18 @@ _ON = {
 }
 
 
-def _flag(value: Any) -> bool | None:
+def readable_switch(value: Any) -> Any:
+    """A pydantic validator: a thinking switch a client sends must say on or off."""
+    if thinking_flag(value) is None:
+        raise ValueError(
+            f"{value!r} says neither on nor off; use true/false or one of "
+            f"{', '.join(sorted(_ON | _OFF))}"
+        )
+    return value
+
+
+def thinking_flag(value: Any) -> bool | None:
+    """On, off, or None when the value says neither."""
     if isinstance(value, bool):
         return value
     if isinstance(value, (int, float)):
@@ -44,7 +55,7 @@ def _flag(value: Any) -> bool | None:
     if isinstance(value, Mapping):  # Anthropic {"type": "enabled"|"disabled", ...}, {"effort": ...}
         for key in ("type", "effort", "enabled"):
             if key in value:
-                return _flag(value[key])
+                return thinking_flag(value[key])
     return None
 
 
@@ -58,7 +69,7 @@ def _from_fields(fields: Mapping[str, Any]) -> bool | None:
         fields.get("reasoning"),
     ]
     for value in candidates:
-        flag = _flag(value)
+        flag = thinking_flag(value)
         if flag is not None:
             return flag
     return None

@@ -151,6 +151,11 @@ BAD = [
     (CHAT, chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
     (MESSAGES, anthropic(chat_template_kwargs={"tools": 5}), "chat_template_kwargs"),
     (CHAT, chat(chat_template_kwargs="x"), "chat_template_kwargs"),  # was ignored
+    # a thinking switch that says neither on nor off was the server default, silently
+    (CHAT, chat(reasoning_effort="turbo"), "reasoning_effort"),
+    (CHAT, chat(enable_thinking=[1]), "enable_thinking"),
+    (RESPONSES, responses(reasoning={"effort": "max"}), "reasoning.effort"),
+    (MESSAGES, anthropic(metadata={"enable_thinking": "maybe"}), "metadata.enable_thinking"),
 ]
 
 
@@ -218,6 +223,8 @@ def test_good_requests_still_pass_through_every_envelope(base):
         (CHAT, chat(logprobs=False, top_logprobs=0)),
         (CHAT, chat(tools=[fn_tool("user-profile/update")])),  # an MCP name (SEP-986)
         (CHAT, chat(chat_template_kwargs={"enable_thinking": False, "documents": []})),
+        (CHAT, chat(reasoning_effort="xhigh", enable_thinking="on")),
+        (RESPONSES, responses(reasoning={"effort": "minimal"}, metadata={"enable_thinking": "0"})),
         (MESSAGES, anthropic(extra_body={"chat_template_kwargs": {"custom_flag": [1, {"a": 2}]}})),
     ]:
         r = httpx.post(base + path, json=body)
