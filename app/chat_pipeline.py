@@ -59,6 +59,7 @@ class ChatCall:
     kv_bits: int | None = None  # store (and reuse) this request's KV at this precision
     adapter: str | None = None  # a mounted LoRA adapter's id; None: the base model
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # checked at the boundary
+    logprobs: int | None = None  # None: none; N: each token's, with N alternatives
     messages_field: str = "messages"  # what the dialect calls them, for errors (Responses: input)
 
 
@@ -238,6 +239,7 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
         else None,
         adapter=adapter,
         images=image_inputs,
+        logprobs=call.logprobs,
     )
     if call.ignored:
         log.info("%s: ignored fields: %s", request.request_id, shown_names(call.ignored))

@@ -24,7 +24,13 @@ from app.protocol.tool_formats import ToolCall
 from app.state import AppState
 from observability.records import RequestRecord
 from scheduler.admission import RETRY_AFTER_S
-from scheduler.request import CacheReport, FinishReason, RequestOutput, RequestStats
+from scheduler.request import (
+    CacheReport,
+    FinishReason,
+    RequestOutput,
+    RequestStats,
+    TokenLogprob,
+)
 
 log = logging.getLogger("kvwarm.http")
 
@@ -54,8 +60,12 @@ class Outcome:
     stats: RequestStats | None = None
     cache: CacheReport | None = None  # what the prefix cache did (from the first token on)
     reasoning_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
+    logprobs_sent: int = 0  # how many a stream has sent so far
 
     def add_output(self, out: RequestOutput) -> None:
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
         self.completion_tokens = out.completion_tokens or self.completion_tokens
         self.cached_tokens = out.cached_tokens or self.cached_tokens
@@ -72,6 +82,12 @@ class Outcome:
             self.stats = out.stats
             if out.stats is not None:
                 self.cache = out.stats.cache
+
+    def unsent_logprobs(self) -> list[TokenLogprob]:
+        """The entries a stream has not sent yet (marked sent)."""
+        fresh = self.logprobs[self.logprobs_sent :]
+        self.logprobs_sent = len(self.logprobs)
+        return fresh
 
     def fail(self, error: str) -> None:
         """Ends the outcome as a failure of this request alone (an internal error)."""

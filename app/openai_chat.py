@@ -21,6 +21,7 @@ from app.chat_pipeline import (
 from app.content_parts import parts_content
 from app.errors import APIError, error_body
 from app.generation import Generation, Outcome, openai_tool_calls
+from app.logprobs_format import chat_logprobs
 from app.openapi_doc import CHAT_COMPLETION, generation_route
 from app.protocol.output_parser import Content, Event, Reasoning
 from app.protocol.tool_formats import ToolCall
@@ -58,8 +59,8 @@ def template_message(message: ChatMessage, index: int) -> dict[str, Any]:
 
 
 def chat_call(body: ChatCompletionRequest) -> ChatCall:
-    if body.logprobs or body.top_logprobs:  # as /v1/completions: refused, never a silent null
-        raise APIError(400, "logprobs are not supported yet.", param="logprobs")
+    if body.top_logprobs and not body.logprobs:  # as OpenAI: never a silent null
+        raise APIError(400, "top_logprobs needs logprobs set to true.", param="top_logprobs")
     tools = function_tools([t.model_dump(exclude_none=True) for t in body.tools or ()])
     return ChatCall(
         messages=[template_message(m, i) for i, m in enumerate(body.messages)],
@@ -74,6 +75,7 @@ def chat_call(body: ChatCompletionRequest) -> ChatCall:
         kv_bits=body.kv_bits_requested(),
         adapter=body.adapter_requested(),
         template_kwargs=body.template_kwargs(),
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         ignored=ignored_fields(body),
     )
 
@@ -114,7 +116,7 @@ async def chat_completions(http: HTTPRequest):
         if not await gen.start(http):
             return Response(status_code=499)  # the client left while queued
         return StreamingResponse(
-            _stream_chunks(gen, meta, include_usage),
+            _stream_chunks(gen, meta, include_usage, bool(body.logprobs)),
             media_type="text/event-stream",
             headers={**SSE_HEADERS, **gen.response_headers()},
         )
@@ -138,7 +140,12 @@ async def chat_completions(http: HTTPRequest):
             **meta,
             "object": "chat.completion",
             "choices": [
-                {"index": 0, "message": message, "logprobs": None, "finish_reason": done.stop_kind}
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": chat_logprobs(done.logprobs) if body.logprobs else None,
+                    "finish_reason": done.stop_kind,
+                }
             ],
             "usage": usage(done),
         },
@@ -155,13 +162,27 @@ def _chunk(meta: dict[str, Any], delta: Any, finish: str | None) -> dict[str, An
 
 
 async def _stream_chunks(
-    gen: Generation, meta: dict[str, Any], include_usage: bool
+    gen: Generation, meta: dict[str, Any], include_usage: bool, logprobs: bool
 ) -> AsyncIterator[str]:
     usage_field = {"usage": None} if include_usage else {}
     done = gen.outcome
     calls = 0
     first = {"role": "assistant", "content": "", "message_id": gen.request_id}
-    chunk = FrameTemplate({**_chunk(meta, FrameTemplate.HOLE, None), **usage_field})
+    template = FrameTemplate({**_chunk(meta, FrameTemplate.HOLE, None), **usage_field})
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        if not logprobs:
+            return (
+                template(delta)
+                if finish is None
+                else sse_data({**_chunk(meta, delta, finish), **usage_field})
+            )
+        # the tokens generated since the last chunk ride on this one (a token whose
+        # text the parser held back, think tags and tool markup included)
+        payload = _chunk(meta, delta, finish)
+        payload["choices"][0]["logprobs"] = chat_logprobs(done.unsent_logprobs())
+        return sse_data({**payload, **usage_field})
+
     yield sse_data({**_chunk(meta, first, None), **usage_field})
 
     def frame(event: Event) -> str:
@@ -182,7 +203,7 @@ async def _stream_chunks(
         err = done.failure()
         yield sse_data(error_body(err.message, err.error_type, err.code))
     elif done.finish_reason is not None:
-        yield sse_data({**_chunk(meta, {}, done.stop_kind), **usage_field})
+        yield chunk({}, done.stop_kind)
         if include_usage:
             yield sse_data(
                 {**meta, "object": "chat.completion.chunk", "choices": [], "usage": usage(done)}

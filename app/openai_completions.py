@@ -17,6 +17,7 @@ from app.chat_pipeline import Prepared
 from app.errors import APIError, error_body
 from app.generation import Generation
 from app.generation_params import resolve_max_tokens, resolve_sampling
+from app.logprobs_format import CompletionLogprobs
 from app.openai_chat import usage
 from app.openapi_doc import TEXT_COMPLETION, generation_route
 from app.protocol.output_parser import Event, OutputParser, Syntax
@@ -46,8 +47,13 @@ def _prompt_tokens(prompt: str | list[int], state: AppState) -> list[int]:
 
 
 def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Prepared:
-    if body.logprobs:
-        raise APIError(400, "logprobs are not supported yet.", param="logprobs")
+    if body.logprobs is not None and body.echo:
+        raise APIError(
+            400,
+            "logprobs with echo would need the prompt's log probabilities, which are not "
+            "computed; send one or the other.",
+            param="logprobs",
+        )
     if body.suffix:
         raise APIError(400, "suffix (fill-in-the-middle) is not supported.", param="suffix")
     prompt = body.prompt_value
@@ -70,6 +76,7 @@ def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Pre
             session_id_from(body.model_extra or {}, headers) or fallback_session_id(key.canonical),
         ),
         adapter=adapter,
+        logprobs=body.logprobs,
     )
     return Prepared(
         request,
@@ -103,7 +110,7 @@ async def completions(http: HTTPRequest):
         if not await gen.start(http):
             return Response(status_code=499)  # the client left while queued
         return StreamingResponse(
-            _stream(gen, meta, echo, include_usage),
+            _stream(gen, meta, echo, include_usage, body.logprobs is not None),
             media_type="text/event-stream",
             headers={**SSE_HEADERS, **gen.response_headers()},
         )
@@ -113,7 +120,7 @@ async def completions(http: HTTPRequest):
     choice = {
         "text": echo + done.content,
         "index": 0,
-        "logprobs": None,
+        "logprobs": None if body.logprobs is None else CompletionLogprobs().take(done.logprobs),
         "finish_reason": done.stop_kind,
     }
     return JSONResponse(
@@ -126,10 +133,23 @@ def _choice(text: str, finish: str | None) -> dict[str, Any]:
 
 
 async def _stream(
-    gen: Generation, meta: dict[str, Any], echo: str, include_usage: bool
+    gen: Generation, meta: dict[str, Any], echo: str, include_usage: bool, logprobs: bool
 ) -> AsyncIterator[str]:
     usage_field = {"usage": None} if include_usage else {}
-    chunk = FrameTemplate({**meta, "choices": [_choice(FrameTemplate.HOLE, None)], **usage_field})
+    template = FrameTemplate(
+        {**meta, "choices": [_choice(FrameTemplate.HOLE, None)], **usage_field}
+    )
+    done = gen.outcome
+    arrays = CompletionLogprobs()
+
+    def chunk(text: str, finish: str | None = None) -> str:
+        if not logprobs and finish is None:
+            return template(text)
+        choice = _choice(text, finish)
+        if logprobs:  # the tokens generated since the last chunk ride on this one
+            choice["logprobs"] = arrays.take(done.unsent_logprobs())
+        return sse_data({**meta, "choices": [choice], **usage_field})
+
     if echo:
         yield sse_data({**meta, "choices": [_choice(echo, None)], **usage_field})
 
@@ -138,12 +158,11 @@ async def _stream(
 
     async for frames in framed(gen.events(), frame):
         yield frames
-    done = gen.outcome
     if done.failed:
         err = done.failure()
         yield sse_data(error_body(err.message, err.error_type, err.code))
     elif done.finish_reason is not None:
-        yield sse_data({**meta, "choices": [_choice("", done.stop_kind)], **usage_field})
+        yield chunk("", done.stop_kind)
         if include_usage:
             yield sse_data({**meta, "choices": [], "usage": usage(done)})
     yield SSE_DONE

@@ -204,8 +204,10 @@ class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: bounded_list(ChatTool, MAX_TOOLS) | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
-    logprobs: bool | None = Field(None, description="not supported (400 when true)")
-    top_logprobs: int | None = Field(None, ge=0, le=20, description="not supported (400 above 0)")
+    logprobs: bool | None = Field(None, description="return each generated token's log probability")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="and this many likeliest alternatives (needs logprobs)"
+    )
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -219,7 +221,13 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(min_
 class CompletionRequest(GenerationFields):
     prompt: Annotated[str, Field(min_length=1)] | bounded_list(str, 1, min_items=1) | TokenIds
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=10, description="not supported (400 above 0)")
+    logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="return each token's log probability and this many likeliest "
+        "alternatives (not with echo)",
+    )
     suffix: str | None = Field(None, description="fill-in-the-middle: not supported (400)")
 
     @field_validator("prompt", mode="before")

@@ -32,6 +32,7 @@ from engine.mrope import positioned
 from engine.row_faults import FaultLedger, GuardedProcessor, GuardedSampler
 from engine.sampling import SamplerFactory
 from engine.text_output import TextOutput
+from engine.token_logprobs import token_logprob, token_pieces
 from engine.vision import VisionPrefill
 from kvcache.manager import TieredKVManager
 from kvcache.payloads import plain_kv_only
@@ -157,6 +158,7 @@ class BatchRunner:
         self.tokenizer = tokenizer
         self.prefix_cache = prefix_cache
         self._detokenizer = detokenizer_factory(tokenizer)
+        self._pieces = token_pieces(tokenizer)
         # a step fault nobody owned is recovered from by re-running rows alone; a
         # sharded model cannot (the other ranks would have to probe the same rows)
         self.recoverable = True
@@ -585,6 +587,9 @@ class BatchRunner:
         eos = resp.finish_reason == "stop"  # only EOS tokens are token-level stops
         text = "" if eos else row.text.add_token(token)
         out = row.output(text, (token,), at=now)
+        top = row.request.logprobs
+        if top is not None and not eos:  # an EOS adds no text: it has no entry
+            out.logprobs = (token_logprob(resp.logprobs, token, top, self._pieces),)
         if row.first_token_at is None:
             row.first_token_at = now
             out.ttft = now - row.request.arrival_time

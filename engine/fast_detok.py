@@ -92,7 +92,7 @@ class TableBPEDetokenizer(BPEStreamingDetokenizer):
             self._segment += piece
 
 
-def _token_bytes(token: str) -> bytes:
+def bpe_token_bytes(token: str) -> bytes:
     """mlx-lm's ``_decode_bytes`` for one token, kept exact (its falsy-0 quirk included)."""
     decoder = _byte_decoder()
     out = bytearray()
@@ -114,7 +114,7 @@ def detokenizer_factory(tokenizer: Any) -> Callable[[], Any]:
         return lambda: tokenizer.detokenizer
     decoder = _byte_decoder()
     tokens = [t if isinstance(t, str) else "" for t in template.tokenmap]
-    table = [_token_bytes(t) for t in tokens]
+    table = [bpe_token_bytes(t) for t in tokens]
     lone = [len(t) == 1 and decoder.get(t) == SPACE for t in tokens]
     proto = TableBPEDetokenizer(template, table, lone)
 

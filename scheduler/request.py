@@ -82,6 +82,26 @@ class ImageInput:
         return self.start + len(self.tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class TokenChoice:
+    """A token and its log probability, with its bytes (a token may be part of a
+    UTF-8 character: the bytes say exactly what it contributes)."""
+
+    token_id: int
+    logprob: float
+    piece: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One generated token's log probability and the likeliest alternatives at its
+    step (most likely first), as the sampler saw them: after logit_bias and the
+    penalties, before temperature."""
+
+    chosen: TokenChoice
+    top: tuple[TokenChoice, ...] = ()
+
+
 @dataclass
 class Request:
     """One generation job. ``prompt_tokens`` are exactly what the model sees."""
@@ -97,6 +117,8 @@ class Request:
     cache: CacheHints | None = None  # None: this request neither reads nor feeds the cache
     adapter: str | None = None  # a mounted LoRA adapter's id; None: the base model
     images: tuple[ImageInput, ...] = ()  # in prompt order (vision models)
+    # None: no log probabilities; N: each token's, and its N likeliest alternatives
+    logprobs: int | None = None
     request_id: str = field(default_factory=next_request_id)
     arrival_time: float = field(default_factory=time.monotonic)
     state: RequestState = RequestState.WAITING
@@ -166,6 +188,7 @@ class RequestOutput:
     cache: CacheReport | None = None  # what the prefix cache did, on the first token's output
     stop_sequence: str | None = None  # the stop string that ended it (finish STOP)
     stats: RequestStats | None = None  # on the final output of a request the engine ran
+    logprobs: tuple[TokenLogprob, ...] = ()  # per token of ``token_ids``, when requested
     # when the engine produced it (monotonic): inter-token gaps are measured here,
     # not when the HTTP loop gets round to reading the queue
     at: float = field(default_factory=time.monotonic)

@@ -236,3 +236,35 @@ def test_completion_continues_the_prompt_with_its_own_spacing(client):
     assert text.startswith(prompt) and len(text) > len(prompt)
     # the first generated word is not glued to the prompt ("...isParis.")
     assert not text[len(prompt)].isalnum(), text
+
+
+def test_logprobs_on_the_real_model(client):
+    """Each generated token's bytes, in order, spell the reply; the chosen greedy
+    token is the likeliest; streamed entries are the same as the whole reply's."""
+    kw = dict(model="m", messages=QUESTION, temperature=0, max_tokens=12)
+    r = client.chat.completions.create(logprobs=True, top_logprobs=3, **kw)
+    choice = r.choices[0]
+    entries = choice.logprobs.content
+    assert len(entries) == r.usage.completion_tokens - (choice.finish_reason == "stop")
+    spelled = b"".join(bytes(e.bytes) for e in entries).decode()
+    assert spelled.lstrip() == choice.message.content  # a chat reply drops its first space
+    for e in entries:
+        assert e.top_logprobs[0].token == e.token and len(e.top_logprobs) == 3
+        assert e.logprob <= 0 and e.top_logprobs[0].logprob >= e.top_logprobs[2].logprob
+    chunks = list(client.chat.completions.create(logprobs=True, stream=True, **kw))
+    streamed = [
+        e.token
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert streamed == [e.token for e in entries]
+
+    c = client.completions.create(
+        model="m", prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=2
+    )
+    lp = c.choices[0].logprobs
+    assert "".join(lp.tokens) == c.choices[0].text and len(lp.tokens) == 5
+    assert [c.choices[0].text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens)] == [
+        True
+    ] * 5

@@ -19,7 +19,15 @@ from scheduler.contracts import (
     AdapterNotFound,
     ModelInfo,
 )
-from scheduler.request import CacheReport, FinishReason, Request, RequestOutput, RequestStats
+from scheduler.request import (
+    CacheReport,
+    FinishReason,
+    Request,
+    RequestOutput,
+    RequestStats,
+    TokenChoice,
+    TokenLogprob,
+)
 from scheduler.scheduler import Scheduler
 from scheduler.step_timings import StepTimings
 from scheduler.streams import OutputRouter
@@ -155,9 +163,12 @@ class FakeRunner:
                 stats = RequestStats(
                     waited, self.step_delay, max(0.0, now - joined - self.step_delay), report
                 )
-            outputs.append(
-                RequestOutput(rid, text, (n,), finish, len(req.prompt_tokens), n, stats=stats)
-            )
+            out = RequestOutput(rid, text, (n,), finish, len(req.prompt_tokens), n, stats=stats)
+            if req.logprobs is not None:  # the chosen token first, then made-up alternatives
+                chosen = TokenChoice(n, -0.25, text.encode())
+                alts = [TokenChoice(10_000 + i, -1.0 - i, f"alt{i}".encode()) for i in range(20)]
+                out.logprobs = (TokenLogprob(chosen, tuple([chosen, *alts][: req.logprobs])),)
+            outputs.append(out)
             if finish:
                 del self._active[rid]
         self.generated_tokens += len(outputs)

@@ -212,8 +212,8 @@ def test_legacy_completions(server):
         if c.choices
     )
     assert streamed == r.choices[0].text
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="m", prompt="x", max_tokens=2, logprobs=2)
+    with pytest.raises(openai.BadRequestError):  # the prompt's logprobs are not computed
+        client.completions.create(model="m", prompt="x", max_tokens=2, logprobs=2, echo=True)
 
 
 def test_preserve_thinking_is_passed_to_templates_that_read_it():

@@ -102,10 +102,12 @@ BAD = [
     (CHAT, chat(tool_choice="required"), "tool_choice"),
     (MESSAGES, anthropic(tool_choice={"type": "any"}), "tool_choice"),
     (RESPONSES, responses(tool_choice="required"), "tool_choice"),
-    # chat's logprobs: typed, bounded, and refused like completions' (not a silent null)
+    # chat's logprobs: typed and bounded; alternatives without logprobs are no silent null
     (CHAT, chat(logprobs="x"), "logprobs"),
-    (CHAT, chat(top_logprobs=50), "top_logprobs"),
-    (CHAT, chat(logprobs=True), "logprobs"),
+    (CHAT, chat(logprobs=True, top_logprobs=50), "top_logprobs"),
+    (CHAT, chat(top_logprobs=2), "top_logprobs"),
+    (COMPLETIONS, completion(logprobs=21), "logprobs"),
+    (COMPLETIONS, completion(logprobs=1, echo=True), "logprobs"),
     # a failed field named as the client wrote it, not by the union branch pydantic tried
     (
         CHAT,

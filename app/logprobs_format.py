@@ -1,0 +1,61 @@
+"""Token log probabilities in OpenAI's two wire shapes: chat's ``logprobs.content``
+list and legacy completions' parallel arrays (tokens, token_logprobs,
+top_logprobs, text_offset)."""
+
+from __future__ import annotations
+
+import codecs
+from typing import Any
+
+from scheduler.request import TokenChoice, TokenLogprob
+
+# what OpenAI reports for a token the processors ruled out (-inf is not JSON)
+FLOOR = -9999.0
+
+
+def _value(choice: TokenChoice) -> float:
+    return max(choice.logprob, FLOOR)
+
+
+def _text(choice: TokenChoice) -> str:
+    # a token inside a UTF-8 character has no text of its own: its bytes say it
+    return choice.piece.decode("utf-8", "replace")
+
+
+def _chat_choice(choice: TokenChoice) -> dict[str, Any]:
+    return {"token": _text(choice), "logprob": _value(choice), "bytes": list(choice.piece)}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """A chat choice's ``logprobs``: one item per generated token."""
+    return {
+        "content": [
+            {**_chat_choice(e.chosen), "top_logprobs": [_chat_choice(t) for t in e.top]}
+            for e in entries
+        ]
+    }
+
+
+class CompletionLogprobs:
+    """Legacy completions' arrays, built a token at a time: ``text_offset`` is each
+    token's character offset in the choice's text (after ``start`` characters of
+    echoed prompt), counting a character once it is complete."""
+
+    def __init__(self, start: int = 0):
+        self._offset = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def take(self, entries: list[TokenLogprob]) -> dict[str, Any]:
+        tokens, values, tops, offsets = [], [], [], []
+        for e in entries:
+            tokens.append(_text(e.chosen))
+            values.append(_value(e.chosen))
+            tops.append({_text(t): _value(t) for t in e.top})
+            offsets.append(self._offset)
+            self._offset += len(self._decoder.decode(e.chosen.piece))
+        return {
+            "tokens": tokens,
+            "token_logprobs": values,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }

@@ -1,0 +1,98 @@
+"""Token log probabilities over HTTP in OpenAI's two shapes (model-free engine:
+each token is a word, its alternatives made up): every generated token has one
+entry, streamed chunks add up to the whole answer, and requests that do not ask
+get none."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from app.server import create_app
+from app.settings import Settings
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.http_server import serve_app
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def base() -> Iterator[str]:
+    app = create_app(Settings(_env_file=None), lambda s, r: FakeEngine(s, r, eos_after=10_000))
+    with serve_app(app) as url:
+        yield url
+
+
+def stream(base: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", base + path, json={**body, "stream": True}, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_chat_logprobs_cover_every_token_with_their_alternatives(base):
+    body = {"messages": USER, "max_tokens": 5, "logprobs": True, "top_logprobs": 3}
+    choice = httpx.post(base + "/v1/chat/completions", json=body).json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert [e["token"] for e in content] == ["w0 ", "w1 ", "w2 ", "w3 ", "w4 "]
+    assert "".join(e["token"] for e in content).strip() == choice["message"]["content"].strip()
+    for e in content:
+        assert e["bytes"] == list(e["token"].encode()) and e["logprob"] == -0.25
+        assert [t["token"] for t in e["top_logprobs"]] == [e["token"], "alt0", "alt1"]
+        assert [t["logprob"] for t in e["top_logprobs"]] == [-0.25, -1.0, -2.0]
+
+
+def test_streamed_chat_logprobs_add_up_to_the_whole_answer(base):
+    body = {"messages": USER, "max_tokens": 6, "logprobs": True, "top_logprobs": 1}
+    whole = httpx.post(base + "/v1/chat/completions", json=body).json()["choices"][0]
+    chunks = stream(base, "/v1/chat/completions", body)
+    assert chunks[0]["choices"][0]["logprobs"] is None  # the role's chunk: no token yet
+    streamed = [e for c in chunks[1:] for e in c["choices"][0]["logprobs"]["content"]]
+    assert streamed == whole["logprobs"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_no_logprobs_unless_asked(base):
+    r = httpx.post(base + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2})
+    assert r.json()["choices"][0]["logprobs"] is None
+    chunks = stream(base, "/v1/chat/completions", {"messages": USER, "max_tokens": 2})
+    assert all(c["choices"][0]["logprobs"] is None for c in chunks if c["choices"])
+    r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.json()["choices"][0]["logprobs"] is None
+
+
+def test_the_openai_sdk_reads_them(base):
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x")
+    r = client.chat.completions.create(
+        model="m", messages=USER, max_tokens=2, logprobs=True, top_logprobs=2
+    )
+    first = r.choices[0].logprobs.content[0]
+    assert first.token == "w0 " and first.top_logprobs[1].token == "alt0"
+
+
+def test_completion_logprobs_arrays_and_text_offsets(base):
+    body = {"prompt": "x", "max_tokens": 4, "logprobs": 2}
+    choice = httpx.post(base + "/v1/completions", json=body).json()["choices"][0]
+    lp = choice["logprobs"]
+    assert lp["tokens"] == ["w0 ", "w1 ", "w2 ", "w3 "]
+    assert lp["token_logprobs"] == [-0.25] * 4
+    assert lp["top_logprobs"][0] == {"w0 ": -0.25, "alt0": -1.0}
+    assert lp["text_offset"] == [0, 3, 6, 9]
+    assert all(choice["text"][o:].startswith(t) for o, t in zip(lp["text_offset"], lp["tokens"]))
+    chunks = stream(base, "/v1/completions", body)
+    joined: dict[str, list] = {k: [] for k in lp}
+    for c in chunks:
+        for k in lp:
+            joined[k] += c["choices"][0]["logprobs"][k]
+    assert joined == lp
+
+
+def test_completion_logprobs_zero_gives_the_chosen_tokens_only(base):
+    body = {"prompt": "x", "max_tokens": 2, "logprobs": 0}
+    lp = httpx.post(base + "/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == [-0.25, -0.25] and lp["top_logprobs"] == [{}, {}]
