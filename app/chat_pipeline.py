@@ -9,7 +9,6 @@ the same tokens for the same conversation and hit the same cached prefixes.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from app.protocol.tool_schema import ToolChoice
 from app.request_fields import SamplingFields
 from app.session_id import session_id_from
 from app.state import AppState
-from kvcache.healing import context_of
+from kvcache.healing import context_of, decoded_arguments
 from kvcache.index import VolatilePolicy
 from kvcache.prompt_key import PromptKey, RenderedPrompt
 from kvcache.sessions import fallback_session_id
@@ -92,11 +91,8 @@ def template_tool_calls(calls: Any) -> list[dict[str, Any]] | None:
     for call in calls:
         fn = dict(call.get("function") or {})
         args = fn.get("arguments")
-        if isinstance(args, str):
-            try:
-                fn["arguments"] = json.loads(args) if args.strip() else {}
-            except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
-                pass  # a template can still print the string
+        if isinstance(args, str):  # not JSON, or too deep: a template can print the string
+            fn["arguments"] = decoded_arguments(args) if args.strip() else {}
         out.append({**call, "type": call.get("type", "function"), "function": fn})
     return out
 

@@ -21,6 +21,34 @@ from typing import Any
 from kvcache.volatile_rules import tag_blocks
 
 _OPEN, _CLOSE = "<think>", "</think>"
+# deeper arguments stay the string they are: json.loads takes ~1,000 levels but
+# dumping them again (here, or a template's tojson) overflows the stack a few
+# levels deeper, a 500 after the parse had succeeded
+MAX_ARGUMENT_DEPTH = 64
+
+
+def decoded_arguments(text: str) -> Any:
+    """A tool call's arguments string as the JSON value it holds, or the string
+    itself when it is not JSON or nests deeper than ``MAX_ARGUMENT_DEPTH``."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return value if _nests_within(value, MAX_ARGUMENT_DEPTH) else text
+
+
+def _nests_within(value: Any, limit: int) -> bool:
+    level = [value]
+    for _ in range(limit + 1):
+        level = [
+            child
+            for v in level
+            if isinstance(v, (dict, list))
+            for child in (v.values() if isinstance(v, dict) else v)
+        ]
+        if not level:
+            return True
+    return False
 
 
 def visible_form(content: str) -> str:
@@ -47,10 +75,7 @@ def canonical_tool_calls(tool_calls: Sequence[dict[str, Any]] | None) -> str:
         fn = call.get("function") or {}
         args = fn.get("arguments")
         if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except (ValueError, RecursionError):  # compared as the string it is
-                pass
+            args = decoded_arguments(args)  # or compared as the string it is
         out.append([fn.get("name"), args])
     return json.dumps(out, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 

@@ -264,8 +264,11 @@ def test_numbers_json_cannot_carry_are_refused_wherever_they_sit(base, path, tem
     assert httpx.get(base + "/health").status_code == 200
 
 
-def test_tool_call_arguments_nested_past_the_json_parsers_depth_are_passed_as_text(base):
-    deep = "[" * 5000 + "]" * 5000
+@pytest.mark.parametrize("depth", [5000, 983, 900, 65])
+def test_tool_call_arguments_nested_past_the_json_parsers_depth_are_passed_as_text(base, depth):
+    """5,000 levels fail to parse; ~983 parse, then overflowed the stack when dumped
+    again (healing, a template's tojson): a 500 after the parse had succeeded."""
+    deep = "[" * depth + "]" * depth
     r = httpx.post(base + CHAT, json=assistant_call({"name": "f", "arguments": deep}))
     assert r.status_code == 200, r.text
     items = [
@@ -275,6 +278,17 @@ def test_tool_call_arguments_nested_past_the_json_parsers_depth_are_passed_as_te
     ]
     r = httpx.post(base + RESPONSES, json=responses(input=items))
     assert r.status_code == 200, r.text
+
+
+def test_arguments_are_decoded_up_to_their_depth_limit():
+    from kvcache.healing import MAX_ARGUMENT_DEPTH, decoded_arguments
+
+    shallow = "[" * MAX_ARGUMENT_DEPTH + "]" * MAX_ARGUMENT_DEPTH
+    assert isinstance(decoded_arguments(shallow), list)
+    deeper = '{"a":' * (MAX_ARGUMENT_DEPTH + 2) + "1" + "}" * (MAX_ARGUMENT_DEPTH + 2)
+    assert decoded_arguments(deeper) == deeper
+    assert decoded_arguments('{"city": "Oslo"}') == {"city": "Oslo"}
+    assert decoded_arguments("not json") == "not json"
 
 
 def test_a_million_tiny_values_are_refused_before_parsing(base):
