@@ -337,34 +337,58 @@ class Part:
 
 
 @dataclass(frozen=True)
+class Conversation:
+    """Digests of a request's template kwargs and of each of its messages: what a
+    snapshot keeps and compares instead of the objects. Holding those let a tool
+    description or a field the template never renders (30 MB each) escape the
+    store's byte bound: 70 requests held 9.4 GB."""
+
+    kwargs: bytes
+    messages: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, messages: Sequence[dict[str, Any]], kwargs: dict[str, Any]) -> Conversation | None:
+        """None when a value has no stable JSON form (keys that do not sort)."""
+        try:
+            return cls(_digest(kwargs), tuple(_digest(m) for m in messages))
+        except (TypeError, ValueError, RecursionError):
+            return None
+
+    @property
+    def key(self) -> bytes | None:
+        """Where to look for snapshots: the kwargs and the first message."""
+        if not self.messages:
+            return None
+        return hashlib.blake2b(self.kwargs + self.messages[0], digest_size=16).digest()
+
+
+# messages come from JSON: no cycles to check for (a third of the encoding's time)
+_ENCODER = json.JSONEncoder(sort_keys=True, default=repr, check_circular=False)
+
+
+def _digest(value: Any) -> bytes:
+    return hashlib.blake2b(_ENCODER.encode(value).encode(), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
 class Snapshot:
-    """What one request computed, for later turns of its conversation. ``messages``
-    are the formatter's own copies as rendered; nothing here is mutated."""
+    """What one request computed, for later turns of its conversation."""
 
     key: bytes
-    kwargs: dict[str, Any]
-    messages: list[dict[str, Any]]
+    conversation: Conversation
     text: str
     walk: Walk
     parts: tuple[Part, ...]
     tokens: Tokens
 
     @property
+    def messages(self) -> tuple[bytes, ...]:
+        return self.conversation.messages
+
+    @property
     def nbytes(self) -> int:
-        # the text, message contents it holds alive (about as large), the
-        # token arrays and per-message records
-        return 2 * sys.getsizeof(self.text) + 32 * len(self.tokens.ids) + 512 * len(self.messages)
-
-
-def snapshot_key(messages: Sequence[dict[str, Any]], kwargs: dict[str, Any]) -> bytes | None:
-    """Cheap fingerprint of a conversation: template kwargs and first message."""
-    if not messages:
-        return None
-    try:
-        raw = json.dumps([kwargs, messages[0]], sort_keys=True, default=repr)
-    except (TypeError, ValueError):  # keys that do not sort: no snapshots
-        return None
-    return hashlib.blake2b(raw.encode(), digest_size=16).digest()
+        # the text, the token arrays and per-message records (digest, part, walk)
+        return sys.getsizeof(self.text) + 32 * len(self.tokens.ids) + 512 * len(self.messages)
 
 
 def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:

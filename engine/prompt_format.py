@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from engine.chat_render import (
+    Conversation,
     OffsetEncoder,
     Part,
     Snapshot,
@@ -31,7 +32,6 @@ from engine.chat_render import (
     fallback_budget,
     locate,
     merge_ranges,
-    snapshot_key,
     token_range,
 )
 from kvcache.healing import canonical_tool_calls
@@ -63,7 +63,6 @@ class ChatFormatter:
 
     Safe to call from several threads at once: the fast tokenizer is
     thread-safe, the snapshot store is locked, and no MLX is involved.
-    Messages passed in must not be mutated afterwards (snapshots compare them).
     """
 
     def __init__(self, tokenizer, context_length: int | None = None):
@@ -106,8 +105,9 @@ class ChatFormatter:
             return RenderedPrompt(PromptKey.build(self.encode(text)), tail=text[-TAIL_CHARS:])
         text = self._template(messages, True, template_kwargs)
         self.check_length(text)
-        key = snapshot_key(messages, template_kwargs)
-        base, reused = self._reusable(key, messages, template_kwargs, text)
+        conversation = Conversation.of(messages, template_kwargs)
+        key = conversation.key if conversation is not None else None
+        base, reused = self._reusable(key, conversation, text)
         walk = base.walk.prefix(reused) if base else Walk()
         locate(self._template, messages, text, template_kwargs, walk)
         if base:
@@ -123,8 +123,8 @@ class ChatFormatter:
             return RenderedPrompt(PromptKey.build(ids), tail=text[-TAIL_CHARS:])
         old = base.parts[:reused] if base else ()
         parts = self._parts(messages, text, walk, tokens, old, kept)
-        if key is not None:
-            snapshot = Snapshot(key, template_kwargs, messages, text, walk, parts, tokens)
+        if key is not None and conversation is not None:
+            snapshot = Snapshot(key, conversation, text, walk, parts, tokens)
             self._snapshots.put(snapshot, parent=base)
         return RenderedPrompt(
             self._key(tokens, parts), tuple(p.hash for p in parts), tail=text[-TAIL_CHARS:]
@@ -159,17 +159,19 @@ class ChatFormatter:
             return ""
 
     def _reusable(
-        self, key: bytes | None, messages: list[dict[str, Any]], kwargs: dict[str, Any], text: str
+        self, key: bytes | None, conversation: Conversation | None, text: str
     ) -> tuple[Snapshot | None, int]:
         """The snapshot sharing the most placed messages with this request, and
         how many of them it places as this request's own placing would."""
         best, reused = None, 0
-        for snapshot in self._snapshots.candidates(key) if key is not None else ():
-            if snapshot.kwargs != kwargs:
+        if key is None or conversation is None:
+            return None, 0
+        for snapshot in self._snapshots.candidates(key):
+            if snapshot.conversation.kwargs != conversation.kwargs:
                 continue
             # its last message was placed as the last one (generation prompt after it)
             k = min(
-                common_prefix(snapshot.messages, messages),
+                common_prefix(snapshot.messages, conversation.messages),
                 snapshot.walk.placed,
                 len(snapshot.messages) - 1,
             )

@@ -543,13 +543,17 @@ def test_snapshot_store_is_bounded():
         empty = array("q")
         tokens = Tokens(empty, empty, empty, empty, True)
         messages = [{"role": "user", "content": str(i)}] if messages is None else messages
-        return chat_render.Snapshot(b"k", {}, messages, f"text {i}", chat_render.Walk(), (), tokens)
+        seen[i] = messages
+        conversation = chat_render.Conversation.of(messages, {})
+        return chat_render.Snapshot(b"k", conversation, f"text {i}", chat_render.Walk(), (), tokens)
+
+    seen: dict[int, list[dict]] = {}
 
     snaps = [snap(i) for i in range(5)]
     for s in snaps:
         store.put(s)
     assert [s.text for s in store.candidates(b"k")] == ["text 2", "text 3", "text 4"]
-    store.put(snap(5, [*snaps[3].messages, {"role": "user", "content": "next"}]), snaps[3])
+    store.put(snap(5, [*seen[3], {"role": "user", "content": "next"}]), snaps[3])
     assert [s.text for s in store.candidates(b"k")] == ["text 2", "text 4", "text 5"]
     store.put(snap(6), snaps[4])  # a branch: its parent stays
     assert [s.text for s in store.candidates(b"k")] == ["text 4", "text 5", "text 6"]
@@ -557,6 +561,36 @@ def test_snapshot_store_is_bounded():
     for s in snaps:
         small.put(s)
     assert len(small.candidates(b"k")) == 2
+
+
+def test_snapshots_hold_digests_not_what_the_client_sent(tokenizers):
+    """A 30 MB tool description (or a field the template never renders) was held by
+    every snapshot, uncounted by the store's byte bound: 70 requests pinned 9.4 GB.
+    Snapshots now keep digests, so what they hold follows what was rendered."""
+    import gc
+    import tracemalloc
+
+    formatter = ChatFormatter(tokenizers["smollm2"], context_length=4096)
+    tracemalloc.start()
+    try:
+        for i in range(3):
+            big = "x" * (4 << 20) + "\U0001f600"  # 16 MB as a Python string
+            messages = [{"role": "user", "content": f"hi {i}", "name": big}]
+            formatter.render_chat(messages, tools=[{"type": "function", "function": {"name": big}}])
+            del big, messages
+        gc.collect()
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < 8 << 20, held
+    # a later turn still builds on its conversation's snapshot
+    first = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    formatter.render_chat(first)
+    later = [*first, {"role": "user", "content": "q2"}]
+    conversation = chat_render.Conversation.of(later, {})
+    text = formatter._template(later, True, {})
+    base, reused = formatter._reusable(conversation.key, conversation, text)
+    assert base is not None and reused >= 1
 
 
 def test_a_prompt_no_context_could_hold_is_refused_before_tokenising(tokenizers):
