@@ -593,6 +593,33 @@ def test_snapshots_hold_digests_not_what_the_client_sent(tokenizers):
     assert base is not None and reused >= 1
 
 
+def test_a_prompt_whose_head_is_over_the_context_is_refused_before_tokenising_it_all(
+    tokenizers,
+):
+    """Digits are a token each: 650 KB of them passed the character bound and took
+    4 s of tokenising to refuse. Only the head is tokenised now."""
+    from engine.prompt_format import PROBE_CHARS_PER_TOKEN
+
+    formatter = ChatFormatter(tokenizers["smollm2"], context_length=64)
+    head = PROBE_CHARS_PER_TOKEN * 65
+    seen: list[int] = []
+    encode = formatter._encode
+    formatter._encode = lambda text, add_special_tokens: (
+        seen.append(len(text)) or encode(text, add_special_tokens)
+    )
+    formatter._encoder.encode = lambda text: pytest.fail("tokenised whole")
+    with pytest.raises(ContextLengthExceeded, match=f"first {head} characters"):
+        formatter.render_chat([{"role": "user", "content": "7" * 5000}])
+    with pytest.raises(ContextLengthExceeded, match=f"first {head} characters"):
+        formatter.encode_prompt("7" * 5000)
+    assert seen == [head, head]
+    # text of long tokens that does fit is tokenised whole, as before
+    fits = ChatFormatter(tokenizers["smollm2"], context_length=64)
+    spaces = " " * (head + 100)
+    assert len(fits._encode(spaces, False)) <= 48
+    assert fits.encode_prompt(spaces)
+
+
 def test_a_prompt_no_context_could_hold_is_refused_before_tokenising(tokenizers):
     tokenizer = tokenizers["smollm2"]
     formatter = ChatFormatter(tokenizer, context_length=64)
