@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,8 +63,14 @@ class Outcome:
     reasoning_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
     logprobs_sent: int = 0  # how many a stream has sent so far
+    # len(logprobs) as each event was produced, until the stream frames it
+    event_marks: deque[int] = field(default_factory=deque)
+    _last: RequestOutput | None = field(default=None, repr=False)
 
     def add_output(self, out: RequestOutput) -> None:
+        if out is self._last:  # the first output is added by start() and events() both
+            return
+        self._last = out
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
         self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
@@ -83,10 +90,21 @@ class Outcome:
             if out.stats is not None:
                 self.cache = out.stats.cache
 
+    def event_logprobs(self) -> list[TokenLogprob]:
+        """For the next event a stream frames, in order: the entries of the tokens
+        generated up to that event that no earlier frame carried. Frames lag the
+        events (a stream frames what is waiting in one write), so the mark taken
+        when the event was produced, not the count now, says where it ends."""
+        end = self.event_marks.popleft() if self.event_marks else len(self.logprobs)
+        return self._take(end)
+
     def unsent_logprobs(self) -> list[TokenLogprob]:
-        """The entries a stream has not sent yet (marked sent)."""
-        fresh = self.logprobs[self.logprobs_sent :]
-        self.logprobs_sent = len(self.logprobs)
+        """Every entry no frame carried yet (the stream's last frame)."""
+        return self._take(len(self.logprobs))
+
+    def _take(self, end: int) -> list[TokenLogprob]:
+        fresh = self.logprobs[self.logprobs_sent : end]
+        self.logprobs_sent = max(self.logprobs_sent, end)
         return fresh
 
     def fail(self, error: str) -> None:
@@ -204,7 +222,7 @@ class Generation:
             if done:
                 first = self._pending.result()
                 if first is not None:
-                    self.outcome.add_output(first)  # again in events(): idempotent
+                    self.outcome.add_output(first)  # again in events(): skipped there
                 return True
             if await http.is_disconnected():
                 log.info("%s: client disconnected before admission, aborting", self.request_id)
@@ -251,6 +269,7 @@ class Generation:
         """Parser events as the engine produces text; ends after the final output
         (``outcome.finish_reason`` set) or when the reader stops early (aborted)."""
         parser = self.prepared.parser
+        marks = self.prepared.request.logprobs is not None
         try:
             async for out in self._all_outputs():
                 self._observe_itl(out)
@@ -273,6 +292,8 @@ class Generation:
                     if self._strip and isinstance(event, Reasoning):
                         continue
                     self.outcome.add_event(event)
+                    if marks:
+                        self.outcome.event_marks.append(len(self.outcome.logprobs))
                     yield event
         finally:
             self._close()

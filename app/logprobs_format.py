@@ -14,7 +14,8 @@ FLOOR = -9999.0
 
 
 def _value(choice: TokenChoice) -> float:
-    return max(choice.logprob, FLOOR)
+    value = choice.logprob
+    return value if value >= FLOOR else FLOOR  # NaN too: JSON cannot carry it
 
 
 def _text(choice: TokenChoice) -> str:
@@ -36,21 +37,35 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
     }
 
 
+def _key(choice: TokenChoice) -> str:
+    """A token as legacy completions name it: its text, or OpenAI's ``bytes:`` form
+    (backslash-x escapes) for a token inside a UTF-8 character: as text, all of
+    those would be one replacement-character key of ``top_logprobs``."""
+    try:
+        return choice.piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in choice.piece)
+
+
 class CompletionLogprobs:
     """Legacy completions' arrays, built a token at a time: ``text_offset`` is each
-    token's character offset in the choice's text (after ``start`` characters of
-    echoed prompt), counting a character once it is complete."""
+    token's character offset in the choice's text, counting a character once it is
+    complete; ``top_logprobs`` holds the alternatives and the chosen token (up to
+    ``logprobs`` + 1 entries, as OpenAI's)."""
 
-    def __init__(self, start: int = 0):
-        self._offset = start
+    def __init__(self) -> None:
+        self._offset = 0
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
     def take(self, entries: list[TokenLogprob]) -> dict[str, Any]:
         tokens, values, tops, offsets = [], [], [], []
         for e in entries:
-            tokens.append(_text(e.chosen))
+            tokens.append(_key(e.chosen))
             values.append(_value(e.chosen))
-            tops.append({_text(t): _value(t) for t in e.top})
+            top: dict[str, float] = {}
+            for t in (*e.top, e.chosen):  # most likely first: a repeated key keeps it
+                top.setdefault(_key(t), _value(t))
+            tops.append(top)
             offsets.append(self._offset)
             self._offset += len(self._decoder.decode(e.chosen.piece))
         return {

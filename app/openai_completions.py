@@ -3,6 +3,7 @@ reasoning or tool parsing; the prompt is text or token ids."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -117,15 +118,20 @@ async def completions(http: HTTPRequest):
     done = await gen.collect(http)
     if done.failed:
         raise done.failure()
-    choice = {
-        "text": echo + done.content,
-        "index": 0,
-        "logprobs": None if body.logprobs is None else CompletionLogprobs().take(done.logprobs),
-        "finish_reason": done.stop_kind,
-    }
-    return JSONResponse(
-        {**meta, "choices": [choice], "usage": usage(done)}, headers=gen.response_headers()
-    )
+
+    def respond() -> JSONResponse:
+        choice = {
+            "text": echo + done.content,
+            "index": 0,
+            "logprobs": None if body.logprobs is None else CompletionLogprobs().take(done.logprobs),
+            "finish_reason": done.stop_kind,
+        }
+        return JSONResponse(
+            {**meta, "choices": [choice], "usage": usage(done)}, headers=gen.response_headers()
+        )
+
+    # many tokens with their alternatives: built and encoded off the event loop
+    return await asyncio.to_thread(respond) if body.logprobs is not None else respond()
 
 
 def _choice(text: str, finish: str | None) -> dict[str, Any]:
@@ -146,8 +152,9 @@ async def _stream(
         if not logprobs and finish is None:
             return template(text)
         choice = _choice(text, finish)
-        if logprobs:  # the tokens generated since the last chunk ride on this one
-            choice["logprobs"] = arrays.take(done.unsent_logprobs())
+        if logprobs:  # the tokens up to this event; the last chunk carries what is left
+            entries = done.event_logprobs() if finish is None else done.unsent_logprobs()
+            choice["logprobs"] = arrays.take(entries)
         return sse_data({**meta, "choices": [choice], **usage_field})
 
     if echo:

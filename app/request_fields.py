@@ -125,6 +125,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "return_dict",
         "return_assistant_tokens_mask",
         "tokenizer_kwargs",
+        "relocate_volatile",  # kvwarm's own render argument
     }
 )
 
@@ -137,6 +138,8 @@ def _template_kwargs(value: dict[str, Any]) -> dict[str, Any]:
             "a chat template sent with a request is not accepted (it is code the server "
             "would run); the model's own template is used"
         )
+    if "enable_thinking" in value:  # read as the thinking switch: must say on or off
+        readable_switch(value["enable_thinking"])
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))
     if reserved:
         raise ValueError(

@@ -159,6 +159,7 @@ class BatchRunner:
         self.prefix_cache = prefix_cache
         self._detokenizer = detokenizer_factory(tokenizer)
         self._pieces = token_pieces(tokenizer)
+        self._logprob_stream = mx.new_stream(mx.cpu)  # see engine.token_logprobs
         # a step fault nobody owned is recovered from by re-running rows alone; a
         # sharded model cannot (the other ranks would have to probe the same rows)
         self.recoverable = True
@@ -589,7 +590,9 @@ class BatchRunner:
         out = row.output(text, (token,), at=now)
         top = row.request.logprobs
         if top is not None and not eos:  # an EOS adds no text: it has no entry
-            out.logprobs = (token_logprob(resp.logprobs, token, top, self._pieces),)
+            out.logprobs = (
+                token_logprob(resp.logprobs, token, top, self._pieces, self._logprob_stream),
+            )
         if row.first_token_at is None:
             row.first_token_at = now
             out.ttft = now - row.request.arrival_time

@@ -4,6 +4,10 @@ mlx-lm's BatchGenerator already hands each row its step's log-softmax over the
 vocabulary (the distribution its sampler drew from); this reads the chosen
 token's value and the top ``k`` out of it, only for rows that asked, and names
 each token by the bytes it adds to the text.
+
+The reading runs on a stream of its own: by then the generator has queued the
+next step's forward on the default stream, and an op queued behind it would wait
+for the whole forward (1.4 s against 1 ms measured here), stalling every row.
 """
 
 from __future__ import annotations
@@ -43,15 +47,24 @@ def token_pieces(tokenizer: Any) -> Callable[[int], bytes]:
 
 
 def token_logprob(
-    logprobs: mx.array, token: int, top: int, piece: Callable[[int], bytes]
+    logprobs: mx.array,
+    token: int,
+    top: int,
+    piece: Callable[[int], bytes],
+    stream: mx.Stream,
 ) -> TokenLogprob:
-    """``token``'s entry of one row's step ``logprobs`` (vocabulary-sized), with the
-    ``top`` likeliest tokens, most likely first (ties: the lower id first)."""
-    chosen = TokenChoice(token, float(logprobs[token].item()), piece(token))
-    if top <= 0:
-        return TokenLogprob(chosen)
-    k = min(top, logprobs.shape[-1])
-    ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
-    values = logprobs[ids]
-    pairs = sorted(zip(values.tolist(), ids.tolist()), key=lambda p: (-p[0], p[1]))
+    """``token``'s entry of one row's step ``logprobs`` (vocabulary-sized and
+    already evaluated), with the ``top`` likeliest tokens, most likely first (ties:
+    the lower id first), read on ``stream``."""
+    with mx.stream(stream):
+        values = logprobs.astype(mx.float32)
+        chosen_value = values[token]
+        if top <= 0:
+            return TokenLogprob(TokenChoice(token, chosen_value.item(), piece(token)))
+        k = min(top, values.shape[-1])
+        ids = mx.argpartition(-values, kth=k - 1)[:k]
+        top_values = values[ids]
+        mx.eval(chosen_value, ids, top_values)
+    chosen = TokenChoice(token, chosen_value.item(), piece(token))
+    pairs = sorted(zip(top_values.tolist(), ids.tolist()), key=lambda p: (-p[0], p[1]))
     return TokenLogprob(chosen, tuple(TokenChoice(i, v, piece(i)) for v, i in pairs))

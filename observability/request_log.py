@@ -55,6 +55,18 @@ class RequestLog:
             self.trace_dir.mkdir(parents=True, exist_ok=True)
             self._trace_bytes = sum(p.stat().st_size for p in self.trace_dir.glob("*.jsonl"))
         self._lock = threading.Lock()
+        if self._trace_bytes > self.max_trace_bytes:
+            self._stop_tracing()
+
+    def _stop_tracing(self) -> None:
+        """Said once; the count then stays over the limit."""
+        log.warning(
+            "cache traces stopped: %s holds %d bytes, the limit is %d",
+            self.trace_dir,
+            self._trace_bytes,
+            self.max_trace_bytes,
+        )
+        self._trace_bytes = self.max_trace_bytes + 1
 
     def write(self, rec: RequestRecord) -> None:
         log.info("%s", plain_line(rec), extra={"kvwarm": rec.fields()})
@@ -79,14 +91,8 @@ class RequestLog:
         data = (json.dumps(line, ensure_ascii=False) + "\n").encode()
         with self._lock:
             if self._trace_bytes + len(data) > self.max_trace_bytes:
-                if self._trace_bytes <= self.max_trace_bytes:  # said once
-                    log.warning(
-                        "cache traces stopped: %s holds %d bytes, the limit is %d",
-                        self.trace_dir,
-                        self._trace_bytes,
-                        self.max_trace_bytes,
-                    )
-                    self._trace_bytes = self.max_trace_bytes + 1
+                if self._trace_bytes <= self.max_trace_bytes:
+                    self._stop_tracing()
                 return
             try:
                 with self.trace_path(rec.session).open("ab") as out:

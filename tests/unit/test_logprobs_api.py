@@ -57,6 +57,31 @@ def test_streamed_chat_logprobs_add_up_to_the_whole_answer(base):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_frame_takes_the_tokens_up_to_its_own_event_when_frames_lag():
+    """A stream that fell behind frames many waiting events in one write: the first
+    frame must not take the entries of the tokens behind the later ones."""
+    from app.generation import Outcome
+    from app.protocol.output_parser import Content
+    from scheduler.request import RequestOutput, TokenChoice, TokenLogprob
+
+    def entry(i: int) -> TokenLogprob:
+        return TokenLogprob(TokenChoice(i, -0.5, f"t{i}".encode()))
+
+    done = Outcome()
+    for i in range(3):  # what events() does per output, all before any frame
+        done.add_output(RequestOutput("r", f"t{i}", (i,), logprobs=(entry(i),)))
+        done.add_event(Content(f"t{i}"))
+        done.event_marks.append(len(done.logprobs))
+    first = RequestOutput("r", "t3", (3,), logprobs=(entry(3),))
+    done.add_output(first)
+    done.add_output(first)  # start() and events() both add the first output
+    assert [e.chosen.token_id for e in done.event_logprobs()] == [0]
+    assert [e.chosen.token_id for e in done.event_logprobs()] == [1]
+    assert [e.chosen.token_id for e in done.event_logprobs()] == [2]
+    assert [e.chosen.token_id for e in done.unsent_logprobs()] == [3]  # the last frame's
+    assert done.unsent_logprobs() == []
+
+
 def test_no_logprobs_unless_asked(base):
     r = httpx.post(base + "/v1/chat/completions", json={"messages": USER, "max_tokens": 2})
     assert r.json()["choices"][0]["logprobs"] is None
@@ -95,4 +120,25 @@ def test_completion_logprobs_arrays_and_text_offsets(base):
 def test_completion_logprobs_zero_gives_the_chosen_tokens_only(base):
     body = {"prompt": "x", "max_tokens": 2, "logprobs": 0}
     lp = httpx.post(base + "/v1/completions", json=body).json()["choices"][0]["logprobs"]
-    assert lp["token_logprobs"] == [-0.25, -0.25] and lp["top_logprobs"] == [{}, {}]
+    assert lp["token_logprobs"] == [-0.25, -0.25]
+    assert lp["top_logprobs"] == [{"w0 ": -0.25}, {"w1 ": -0.25}]  # the chosen one, as OpenAI
+
+
+def test_completion_keys_name_partial_characters_by_their_bytes():
+    """Tokens inside a UTF-8 character all decoded to one replacement-character key,
+    the least likely value winning over the chosen token's."""
+    from app.logprobs_format import CompletionLogprobs
+    from scheduler.request import TokenChoice, TokenLogprob
+
+    chosen = TokenChoice(1, -0.1, b"\xe2\x80")
+    top = (chosen, TokenChoice(2, -0.5, b"\xe2\x81"), TokenChoice(3, -3.0, b"\xe2"))
+    lp = CompletionLogprobs().take([TokenLogprob(chosen, top), TokenLogprob(chosen, ())])
+    assert lp["tokens"] == ["bytes:\\xe2\\x80", "bytes:\\xe2\\x80"]
+    assert lp["top_logprobs"][0] == {
+        "bytes:\\xe2\\x80": -0.1,
+        "bytes:\\xe2\\x81": -0.5,
+        "bytes:\\xe2": -3.0,
+    }
+    assert lp["top_logprobs"][1] == {"bytes:\\xe2\\x80": -0.1}
+    nan = TokenChoice(4, float("nan"), b"a")
+    assert CompletionLogprobs().take([TokenLogprob(nan)])["token_logprobs"] == [-9999.0]

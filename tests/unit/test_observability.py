@@ -197,6 +197,11 @@ def test_cache_trace_files_stop_at_their_byte_limit_counting_earlier_runs(tmp_pa
     assert files == ["old.jsonl", "s0.jsonl", "s1.jsonl"]
     assert sum(p.stat().st_size for p in tmp_path.iterdir()) <= held * 3
     assert sum("cache traces stopped" in m for m in caplog.messages) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvwarm.request"):  # full at start: said
+        RequestLog(tmp_path, max_trace_bytes=held).write(record(session="s9"))
+    assert sum("cache traces stopped" in m for m in caplog.messages) == 1
+    assert not (tmp_path / "s9.jsonl").exists()
 
 
 def test_traces_carry_genai_attributes_and_the_callers_parent():

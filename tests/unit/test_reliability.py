@@ -153,6 +153,8 @@ BAD = [
     (CHAT, chat(chat_template_kwargs={"messages": []}), "chat_template_kwargs"),
     (MESSAGES, anthropic(chat_template_kwargs={"tools": 5}), "chat_template_kwargs"),
     (CHAT, chat(chat_template_kwargs="x"), "chat_template_kwargs"),  # was ignored
+    (CHAT, chat(chat_template_kwargs={"relocate_volatile": True}), "chat_template_kwargs"),
+    (CHAT, chat(chat_template_kwargs={"enable_thinking": "turbo"}), "chat_template_kwargs"),
     # a thinking switch that says neither on nor off was the server default, silently
     (CHAT, chat(reasoning_effort="turbo"), "reasoning_effort"),
     (CHAT, chat(enable_thinking=[1]), "enable_thinking"),
