@@ -11,6 +11,7 @@ what kvwarm adds; it is far steadier than the ratio on a noisy machine).
     python bench/bench_engine.py --shape qwen3-8b --dtype bfloat16 --batches 1 8 64   # GPU
     python bench/bench_engine.py --shape qwen3-8b --dtype bfloat16 --bits 4 --batches 64  # 4-bit
     python bench/bench_engine.py --shape host-bound --batches 8 64 128  # host work alone
+    python bench/bench_engine.py --shape smollm2 --batches 8 --logprobs 5  # every row asks
 """
 
 from __future__ import annotations
@@ -160,13 +161,28 @@ class HostClock:
         return out
 
 
-def kvwarm(model, tokenizer, batch: int, length: int, tokens: int, host: list | None = None):
+def kvwarm(
+    model,
+    tokenizer,
+    batch: int,
+    length: int,
+    tokens: int,
+    host: list | None = None,
+    logprobs: int | None = None,
+):
     runner = BatchRunner(
         model, tokenizer, max_batch=batch, prefill_step_size=2048 * batch, prefill_batch=batch
     )
     for i, p in enumerate(prompts(batch, length)):
         runner.add(
-            Request(p, tokens, SamplingParams(temperature=0.0), ignore_eos=True, request_id=f"r{i}")
+            Request(
+                p,
+                tokens,
+                SamplingParams(temperature=0.0),
+                ignore_eos=True,
+                logprobs=logprobs,
+                request_id=f"r{i}",
+            )
         )
     clock = HostClock(runner)
     rate = decode_rate(clock.step, lambda _: runner.active == 0)
@@ -187,10 +203,21 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="N",
+        help="kvwarm's rows ask for logprobs with N alternatives",
+    )
     args = ap.parse_args()
     print(
         f"device {mx.default_device()}  BLAS {BLAS.name}  shape {args.shape} {args.dtype}"
-        + (f" {args.bits}-bit" if args.bits else ""),
+        + (f" {args.bits}-bit" if args.bits else "")
+        + (
+            f"  kvwarm rows ask for logprobs ({args.logprobs} alternatives)"
+            if args.logprobs is not None
+            else ""
+        ),
         flush=True,
     )
     model = build(args.shape, args.dtype, args.bits)
@@ -214,7 +241,11 @@ def main() -> int:
                 if engine == "bare":
                     a.append(bare(model, batch, args.prompt, args.tokens))
                 else:
-                    b.append(kvwarm(model, tokenizer, batch, args.prompt, args.tokens, host))
+                    b.append(
+                        kvwarm(
+                            model, tokenizer, batch, args.prompt, args.tokens, host, args.logprobs
+                        )
+                    )
         ma, mb = statistics.median(a), statistics.median(b)
         # each repeat's two runs sit side by side: their ratio cancels drift that
         # moves both (clocks, a neighbour), which the ratio of medians does not

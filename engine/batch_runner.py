@@ -32,7 +32,7 @@ from engine.mrope import positioned
 from engine.row_faults import FaultLedger, GuardedProcessor, GuardedSampler
 from engine.sampling import SamplerFactory
 from engine.text_output import TextOutput
-from engine.token_logprobs import token_logprob, token_pieces
+from engine.token_logprobs import Asked, token_logprobs, token_pieces
 from engine.vision import VisionPrefill
 from kvcache.manager import TieredKVManager
 from kvcache.payloads import plain_kv_only
@@ -160,6 +160,7 @@ class BatchRunner:
         self._detokenizer = detokenizer_factory(tokenizer)
         self._pieces = token_pieces(tokenizer)
         self._logprob_stream = mx.new_stream(mx.cpu)  # see engine.token_logprobs
+        self._asked: list[tuple[RequestOutput, Asked]] = []  # this step's rows asking
         # a step fault nobody owned is recovered from by re-running rows alone; a
         # sharded model cannot (the other ranks would have to probe the same rows)
         self.recoverable = True
@@ -558,6 +559,7 @@ class BatchRunner:
             )
             for uid, (cache, tokens) in caches.items():
                 self._store_quietly(stopped_by_text[uid], cache, tokens)
+        self._read_logprobs(failed)
         outputs += self._fail_rows(failed, now)
         self.timings.record(
             time.perf_counter() - started, self.last_step_prefill, plan.slice_tokens, plan.budgeted
@@ -590,9 +592,7 @@ class BatchRunner:
         out = row.output(text, (token,), at=now)
         top = row.request.logprobs
         if top is not None and not eos:  # an EOS adds no text: it has no entry
-            out.logprobs = (
-                token_logprob(resp.logprobs, token, top, self._pieces, self._logprob_stream),
-            )
+            self._asked.append((out, Asked(resp.logprobs, token, top)))
         if row.first_token_at is None:
             row.first_token_at = now
             out.ttft = now - row.request.arrival_time
@@ -606,6 +606,22 @@ class BatchRunner:
             out.stop_sequence = row.text.matched_stop
             out.stats = row.stats(now)
         return out
+
+    def _read_logprobs(self, failed: dict[int, str]) -> None:
+        """The log probabilities of this step's rows that asked, read together."""
+        asked, self._asked = self._asked, []
+        if not asked:
+            return
+        try:
+            entries = token_logprobs([a for _, a in asked], self._pieces, self._logprob_stream)
+        except Exception as exc:  # noqa: BLE001 - those rows fail; the others go on
+            for out, _ in asked:
+                uid = self._uids.get(out.request_id)
+                if uid is not None:
+                    failed[uid] = f"log probabilities: {type(exc).__name__}: {exc}"
+            return
+        for (out, _), entry in zip(asked, entries):
+            out.logprobs = (entry,)
 
     def _store_quietly(self, row: _Row, caches, all_tokens) -> None:
         """A reply already delivered must not fail because its KV could not be kept."""

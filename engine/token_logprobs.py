@@ -13,9 +13,11 @@ for the whole forward (1.4 s against 1 ms measured here), stalling every row.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
 
 from engine.fast_detok import bpe_token_bytes
@@ -46,25 +48,43 @@ def token_pieces(tokenizer: Any) -> Callable[[int], bytes]:
     return lambda token: tokenizer.decode([token]).encode()
 
 
-def token_logprob(
-    logprobs: mx.array,
-    token: int,
-    top: int,
-    piece: Callable[[int], bytes],
-    stream: mx.Stream,
-) -> TokenLogprob:
-    """``token``'s entry of one row's step ``logprobs`` (vocabulary-sized and
-    already evaluated), with the ``top`` likeliest tokens, most likely first (ties:
-    the lower id first), read on ``stream``."""
+@dataclass(frozen=True)
+class Asked:
+    """One row's share of a step whose request asked for log probabilities."""
+
+    logprobs: mx.array  # the step's log-softmax for the row (vocabulary-sized, evaluated)
+    token: int
+    top: int  # alternatives wanted
+
+
+def token_logprobs(
+    asked: list[Asked], piece: Callable[[int], bytes], stream: mx.Stream
+) -> list[TokenLogprob]:
+    """Each row's chosen token with its log probability and its ``top`` likeliest
+    tokens, most likely first (ties: the lower id first): the rows of one step
+    together, in one evaluation on ``stream``."""
+    if not asked:
+        return []
     with mx.stream(stream):
-        values = logprobs.astype(mx.float32)
-        chosen_value = values[token]
-        if top <= 0:
-            return TokenLogprob(TokenChoice(token, chosen_value.item(), piece(token)))
-        k = min(top, values.shape[-1])
-        ids = mx.argpartition(-values, kth=k - 1)[:k]
-        top_values = values[ids]
-        mx.eval(chosen_value, ids, top_values)
-    chosen = TokenChoice(token, chosen_value.item(), piece(token))
-    pairs = sorted(zip(top_values.tolist(), ids.tolist()), key=lambda p: (-p[0], p[1]))
-    return TokenLogprob(chosen, tuple(TokenChoice(i, v, piece(i)) for v, i in pairs))
+        stacked = mx.stack([a.logprobs for a in asked]).astype(mx.float32)
+        mx.eval(stacked)
+    # numpy's partition is 3x MLX's on the CPU (1.7 against 5.7 ms for 8 rows of 49k)
+    values = np.asarray(stacked)
+    chosen = values[np.arange(len(asked)), [a.token for a in asked]].tolist()
+    k = min(max(a.top for a in asked), values.shape[-1])
+    if k > 0:
+        ids = np.argpartition(values, values.shape[-1] - k, axis=-1)[:, -k:]
+        id_rows = ids.tolist()
+        top_rows = np.take_along_axis(values, ids, axis=-1).tolist()
+    else:
+        id_rows = top_rows = [[] for _ in asked]
+    entries = []
+    for a, value, row_ids, row_values in zip(asked, chosen, id_rows, top_rows):
+        pairs = sorted(zip(row_values, row_ids), key=lambda p: (-p[0], p[1]))[: a.top]
+        entries.append(
+            TokenLogprob(
+                TokenChoice(a.token, value, piece(a.token)),
+                tuple(TokenChoice(i, v, piece(i)) for v, i in pairs),
+            )
+        )
+    return entries
