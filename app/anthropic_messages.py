@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from typing import Any
 
 from fastapi import APIRouter
@@ -172,8 +173,9 @@ def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:
 
 def _prepare(raw: bytes, state: AppState, headers: dict[str, str], model: type[CountTokensRequest]):
     body = parse_body(raw, model, state.model_info().context_length)
-    max_tokens = body.max_tokens if isinstance(body, MessagesRequest) else 1
-    return body, prepare_chat(chat_call(body, max_tokens), state, headers)
+    generating = isinstance(body, MessagesRequest)
+    call = chat_call(body, body.max_tokens if generating else 1)
+    return body, prepare_chat(replace(call, count_only=not generating), state, headers)
 
 
 def stop_reason(done: Outcome) -> str | None:

@@ -59,6 +59,7 @@ class ChatCall:
     adapter: str | None = None  # a mounted LoRA adapter's id; None: the base model
     template_kwargs: dict[str, Any] = field(default_factory=dict)  # checked at the boundary
     logprobs: int | None = None  # None: none; N: each token's, with N alternatives
+    count_only: bool = False  # count_tokens: a prompt over the context is still counted
     messages_field: str = "messages"  # what the dialect calls them, for errors (Responses: input)
 
 
@@ -214,7 +215,9 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
             info.formatter.check_length(message["content"])
     healed = state.healing.heal_all(messages)
     try:
-        rendered = info.formatter.render_chat(healed, relocate_volatile=relocate, **kwargs)
+        rendered = info.formatter.render_chat(
+            healed, relocate_volatile=relocate, count_only=call.count_only, **kwargs
+        )
     except AdmissionError:
         raise  # a prompt no context could hold: 400 context_length_exceeded
     except Exception as exc:  # jinja errors of the model's own template

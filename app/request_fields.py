@@ -125,7 +125,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "return_dict",
         "return_assistant_tokens_mask",
         "tokenizer_kwargs",
-        "relocate_volatile",  # kvwarm's own render argument
+        "relocate_volatile",  # kvwarm's own render arguments
+        "count_only",
     }
 )
 

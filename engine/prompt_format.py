@@ -107,6 +107,7 @@ class ChatFormatter:
         self,
         messages: Sequence[dict[str, Any]],
         relocate_volatile: bool = False,
+        count_only: bool = False,
         **template_kwargs: Any,
     ) -> RenderedPrompt:
         messages = [dict(m) for m in messages]
@@ -121,11 +122,13 @@ class ChatFormatter:
             text = "".join(f"{m['role']}: {m.get('content') or ''}\n" for m in messages)
             text += "assistant:"
             self.check_length(text)
-            self.check_head_tokens(text)
+            if not count_only:
+                self.check_head_tokens(text)
             return RenderedPrompt(PromptKey.build(self.encode(text)), tail=text[-TAIL_CHARS:])
         text = self._template(messages, True, template_kwargs)
         self.check_length(text)
-        self.check_head_tokens(text)
+        if not count_only:  # a count over the context is an answer (agents compact on it)
+            self.check_head_tokens(text)
         conversation = Conversation.of(messages, template_kwargs)
         key = conversation.key if conversation is not None else None
         base, reused = self._reusable(key, conversation, text)

@@ -25,8 +25,12 @@ class PromptFormatter(Protocol):
         self,
         messages: Sequence[dict[str, Any]],
         relocate_volatile: bool = False,
+        count_only: bool = False,
         **template_kwargs: Any,
-    ) -> RenderedPrompt: ...
+    ) -> RenderedPrompt:
+        """``count_only``: the tokens are counted, not generated from, so a prompt
+        over the context is tokenised whole rather than refused early."""
+        ...
 
     def encode(self, text: str) -> list[int]: ...
 

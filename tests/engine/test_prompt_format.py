@@ -613,6 +613,10 @@ def test_a_prompt_whose_head_is_over_the_context_is_refused_before_tokenising_it
     with pytest.raises(ContextLengthExceeded, match=f"first {head} characters"):
         formatter.encode_prompt("7" * 5000)
     assert seen == [head, head]
+    # counting is an answer whatever the size (agents compact their context on it)
+    counted = ChatFormatter(tokenizers["smollm2"], context_length=64)
+    rendered = counted.render_chat([{"role": "user", "content": "7" * 5000}], count_only=True)
+    assert len(rendered.tokens) > 5000
     # text of long tokens that does fit is tokenised whole, as before
     fits = ChatFormatter(tokenizers["smollm2"], context_length=64)
     spaces = " " * (head + 100)

@@ -42,7 +42,11 @@ class CharFormatter:
         self.last_kwargs: dict[str, Any] = {}
 
     def render_chat(
-        self, messages: Sequence[dict[str, Any]], relocate_volatile: bool = False, **kwargs: Any
+        self,
+        messages: Sequence[dict[str, Any]],
+        relocate_volatile: bool = False,
+        count_only: bool = False,
+        **kwargs: Any,
     ) -> RenderedPrompt:
         self.last_messages, self.last_kwargs = [dict(m) for m in messages], kwargs
         text = "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages) + "<assistant>"
