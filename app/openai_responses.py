@@ -17,7 +17,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from app.body import parse_body
+from app.body import BodyLimits, json_values, parse_body
 from app.chat_pipeline import ChatCall, parse_openai_tool_choice, prepare_chat, template_tool_calls
 from app.content_parts import parts_content, parts_text
 from app.errors import APIError
@@ -26,6 +26,7 @@ from app.openapi_doc import DELETED, OPENAI_ERROR, RESPONSE, errors, generation_
 from app.protocol.output_parser import Content, Event, Reasoning
 from app.protocol.tool_formats import ToolCall
 from app.request_fields import ignored_fields
+from app.response_store import StoredResponse
 from app.responses_schemas import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -267,7 +268,9 @@ async def create_response(http: HTTPRequest):
                 "previous_response_id",
             )
     conversation, prepared = await state.preparer.run(
-        lambda: _prepare_call(body, stored.conversation() if stored else [], state, headers)
+        lambda: _prepare_call(
+            body, _stored_history(stored, state) if stored else [], state, headers
+        )
     )
     gen = Generation(state, prepared, "responses", headers)
     response = _response(body, _new_id("resp"), int(time.time()), gen.model_name, "in_progress")
@@ -294,6 +297,25 @@ async def create_response(http: HTTPRequest):
         raise done.failure()
     store(items)
     return JSONResponse(response, headers=gen.response_headers())
+
+
+def _stored_history(stored: StoredResponse, state: AppState) -> list[dict[str, Any]]:
+    """The conversation a ``previous_response_id`` names, held to a request body's
+    limits: a 120-byte request naming a 60 MiB conversation cost 3 s of a
+    preparation slot each time, where a body that large is refused."""
+    raw = stored.conversation_json
+    limit = state.settings.max_body_size
+    most = BodyLimits.for_context(state.model_info().context_length).max_values
+    if len(raw) > limit or json_values(raw, stop_above=most) > most:
+        raise APIError(
+            400,
+            f"The conversation stored under previous_response_id is {len(raw)} bytes of JSON, "
+            f"more than one request may carry (at most {limit} bytes and {most} values); "
+            "send the conversation as input instead.",
+            code="previous_response_too_large",
+            param="previous_response_id",
+        )
+    return stored.conversation()
 
 
 def _apply(items: _Items, event: Reasoning | Content | ToolCall) -> tuple[dict[str, Any], bool]:

@@ -554,3 +554,33 @@ def test_a_body_trickled_a_byte_at_a_time_is_cut_too():
             conn.close()
         assert answer.startswith(b"HTTP/1.1 408") and b"slower than" in answer, answer
         assert time.monotonic() - began < 6
+
+
+def test_a_stored_conversation_larger_than_a_body_is_refused_not_parsed():
+    """A 120-byte request naming a 60 MiB stored conversation cost 3 s of a preparation
+    slot each time; the stored history is held to the limits a body is."""
+    settings = Settings(_env_file=None, max_body_bytes="1MB")
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, eos_after=2))
+
+    def turn(previous=None, reasoning="x" * 600_000):  # reasoning the template never renders
+        items = [
+            {"type": "reasoning", "content": [{"type": "reasoning_text", "text": reasoning}]},
+            {"type": "message", "role": "assistant", "content": "ok"},
+            {"type": "message", "role": "user", "content": "next"},
+        ]
+        extra = {"previous_response_id": previous} if previous else {}
+        return httpx.post(url + RESPONSES, json=responses(input=items, **extra), timeout=30)
+
+    with serve_app(app) as url:
+        first = turn()
+        assert first.status_code == 200, first.text
+        second = turn(first.json()["id"])  # stores 1.2 MB: the history and this input
+        assert second.status_code == 200, second.text
+        third = turn(second.json()["id"], reasoning="short")
+        assert third.status_code == 400, third.text
+        err = third.json()["error"]
+        assert (err["code"], err["param"]) == (
+            "previous_response_too_large",
+            "previous_response_id",
+        )
+        assert turn(first.json()["id"], reasoning="short").status_code == 200
