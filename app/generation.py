@@ -90,19 +90,16 @@ class Outcome:
             if out.stats is not None:
                 self.cache = out.stats.cache
 
-    def event_logprobs(self) -> list[TokenLogprob]:
-        """For the next event a stream frames, in order: the entries of the tokens
-        generated up to that event that no earlier frame carried. Frames lag the
-        events (a stream frames what is waiting in one write), so the mark taken
-        when the event was produced, not the count now, says where it ends."""
-        end = self.event_marks.popleft() if self.event_marks else len(self.logprobs)
-        return self._take(end)
-
-    def unsent_logprobs(self) -> list[TokenLogprob]:
-        """Every entry no frame carried yet (the stream's last frame)."""
-        return self._take(len(self.logprobs))
-
-    def _take(self, end: int) -> list[TokenLogprob]:
+    def frame_logprobs(self, last: bool = False) -> list[TokenLogprob]:
+        """The entries a stream's next frame carries, frames taken in event order:
+        the tokens generated up to that frame's event that no earlier frame carried
+        (the ``last`` frame: all that are left). Frames lag the events (a stream
+        frames what is waiting in one write), so the mark taken when the event was
+        produced, not the count now, says where a frame's entries end."""
+        if last or not self.event_marks:
+            end = len(self.logprobs)
+        else:
+            end = self.event_marks.popleft()
         fresh = self.logprobs[self.logprobs_sent : end]
         self.logprobs_sent = max(self.logprobs_sent, end)
         return fresh

@@ -177,10 +177,11 @@ async def _stream_chunks(
                 if finish is None
                 else sse_data({**_chunk(meta, delta, finish), **usage_field})
             )
-        # the tokens generated since the last chunk ride on this one (a token whose
-        # text the parser held back, think tags and tool markup included)
+        # the tokens up to this chunk's event (a token whose text the parser held
+        # back, think tags and tool markup included); the last chunk: what is left
         payload = _chunk(meta, delta, finish)
-        payload["choices"][0]["logprobs"] = chat_logprobs(done.unsent_logprobs())
+        entries = done.frame_logprobs(last=finish is not None)
+        payload["choices"][0]["logprobs"] = chat_logprobs(entries)
         return sse_data({**payload, **usage_field})
 
     yield sse_data({**_chunk(meta, first, None), **usage_field})

@@ -153,8 +153,7 @@ async def _stream(
             return template(text)
         choice = _choice(text, finish)
         if logprobs:  # the tokens up to this event; the last chunk carries what is left
-            entries = done.event_logprobs() if finish is None else done.unsent_logprobs()
-            choice["logprobs"] = arrays.take(entries)
+            choice["logprobs"] = arrays.take(done.frame_logprobs(last=finish is not None))
         return sse_data({**meta, "choices": [choice], **usage_field})
 
     if echo:

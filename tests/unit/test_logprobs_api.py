@@ -75,11 +75,69 @@ def test_a_frame_takes_the_tokens_up_to_its_own_event_when_frames_lag():
     first = RequestOutput("r", "t3", (3,), logprobs=(entry(3),))
     done.add_output(first)
     done.add_output(first)  # start() and events() both add the first output
-    assert [e.chosen.token_id for e in done.event_logprobs()] == [0]
-    assert [e.chosen.token_id for e in done.event_logprobs()] == [1]
-    assert [e.chosen.token_id for e in done.event_logprobs()] == [2]
-    assert [e.chosen.token_id for e in done.unsent_logprobs()] == [3]  # the last frame's
-    assert done.unsent_logprobs() == []
+    assert [e.chosen.token_id for e in done.frame_logprobs()] == [0]
+    assert [e.chosen.token_id for e in done.frame_logprobs()] == [1]
+    assert [e.chosen.token_id for e in done.frame_logprobs()] == [2]
+    assert [e.chosen.token_id for e in done.frame_logprobs(last=True)] == [3]  # the last's
+    assert done.frame_logprobs(last=True) == []
+
+
+class LaggingGeneration:
+    """A generation whose events all exist before the stream frames any of them,
+    as when a stream fell behind: the stream frames them in one write."""
+
+    request_id = "r"
+
+    def __init__(self) -> None:
+        from app.generation import Outcome
+
+        self.outcome = Outcome()
+
+    async def events(self):
+        from app.protocol.output_parser import Content
+        from scheduler.request import FinishReason, RequestOutput, TokenChoice, TokenLogprob
+
+        for i in range(4):
+            finish = FinishReason.LENGTH if i == 3 else None
+            entry = TokenLogprob(TokenChoice(i, -0.5, f"t{i} ".encode()))
+            self.outcome.add_output(RequestOutput("r", f"t{i} ", (i,), finish, logprobs=(entry,)))
+            self.outcome.add_event(Content(f"t{i} "))
+            self.outcome.event_marks.append(len(self.outcome.logprobs))
+            yield Content(f"t{i} ")
+
+
+@pytest.mark.parametrize("dialect", ["chat", "completions"])
+def test_each_streamed_chunk_carries_the_tokens_of_its_own_text(dialect):
+    """Frames lag events: the first frame of a batch took every waiting entry."""
+    import asyncio
+
+    from app import openai_chat, openai_completions
+
+    async def frames() -> list[str]:
+        gen = LaggingGeneration()
+        if dialect == "chat":
+            stream = openai_chat._stream_chunks(gen, {"id": "x"}, False, True)
+        else:
+            stream = openai_completions._stream(gen, {"id": "x"}, "", False, True)
+        return [frame async for frame in stream]
+
+    events = [
+        json.loads(line[6:])
+        for frame in asyncio.run(frames())
+        for line in frame.split("\n")
+        if line.startswith("data: {")
+    ]
+    texted = 0
+    for choice in (e["choices"][0] for e in events if e["choices"]):
+        lp = choice["logprobs"]
+        if lp is None:  # chat's role chunk
+            continue
+        text = choice["delta"].get("content", "") if dialect == "chat" else choice["text"]
+        entries = lp["content"] if dialect == "chat" else lp["tokens"]
+        tokens = [e["token"] for e in entries] if dialect == "chat" else entries
+        assert "".join(tokens) == text
+        texted += bool(text)
+    assert texted == 4
 
 
 def test_no_logprobs_unless_asked(base):
