@@ -55,6 +55,11 @@ class BodyLimits:
             max_messages=context_length,
         )
 
+    def too_many_values(self, raw: bytes) -> bool:
+        """Whether ``raw`` holds more JSON values than ``max_values`` (counted at
+        memchr speed, stopping once over)."""
+        return json_values(raw, stop_above=self.max_values) > self.max_values
+
 
 def json_values(raw: bytes, stop_above: int | None = None) -> int:
     """An upper bound on the values in a JSON document, at memchr speed, counted a
@@ -74,8 +79,7 @@ def parse_body(raw: bytes, model: type[M], context_length: int) -> M:
     """Validate ``raw`` against ``model`` for a model with ``context_length`` tokens of
     context (400 on any breach, naming the field)."""
     limits = BodyLimits.for_context(context_length)
-    values = json_values(raw, stop_above=limits.max_values)
-    if values > limits.max_values:
+    if limits.too_many_values(raw):
         raise APIError(
             400,
             f"The request body holds over {limits.max_values} JSON values; a request for this model "

@@ -17,7 +17,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from app.body import BodyLimits, json_values, parse_body
+from app.body import BodyLimits, parse_body
 from app.chat_pipeline import ChatCall, parse_openai_tool_choice, prepare_chat, template_tool_calls
 from app.content_parts import parts_content, parts_text
 from app.errors import APIError
@@ -305,12 +305,12 @@ def _stored_history(stored: StoredResponse, state: AppState) -> list[dict[str, A
     preparation slot each time, where a body that large is refused."""
     raw = stored.conversation_json
     limit = state.settings.max_body_size
-    most = BodyLimits.for_context(state.model_info().context_length).max_values
-    if len(raw) > limit or json_values(raw, stop_above=most) > most:
+    limits = BodyLimits.for_context(state.model_info().context_length)
+    if len(raw) > limit or limits.too_many_values(raw):
         raise APIError(
             400,
             f"The conversation stored under previous_response_id is {len(raw)} bytes of JSON, "
-            f"more than one request may carry (at most {limit} bytes and {most} values); "
+            f"more than one request may carry (at most {limit} bytes and {limits.max_values} values); "
             "send the conversation as input instead.",
             code="previous_response_too_large",
             param="previous_response_id",
