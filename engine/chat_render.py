@@ -345,21 +345,21 @@ class Conversation:
 
     kwargs: bytes
     messages: tuple[bytes, ...]
+    key: bytes  # where its snapshots are looked up: the kwargs and the first message
 
     @classmethod
     def of(cls, messages: Sequence[dict[str, Any]], kwargs: dict[str, Any]) -> Conversation | None:
-        """None when a value has no stable JSON form (keys that do not sort)."""
+        """None when there are no messages, or a value has no stable JSON form (keys
+        that do not sort)."""
+        if not messages:
+            return None
         try:
-            return cls(_digest(kwargs), tuple(_digest(m) for m in messages))
+            digests = tuple(_digest(m) for m in messages)
+            kwargs_digest = _digest(kwargs)
         except (TypeError, ValueError, RecursionError):
             return None
-
-    @property
-    def key(self) -> bytes | None:
-        """Where to look for snapshots: the kwargs and the first message."""
-        if not self.messages:
-            return None
-        return hashlib.blake2b(self.kwargs + self.messages[0], digest_size=16).digest()
+        key = hashlib.blake2b(kwargs_digest + digests[0], digest_size=16).digest()
+        return cls(kwargs_digest, digests, key)
 
 
 # messages come from JSON: no cycles to check for (a third of the encoding's time)
@@ -374,12 +374,15 @@ def _digest(value: Any) -> bytes:
 class Snapshot:
     """What one request computed, for later turns of its conversation."""
 
-    key: bytes
     conversation: Conversation
     text: str
     walk: Walk
     parts: tuple[Part, ...]
     tokens: Tokens
+
+    @property
+    def key(self) -> bytes:
+        return self.conversation.key
 
     @property
     def messages(self) -> tuple[bytes, ...]:

@@ -130,8 +130,7 @@ class ChatFormatter:
         if not count_only:  # a count over the context is an answer (agents compact on it)
             self.check_head_tokens(text)
         conversation = Conversation.of(messages, template_kwargs)
-        key = conversation.key if conversation is not None else None
-        base, reused = self._reusable(key, conversation, text)
+        base, reused = self._reusable(conversation, text)
         walk = base.walk.prefix(reused) if base else Walk()
         locate(self._template, messages, text, template_kwargs, walk)
         if base:
@@ -147,8 +146,8 @@ class ChatFormatter:
             return RenderedPrompt(PromptKey.build(ids), tail=text[-TAIL_CHARS:])
         old = base.parts[:reused] if base else ()
         parts = self._parts(messages, text, walk, tokens, old, kept)
-        if key is not None and conversation is not None:
-            snapshot = Snapshot(key, conversation, text, walk, parts, tokens)
+        if conversation is not None:
+            snapshot = Snapshot(conversation, text, walk, parts, tokens)
             self._snapshots.put(snapshot, parent=base)
         return RenderedPrompt(
             self._key(tokens, parts), tuple(p.hash for p in parts), tail=text[-TAIL_CHARS:]
@@ -184,14 +183,14 @@ class ChatFormatter:
             return ""
 
     def _reusable(
-        self, key: bytes | None, conversation: Conversation | None, text: str
+        self, conversation: Conversation | None, text: str
     ) -> tuple[Snapshot | None, int]:
         """The snapshot sharing the most placed messages with this request, and
         how many of them it places as this request's own placing would."""
         best, reused = None, 0
-        if key is None or conversation is None:
+        if conversation is None:
             return None, 0
-        for snapshot in self._snapshots.candidates(key):
+        for snapshot in self._snapshots.candidates(conversation.key):
             if snapshot.conversation.kwargs != conversation.kwargs:
                 continue
             # its last message was placed as the last one (generation prompt after it)

@@ -11,6 +11,7 @@ results, and a plain concatenation template without special tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import threading
@@ -544,8 +545,8 @@ def test_snapshot_store_is_bounded():
         tokens = Tokens(empty, empty, empty, empty, True)
         messages = [{"role": "user", "content": str(i)}] if messages is None else messages
         seen[i] = messages
-        conversation = chat_render.Conversation.of(messages, {})
-        return chat_render.Snapshot(b"k", conversation, f"text {i}", chat_render.Walk(), (), tokens)
+        conversation = dataclasses.replace(chat_render.Conversation.of(messages, {}), key=b"k")
+        return chat_render.Snapshot(conversation, f"text {i}", chat_render.Walk(), (), tokens)
 
     seen: dict[int, list[dict]] = {}
 
@@ -589,7 +590,7 @@ def test_snapshots_hold_digests_not_what_the_client_sent(tokenizers):
     later = [*first, {"role": "user", "content": "q2"}]
     conversation = chat_render.Conversation.of(later, {})
     text = formatter._template(later, True, {})
-    base, reused = formatter._reusable(conversation.key, conversation, text)
+    base, reused = formatter._reusable(conversation, text)
     assert base is not None and reused >= 1
 
 
