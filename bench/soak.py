@@ -2,15 +2,19 @@
 
 Starts `kvwarm serve --batch 4` on the default model. Four agents hold
 multi-turn conversations through chat completions, Anthropic Messages and
-Responses (streaming and not, alternately); before each turn an agent sends,
-one time in twenty, a bad request instead: a fuzzed sampling field (also inside
+Responses (streaming and not, alternately); before a turn an agent sends, one
+time in twenty, a bad request as well: a fuzzed sampling field (also inside
 extra_body / metadata), a malformed tool, invalid JSON, a body over the size
 limit, or a stream it drops after the first event. Every 10 s it samples
 /health, the server's RSS and the prefix cache's bytes.
 
 Prints: engine deaths, good requests lost / hung / failed, bad requests by
 status (none may be a 5xx), good-request latency p95 in the first and last
-5 minutes and its drift, RSS and cache bytes over the run.
+5 minutes and its drift, RSS and cache bytes over the run; then a verdict on
+each of the reliability targets (0 deaths, 0 lost or hung good requests, no
+5xx for a bad one, p95 drift <= 10%, RSS flat: the last 5 minutes' median
+within 10% of the second 5 minutes', cache bytes within their cap), and exits
+1 when one is missed.
 
     python bench/soak.py [--minutes 20] [--bad-rate 0.05]
 """
@@ -26,10 +30,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 
 import httpx
 import psutil
 from _common import BIN, pct, prepare_model, server_env, start, stop
+from pydantic import ByteSize, TypeAdapter
 
 PORT = 8393
 URL = f"http://127.0.0.1:{PORT}"
@@ -72,7 +78,8 @@ class Tally:
     samples: list[tuple[float, int, int, int]] = field(
         default_factory=list
     )  # t, health, rss, cache
-    deaths: int = 0
+    deaths: int = 0  # times the engine was seen alive, then dead (or the server gone)
+    engine_seen_dead: bool = False
 
 
 def good_body(dialect: str, history: list[dict], stream: bool, session: str) -> tuple[str, dict]:
@@ -125,7 +132,7 @@ def reply_text(dialect: str, data: dict) -> str:
 
 def streamed_text(dialect: str, lines: list[str]) -> tuple[str, bool]:
     """The reply's text and whether the stream ended with its terminal event."""
-    text, done = [], False
+    text, done, errored = [], False, False
     for line in lines:
         if not line.startswith("data: "):
             continue
@@ -144,9 +151,9 @@ def streamed_text(dialect: str, lines: list[str]) -> tuple[str, bool]:
             if event.get("type") == "response.output_text.delta":
                 text.append(event["delta"])
             done = done or event.get("type") in ("response.completed", "response.incomplete")
-        if "error" in event and event.get("type") != "response.failed":
-            done = False
-    return "".join(text), done
+        # a chat error event is followed by [DONE]: the stream still failed
+        errored = errored or "error" in event or event.get("type") == "response.failed"
+    return "".join(text), done and not errored
 
 
 async def good_turn(
@@ -248,15 +255,17 @@ async def monitor(pid: int, deadline: float, tally: Tally, t0: float) -> None:
     proc = psutil.Process(pid)
     async with httpx.AsyncClient(timeout=10) as client:
         while time.monotonic() < deadline:
-            health, cache = 0, 0
+            health, cache, alive = 0, 0, False
             try:
                 health = (await client.get(URL + "/health")).status_code
                 stats = (await client.get(URL + "/stats")).json()
                 cache = (stats.get("prompt_cache") or {}).get("bytes", 0)
-                if not stats["engine"]["alive"]:
-                    tally.deaths += 1
+                alive = bool(stats["engine"]["alive"])
             except httpx.HTTPError:
+                pass
+            if not alive and not tally.engine_seen_dead:
                 tally.deaths += 1
+            tally.engine_seen_dead = not alive
             rss = proc.memory_info().rss if proc.is_running() else 0
             tally.samples.append((time.monotonic() - t0, health, rss, cache))
             await asyncio.sleep(10)
@@ -273,7 +282,8 @@ async def soak(pid: int, minutes: float, bad_rate: float) -> Tally:
     return tally
 
 
-def report(tally: Tally, minutes: float) -> None:
+def report(tally: Tally, minutes: float, cache_cap: int) -> bool:
+    """Print the figures and the verdict; True when every target is met."""
     good = tally.good
     lost = [g for g in good if not g.ok]
     hung = [g for g in good if g.status == "hung"]
@@ -309,6 +319,32 @@ def report(tally: Tally, minutes: float) -> None:
         for t, _, r, c in marks:
             print(f"{t / 60:7.1f} {r / 2**20:9.0f} {c / 2**20:18.1f}")
         print(f"RSS max {max(rss) / 2**20:.0f} MiB; prefix cache max {max(cache) / 2**20:.1f} MiB")
+    # RSS settles once the model, the compiled kernels and the cache have filled: compare
+    # the last window with the second, not the first (which includes the warm-up)
+    second = [s[2] for s in tally.samples if window <= s[0] < 2 * window]
+    final = [s[2] for s in tally.samples if s[0] >= end - window]
+    rss_growth = (
+        (median(final) - median(second)) / median(second) * 100
+        if second and final
+        else float("nan")
+    )
+    checks = [
+        ("engine deaths 0", tally.deaths == 0),
+        ("good requests lost 0", not lost),
+        ("good requests hung 0", not hung),
+        ("bad requests answered 5xx 0", bad5xx == 0),
+        (f"good latency p95 drift {drift:+.1f}% <= 10%", drift <= 10.0),
+        (f"RSS last vs second window {rss_growth:+.1f}% <= 10%", rss_growth <= 10.0),
+        (
+            f"prefix cache max {max(cache, default=0) / 2**20:.0f} MiB <= cap "
+            f"{cache_cap / 2**20:.0f} MiB",
+            max(cache, default=0) <= cache_cap,
+        ),
+    ]
+    print("verdict:")
+    for name, met in checks:
+        print(f"  {'PASS' if met else 'FAIL'}  {name}")
+    return all(met for _, met in checks)
 
 
 def main() -> None:
@@ -344,8 +380,11 @@ def main() -> None:
         tally = asyncio.run(soak(proc.pid, args.minutes, args.bad_rate))
     finally:
         stop(proc)
-    report(tally, args.minutes)
+    passed = report(
+        tally, args.minutes, TypeAdapter(ByteSize).validate_python(args.prompt_cache_bytes)
+    )
     print(f"server log: {log}")
+    raise SystemExit(0 if passed else 1)
 
 
 if __name__ == "__main__":
