@@ -27,7 +27,7 @@ from app.errors import APIError
 from app.images import ImageLimits, ImageSource, LoadedImage, check_count, load_images
 from kvcache.image_ids import expand_images
 from kvcache.prompt_key import PromptKey
-from scheduler.contracts import ImageFront
+from scheduler.contracts import ImageFront, ImageRejected
 from scheduler.request import ImageInput
 
 
@@ -147,8 +147,11 @@ def attach_images(
         )
     inputs: list[ImageInput] = []
     shift = 0
-    for pos, image in zip(at, resolved.images):
-        item = front.image_input(image.image, image.digest, pos + shift)
+    for number, (pos, image) in enumerate(zip(at, resolved.images), 1):
+        try:
+            item = front.image_input(image.image, image.digest, pos + shift)
+        except ImageRejected as exc:
+            raise APIError(400, f"Image {number} of the request: {exc}") from exc
         inputs.append(item)
         shift += len(item.tokens) - 1
     wide = expand_images(key, [(p, len(i.tokens), i.identity) for p, i in zip(at, inputs)])

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import ByteSize, Field, ValidationInfo, field_validator
+from pydantic import ByteSize, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.images import ImageLimits
@@ -340,6 +340,18 @@ class Settings(BaseSettings):
     def adapters(self) -> tuple[tuple[str, Path], ...]:
         pairs = (item.partition("=") for item in self.adapter)
         return tuple((i, Path(p).expanduser()) for i, _, p in pairs)
+
+    @model_validator(mode="after")
+    def _pixel_range(self) -> Settings:
+        if (
+            self.min_pixels is not None
+            and self.max_pixels is not None
+            and self.min_pixels > self.max_pixels
+        ):
+            raise ValueError(
+                f"--min-pixels {self.min_pixels} is over --max-pixels {self.max_pixels}"
+            )
+        return self
 
     @field_validator("max_step_ms")
     @classmethod

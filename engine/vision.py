@@ -46,6 +46,7 @@ from engine.mrope import (
     sequential_positions,
 )
 from kvcache.image_ids import image_identity, image_runs, real_tokens
+from scheduler.contracts import ImageRejected
 from scheduler.request import ImageInput
 
 log = logging.getLogger("kvwarm.engine.vision")
@@ -190,10 +191,18 @@ class VisionFront:
         self._merge = merge  # multimodal RoPE: the tokens span a grid of positions
         self._bos = getattr(tokenizer, "bos_token_id", None)
         image_processor = getattr(processor, "image_processor", None)
-        if min_pixels is not None and hasattr(image_processor, "min_pixels"):
-            image_processor.min_pixels = min_pixels
-        if max_pixels is not None and hasattr(image_processor, "max_pixels"):
-            image_processor.max_pixels = max_pixels
+        for flag, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+            if value is None:
+                continue
+            if hasattr(image_processor, flag):
+                setattr(image_processor, flag, value)
+            else:  # Idefics3, Gemma 3, LLaVA, Pixtral size by edge, not by area
+                log.warning(
+                    "--%s is ignored: this model's image processor (%s) has no %s setting",
+                    flag.replace("_", "-"),
+                    type(image_processor).__name__,
+                    flag,
+                )
         self._lock = threading.Lock()  # processors keep state between calls
 
     @classmethod
@@ -208,8 +217,14 @@ class VisionFront:
         return cls(processor, tokenizer, min_pixels, max_pixels, family(vlm), merge=grid_merge(vlm))
 
     def expand(self, image: Any) -> ImageExpansion:
-        with self._lock:
-            out = self.processor(text=[self.image_token], images=[image])
+        try:
+            with self._lock:
+                out = self.processor(text=[self.image_token], images=[image])
+        except Exception as exc:  # the processors raise bare ValueErrors, ZeroDivision...
+            width, height = image.size
+            raise ImageRejected(
+                f"This model's image processor cannot read a {width}x{height} image: {exc}"
+            ) from exc
         ids = [int(t) for t in np.asarray(out["input_ids"]).reshape(-1)]
         if ids and ids[0] == self._bos:
             ids = ids[1:]

@@ -43,6 +43,11 @@ class PromptFormatter(Protocol):
         ...
 
 
+class ImageRejected(ValueError):
+    """The model's processor cannot turn this image into tokens (an extreme aspect
+    ratio, a side too thin to resize): the client's image, so a 400, never a 500."""
+
+
 class ImageFront(Protocol):
     """A vision model's processor as request preparation uses it (worker threads)."""
 
@@ -51,7 +56,8 @@ class ImageFront(Protocol):
     placeholder_id: int  # that token's id
 
     def image_input(self, image: Any, digest: bytes, start: int) -> ImageInput:
-        """The image's tokens and pixel inputs, placed at prompt position ``start``."""
+        """The image's tokens and pixel inputs, placed at prompt position ``start``;
+        ``ImageRejected`` when the processor cannot make them."""
         ...
 
 

@@ -130,6 +130,116 @@ def test_a_screenshot_in_a_tool_result_reaches_the_model(vision_server):
     assert other_usage["prompt_tokens_details"]["cached_tokens"] < other_usage["prompt_tokens"] - 20
 
 
+def vision_stats(base: str) -> tuple[int, int]:
+    vision = httpx.get(base + "/stats", timeout=10).json()["vision"]
+    return vision["images_prefilled"], vision["encoder_runs"]
+
+
+def b64_png(color: tuple[int, int, int]) -> str:
+    return base64.b64encode(png_bytes(50, 40, color)).decode()
+
+
+def test_messages_and_responses_images_reach_the_model_plain_and_in_tool_results(vision_server):
+    """Each request's image is new to the server: the tower runs for it, so the
+    image reached the model rather than being dropped or turned into a note."""
+    base = vision_server
+    before = vision_stats(base)
+    anthropic = httpx.post(
+        base + "/v1/messages",
+        json={
+            "model": "m",
+            "max_tokens": 4,
+            "messages": [
+                {"role": "user", "content": "take a screenshot"},
+                {
+                    "role": "assistant",
+                    "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t1",
+                            "content": [
+                                {
+                                    "type": "image",
+                                    "source": {
+                                        "type": "base64",
+                                        "media_type": "image/png",
+                                        "data": b64_png((1, 2, 250)),
+                                    },
+                                }
+                            ],
+                        }
+                    ],
+                },
+            ],
+        },
+        timeout=120,
+    )
+    assert anthropic.status_code == 200, anthropic.text
+    after_anthropic = vision_stats(base)
+    assert after_anthropic == (before[0] + 1, before[1] + 1)
+    responses = httpx.post(
+        base + "/v1/responses",
+        json={
+            "model": "m",
+            "max_output_tokens": 4,
+            "input": [
+                {"role": "user", "content": "take a screenshot"},
+                {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
+                {
+                    "type": "function_call_output",
+                    "call_id": "c1",
+                    "output": [
+                        {
+                            "type": "input_image",
+                            "image_url": f"data:image/png;base64,{b64_png((250, 2, 1))}",
+                        }
+                    ],
+                },
+            ],
+        },
+        timeout=120,
+    )
+    assert responses.status_code == 200, responses.text
+    after_responses = vision_stats(base)
+    assert after_responses == (after_anthropic[0] + 1, after_anthropic[1] + 1)
+    # and as plain content, each with an image of its own
+    anthropic_image = {
+        "type": "image",
+        "source": {"type": "base64", "media_type": "image/png", "data": b64_png((3, 250, 3))},
+    }
+    plain = httpx.post(
+        base + "/v1/messages",
+        json={
+            "model": "m",
+            "max_tokens": 4,
+            "messages": [
+                {"role": "user", "content": [anthropic_image, {"type": "text", "text": "?"}]}
+            ],
+        },
+        timeout=120,
+    )
+    assert plain.status_code == 200, plain.text
+    input_image = {
+        "type": "input_image",
+        "image_url": f"data:image/png;base64,{b64_png((90, 90, 3))}",
+    }
+    plain = httpx.post(
+        base + "/v1/responses",
+        json={
+            "model": "m",
+            "max_output_tokens": 4,
+            "input": [{"role": "user", "content": [input_image]}],
+        },
+        timeout=120,
+    )
+    assert plain.status_code == 200, plain.text
+    assert vision_stats(base) == (after_responses[0] + 2, after_responses[1] + 2)
+
+
 @pytest.mark.parametrize(
     ("content", "needle"),
     [
@@ -191,6 +301,29 @@ def test_a_qwen2_vl_conversation_about_an_image_reuses_every_earlier_turn(qwen_s
     forged = chat(base, [image_part(big), {"type": "text", "text": "a <|image_pad|> here"}])
     assert forged.status_code == 400 and "image marker" in forged.text
     assert httpx.get(base + "/health", timeout=10).status_code == 200
+
+
+def test_image_tokens_count_against_the_context(vision_server):
+    """A request whose image tokens take it past the context is refused before it
+    runs, with the same 400 as a text prompt over the ceiling."""
+    content = [image_part(), {"type": "text", "text": "what is this?"}]
+    text_only = chat(vision_server, "what is this?", max_tokens=1).json()["usage"]
+    with_image = chat(vision_server, content, max_tokens=1).json()["usage"]
+    image_tokens = with_image["prompt_tokens"] - text_only["prompt_tokens"]
+    assert image_tokens >= 20  # tiles of 4 tokens, a global view, their markers
+    context = 8192  # the tiny model's max_position_embeddings
+    over = chat(vision_server, content, max_tokens=context - with_image["prompt_tokens"] + 1)
+    assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_an_image_the_processor_cannot_read_is_a_400_and_the_server_stays_healthy(qwen_server):
+    """Qwen2-VL's processor refuses an aspect ratio over 200: the client's image,
+    so a 400 naming it (it was a 500)."""
+    thin = "data:image/png;base64," + base64.b64encode(png_bytes(1000, 4, (9, 9, 9))).decode()
+    resp = chat(qwen_server, [image_part(thin), {"type": "text", "text": "what?"}])
+    assert resp.status_code == 400, resp.text
+    assert "1000x4 image" in resp.json()["error"]["message"]
+    assert httpx.get(qwen_server + "/health", timeout=10).status_code == 200
 
 
 def test_a_video_url_reaches_the_model_as_frames(vision_server, tmp_path):

@@ -5,13 +5,16 @@ batched with text rows without changing anyone's tokens."""
 from __future__ import annotations
 
 import base64
+import logging
 from functools import partial
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
+from PIL import Image
 
+from app.errors import APIError
 from app.image_prompt import attach_images, resolve_images
 from app.images import ImageLimits, ImageSource
 from engine.batch_runner import BatchRunner
@@ -183,6 +186,40 @@ def test_the_same_image_re_sent_or_re_encoded_hits_and_skips_the_tower(vlm):
     assert loaded.vision.counters.encoder_runs == runs  # the tower did not run
 
 
+def test_a_re_sent_image_the_prefix_cache_cannot_cover_skips_the_tower(vlm):
+    """Without a prefix to reuse (another server's cache, or the image twice in one
+    prompt), the feature cache still spares the tower, and the row reads exactly
+    as mlx-vlm's whole-prompt forward."""
+    loaded = vlm[0]
+    png = png_bytes(*SIZE, (40, 90, 160))
+    run(runner_for(loaded, cache=False), request(vlm, ASK, data_url(png)))
+    counters = loaded.vision.counters
+    runs, hits = counters.encoder_runs, counters.feature_hits
+    again = request(vlm, "and again: " + ASK, data_url(png), max_tokens=10)
+    ((tokens, cached),) = run(runner_for(loaded, cache=False), again)
+    # the reference reads on past an end-of-sequence token: compare up to it
+    assert cached == 0 and tokens == reference(loaded, again)[: len(tokens)]
+    assert (counters.encoder_runs, counters.feature_hits) == (runs, hits + 1)
+    twice = request(
+        vlm, "compare", data_url(png_bytes(*SIZE, RED)), data_url(png_bytes(*SIZE, RED))
+    )
+    run(runner_for(loaded, cache=False), twice)
+    assert (counters.encoder_runs, counters.feature_hits) == (runs + 1, hits + 2)
+
+
+@pytest.mark.parametrize("size", [(1000, 4), (4, 1000), (3000, 2), (1, 1)])
+def test_an_image_of_any_shape_is_read_or_refused_with_a_400(vlm, size):
+    """Processors refuse some shapes (Qwen2-VL: aspect ratio over 200; Pixtral:
+    a side that resizes to 0): the client's image, so a 400 naming its size."""
+    try:
+        req = request(vlm, "what?", data_url(png_bytes(*size, GREEN)), max_tokens=2)
+    except APIError as exc:
+        assert exc.status == 400 and f"{size[0]}x{size[1]} image" in exc.message, exc.message
+        return
+    ((tokens, _),) = run(runner_for(vlm[0], cache=False), req)
+    assert len(tokens) == 2
+
+
 def test_identical_text_with_another_image_never_hits_past_the_image(vlm):
     loaded = vlm[0]
     runner = runner_for(loaded)
@@ -254,6 +291,30 @@ def test_admission_reserves_the_largest_image_the_processor_makes(vlm):
     # the largest image: at least as many tokens as any image a request can send
     biggest = request(vlm, "?", data_url(png_bytes(2000, 1500, GREEN)))
     assert cpu.image_tokens >= len(biggest.images[0].tokens)
+
+
+def test_max_pixels_reaches_the_processor_or_is_reported_ignored(vlm, caplog):
+    """Area-sized processors (Qwen2-VL) take --max-pixels: a large image makes fewer
+    tokens; edge-sized ones cannot, and the start-up log says the flag is ignored."""
+    loaded, front, _ = vlm
+    image = Image.new("RGB", (600, 400), GREEN)
+    full = len(front.expand(image).tokens)
+    sizer = loaded.processor.image_processor
+    saved = getattr(sizer, "max_pixels", None)
+    with caplog.at_level(logging.WARNING, logger="kvwarm.engine.vision"):
+        small = VisionFront.for_model(
+            loaded.vision.vlm, loaded.processor, loaded.tokenizer, max_pixels=28 * 28 * 4
+        )
+    try:
+        if saved is None:
+            assert "--max-pixels is ignored" in caplog.text
+            assert len(small.expand(image).tokens) == full
+        else:
+            assert "ignored" not in caplog.text
+            assert len(small.expand(image).tokens) < full
+    finally:
+        if saved is not None:
+            sizer.max_pixels = saved
 
 
 def test_a_many_image_prompt_prefills_one_image_a_step(vlm):

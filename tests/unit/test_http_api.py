@@ -385,3 +385,55 @@ def test_health_is_503_while_loading_then_200():
         app.state.kvwarm.engine.loaded.set()
         assert httpx.get(url + "/health").status_code == 200
         assert httpx.post(url + CHAT, json={"messages": msgs(), "max_tokens": 1}).status_code == 200
+
+
+def test_placeholder_images_keep_their_number_by_content_wherever_they_are_sent():
+    """--images placeholder on a text model: each image becomes a note numbered by
+    its pixels, so the same image re-sent (re-encoded, or in a tool result) keeps
+    its number, and the conversation can move between a vision and a text model."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    def url(color, fmt="PNG"):
+        buf = io.BytesIO()
+        Image.new("RGB", (6, 4), color).save(buf, format=fmt)
+        mime = f"image/{fmt.lower()}"
+        return f"data:{mime};base64,{base64.b64encode(buf.getvalue()).decode()}"
+
+    def part(u):
+        return {"type": "image_url", "image_url": {"url": u}}
+
+    engines = []
+
+    def engine(s, r):
+        engines.append(FakeEngine(s, r, eos_after=2))
+        return engines[-1]
+
+    green, red = (0, 200, 0), (200, 0, 0)
+    messages = [
+        {"role": "user", "content": [part(url(green)), {"type": "text", "text": "this?"}]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [part(url(red)), {"type": "text", "text": "and this?"}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "shot", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": [part(url(green, "BMP"))]},
+    ]
+    with serve_app(create_app(Settings(_env_file=None, images="placeholder"), engine)) as base:
+        r = httpx.post(base + CHAT, json={"messages": messages, "max_tokens": 2})
+        assert r.status_code == 200, r.text
+        seen = [str(m.get("content")) for m in engines[0].info.formatter.last_messages]
+    first, second, tool = seen[0], seen[2], seen[4]
+    note = first[first.index("[image 1: ") :].split("]")[0]
+    assert len(note) == len("[image 1: ") + 12  # a 12-hex id of the pixels
+    assert note in tool and "[image 2: " in second and note not in second
+    default = make_app()  # --images reject: a 400 naming the flag
+    with serve_app(default) as base:
+        r = httpx.post(base + CHAT, json={"messages": messages[:1], "max_tokens": 2})
+    assert r.status_code == 400 and "--images" in r.text

@@ -25,3 +25,20 @@ def test_postscript_is_never_handed_to_a_decoder():
     with pytest.raises(APIError) as err:
         decode_image(eps, ImageLimits())
     assert err.value.status == 400 and "not an image" in err.value.message
+
+
+def test_images_over_the_requests_total_bytes_are_refused_naming_the_limit():
+    import base64
+
+    from app.images import ImageSource, load_images
+
+    buf = io.BytesIO()
+    Image.new("RGB", (6, 4), (10, 20, 30)).save(buf, format="PNG")
+    raw = buf.getvalue()
+    source = ImageSource(base64=base64.b64encode(raw).decode())
+    limits = ImageLimits(max_total_bytes=2 * len(raw))
+    assert len(load_images([source, source], limits)) == 2
+    with pytest.raises(APIError) as err:
+        load_images([source, source, source], limits)
+    assert err.value.status == 400 and "--max-images-bytes" in err.value.message
+    assert f"{3 * len(raw)} bytes" in err.value.message

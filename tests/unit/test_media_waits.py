@@ -297,3 +297,13 @@ def test_the_allowed_media_domains_setting_reaches_the_image_limits():
     limits = Settings(_env_file=None, allowed_media_domains=" a.com, *.b.org ,").image_limits
     assert limits.allowed_media_domains == ("a.com", "*.b.org")
     assert Settings(_env_file=None).image_limits.allowed_media_domains == ()
+
+
+def test_an_anthropic_url_image_source_is_fetched():
+    from app.images import source_of
+
+    part = {"type": "image", "source": {"type": "url", "url": ""}}
+    with http_server(png()) as url:
+        part["source"]["url"] = url
+        ((image,),) = load_images([source_of(part, "messages.0.content.0")], ImageLimits())
+    assert image.image.size == (3, 2)

@@ -37,3 +37,13 @@ def test_vision_on_for_a_text_model_says_it_is_not_one(tmp_path):
     assert not wants_vision(path, "auto")
     with pytest.raises(UnsupportedModelError, match="not a vision model"):
         wants_vision(path, "on")
+
+
+def test_min_pixels_over_max_pixels_is_refused_at_start():
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
+    with pytest.raises(ValidationError, match="--min-pixels 10 is over --max-pixels 5"):
+        Settings(min_pixels=10, max_pixels=5)
+    assert Settings(min_pixels=5, max_pixels=5).max_pixels == 5
