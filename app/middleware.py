@@ -1,4 +1,4 @@
-"""Pure ASGI middleware: API-key auth and a request-body size limit.
+"""Pure ASGI middleware: the Host allowlist, API-key auth and a request-body size limit.
 
 Both answer before the body is read (the limit trusts Content-Length when sent
 and counts bytes of chunked bodies as they arrive).
@@ -10,7 +10,10 @@ import asyncio
 import hmac
 import json
 
+from starlette._utils import parse_host_header
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import APIError, error_payload
@@ -27,6 +30,38 @@ async def _send_error(
         headers.append((b"www-authenticate", b"Bearer"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+class HostCheckMiddleware(TrustedHostMiddleware):
+    """Starlette's Host allowlist (exact names, or ``*.domain``), refusing an unknown
+    host with the JSON error body every other 400 has (Starlette's is plain text)."""
+
+    def __init__(self, app: ASGIApp, allowed_hosts: list[str]):
+        super().__init__(app, allowed_hosts, www_redirect=False)
+
+    def _allowed(self, scope: Scope) -> bool:
+        parsed = parse_host_header(Headers(scope=scope).get("host"))
+        if parsed is None:
+            return False
+        host = parsed.host.lower()
+        return any(
+            host == pattern or (pattern.startswith("*") and host.endswith(pattern[1:]))
+            for pattern in self.allowed_hosts
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.allow_any or scope["type"] != "http" or self._allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        await _send_error(
+            scope,
+            send,
+            400,
+            "Invalid Host header: this server answers only the names --allowed-hosts lists "
+            "(loopback names when bound to loopback).",
+            "invalid_request_error",
+            "invalid_host",
+        )
 
 
 class ApiKeyMiddleware:

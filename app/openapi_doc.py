@@ -25,9 +25,11 @@ OPENAI_ERROR = "OpenAIError"
 ANTHROPIC_ERROR = "AnthropicError"
 WHY = {
     400: "Invalid request: a field out of its bounds (named in the message), a prompt over "
-    "the context or the memory budget, content this model cannot read.",
+    "the context or the memory budget, content this model cannot read, or a Host header "
+    "outside --allowed-hosts.",
     401: "Missing or wrong API key.",
     404: "No such stored response.",
+    408: "The body paused longer than --body-timeout, or arrived slower than 256 KiB/s.",
     413: "Body larger than --max-body-bytes.",
     429: "The queue is full; retry after Retry-After seconds.",
     500: "The request failed in the engine (it alone: other requests go on).",
@@ -235,17 +237,25 @@ def install_openapi(
                 "bearer": {"type": "http", "scheme": "bearer"},
                 "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
             }
+        checks_host = settings.host_allowlist != ["*"]
         for path, ops in doc.get("paths", {}).items():
+            error = ANTHROPIC_ERROR if path.startswith("/v1/messages") else OPENAI_ERROR
             for op in ops.values():
-                op.get("responses", {}).pop("422", None)
+                responses = op.setdefault("responses", {})
+                responses.pop("422", None)
+                # the middleware's answers, on any route it guards
+                statuses = [400] if checks_host else []
+                if "requestBody" in op:
+                    statuses += [408, 413]
+                for status, doc_ in errors(error, statuses).items():
+                    responses.setdefault(str(status), doc_)
                 if not settings.api_key:
                     continue
                 if path in PROTECTED_EXEMPT:
                     op["security"] = []
                     continue
                 op["security"] = [{"bearer": []}, {"apiKey": []}]
-                error = ANTHROPIC_ERROR if path.startswith("/v1/messages") else OPENAI_ERROR
-                op["responses"]["401"] = errors(error, [401])[401]
+                responses["401"] = errors(error, [401])[401]
         limit = context_length()
         if limit is not None:
             for model, field in _COUNTED:

@@ -13,7 +13,6 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
-from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from app.adapters_api import AdapterMountRequest
 from app.adapters_api import router as adapters_router
@@ -23,7 +22,7 @@ from app.conv_kv import ConvLoadRequest, ConvSaveRequest
 from app.conv_kv import router as conv_kv_router
 from app.errors import InternalErrorMiddleware, install_error_handlers
 from app.fit_api import router as fit_router
-from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware, HostCheckMiddleware
 from app.openai_chat import router as chat_router
 from app.openai_completions import router as completions_router
 from app.openai_responses import router as responses_router
@@ -132,7 +131,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
             allow_headers=["*"],
             expose_headers=["Retry-After", "X-Kvwarm-Ignored-Fields"],
         )
-    app.add_middleware(TrustedHostMiddleware, allowed_hosts=settings.host_allowlist)
+    app.add_middleware(HostCheckMiddleware, allowed_hosts=settings.host_allowlist)
     return app
 
 

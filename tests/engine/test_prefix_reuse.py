@@ -137,6 +137,61 @@ def test_strict_hit_gives_exactly_the_cacheless_output(tiny):
     assert stats.hits == 1 and stats.exact_key_rejected_by_model_lcp == 0
 
 
+def test_a_watchdog_cut_delivers_its_text_and_stores_nothing_past_the_prompt(tiny):
+    """cut_short ends the row with finish length and the text not yet handed out;
+    no entry holds its partial reply, so the next turn reuses at most the prompt."""
+    h = Harness(tiny, VolatilePolicy.STRICT)
+    req = h.request(conversation(turns=1), max_tokens=50)
+    h.runner.add(req)
+    generated = []
+    while len(generated) < 6:
+        for out in h.runner.step():
+            generated.extend(out.token_ids)
+    entries = {e.uid for e in h.cache.index.entries()}
+    out = h.runner.cut_short(req.request_id)
+    assert out is not None and out.timed_out and out.finish_reason.value == "length"
+    assert h.runner.active == 0 and h.runner.cut_short(req.request_id) is None
+    deepest = max((len(e.key.model_tokens) for e in h.cache.index.entries()), default=0)
+    assert {e.uid for e in h.cache.index.entries()} == entries  # nothing stored on the cut
+    assert deepest < len(req.prompt_tokens)  # only checkpoints inside the prompt
+    turn2 = conversation(turns=1) + [
+        {"role": "assistant", "content": decode(h, generated)},
+        {"role": "user", "content": "and then?"},
+    ]
+    ((_, cached),) = h.run(h.request(turn2))
+    assert cached < len(req.prompt_tokens)
+
+
+def test_a_row_whose_cache_store_raises_fails_alone(tiny):
+    """A fault in storing one row's KV (its checkpoint mid-prefill) ends that row
+    with an error; the row beside it keeps exactly its own tokens."""
+    rogue_messages = [{"role": "system", "content": "Rogue system prompt. " * 12}]
+    rogue_messages.append({"role": "user", "content": "question number 0: what now?"})
+    alone_h = Harness(tiny, VolatilePolicy.STRICT)
+    ((alone, _),) = alone_h.run(alone_h.request(conversation(turns=1), session="good"))
+    h = Harness(tiny, VolatilePolicy.STRICT)
+    rogue = h.request(rogue_messages, session="rogue")
+    good = h.request(conversation(turns=1), session="good")
+    store = h.cache.store
+
+    def failing_store(key, *args, **kwargs):
+        if list(key.model_tokens[:8]) == list(rogue.prompt_tokens[:8]):
+            raise OSError("no space left on device")
+        return store(key, *args, **kwargs)
+
+    h.cache.store = failing_store
+    h.runner.add(rogue)
+    h.runner.add(good)
+    outs: dict[str, list] = {rogue.request_id: [], good.request_id: []}
+    while h.runner.active:
+        for out in h.runner.step():
+            outs[out.request_id].append(out)
+    assert outs[rogue.request_id][-1].finish_reason.value == "error"
+    assert "no space left on device" in outs[rogue.request_id][-1].error
+    assert [t for o in outs[good.request_id] for t in o.token_ids] == alone
+    assert h.runner.row_faults == 1
+
+
 def test_strict_policy_does_not_reuse_past_a_changed_timestamp(tiny):
     h = Harness(tiny, VolatilePolicy.STRICT)
     old = h.request(conversation("10:00"))

@@ -422,3 +422,23 @@ def test_requests_tokens_and_cache_reuse_carry_the_adapter():
     )
     assert sample(metrics, "kvwarm:request_cached_tokens_sum", adapter="sql") == 64
     assert sample(metrics, "kvwarm:generation_tokens_total", adapter="sql") is not None
+
+
+def test_engine_row_faults_and_batch_recoveries_reach_metrics_and_stats():
+    """The runner's counts (tests/engine/test_fault_isolation.py makes them move)
+    are what /metrics and /stats report."""
+    engines: list[FakeEngine] = []
+
+    def engine(s, r):
+        engines.append(FakeEngine(s, r, eos_after=2))
+        return engines[-1]
+
+    with serve_app(create_app(Settings(_env_file=None), engine)) as url:
+        text = httpx.get(url + "/metrics").text
+        assert _value(text, "kvwarm:engine_row_faults_total") == 0
+        engines[0].fake.row_faults, engines[0].fake.recoveries = 3, 1
+        text = httpx.get(url + "/metrics").text
+        stats = httpx.get(url + "/stats").json()["engine"]
+    assert _value(text, "kvwarm:engine_row_faults_total") == 3
+    assert _value(text, "kvwarm:engine_batch_recoveries_total") == 1
+    assert stats["row_faults"] == 3 and stats["batch_recoveries"] == 1

@@ -417,8 +417,48 @@ def test_watchdog_cuts_running_requests_short_and_refuses_queued_ones():
     assert stats["watchdog"] == 2 and stats["aborted"] == 2
 
 
+def test_a_watchdog_cut_delivers_what_was_generated_and_stores_nothing():
+    """As the seed server: finish length with the text so far, streamed or not; the
+    reply is not remembered for healing (a normal reply is: the control)."""
+    settings = Settings(_env_file=None, request_timeout=1.0)
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, step_delay=0.2))
+    with serve_app(app) as url:
+        healing = app.state.kvwarm.healing
+        whole = httpx.post(url + CHAT, json=chat(max_tokens=2), timeout=30)
+        assert whole.status_code == 200 and whole.json()["choices"][0]["finish_reason"] == "length"
+        remembered = len(healing)
+        assert remembered == 1  # the control: an ordinary reply is remembered
+        cut = httpx.post(url + CHAT, json=chat(max_tokens=500, ignore_eos=True), timeout=30)
+        with httpx.stream(
+            "POST", url + CHAT, json=chat(max_tokens=500, ignore_eos=True, stream=True), timeout=30
+        ) as r:
+            events = [
+                json.loads(line[6:])
+                for line in r.iter_lines()
+                if line.startswith("data: ") and line != "data: [DONE]"
+            ]
+            assert r.status_code == 200
+        assert len(healing) == remembered
+    choice = cut.json()["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["content"].startswith("w0 w1 w2 ")  # ~5 steps in 1 s
+    assert cut.json()["usage"]["completion_tokens"] >= 3
+    streamed = "".join(
+        e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]
+    )
+    assert streamed.startswith("w0 w1 w2 ")
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+
+
 def test_dns_rebinding_hosts_are_refused_on_loopback(base):
-    assert httpx.get(base + "/v1/models", headers={"Host": "evil.example"}).status_code == 400
+    refused = httpx.get(base + "/v1/models", headers={"Host": "evil.example"})
+    assert refused.status_code == 400  # in the JSON error shape the OpenAPI document gives
+    assert refused.json()["error"]["code"] == "invalid_host"
+    assert "--allowed-hosts" in refused.json()["error"]["message"]
+    messages = httpx.post(base + MESSAGES, json=anthropic(), headers={"Host": "evil.example"})
+    assert messages.json()["type"] == "error"  # each dialect's own shape
+    for bad in ("", "a b", "[::zz]"):
+        assert httpx.get(base + "/health", headers={"Host": bad}).status_code == 400
     assert httpx.get(base + "/v1/models", headers={"Host": "localhost:8080"}).status_code == 200
     assert httpx.get(base + "/v1/models", headers={"Host": "[::1]:8080"}).status_code == 200
 
