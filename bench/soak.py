@@ -72,12 +72,22 @@ class Good:
 
 
 @dataclass
+class Sample:
+    at: float  # seconds since the start
+    health: int
+    rss: int
+    anon: int  # RssAnon: the process's own heap, not mapped files
+    cache: int  # the prefix cache's RAM bytes
+    mlx_active: int  # MLX's allocator (/metrics; sampled by the engine while idle)
+    mlx_cache: int
+    disk_pending: int  # KV queued for the SSD tier: held in memory until written
+
+
+@dataclass
 class Tally:
     good: list[Good] = field(default_factory=list)
     bad: Counter = field(default_factory=Counter)
-    samples: list[tuple[float, int, int, int]] = field(
-        default_factory=list
-    )  # t, health, rss, cache
+    samples: list[Sample] = field(default_factory=list)
     deaths: int = 0  # times the engine was seen alive, then dead (or the server gone)
     engine_seen_dead: bool = False
 
@@ -255,20 +265,54 @@ async def monitor(pid: int, deadline: float, tally: Tally, t0: float) -> None:
     proc = psutil.Process(pid)
     async with httpx.AsyncClient(timeout=10) as client:
         while time.monotonic() < deadline:
-            health, cache, alive = 0, 0, False
+            health, cache, alive, mlx, pending = 0, 0, False, {}, 0
             try:
                 health = (await client.get(URL + "/health")).status_code
                 stats = (await client.get(URL + "/stats")).json()
                 cache = (stats.get("prompt_cache") or {}).get("bytes", 0)
+                pending = (stats.get("prompt_cache") or {}).get("disk_pending_bytes", 0)
                 alive = bool(stats["engine"]["alive"])
+                mlx = gauges((await client.get(URL + "/metrics")).text)
             except httpx.HTTPError:
                 pass
             if not alive and not tally.engine_seen_dead:
                 tally.deaths += 1
             tally.engine_seen_dead = not alive
-            rss = proc.memory_info().rss if proc.is_running() else 0
-            tally.samples.append((time.monotonic() - t0, health, rss, cache))
+            rss, anon = resident(proc)
+            tally.samples.append(
+                Sample(
+                    time.monotonic() - t0,
+                    health,
+                    rss,
+                    anon,
+                    cache,
+                    int(mlx.get("kvwarm:mlx_active_memory_bytes", 0)),
+                    int(mlx.get("kvwarm:mlx_cache_memory_bytes", 0)),
+                    pending,
+                )
+            )
             await asyncio.sleep(10)
+
+
+def gauges(metrics: str) -> dict[str, float]:
+    """Unlabelled-by-request gauges of a /metrics text: name -> value."""
+    out = {}
+    for line in metrics.splitlines():
+        if line.startswith("kvwarm:mlx_"):
+            name, value = line.split("{")[0], line.rsplit(" ", 1)[1]
+            out[name] = float(value)
+    return out
+
+
+def resident(proc: psutil.Process) -> tuple[int, int]:
+    """RSS and its anonymous part (heap and MLX buffers, not mapped files)."""
+    try:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+    except OSError:
+        return (proc.memory_info().rss if proc.is_running() else 0), 0
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    kib = lambda name: int(fields.get(name, "0 kB").split()[0]) * 1024  # noqa: E731
+    return kib("VmRSS"), kib("RssAnon")
 
 
 async def soak(pid: int, minutes: float, bad_rate: float) -> Tally:
@@ -295,7 +339,7 @@ def report(tally: Tally, minutes: float, cache_cap: int) -> bool:
     print(f"\nsoak: {minutes:.0f} min, 4 agents (chat, Messages, Responses, chat), batch 4")
     print(
         f"engine deaths: {tally.deaths}; /health non-200 samples: "
-        f"{sum(1 for s in tally.samples if s[1] != 200)} of {len(tally.samples)}"
+        f"{sum(1 for s in tally.samples if s.health != 200)} of {len(tally.samples)}"
     )
     print(
         f"good requests: {len(good)}, failed or lost: {len(lost)} "
@@ -310,19 +354,25 @@ def report(tally: Tally, minutes: float, cache_cap: int) -> bool:
         f"good latency p95: first {window / 60:.0f} min {p95_first:.2f} s ({len(first)} req), "
         f"last {window / 60:.0f} min {p95_last:.2f} s ({len(last)} req), drift {drift:+.1f}%"
     )
-    rss = [s[2] for s in tally.samples]
-    cache = [s[3] for s in tally.samples]
+    rss = [s.rss for s in tally.samples]
+    cache = [s.cache for s in tally.samples]
     if rss:
         step = max(1, len(tally.samples) // 8)
         marks = tally.samples[::step] + tally.samples[-1:]
-        print("    min   RSS MiB   prefix cache MiB")
-        for t, _, r, c in marks:
-            print(f"{t / 60:7.1f} {r / 2**20:9.0f} {c / 2**20:18.1f}")
+        print(
+            "    min   RSS MiB  anon MiB  prefix cache MiB  MLX active / cache MiB  disk queue MiB"
+        )
+        for m in marks:
+            print(
+                f"{m.at / 60:7.1f} {m.rss / 2**20:9.0f} {m.anon / 2**20:9.0f} "
+                f"{m.cache / 2**20:17.1f}  {m.mlx_active / 2**20:10.0f} / "
+                f"{m.mlx_cache / 2**20:<10.0f} {m.disk_pending / 2**20:14.0f}"
+            )
         print(f"RSS max {max(rss) / 2**20:.0f} MiB; prefix cache max {max(cache) / 2**20:.1f} MiB")
     # RSS settles once the model, the compiled kernels and the cache have filled: compare
     # the last window with the second, not the first (which includes the warm-up)
-    second = [s[2] for s in tally.samples if window <= s[0] < 2 * window]
-    final = [s[2] for s in tally.samples if s[0] >= end - window]
+    second = [s.rss for s in tally.samples if window <= s.at < 2 * window]
+    final = [s.rss for s in tally.samples if s.at >= end - window]
     rss_growth = (
         (median(final) - median(second)) / median(second) * 100
         if second and final
@@ -358,6 +408,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     prepare_model()
+    try:  # an earlier run's server still draining would answer in place of ours
+        httpx.get(URL + "/health", timeout=2)
+        raise SystemExit(f"something already answers on {URL}: stop it first")
+    except httpx.TransportError:
+        pass
     log = Path(tempfile.gettempdir()) / "kvwarm-soak.log"
     cmd = [
         str(BIN / "kvwarm"),

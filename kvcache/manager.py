@@ -25,6 +25,7 @@ from kvcache.entry_files import key_from, key_manifest, mlx_arrays, numpy_arrays
 from kvcache.index import CacheEntry, PrefixIndex, PromptCacheConfig
 from kvcache.interface import ConversationNotFound, SavedConversation, StorageFull
 from kvcache.layout import KVQuant
+from kvcache.os_memory import MemoryReturner
 from kvcache.payloads import BlockArrays, KVLayoutOps, PrivatePart, rebuild_private
 from kvcache.prompt_key import PromptKey
 from kvcache.safetensors_io import CorruptFile
@@ -34,6 +35,9 @@ from kvcache.tiers import PERSISTENT_TIERS, PersistentTier
 from scheduler.request import CacheHints, CacheReport
 
 log = logging.getLogger("kvwarm.kvcache")
+
+
+WRITE_QUEUE_SHARE = 4  # the SSD tier's write queue holds at most 1/4 of the RAM cap
 
 
 @dataclass(frozen=True)
@@ -80,19 +84,26 @@ class TieredKVManager:
         self._blocks: dict[Digest, BlockArrays] = {}
         self._private: dict[int, PrivatePart] = {}
         self._freed = False
+        self._give_back = MemoryReturner()
         self.restored = 0
         self._pins: dict[str, dict[str, Any]] = {}  # saved conversations -> entry uid, title
         self.disk: PersistentTier | None = None
         disk_bytes = 0
+        ram_bytes = max_bytes
         if disk is not None and disk.max_bytes > 0:
+            # A queued write holds its KV until written, also once the entry has left
+            # RAM (a slow disk fell 800 MiB behind in the soak): the queue's share
+            # comes out of the RAM cap, so the two together stay within max_bytes.
+            pending = min(disk.max_pending_bytes, max_bytes // WRITE_QUEUE_SHARE)
             try:
                 make = PERSISTENT_TIERS[disk.kind]
-                self.disk = make(disk.root, self.namespace, disk.max_pending_bytes)
+                self.disk = make(disk.root, self.namespace, pending)
                 disk_bytes = disk.max_bytes
+                ram_bytes = max_bytes - pending
             except OSError as exc:
                 log.warning("KV disk tier off: %s is not usable (%s)", disk.root, exc)
         self.index = PrefixIndex(
-            max_bytes=max_bytes,
+            max_bytes=ram_bytes,
             max_entries=config.max_entries,
             block_size=config.block_size,
             ttl_s=config.ttl_s,
@@ -145,7 +156,7 @@ class TieredKVManager:
 
     def _return_memory(self) -> None:
         if self._freed:
-            mx.clear_cache()  # give freed KV buffers back to the OS
+            self._give_back()  # freed KV buffers back to the OS
             self._freed = False
 
     # -- lookup ----------------------------------------------------------------

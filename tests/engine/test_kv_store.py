@@ -311,6 +311,15 @@ def test_a_tier_kind_registered_in_one_place_is_used(llama, tmp_path, monkeypatc
     assert written and {e.uid for e in h.cache.index.entries() if e.on_disk} <= set(written)
 
 
+def test_the_write_queue_comes_out_of_the_ram_cap(llama, tmp_path):
+    """Queued writes hold their KV until written, even after the entry leaves RAM:
+    RAM entries plus the queue stay within the cache's bytes."""
+    h = Harness(llama, STRICT, disk=DiskConfig(tmp_path, GiB))  # a 64 MiB cache
+    assert h.cache.disk.max_pending_bytes == 16 * 2**20
+    assert h.cache.index.max_bytes == 48 * 2**20
+    h.cache.close()
+
+
 def test_a_new_turn_writes_only_its_new_blocks(llama, tmp_path):
     """The turn's entry supersedes the last one; the blocks they share stay on disk
     (no delete-and-rewrite of the whole conversation every turn)."""
@@ -328,3 +337,18 @@ def test_a_new_turn_writes_only_its_new_blocks(llama, tmp_path):
     assert st.disk.entries == 1 and st.superseded >= 1  # the old turn is gone, its blocks kept
     assert written <= (new_tokens + 12 + 2 * 16) * st.disk.bytes_per_token + 64 * 1024
     assert written < st.disk.bytes / 2
+
+
+def test_freed_memory_is_trimmed_at_most_once_an_interval(monkeypatch):
+    """The C heap is trimmed after evictions, but not on every one (a trim walks
+    the allocator's arenas)."""
+    from kvcache import os_memory
+
+    calls: list[int] = []
+    clock = iter([0.0, 0.5, 1.9, 2.1, 2.2, 5.0])
+    monkeypatch.setattr(os_memory.time, "monotonic", lambda: next(clock))
+    give_back = os_memory.MemoryReturner(min_interval_s=2.0)
+    give_back._trim = calls.append
+    for _ in range(6):
+        give_back()
+    assert calls == [0, 0, 0] and give_back.trims == 3  # at 0.0, 2.1 and 5.0
