@@ -139,105 +139,50 @@ def b64_png(color: tuple[int, int, int]) -> str:
     return base64.b64encode(png_bytes(50, 40, color)).decode()
 
 
+def anthropic_image(color: tuple[int, int, int]) -> dict:
+    source = {"type": "base64", "media_type": "image/png", "data": b64_png(color)}
+    return {"type": "image", "source": source}
+
+
+def input_image(color: tuple[int, int, int]) -> dict:
+    return {"type": "input_image", "image_url": f"data:image/png;base64,{b64_png(color)}"}
+
+
+def towers_run(base: str, path: str, body: dict) -> tuple[int, int]:
+    """Images prefilled and tower runs one request added."""
+    before = vision_stats(base)
+    resp = httpx.post(base + path, json={"model": "m", **body}, timeout=120)
+    assert resp.status_code == 200, resp.text
+    after = vision_stats(base)
+    return after[0] - before[0], after[1] - before[1]
+
+
 def test_messages_and_responses_images_reach_the_model_plain_and_in_tool_results(vision_server):
     """Each request's image is new to the server: the tower runs for it, so the
     image reached the model rather than being dropped or turned into a note."""
-    base = vision_server
-    before = vision_stats(base)
-    anthropic = httpx.post(
-        base + "/v1/messages",
-        json={
-            "model": "m",
-            "max_tokens": 4,
-            "messages": [
-                {"role": "user", "content": "take a screenshot"},
-                {
-                    "role": "assistant",
-                    "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}],
-                },
-                {
-                    "role": "user",
-                    "content": [
-                        {
-                            "type": "tool_result",
-                            "tool_use_id": "t1",
-                            "content": [
-                                {
-                                    "type": "image",
-                                    "source": {
-                                        "type": "base64",
-                                        "media_type": "image/png",
-                                        "data": b64_png((1, 2, 250)),
-                                    },
-                                }
-                            ],
-                        }
-                    ],
-                },
-            ],
-        },
-        timeout=120,
-    )
-    assert anthropic.status_code == 200, anthropic.text
-    after_anthropic = vision_stats(base)
-    assert after_anthropic == (before[0] + 1, before[1] + 1)
-    responses = httpx.post(
-        base + "/v1/responses",
-        json={
-            "model": "m",
-            "max_output_tokens": 4,
-            "input": [
-                {"role": "user", "content": "take a screenshot"},
-                {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"},
-                {
-                    "type": "function_call_output",
-                    "call_id": "c1",
-                    "output": [
-                        {
-                            "type": "input_image",
-                            "image_url": f"data:image/png;base64,{b64_png((250, 2, 1))}",
-                        }
-                    ],
-                },
-            ],
-        },
-        timeout=120,
-    )
-    assert responses.status_code == 200, responses.text
-    after_responses = vision_stats(base)
-    assert after_responses == (after_anthropic[0] + 1, after_anthropic[1] + 1)
+    ask = {"role": "user", "content": "take a screenshot"}
+    call = {"type": "tool_use", "id": "t1", "name": "shot", "input": {}}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": [anthropic_image((1, 2, 250))]}
+    tool_turn = [
+        ask,
+        {"role": "assistant", "content": [call]},
+        {"role": "user", "content": [result]},
+    ]
+    messages = {"max_tokens": 4, "messages": tool_turn}
+    assert towers_run(vision_server, "/v1/messages", messages) == (1, 1)
+    output = {"type": "function_call_output", "call_id": "c1", "output": [input_image((250, 2, 1))]}
+    call = {"type": "function_call", "call_id": "c1", "name": "shot", "arguments": "{}"}
+    responses = {"max_output_tokens": 4, "input": [ask, call, output]}
+    assert towers_run(vision_server, "/v1/responses", responses) == (1, 1)
     # and as plain content, each with an image of its own
-    anthropic_image = {
-        "type": "image",
-        "source": {"type": "base64", "media_type": "image/png", "data": b64_png((3, 250, 3))},
+    plain = [anthropic_image((3, 250, 3)), {"type": "text", "text": "?"}]
+    messages = {"max_tokens": 4, "messages": [{"role": "user", "content": plain}]}
+    assert towers_run(vision_server, "/v1/messages", messages) == (1, 1)
+    responses = {
+        "max_output_tokens": 4,
+        "input": [{"role": "user", "content": [input_image((90, 90, 3))]}],
     }
-    plain = httpx.post(
-        base + "/v1/messages",
-        json={
-            "model": "m",
-            "max_tokens": 4,
-            "messages": [
-                {"role": "user", "content": [anthropic_image, {"type": "text", "text": "?"}]}
-            ],
-        },
-        timeout=120,
-    )
-    assert plain.status_code == 200, plain.text
-    input_image = {
-        "type": "input_image",
-        "image_url": f"data:image/png;base64,{b64_png((90, 90, 3))}",
-    }
-    plain = httpx.post(
-        base + "/v1/responses",
-        json={
-            "model": "m",
-            "max_output_tokens": 4,
-            "input": [{"role": "user", "content": [input_image]}],
-        },
-        timeout=120,
-    )
-    assert plain.status_code == 200, plain.text
-    assert vision_stats(base) == (after_responses[0] + 2, after_responses[1] + 2)
+    assert towers_run(vision_server, "/v1/responses", responses) == (1, 1)
 
 
 @pytest.mark.parametrize(
