@@ -1,6 +1,6 @@
 """Pure ASGI middleware: the Host allowlist, API-key auth and a request-body size limit.
 
-Both answer before the body is read (the limit trusts Content-Length when sent
+All three answer before the body is read (the limit trusts Content-Length when sent
 and counts bytes of chunked bodies as they arrive).
 """
 
@@ -50,7 +50,10 @@ class HostCheckMiddleware(TrustedHostMiddleware):
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.allow_any or scope["type"] != "http" or self._allowed(scope):
+        if scope["type"] != "http":  # websockets: Starlette's own check and refusal
+            await super().__call__(scope, receive, send)
+            return
+        if self.allow_any or self._allowed(scope):
             await self.app(scope, receive, send)
             return
         await _send_error(

@@ -237,7 +237,7 @@ def install_openapi(
                 "bearer": {"type": "http", "scheme": "bearer"},
                 "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
             }
-        checks_host = settings.host_allowlist != ["*"]
+        checks_host = "*" not in settings.host_allowlist
         for path, ops in doc.get("paths", {}).items():
             error = ANTHROPIC_ERROR if path.startswith("/v1/messages") else OPENAI_ERROR
             for op in ops.values():

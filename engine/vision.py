@@ -165,6 +165,35 @@ def mlx_lm_cache(cache: Any) -> Any:
     raise UnsupportedModelError(f"mlx-vlm's {kind} has no mlx-lm batch counterpart")
 
 
+# Qwen2-VL's processors bound an image's area; transformers 5 keeps the bounds in
+# its size dict, where these two keys hold pixel counts, not edges
+_AREA_KEYS = {"max_pixels": "longest_edge", "min_pixels": "shortest_edge"}
+
+
+def _area_sized(image_processor: Any) -> bool:
+    return type(image_processor).__name__.startswith("Qwen2VL")
+
+
+def pixel_bound(image_processor: Any, flag: str) -> int | None:
+    """The processor's ``min_pixels`` or ``max_pixels``; None where it sizes by edge."""
+    if hasattr(image_processor, flag):
+        return getattr(image_processor, flag)
+    if _area_sized(image_processor):
+        return image_processor.size[_AREA_KEYS[flag]]
+    return None
+
+
+def set_pixel_bound(image_processor: Any, flag: str, value: int) -> bool:
+    """Set it; False where the processor has no such bound."""
+    if hasattr(image_processor, flag):
+        setattr(image_processor, flag, value)
+    elif _area_sized(image_processor):
+        image_processor.size[_AREA_KEYS[flag]] = value
+    else:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class ImageExpansion:
     tokens: tuple[int, ...]  # the image's tokens as the model reads them
@@ -194,9 +223,8 @@ class VisionFront:
         for flag, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
             if value is None:
                 continue
-            if hasattr(image_processor, flag):
-                setattr(image_processor, flag, value)
-            else:  # Idefics3, Gemma 3, LLaVA, Pixtral size by edge, not by area
+            if not set_pixel_bound(image_processor, flag, value):
+                # Idefics3, Gemma 3, LLaVA, Pixtral size by edge, not by area
                 log.warning(
                     "--%s is ignored: this model's image processor (%s) has no %s setting",
                     flag.replace("_", "-"),
@@ -220,7 +248,7 @@ class VisionFront:
         try:
             with self._lock:
                 out = self.processor(text=[self.image_token], images=[image])
-        except Exception as exc:  # the processors raise bare ValueErrors, ZeroDivision...
+        except (ValueError, ZeroDivisionError, IndexError) as exc:  # what they raise on shapes
             width, height = image.size
             raise ImageRejected(
                 f"This model's image processor cannot read a {width}x{height} image: {exc}"
@@ -420,7 +448,7 @@ def vision_reserve(
     from PIL import Image
 
     side = largest_side
-    max_pixels = getattr(getattr(front.processor, "image_processor", None), "max_pixels", None)
+    max_pixels = pixel_bound(getattr(front.processor, "image_processor", None), "max_pixels")
     if isinstance(max_pixels, int) and max_pixels > side * side:
         side = int(max_pixels**0.5) + 1
     exp = front.expand(Image.new("RGB", (side, side), (127, 127, 127)))

@@ -146,7 +146,8 @@ class DiskTier:
         if not self.usable:
             return False
         with self._lock:
-            if self._pending_bytes + nbytes > self.max_pending_bytes:
+            # an entry larger than the cap is written once the queue is empty (else never)
+            if self._pending_bytes and self._pending_bytes + nbytes > self.max_pending_bytes:
                 return False
         return not self.disk_nearly_full()
 

@@ -352,3 +352,18 @@ def test_freed_memory_is_trimmed_at_most_once_an_interval(monkeypatch):
     for _ in range(6):
         give_back()
     assert calls == [0, 0, 0] and give_back.trims == 3  # at 0.0, 2.1 and 5.0
+
+
+def test_an_entry_larger_than_the_write_queue_is_written_once_the_queue_is_empty(tmp_path):
+    """The queue's cap is back-pressure, not a size limit: a lone large entry waits
+    for an empty queue instead of never reaching the disk."""
+    from kvcache.disk import DiskTier
+
+    tier = DiskTier(tmp_path, "ns", max_pending_bytes=100)
+    try:
+        assert tier.room_for(500)  # nothing queued: written alone
+        tier._pending_bytes = 10  # a write in flight
+        assert not tier.room_for(500) and tier.room_for(90) and not tier.room_for(91)
+    finally:
+        tier._pending_bytes = 0
+        tier.close()

@@ -22,7 +22,7 @@ from engine.loader import load_model
 from engine.lora import BASE, is_tag
 from engine.model_source import ModelSource
 from engine.prompt_format import ChatFormatter
-from engine.vision import VisionFront, vision_reserve
+from engine.vision import VisionFront, pixel_bound, set_pixel_bound, vision_reserve
 from kvcache.index import PromptCacheConfig
 from kvcache.manager import TieredKVManager
 from kvcache.payloads import plain_kv_only
@@ -300,7 +300,7 @@ def test_max_pixels_reaches_the_processor_or_is_reported_ignored(vlm, caplog):
     image = Image.new("RGB", (600, 400), GREEN)
     full = len(front.expand(image).tokens)
     sizer = loaded.processor.image_processor
-    saved = getattr(sizer, "max_pixels", None)
+    saved = pixel_bound(sizer, "max_pixels")
     with caplog.at_level(logging.WARNING, logger="kvwarm.engine.vision"):
         small = VisionFront.for_model(
             loaded.vision.vlm, loaded.processor, loaded.tokenizer, max_pixels=28 * 28 * 4
@@ -314,7 +314,7 @@ def test_max_pixels_reaches_the_processor_or_is_reported_ignored(vlm, caplog):
             assert len(small.expand(image).tokens) < full
     finally:
         if saved is not None:
-            sizer.max_pixels = saved
+            set_pixel_bound(sizer, "max_pixels", saved)
 
 
 def test_a_many_image_prompt_prefills_one_image_a_step(vlm):

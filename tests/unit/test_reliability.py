@@ -624,3 +624,27 @@ def test_a_stored_conversation_larger_than_a_body_is_refused_not_parsed():
             "previous_response_id",
         )
         assert turn(first.json()["id"], reasoning="short").status_code == 200
+
+
+async def test_websocket_scopes_keep_starlettes_host_check():
+    from app.middleware import HostCheckMiddleware
+
+    reached: list[dict] = []
+
+    async def inner(scope, receive, send):
+        reached.append(scope)
+
+    async def receive():
+        return {"type": "websocket.connect"}
+
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    check = HostCheckMiddleware(inner, ["localhost"])
+    scope = {"type": "websocket", "path": "/", "headers": [(b"host", b"evil.example")]}
+    await check(scope, receive, send)
+    assert not reached and sent  # refused before the app
+    await check({**scope, "headers": [(b"host", b"localhost:8000")]}, receive, send)
+    assert len(reached) == 1
