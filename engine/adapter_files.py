@@ -37,7 +37,10 @@ def _check_config(config: Any, where: Path) -> dict[str, Any]:
 
 def read_adapter_files(path: Path) -> AdapterFiles:
     """Check and fingerprint an ``mlx_lm.lora`` adapter directory (AdapterError: a 400)."""
-    path = Path(path).expanduser()
+    try:
+        path = Path(path).expanduser()
+    except RuntimeError:  # "~name" for a user this machine does not have
+        raise AdapterError(f"adapter path {str(path)[:256]!r}: no such home directory") from None
     shown = str(path)[:256]
     try:
         if not path.is_dir():

@@ -112,6 +112,9 @@ def test_mount_errors(base, adapter_dir, tmp_path_factory):
     assert err["code"] == "invalid_adapter" and "adapter_config.json" in err["message"]
     assert_error(httpx.post(base + ADAPTERS, json={"id": "../x", "path": str(adapter_dir)}), 400)
     assert_error(httpx.post(base + ADAPTERS, json={"id": "a", "path": "x" * 5000}), 400)
+    # "~name" of no user on this machine: expanduser raises (it was a 500; schemathesis found it)
+    err = assert_error(httpx.post(base + ADAPTERS, json={"id": "f", "path": "~\u0019"}), 400)
+    assert "no such home directory" in err["message"]
     assert_error(
         httpx.post(base + ADAPTERS, json={"id": "a", "path": str(adapter_dir), "scale": -1}), 400
     )
