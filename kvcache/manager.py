@@ -486,10 +486,11 @@ class TieredKVManager:
                     f"{disk.max_occupancy:.0%} full: nothing more is written"
                 )
             if not self._persist(entry.entry_id):
-                if disk.pending_bytes():
+                queued = disk.pending_bytes()  # once: the writer thread moves it
+                if queued:
                     raise StorageFull(
                         f"the SSD tier's write queue is full "
-                        f"({disk.pending_bytes() / 2**20:.1f} MiB not yet written): retry shortly"
+                        f"({queued / 2**20:.1f} MiB not yet written): retry shortly"
                     )
                 raise StorageFull(
                     f"no room for {entry.held.total / 2**20:.1f} MiB in the SSD tier "
