@@ -354,6 +354,23 @@ def test_freed_memory_is_trimmed_at_most_once_an_interval(monkeypatch):
     assert calls == [0, 0, 0] and give_back.trims == 3  # at 0.0, 2.1 and 5.0
 
 
+def test_saving_behind_a_busy_write_queue_says_so_and_works_once_it_drains(llama, tmp_path):
+    """A save the queue cannot take now names the queue, not --kv-disk-bytes."""
+    from kvcache.interface import StorageFull
+
+    h = disk_harness(llama, tmp_path)
+    disk = h.cache.disk
+    disk._pending_bytes = disk.max_pending_bytes  # as if the writer had fallen behind
+    try:
+        h.run(h.request(conversation(turns=1), session="busy"))
+        with pytest.raises(StorageFull, match="write queue is full"):
+            h.cache.save_conversation("busy", None)
+    finally:
+        disk._pending_bytes = 0
+    assert h.cache.save_conversation("busy", None)
+    h.cache.close()
+
+
 def test_an_entry_larger_than_the_write_queue_is_written_once_the_queue_is_empty(tmp_path):
     """The queue's cap is back-pressure, not a size limit: a lone large entry waits
     for an empty queue instead of never reaching the disk."""
