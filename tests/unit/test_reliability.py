@@ -237,32 +237,42 @@ def test_good_requests_still_pass_through_every_envelope(base):
 
 @pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
 @pytest.mark.parametrize(
-    "path, template",
+    "path, template, field",
     [
-        (RESPONSES, '{"input": "hi", "max_output_tokens": 2, "metadata": {"foo": %s}}'),
+        (
+            RESPONSES,
+            '{"input": "hi", "max_output_tokens": 2, "metadata": {"foo": %s}}',
+            "metadata.foo",
+        ),
         (
             RESPONSES,
             '{"input": "hi", "max_output_tokens": 2, "tool_choice": {"type": "auto", "x": %s}}',
+            "tool_choice.x",
         ),
         (
             CHAT,
             '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "tools": '
             '[{"type": "function", "function": {"name": "f", "parameters": {"default": [%s]}}}]}',
+            "tools.0.function.parameters.default.0",
         ),
         (
             MESSAGES,
             '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "x": {"y": %s}}',
+            "x.y",
         ),
     ],
 )
-def test_numbers_json_cannot_carry_are_refused_wherever_they_sit(base, path, template, literal):
+def test_numbers_json_cannot_carry_are_refused_wherever_they_sit(
+    base, path, template, field, literal
+):
     """Free-form values (metadata, schemas, extra fields) would reach a reply that
-    echoes them: refused at the boundary, not a 500 after the whole generation."""
+    echoes them: refused at the boundary, naming the field, not a 500 after the
+    whole generation."""
     r = httpx.post(
         base + path, content=template % literal, headers={"content-type": "application/json"}
     )
     assert r.status_code == 400, r.text
-    assert "must be finite" in r.text and literal in r.text
+    assert "must be finite" in r.text and f"`{field}`" in r.text
     assert httpx.get(base + "/health").status_code == 200
 
 
