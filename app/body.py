@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -118,11 +118,15 @@ def nonfinite_path(root: object) -> str | None:
     """The dotted path (JSON names) to the first non-finite float under ``root``
     (pydantic models, their extra fields, dicts, lists and tuples), or None."""
     isfinite = math.isfinite
-    stack: list[tuple[object, tuple | None]] = [(root, None)]  # (value, (parent path, key))
+    # (value, node); node = (parent node, key, the container holding key) or None
+    stack: list[tuple[object, tuple | None]] = [(root, None)]
     while stack:
-        value, path = stack.pop()
+        value, node = stack.pop()
+        items: Iterable[tuple[object, object]]
         if isinstance(value, BaseModel):
-            items = _model_items(value)
+            if value.__pydantic_extra__:
+                stack.append((value.__pydantic_extra__, node))
+            items = value.__dict__.items()
         elif isinstance(value, dict):
             items = value.items()
         elif isinstance(value, (list, tuple)):
@@ -130,27 +134,24 @@ def nonfinite_path(root: object) -> str | None:
         else:
             continue
         for key, item in items:
-            if type(item) is float:
+            kind = type(item)
+            if kind is float:
                 if not isfinite(item):
-                    return _dotted((path, key))
-            elif isinstance(item, (BaseModel, dict, list, tuple)):
-                stack.append((item, (path, key)))
+                    return _dotted((node, key, value))
+            elif kind not in _SCALARS:  # most values: no isinstance (an ABC check) for them
+                stack.append((item, (node, key, value)))
     return None
 
 
-def _model_items(model: BaseModel) -> Iterator[tuple[str, object]]:
-    fields = type(model).model_fields
-    for name, value in model.__dict__.items():
-        field = fields.get(name)
-        yield (field.alias or name) if field is not None else name, value
-    yield from (model.__pydantic_extra__ or {}).items()
+_SCALARS = frozenset({str, int, bool, type(None)})
 
 
-def _dotted(path: tuple | None) -> str:
+def _dotted(node: tuple | None) -> str:
     keys: list[str] = []
-    while path is not None:
-        path, key = path
-        keys.append(str(key))
+    while node is not None:
+        node, key, container = node
+        field = type(container).model_fields.get(key) if isinstance(container, BaseModel) else None
+        keys.append(field.alias or str(key) if field is not None else str(key))
     return ".".join(reversed(keys))
 
 
