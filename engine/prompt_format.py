@@ -34,6 +34,7 @@ from engine.chat_render import (
     merge_ranges,
     token_range,
 )
+from engine.chat_template import ChatTemplate
 from kvcache.healing import canonical_tool_calls
 from kvcache.prompt_key import PromptKey, RenderedPrompt, token_spans
 from kvcache.volatile_rules import (
@@ -68,6 +69,7 @@ class ChatFormatter:
     def __init__(self, tokenizer, context_length: int | None = None):
         self._tokenizer = tokenizer
         self._hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        self._render = ChatTemplate(tokenizer)
         self._encoder = OffsetEncoder(self._hf, self._sample_text())
         self._snapshots = SnapshotStore()
         self._context_length = context_length
@@ -170,9 +172,7 @@ class ChatFormatter:
 
     # -- helpers -------------------------------------------------------------
     def _template(self, messages, generation_prompt: bool, kwargs) -> str:
-        return self._tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=generation_prompt, tokenize=False, **kwargs
-        )
+        return self._render(messages, generation_prompt, kwargs)
 
     def _sample_text(self) -> str:
         if not getattr(self._tokenizer, "has_chat_template", False):
