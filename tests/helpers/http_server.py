@@ -72,3 +72,27 @@ def wait_for_process(
             pass
         assert time.monotonic() < deadline, f"{what} not ready:\n{log.read_text()[-3000:]}"
         time.sleep(0.2)
+
+
+def read_response(sock: socket.socket, data: bytes = b"") -> bytes:
+    """One whole HTTP/1.1 response from ``sock``: the head and its Content-Length
+    body, which may arrive in several reads (``data``: what was already read)."""
+    sock.settimeout(10)
+    while b"\r\n\r\n" not in data:
+        data += _more(sock)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length")
+    )
+    while len(body) < length:
+        body += _more(sock)
+    return head + b"\r\n\r\n" + body
+
+
+def _more(sock: socket.socket) -> bytes:
+    chunk = sock.recv(65536)
+    if not chunk:
+        raise AssertionError("the server closed the connection inside a response")
+    return chunk

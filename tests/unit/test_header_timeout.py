@@ -14,7 +14,7 @@ import pytest
 from app.server import create_app
 from app.settings import Settings
 from tests.helpers.fake_engine import FakeEngine
-from tests.helpers.http_server import serve_app
+from tests.helpers.http_server import read_response, serve_app
 
 HEADER_S = 0.6
 
@@ -52,22 +52,6 @@ def closed_after(sock: socket.socket, trickle: bytes = b"", every: float = 0.15)
             except OSError:  # closed while we wrote
                 return time.monotonic() - start
     raise AssertionError("the server kept the connection open for 10 s")
-
-
-def read_response(sock: socket.socket) -> bytes:
-    sock.settimeout(10)
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += sock.recv(65536)
-    head, _, rest = data.partition(b"\r\n\r\n")
-    length = next(
-        int(line.split(b":")[1])
-        for line in head.split(b"\r\n")
-        if line.lower().startswith(b"content-length")
-    )
-    while len(rest) < length:
-        rest += sock.recv(65536)
-    return head
 
 
 def test_a_silent_connection_is_closed(base):

@@ -20,7 +20,7 @@ from app.middleware import BodyLimitMiddleware
 from app.server import create_app
 from app.settings import Settings
 from tests.helpers.fake_engine import FakeEngine
-from tests.helpers.http_server import serve_app
+from tests.helpers.http_server import read_response, serve_app
 
 USER = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"
@@ -601,27 +601,11 @@ def test_a_body_trickled_a_byte_at_a_time_is_cut_too():
                 except TimeoutError:
                     continue
             took = time.monotonic() - began
-            answer += _rest_of(conn)  # the head and the body may come in two reads
+            answer = read_response(conn, answer)  # the head and body may come in two reads
         finally:
             conn.close()
         assert answer.startswith(b"HTTP/1.1 408") and b"slower than" in answer, answer
         assert took < 6
-
-
-def _rest_of(conn: socket.socket, wait: float = 2.0) -> bytes:
-    """What the server still sends until it closes the connection (or ``wait`` s)."""
-    rest, deadline = b"", time.monotonic() + wait
-    while time.monotonic() < deadline:
-        try:
-            chunk = conn.recv(65536)
-        except TimeoutError:
-            continue
-        except OSError:
-            break
-        if not chunk:
-            break
-        rest += chunk
-    return rest
 
 
 def test_a_stored_conversation_larger_than_a_body_is_refused_not_parsed():
