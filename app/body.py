@@ -151,7 +151,7 @@ def _dotted(node: tuple | None) -> str:
     while node is not None:
         node, key, container = node
         field = type(container).model_fields.get(key) if isinstance(container, BaseModel) else None
-        keys.append(field.alias or str(key) if field is not None else str(key))
+        keys.append((field.alias or str(key)) if field is not None else str(key))
     return ".".join(reversed(keys))
 
 

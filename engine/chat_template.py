@@ -35,8 +35,9 @@ except ImportError:  # pragma: no cover - another transformers: apply_chat_templ
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _PLAIN = (str, int, float, bool)
 
-# chats the direct render must reproduce before it is trusted for a kwargs set:
-# None content, tool calls and results, reasoning under each name, a system turn
+# chats the direct render must reproduce under every CHECK_KWARGS set before a
+# tokenizer trusts it: None content, tool calls and results, reasoning under each
+# name, a system turn
 CHECK_CHATS: tuple[tuple[dict[str, Any], ...], ...] = (
     (
         {"role": "system", "content": "Be terse.", "name": None},
@@ -180,14 +181,8 @@ def _plain_message(message: dict[str, Any]) -> dict[str, Any]:
     dropped, the reasoning under every name templates read."""
     if type(message) is not dict:
         raise NotPlain(type(message).__name__)
-    out = {}
-    for key, value in message.items():
-        if value is None:
-            continue
-        if type(key) is not str:
-            raise NotPlain("a key that is not a str")
-        _check_plain(value)
-        out[key] = value
+    _check_plain(message)
+    out = {key: value for key, value in message.items() if value is not None}
     reasoning = next((out[key] for key in REASONING_FIELDS if key in out), None)
     if reasoning is not None:
         out = {"thinking": reasoning, **out, "reasoning_content": reasoning}
