@@ -235,11 +235,10 @@ class DiskTier:
         referenced: set[str] = set()
         for path in sorted((self.dir / "entries").glob("*.safetensors")):
             manifest = self._manifest(path)
-            blocks = manifest.get("blocks") if manifest else None
-            if manifest is None or not isinstance(blocks, list):
+            names = _block_names(manifest.get("blocks")) if manifest else None
+            if manifest is None or names is None:
                 out.discarded += self._unlink(path)
                 continue
-            names = [str(b[0]) for b in blocks]
             if not all(self.block_path(bytes.fromhex(n)).exists() for n in names):
                 out.discarded += self._unlink(path)
                 continue
@@ -268,7 +267,7 @@ class DiskTier:
             if meta.get("namespace") != self.namespace:
                 return None
             manifest = json.loads(meta["manifest"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
             return None
@@ -296,6 +295,9 @@ class DiskTier:
                     self._write_file(job)
                 else:
                     self._write(job)
+            except Exception:  # noqa: BLE001 - the thread outlives any one job
+                self.counters.write_errors += 1
+                log.exception("KV disk writer: a job failed")
             finally:
                 self._jobs.task_done()
 
@@ -322,6 +324,9 @@ class DiskTier:
                 self.dir,
                 self.degraded,
             )
+        except Exception:  # noqa: BLE001 - this entry's data, not the disk: it stays RAM-only
+            self.counters.write_errors += 1
+            log.exception("KV disk writer: entry %s not written", job.uid)
         finally:
             with self._lock:
                 self._pending_bytes -= job.nbytes
@@ -337,3 +342,22 @@ class DiskTier:
     def _count(self, size: int) -> None:
         self.counters.files_written += 1
         self.counters.bytes_written += size
+
+
+def _block_names(blocks: Any) -> list[str] | None:
+    """A manifest's block digests (hex), or None unless it is a list of
+    [hex digest, byte count] pairs: a damaged manifest is discarded, never raised on."""
+    if not isinstance(blocks, list):
+        return None
+    names = []
+    for block in blocks:
+        if not (isinstance(block, list) and len(block) == 2 and isinstance(block[0], str)):
+            return None
+        try:
+            bytes.fromhex(block[0])
+        except ValueError:
+            return None
+        if not isinstance(block[1], int) or not block[0]:
+            return None
+        names.append(block[0])
+    return names

@@ -198,6 +198,11 @@ class TieredKVManager:
             self.index.release(entry.entry_id)
             self._discard(entry)
             return None, miss
+        except Exception:  # noqa: BLE001 - an entry that cannot be read must not stay the best hit
+            log.exception("%s: cached KV discarded: it could not be assembled", request_id)
+            self.index.release(entry.entry_id)
+            self._discard(entry)
+            return None, miss
         log.info(
             "%s: prefix cache hit (%s layer, %s): %d of %d prompt tokens from entry %d "
             "(%d tokens), %d stale volatile tokens, session %s",
@@ -388,33 +393,43 @@ class TieredKVManager:
         pinned_uids = {pin["uid"] for pin in self._pins.values()}
         # saved conversations first, then the newest: what a smaller budget keeps
         order = sorted(
-            scan.entries,
-            key=lambda e: (e.uid not in pinned_uids, -float(e.manifest.get("created", 0))),
+            scan.entries, key=lambda e: (e.uid not in pinned_uids, -_created(e.manifest))
         )
+        dropped: list[tuple[str, list[Digest]]] = []
         for found in order:
             m = found.manifest
+            entry_id, held = None, EntryBytes()
             try:
                 key = key_from(m["key"])
                 held = EntryBytes(
                     tuple((bytes.fromhex(d), int(n)) for d, n in m["blocks"]),
                     int(m["private_bytes"]),
                 )
-                entry_id = self.index.restore(
-                    key,
-                    held,
-                    bool(m["trimmable"]),
-                    m.get("session"),
-                    found.uid,
-                    pinned=found.uid in pinned_uids,
-                    variant=str(m.get("variant", "")),
-                )
-            except (KeyError, ValueError, TypeError):
-                entry_id = None
+                variant = str(m.get("variant", ""))
+                if self._addresses_match(key, held, variant):
+                    entry_id = self.index.restore(
+                        key,
+                        held,
+                        bool(m["trimmable"]),
+                        m.get("session"),
+                        found.uid,
+                        pinned=found.uid in pinned_uids,
+                        variant=variant,
+                    )
+            except Exception:  # noqa: BLE001 - a damaged manifest is discarded, never raised on
+                log.warning("KV disk tier: entry %s discarded: its manifest is damaged", found.uid)
             if entry_id is None:
-                self.disk.delete_entry(found.uid, [])
-                self.disk.counters.files_discarded += 1
+                dropped.append((found.uid, [d for d, _ in held.blocks]))
                 continue
             self.restored += 1
+        # a dropped entry's blocks go with it unless a restored entry holds them
+        kept = self.index.disk.refs
+        gone: set[Digest] = set()
+        for uid, digests in dropped:
+            freed = [d for d in digests if d not in kept and d not in gone]
+            gone.update(freed)
+            self.disk.delete_entry(uid, freed)
+            self.disk.counters.files_discarded += 1
         known = {e.uid for e in self.index.entries()}
         self._pins = {c: p for c, p in self._pins.items() if p["uid"] in known}
         if scan.entries or scan.discarded:
@@ -425,6 +440,18 @@ class TieredKVManager:
                 self.index.disk.nbytes / 2**20,
                 scan.discarded,
             )
+
+    def _addresses_match(self, key: PromptKey, held: EntryBytes, variant: str) -> bool:
+        """Whether a stored entry's blocks are where this server would put its
+        tokens' KV: another --kv-block-size (or a damaged manifest) puts them elsewhere."""
+        want = (
+            block_digests(
+                key.model_tokens, self.config.kv_block_size, f"{self.namespace}/{variant}"
+            )
+            if self.ops.plain
+            else []
+        )
+        return [d for d, _ in held.blocks] == want
 
     @property
     def block_size(self) -> int:
@@ -605,3 +632,11 @@ def _empty_tail(private: PrivatePart) -> PrivatePart:
         for layer in private.layers
     ]
     return PrivatePart(layers, 0)
+
+
+def _created(manifest: dict[str, Any]) -> float:
+    """When a stored entry was written (0 if its manifest cannot say)."""
+    try:
+        return float(manifest.get("created", 0))
+    except (TypeError, ValueError):
+        return 0.0

@@ -2,9 +2,10 @@
 
 The format is the public one (8-byte header length, JSON header, raw bytes),
 so ``mx.load`` and the ``safetensors`` package read these files too. Each file
-also carries, in its metadata, a CRC-32 of its data and the namespace it was
-written for: a torn write, a flipped bit or a file of another model or cache
-format is refused before any byte of it is used.
+also carries, in its metadata, a CRC-32 of its header and data and the
+namespace it was written for: a torn write, a flipped bit (in the tensors or in
+the header, whose manifest names the tokens the KV was computed for) or a file
+of another model or cache format is refused before any byte of it is used.
 """
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ def encode(
     offset = 0
     crc = 0
     for name, arr in arrays.items():
-        data = np.ascontiguousarray(arr).data.cast("B")
+        # a flat byte view: memoryview.cast refuses a shape with a zero in it (an
+        # entry whose length is a whole number of blocks has an empty tail)
+        data = np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data
         dtype = "BF16" if name in bf16 else DTYPES[arr.dtype.name]
         header[name] = {
             "dtype": dtype,
@@ -62,7 +65,9 @@ def encode(
         offset += data.nbytes
         crc = zlib.crc32(data, crc)
         parts.append(data)
-    header["__metadata__"] = {**metadata, "crc32": str(crc), "nbytes": str(offset)}
+    meta = {**metadata, "nbytes": str(offset)}
+    header["__metadata__"] = meta
+    meta["crc32"] = str(zlib.crc32(_unsigned(header), crc))
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return [struct.pack("<Q", len(text)), text, *parts]
@@ -97,16 +102,18 @@ def read_verified(
         raise CorruptFile(f"{path.name}: truncated header")
     try:
         header = json.loads(raw[8 : 8 + hlen])
-        meta = header.pop("__metadata__")
-        want_crc, nbytes = int(meta["crc32"]), int(meta["nbytes"])
-    except (ValueError, KeyError, TypeError) as exc:
+        meta = header["__metadata__"]
+        want_crc, nbytes = int(meta.pop("crc32")), int(meta["nbytes"])
+        signed = _unsigned(header)
+        del header["__metadata__"]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CorruptFile(f"{path.name}: bad header: {exc}") from exc
     if meta.get("namespace") != namespace:
         raise CorruptFile(f"{path.name}: written for another model or cache format")
     data = memoryview(raw)[8 + hlen :]
     if data.nbytes != nbytes:
         raise CorruptFile(f"{path.name}: {data.nbytes} data bytes, header says {nbytes}")
-    if zlib.crc32(data) != want_crc:
+    if zlib.crc32(signed, zlib.crc32(data)) != want_crc:
         raise CorruptFile(f"{path.name}: checksum mismatch")
     arrays: dict[str, np.ndarray] = {}
     bf16: set[str] = set()
@@ -121,3 +128,10 @@ def read_verified(
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptFile(f"{path.name}: bad tensor entry: {exc}") from exc
     return arrays, meta, frozenset(bf16)
+
+
+def _unsigned(header: dict[str, object]) -> bytes:
+    """The header as the checksum covers it: written without its crc32 field.
+    json keeps key order and writes these values (str, int, lists) the same way
+    every time, so a reader re-serialising the parsed header gets these bytes."""
+    return json.dumps(header, separators=(",", ":")).encode()

@@ -1,0 +1,225 @@
+"""The SSD tier against its own failures: files damaged on disk, a restart under
+other settings, a write or a load that raises. Model-free: each position's KV
+holds the token it was computed for, so a test can see which text a served
+cache belongs to (the model must never read KV of text it did not see)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from kvcache import safetensors_io
+from kvcache.index import PromptCacheConfig, VolatilePolicy
+from kvcache.manager import DiskConfig, TieredKVManager
+from kvcache.prompt_key import PromptKey
+from scheduler.request import CacheHints
+
+NS = "faults-v1"
+LAYERS = 2
+GiB = 2**30
+
+
+def caches_for(tokens: list[int]) -> list[KVCache]:
+    """KV whose position p holds float(tokens[p]) (+ the layer number)."""
+    out = []
+    for layer in range(LAYERS):
+        cache = KVCache()
+        t = mx.array(tokens, dtype=mx.float32).reshape(1, 1, len(tokens), 1)
+        k = mx.broadcast_to(t, (1, 2, len(tokens), 8)) + layer
+        cache.update_and_fetch(k, k * 2)
+        out.append(cache)
+    return out
+
+
+def manager(root: Path, kv_block: int = 16, disk_bytes: int = GiB) -> TieredKVManager:
+    config = PromptCacheConfig(block_size=16, kv_block_size=kv_block, policy=VolatilePolicy.STRICT)
+    template = [KVCache() for _ in range(LAYERS)]
+    return TieredKVManager(config, GiB, NS, template, DiskConfig(root, disk_bytes))
+
+
+def store(m: TieredKVManager, tokens: list[int], session: str = "s") -> int:
+    entry_id = m.store(PromptKey.build(tokens), caches_for(tokens), session=session)
+    assert entry_id is not None
+    return entry_id
+
+
+def served(m: TieredKVManager, prompt: list[int]) -> tuple[list[int], str] | None:
+    """The tokens the reused KV was computed for, and the tier it came from."""
+    reuse, report = m.lookup("r", CacheHints(PromptKey.build(prompt), "probe"), max_growth=0)
+    if reuse is None:
+        return None
+    m.release(reuse.entry_id)
+    keys = reuse.caches[0].keys[0, 0, : reuse.kv_depth, 0]
+    return [int(x) for x in keys.tolist()], report.tier
+
+
+def entry_files(root: Path) -> list[Path]:
+    return sorted((root / NS / "entries").glob("*.safetensors"))
+
+
+def block_files(root: Path) -> list[Path]:
+    return sorted((root / NS / "blocks").glob("*/*.safetensors"))
+
+
+def rewrite(path: Path, old: bytes, new: bytes) -> None:
+    raw = path.read_bytes()
+    assert len(old) == len(new) and raw.count(old) == 1, old
+    path.write_bytes(raw.replace(old, new))
+
+
+def test_an_entry_of_whole_blocks_is_written_and_the_writer_goes_on(tmp_path):
+    # 64 tokens in 16-token blocks: no private tail, an array with a zero in its shape
+    whole, other = list(range(1000, 1064)), list(range(5000, 5050))
+    m = manager(tmp_path)
+    store(m, whole, "a")
+    store(m, other, "b")
+    m.close()
+    assert m.disk.counters.write_errors == 0
+    assert all(e.on_disk and not e.persisting for e in m.index.entries())
+    again = manager(tmp_path)
+    assert again.restored == 2
+    assert served(again, whole + [1, 2]) == (whole, "disk")
+    assert served(again, other + [1, 2]) == (other, "disk")
+    again.close()
+
+
+def test_a_write_that_raises_fails_that_entry_alone(tmp_path, monkeypatch):
+    real = safetensors_io.encode
+    calls = {"n": 0}
+
+    def flaky(arrays, metadata, bf16=frozenset()):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise ValueError("a bug in one entry's arrays")
+        return real(arrays, metadata, bf16)
+
+    monkeypatch.setattr("kvcache.disk.encode", flaky)
+    first, second = list(range(100, 150)), list(range(200, 250))
+    m = manager(tmp_path)
+    a, b = store(m, first, "a"), store(m, second, "b")
+    m.flush()
+    m.poll()
+    assert m.disk.counters.write_errors == 1 and m.disk.usable
+    assert m.disk.pending_bytes() == 0
+    on_disk = {e.entry_id: e.on_disk for e in m.index.entries()}
+    assert on_disk == {a: False, b: True}
+    assert not any(e.persisting for e in m.index.entries())
+    assert served(m, first + [1]) == (first, "ram")  # still served from RAM
+    m.close()
+
+
+def test_a_restart_under_another_kv_block_size_restores_nothing(tmp_path):
+    tokens = list(range(1000, 1200))
+    m = manager(tmp_path, kv_block=16)
+    store(m, tokens)
+    m.close()
+    other = manager(tmp_path, kv_block=64)
+    assert other.restored == 0
+    assert served(other, tokens[:150] + [7, 8, 9]) is None
+    other.flush()
+    assert entry_files(tmp_path) == [] and block_files(tmp_path) == []
+    other.close()
+
+
+@pytest.mark.parametrize("position", [5, 99])  # in a shared block; in the private tail
+def test_a_flipped_token_in_a_stored_manifest_is_never_served(tmp_path, position):
+    tokens = list(range(1000, 1100))  # 6 blocks of 16 + a 4-token tail
+    m = manager(tmp_path)
+    store(m, tokens)
+    m.close()
+    (entry,) = entry_files(tmp_path)
+    was = tokens[position]
+    after = b"]" if position == len(tokens) - 1 else b","
+    rewrite(entry, b"," + str(was).encode() + after, b"," + str(was - 1).encode() + after)
+    again = manager(tmp_path)
+    # a block's token moves its address (refused at start); a tail token is caught
+    # by the checksum when the entry is read (discarded at its first hit)
+    assert again.restored == (0 if position < 96 else 1)
+    prompt = list(tokens)
+    prompt[position] = was - 1  # the text the altered manifest claims
+    assert served(again, prompt + [1, 2]) is None
+    assert again.index.entries() == []
+    again.close()
+
+
+def test_a_damaged_manifest_is_discarded_at_start_not_raised(tmp_path):
+    tokens = list(range(1000, 1100))
+    m = manager(tmp_path)
+    store(m, tokens)
+    m.close()
+    (entry,) = entry_files(tmp_path)
+    raw = entry.read_bytes()
+    start = raw.index(b'blocks\\":[[\\"') + len(b'blocks\\":[[\\"')
+    entry.write_bytes(raw[:start] + b"q" + raw[start + 1 :])  # not hex any more
+    again = manager(tmp_path)  # raised ValueError before
+    assert again.restored == 0 and again.disk.counters.files_discarded >= 1
+    assert served(again, tokens + [1]) is None
+    again.close()
+
+
+def test_a_manifest_with_an_unreadable_date_does_not_stop_the_start(tmp_path):
+    tokens = list(range(1000, 1100))
+    m = manager(tmp_path)
+    store(m, tokens)
+    m.close()
+    (entry,) = entry_files(tmp_path)
+    raw = entry.read_bytes()
+    at = raw.index(b'created\\":') + len(b'created\\":')
+    end = raw.index(b"}", at)
+    stamp = raw[at:end]
+    bad = b'\\"' + b"x" * (len(stamp) - 4) + b'\\"'  # a string where a number was
+    entry.write_bytes(raw[:at] + bad + raw[end:])
+    again = manager(tmp_path)  # float("xx") in the restore order raised before
+    assert again.restored == 1
+    again.close()
+
+
+def test_an_entry_that_cannot_be_assembled_is_dropped_not_leaked(tmp_path, monkeypatch):
+    tokens = list(range(1000, 1050))
+    m = manager(tmp_path)
+    store(m, tokens)
+    m.close()
+    again = manager(tmp_path)
+
+    def broken(entry):
+        raise KeyError("tail.0.k")
+
+    monkeypatch.setattr(again, "_load", broken)
+    assert served(again, tokens + [1]) is None  # raised KeyError before, holding a ref
+    assert again.index.entries() == []
+    monkeypatch.undo()
+    store(again, tokens)
+    assert served(again, tokens + [1]) == (tokens, "ram")
+    again.close()
+
+
+def test_a_smaller_disk_budget_at_restart_deletes_what_it_drops(tmp_path):
+    m = manager(tmp_path)
+    for i in range(4):
+        store(m, [10_000 * (i + 1) + t for t in range(250)], f"s{i}")
+    m.close()
+    one = max(e.held.total for e in m.index.entries())
+    again = manager(tmp_path, disk_bytes=one + 100)
+    again.flush()
+    assert again.restored == 1
+    (kept,) = again.index.entries()
+    assert len(entry_files(tmp_path)) == 1
+    assert len(block_files(tmp_path)) == len(kept.held.blocks)
+    on_disk = sum(p.stat().st_size for p in (tmp_path / NS).rglob("*.safetensors"))
+    assert on_disk < 2 * one  # the dropped entries' blocks went with them
+    again.close()
+
+
+def test_every_header_byte_is_checksummed(tmp_path):
+    path = tmp_path / "f.safetensors"
+    arrays = {"k": np.arange(6, dtype=np.float32).reshape(2, 3), "e": np.zeros((1, 0, 2))}
+    safetensors_io.write_atomic(path, safetensors_io.encode(arrays, {"namespace": "n", "m": "ab"}))
+    got, meta, _ = safetensors_io.read_verified(path, "n")
+    assert got["e"].shape == (1, 0, 2) and meta["m"] == "ab"
+    rewrite(path, b'"m":"ab"', b'"m":"ac"')
+    with pytest.raises(safetensors_io.CorruptFile, match="checksum"):
+        safetensors_io.read_verified(path, "n")
