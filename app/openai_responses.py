@@ -117,10 +117,30 @@ class _Items:
     def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
         self.call_ids: list[str] = []
+        # the open text item's deltas, joined when it closes: += on a str held in a
+        # dict copies the whole text each time (quadratic in the reply's length)
+        self._pieces: list[str] | None = None
 
     @property
     def current(self) -> dict[str, Any] | None:
         return self.items[-1] if self.items else None
+
+    def add_text(self, text: str) -> None:
+        """A delta of the current (reasoning or message) item."""
+        assert self._pieces is not None
+        self._pieces.append(text)
+
+    def close(self) -> None:
+        """The current text item's text, complete (before it is read)."""
+        if self._pieces is not None:
+            self.items[-1]["content"][0]["text"] = "".join(self._pieces)
+            self._pieces = None
+
+    def _open(self, item: dict[str, Any], text: bool) -> dict[str, Any]:
+        self.close()
+        self.items.append(item)
+        self._pieces = [] if text else None
+        return item
 
     def reasoning(self) -> dict[str, Any]:
         item = {
@@ -129,8 +149,7 @@ class _Items:
             "summary": [],
             "content": [{"type": "reasoning_text", "text": ""}],
         }
-        self.items.append(item)
-        return item
+        return self._open(item, text=True)
 
     def message(self) -> dict[str, Any]:
         item = {
@@ -140,8 +159,7 @@ class _Items:
             "role": "assistant",
             "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
         }
-        self.items.append(item)
-        return item
+        return self._open(item, text=True)
 
     def function_call(self, call: ToolCall) -> dict[str, Any]:
         call_id = call.call_id or _new_id("call")
@@ -154,8 +172,7 @@ class _Items:
             "arguments": call.arguments,
             "status": "completed",
         }
-        self.items.append(item)
-        return item
+        return self._open(item, text=False)
 
 
 def _response(
@@ -199,6 +216,7 @@ def _message_status(done: Outcome, last: bool) -> str:
 
 
 def _finalise(response: dict[str, Any], done: Outcome, items: _Items) -> dict[str, Any]:
+    items.close()
     for i, item in enumerate(items.items):
         if item["type"] == "message":
             item["status"] = _message_status(done, last=i == len(items.items) - 1)
@@ -275,10 +293,14 @@ async def create_response(http: HTTPRequest):
     gen = Generation(state, prepared, "responses", headers)
     response = _response(body, _new_id("resp"), int(time.time()), gen.model_name, "in_progress")
 
-    def store(items: _Items) -> None:
+    async def store(items: _Items) -> None:
         if body.store and not gen.outcome.failed:
             reply = _reply_message(gen.outcome, prepared.parser.kept_text, items.call_ids)
-            state.responses.put(response, conversation + [reply])
+            # JSON of the whole conversation (images included): not on the event loop
+            item = await state.preparer.run(
+                lambda: StoredResponse.of(response, conversation + [reply])
+            )
+            state.responses.add(response["id"], item)
 
     if body.stream:
         if not await gen.start(http):
@@ -295,7 +317,7 @@ async def create_response(http: HTTPRequest):
     _finalise(response, done, items)
     if done.failed:
         raise done.failure()
-    store(items)
+    await store(items)
     return JSONResponse(response, headers=gen.response_headers())
 
 
@@ -324,11 +346,11 @@ def _apply(items: _Items, event: Reasoning | Content | ToolCall) -> tuple[dict[s
     if isinstance(event, Reasoning):
         new = current is None or current["type"] != "reasoning"
         item = items.reasoning() if new else current
-        item["content"][0]["text"] += event.text
+        items.add_text(event.text)
     elif isinstance(event, Content):
         new = current is None or current["type"] != "message"
         item = items.message() if new else current
-        item["content"][0]["text"] += event.text
+        items.add_text(event.text)
     else:
         item, new = items.function_call(event), True
     return item, new
@@ -483,12 +505,13 @@ async def _stream(gen: Generation, response: dict[str, Any], store) -> AsyncIter
     done = gen.outcome
     if done.finish_reason is None:
         return  # the client left
+    items.close()
     if items.current is not None:
         status = _message_status(done, last=True)
         for frame in _item_done_frames(emit, items.current, len(items.items) - 1, status):
             yield frame
     _finalise(response, done, items)
-    store(items)
+    await store(items)
     kind = {"failed": "response.failed", "incomplete": "response.incomplete"}.get(
         response["status"], "response.completed"
     )

@@ -104,6 +104,57 @@ def test_previous_response_id_after_an_image_turn():
         assert second.status_code == 200, second.text
 
 
+@given(
+    st.dictionaries(
+        st.sampled_from(["url", "base64", "video", "__kvwarm_image_source__", "type", "source"]),
+        st.recursive(
+            st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+            lambda inner: st.dictionaries(st.text(max_size=25), inner, max_size=3),
+            max_leaves=6,
+        ),
+        max_size=3,
+    )
+)
+@settings(max_examples=200, deadline=None)
+def test_a_clients_json_is_read_back_as_it_was_sent(arguments):
+    """Whatever a client put in a tool call's arguments comes back as that JSON:
+    an image source is only ever rebuilt where an image part keeps one (a marker
+    key in the arguments turned them into an ImageSource, and the next turn 500'd)."""
+    store = ResponseStore()
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    conversation = [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "ok"}]},
+    ]
+    store.put({"id": "a"}, conversation)
+    stored = store.get("a")
+    assert stored is not None
+    assert stored.conversation() == conversation
+
+
+def test_previous_response_id_after_a_tool_call_with_any_arguments():
+    app = create_app(Settings(_env_file=None), lambda s, r: FakeEngine(s, r, eos_after=3))
+    forged = '{"__kvwarm_image_source__": {"url": "http://x"}}'
+    calls = [
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": forged},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+    ]
+    with serve_app(app) as url:
+        first = httpx.post(
+            url + "/v1/responses",
+            json={"input": [{"role": "user", "content": "hi"}, *calls], "max_output_tokens": 3},
+            timeout=30,
+        )
+        assert first.status_code == 200, first.text
+        second = httpx.post(
+            url + "/v1/responses",
+            json={"previous_response_id": first.json()["id"], "input": "next"},
+            timeout=30,
+        )
+        assert second.status_code == 200, second.text
+
+
 def test_delete():
     store = ResponseStore()
     store.put(_resp("a"), [])
