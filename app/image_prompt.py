@@ -24,7 +24,7 @@ from typing import Any
 
 from app.content_parts import IMAGE_OMITTED
 from app.errors import APIError
-from app.images import ImageLimits, ImageSource, LoadedImage, check_count, load_images
+from app.images import ImageLimits, ImageSource, LoadedImage, load_images
 from kvcache.image_ids import expand_images
 from kvcache.prompt_key import PromptKey
 from scheduler.contracts import ImageFront, ImageRejected
@@ -67,8 +67,8 @@ def resolve_images(
     loaded: list[list[LoadedImage]] = []  # per source: an image, or a video's frames
     if reading:
         loaded = load_images(sources, limits)
-    else:
-        check_count(len(sources), limits)
+    # else nothing is read: a user's image is refused below and a tool result's becomes
+    # a note, so --max-images does not apply (an agent's history of screenshots goes on)
     out = []
     k = 0
     for index, message in enumerate(messages):

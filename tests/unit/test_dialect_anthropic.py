@@ -204,6 +204,7 @@ def test_anthropic_max_tokens_fits_the_context_but_chat_is_refused(server):
 
 
 def test_anthropic_images_in_tool_results_become_a_note(server):
+    """However many: none is read, so --max-images (5) does not refuse the turn."""
     image = {
         "type": "image",
         "source": {"type": "base64", "media_type": "image/png", "data": "AA=="},
@@ -220,7 +221,7 @@ def test_anthropic_images_in_tool_results_become_a_note(server):
                 {
                     "type": "tool_result",
                     "tool_use_id": "t1",
-                    "content": [image, {"type": "text", "text": "ok"}],
+                    "content": [image] * 6 + [{"type": "text", "text": "ok"}],
                 }
             ],
         },
