@@ -65,6 +65,7 @@ def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Pre
     tokens = _prompt_tokens(prompt, state)
     limit = body.completion_limit or DEFAULT_MAX_TOKENS
     key = PromptKey.build(tokens)
+    session = session_id_from(body.model_extra or {}, headers) or fallback_session_id(key.canonical)
     request = Request(
         prompt_tokens=tokens,
         max_tokens=resolve_max_tokens(limit, len(tokens), info.context_length, limit),
@@ -72,10 +73,9 @@ def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Pre
         stop=body.stops,
         ignore_eos=body.ignore_eos,
         trim_leading_space=False,  # the text continues the prompt: keep its first space
-        cache=CacheHints(
-            key,
-            session_id_from(body.model_extra or {}, headers) or fallback_session_id(key.canonical),
-        ),
+        cache=CacheHints(key, session, kv_bits=body.kv_bits_requested())
+        if body.kv_cache_enabled()
+        else None,
         adapter=adapter,
         logprobs=body.logprobs,
     )
@@ -84,7 +84,7 @@ def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Pre
         OutputParser(Syntax(None, None)),
         answered=None,
         ignored=ignored_fields(body),
-        conversation_id=request.cache.session_id if request.cache else "",
+        conversation_id=session,
     )
 
 

@@ -120,6 +120,25 @@ def test_conv_headers_and_use_kv_cache_false(base):
     assert "kv_bits" in assert_error(r, 400, None)["param"]
 
 
+def test_completions_honour_use_kv_cache_and_kv_bits():
+    """The legacy endpoint takes the cache fields chat takes (it accepted them
+    and reused and stored the KV anyway, at the server's precision)."""
+    seen = []
+
+    def script(request):
+        seen.append(request)
+
+    with serve_app(make_app(eos_after=2, script=script)) as url:
+        body = {"prompt": "hi", "max_tokens": 2}
+        r = httpx.post(url + "/v1/completions", json={**body, "use_kv_cache": False})
+        assert r.status_code == 200 and r.headers["x-conv-kv"] == "disabled"
+        r = httpx.post(url + "/v1/completions", json={**body, "extra_body": {"kv_bits": 4}})
+        assert r.status_code == 200 and r.headers["x-conv-kv"] == "fresh"
+        r = httpx.post(url + "/v1/completions", json={**body, "kv_bits": 5})
+        assert "kv_bits" in assert_error(r, 400, None)["param"]
+    assert seen[0].cache is None and seen[1].cache.kv_bits == 4
+
+
 def test_streaming_framing_and_usage(base):
     body = {
         "messages": msgs(),
