@@ -23,7 +23,7 @@ from pydantic import (
     StringConstraints,
 )
 
-from app.protocol.thinking import readable_switch
+from app.protocol.thinking import readable_if_said, readable_switch
 
 # OpenAI-style logit_bias keys: token ids as decimal strings (ASCII digits only:
 # "²".isdigit() is true and int("²") raises)
@@ -159,6 +159,10 @@ class ThinkingSwitch(BaseModel):
 
     enable_thinking: Annotated[bool | int | str, AfterValidator(readable_switch)] | None = None
     reasoning_effort: Effort | None = Field(None, description="none = thinking off")
+    # a bool, a level, Anthropic's {"type": ...} or {"effort": ...}; the dialects
+    # with a schema of their own for one (Anthropic, Responses) replace it
+    thinking: Annotated[JsonValue, AfterValidator(readable_if_said)] | None = None
+    reasoning: Annotated[JsonValue, AfterValidator(readable_if_said)] | None = None
 
 
 class TemplateSwitch(BaseModel):

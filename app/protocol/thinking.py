@@ -29,6 +29,9 @@ _ON = {
 }
 
 
+_SWITCH_KEYS = ("type", "effort", "enabled")  # where an object says on or off
+
+
 def readable_switch(value: Any) -> Any:
     """A pydantic validator: a thinking switch a client sends must say on or off."""
     if thinking_flag(value) is None:
@@ -37,6 +40,14 @@ def readable_switch(value: Any) -> Any:
             f"{', '.join(sorted(_ON | _OFF))}"
         )
     return value
+
+
+def readable_if_said(value: Any) -> Any:
+    """``thinking`` / ``reasoning``: an object may say nothing about thinking
+    (Responses' ``{"summary": "auto"}``), but what it says must be on or off."""
+    if isinstance(value, Mapping) and all(value.get(k) is None for k in _SWITCH_KEYS):
+        return value
+    return readable_switch(value)
 
 
 def thinking_flag(value: Any) -> bool | None:
@@ -53,7 +64,7 @@ def thinking_flag(value: Any) -> bool | None:
             return True
         return None
     if isinstance(value, Mapping):  # Anthropic {"type": "enabled"|"disabled", ...}, {"effort": ...}
-        for key in ("type", "effort", "enabled"):
+        for key in _SWITCH_KEYS:
             if key in value:
                 return thinking_flag(value[key])
     return None

@@ -160,6 +160,12 @@ BAD = [
     (CHAT, chat(enable_thinking=[1]), "enable_thinking"),
     (RESPONSES, responses(reasoning={"effort": "max"}), "reasoning.effort"),
     (MESSAGES, anthropic(metadata={"enable_thinking": "maybe"}), "metadata.enable_thinking"),
+    # read as switches too, but were extras nobody checked
+    (CHAT, chat(thinking="maybe"), "thinking"),
+    (CHAT, chat(reasoning={"effort": "max"}), "reasoning"),
+    (CHAT, chat(extra_body={"thinking": {"type": "sometimes"}}), "extra_body.thinking"),
+    (RESPONSES, responses(thinking="maybe"), "thinking"),
+    (COMPLETIONS, completion(metadata={"reasoning": "turbo"}), "metadata.reasoning"),
 ]
 
 
@@ -229,6 +235,9 @@ def test_good_requests_still_pass_through_every_envelope(base):
         (CHAT, chat(chat_template_kwargs={"enable_thinking": False, "documents": []})),
         (CHAT, chat(reasoning_effort="xhigh", enable_thinking="on")),
         (RESPONSES, responses(reasoning={"effort": "minimal"}, metadata={"enable_thinking": "0"})),
+        (RESPONSES, responses(reasoning={"summary": "auto"}, thinking=False)),
+        (CHAT, chat(thinking={"type": "enabled", "budget_tokens": 1024}, reasoning={"summary": "x"})),
+        (CHAT, chat(extra_body={"reasoning": {"effort": "low"}, "thinking": "high"})),
         (MESSAGES, anthropic(extra_body={"chat_template_kwargs": {"custom_flag": [1, {"a": 2}]}})),
     ]:
         r = httpx.post(base + path, json=body)
