@@ -236,7 +236,10 @@ def test_good_requests_still_pass_through_every_envelope(base):
         (CHAT, chat(reasoning_effort="xhigh", enable_thinking="on")),
         (RESPONSES, responses(reasoning={"effort": "minimal"}, metadata={"enable_thinking": "0"})),
         (RESPONSES, responses(reasoning={"summary": "auto"}, thinking=False)),
-        (CHAT, chat(thinking={"type": "enabled", "budget_tokens": 1024}, reasoning={"summary": "x"})),
+        (
+            CHAT,
+            chat(thinking={"type": "enabled", "budget_tokens": 1024}, reasoning={"summary": "x"}),
+        ),
         (CHAT, chat(extra_body={"reasoning": {"effort": "low"}, "thinking": "high"})),
         (MESSAGES, anthropic(extra_body={"chat_template_kwargs": {"custom_flag": [1, {"a": 2}]}})),
     ]:
