@@ -208,7 +208,10 @@ class Generation:
         """Wait (up to ``wait_s``) for the engine's first output, which says what
         the KV cache did, so a streamed response's headers can carry it; a request
         still queued after that gets its headers without (X-Conv-KV: queued).
-        False: the client left first (the request is aborted)."""
+        False: the client left first (the request is aborted). A request that has
+        already failed raises its error, as a non-streamed one would: no byte is
+        sent yet, so a queue timeout is still a 503 with Retry-After, not an error
+        event inside a 200."""
         self._pending = asyncio.ensure_future(anext(self._outputs, None))
         deadline = time.monotonic() + wait_s
         while True:
@@ -220,6 +223,10 @@ class Generation:
                 first = self._pending.result()
                 if first is not None:
                     self.outcome.add_output(first)  # again in events(): skipped there
+                    if first.finished and self.outcome.failed:
+                        self._pending = None
+                        self._close()
+                        raise self.outcome.failure()
                 return True
             if await http.is_disconnected():
                 log.info("%s: client disconnected before admission, aborting", self.request_id)

@@ -439,6 +439,36 @@ def test_watchdog_cuts_running_requests_short_and_refuses_queued_ones():
     assert stats["watchdog"] == 2 and stats["aborted"] == 2
 
 
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (CHAT, chat(max_tokens=50)),
+        (MESSAGES, anthropic(max_tokens=50)),
+        (RESPONSES, responses(max_output_tokens=50)),
+        (COMPLETIONS, completion(max_tokens=50)),
+    ],
+    ids=["chat", "messages", "responses", "completions"],
+)
+def test_a_streamed_request_refused_before_its_headers_is_a_503(path, body):
+    """Nothing was sent yet, so a queue timeout keeps its status and Retry-After,
+    as unstreamed (it was an error event inside a 200: SDKs' retries never fired)."""
+    settings = Settings(_env_file=None, batch=1, request_timeout=0.5)
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, step_delay=1.0))
+    with serve_app(app) as url:
+        running = threading.Thread(
+            target=httpx.post,
+            args=(url + CHAT,),
+            kwargs={"json": chat(max_tokens=50, ignore_eos=True), "timeout": 30},
+        )
+        running.start()
+        time.sleep(0.2)
+        queued = httpx.post(url + path, json={**body, "stream": True}, timeout=30)
+        running.join(30)
+    assert queued.status_code == 503, queued.text
+    assert queued.headers["retry-after"]
+    assert "text/event-stream" not in queued.headers["content-type"]
+
+
 def test_a_watchdog_cut_delivers_what_was_generated_and_stores_nothing():
     """As the seed server: finish length with the text so far, streamed or not; the
     reply is not remembered for healing (a normal reply is: the control)."""
