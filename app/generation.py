@@ -148,6 +148,8 @@ class Outcome:
             )
         if self.error_code == "adapter_not_found":  # unmounted between validation and start
             return APIError(400, self.error or "", code="adapter_not_found", param="adapter")
+        if self.error_code == "context_over_budget":  # the budget shrank while it was queued
+            return APIError(400, self.error or "", "memory_admission", "context_over_budget")
         return APIError(500, f"Generation failed: {self.error}", "server_error", "engine_error")
 
     @property

@@ -411,6 +411,9 @@ class EngineThread(threading.Thread):
         for request_id in plan.shutdown:
             runner.remove(request_id)
             outputs.append(RequestOutput.failure(request_id, SHUTTING_DOWN, "server_shutdown"))
+        for request_id, why in plan.over_budget:
+            log.warning("%s: refused in the queue: %s", request_id, why)
+            outputs.append(RequestOutput.failure(request_id, why, "context_over_budget"))
         return outputs
 
     def _sample_memory(self) -> None:

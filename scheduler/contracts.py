@@ -201,9 +201,19 @@ class StepPlan:
     expired: list[str] = field(default_factory=list)
     # the server is shutting down and they did not finish in time
     shutdown: list[str] = field(default_factory=list)
+    # queued, then the budget shrank (an adapter mounted) below what they need even
+    # alone: refused (request id, why) rather than holding the FIFO queue forever
+    over_budget: list[tuple[str, str]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.admit or self.abort or self.timed_out or self.expired or self.shutdown)
+        return bool(
+            self.admit
+            or self.abort
+            or self.timed_out
+            or self.expired
+            or self.shutdown
+            or self.over_budget
+        )
 
 
 class Runner(Protocol):

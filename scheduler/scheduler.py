@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from scheduler.admission import AdmissionController, EngineUnavailable, QueueFull
+from scheduler.admission import AdmissionController, AdmissionError, EngineUnavailable, QueueFull
 from scheduler.contracts import StepPlan
 from scheduler.request import Request, RequestState
 
@@ -157,6 +157,12 @@ class Scheduler:
             admission = self.admission
             while admission and self._waiting and len(self._running) < self.max_running:
                 head = self._waiting[0]
+                if not admission.fits_with([], head.reserved_tokens):
+                    self._waiting.popleft()  # it would wait for memory that never frees
+                    head.state = RequestState.ABORTED
+                    self._rejected += 1
+                    plan.over_budget.append((head.request_id, self._never_fits(head)))
+                    continue
                 if not admission.fits_with(reserved, head.reserved_tokens):
                     break  # FIFO: the head waits for memory; nobody overtakes it
                 self._waiting.popleft()
@@ -166,6 +172,18 @@ class Scheduler:
                 plan.admit.append(head)
                 self._admitted += 1
         return plan
+
+    def _never_fits(self, request: Request) -> str:
+        """Why a queued request can no longer run: the door's own words."""
+        assert self.admission is not None
+        try:
+            self.admission.check_ever_fits(len(request.prompt_tokens), request.max_tokens)
+        except AdmissionError as exc:
+            return exc.message
+        return (
+            f"Request needs {request.reserved_tokens} KV positions, more than the memory "
+            "budget now admits for one request. Lower max_tokens or shorten the prompt."
+        )
 
     def _expire(self, now: float) -> tuple[list[str], list[str]]:
         """The watchdog: requests older than the timeout end, (waiting, running)."""

@@ -12,6 +12,7 @@ import logging
 import socket
 import threading
 import time
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -19,6 +20,7 @@ import pytest
 from app.middleware import BodyLimitMiddleware
 from app.server import create_app
 from app.settings import Settings
+from scheduler.admission import KV_ALLOCATION_STEP
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.http_server import read_response, serve_app
 
@@ -467,6 +469,42 @@ def test_a_streamed_request_refused_before_its_headers_is_a_503(path, body):
     assert queued.status_code == 503, queued.text
     assert queued.headers["retry-after"]
     assert "text/event-stream" not in queued.headers["content-type"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_the_budget_shrinks_below_while_queued_is_a_400(stream):
+    """Checked at the door, then the budget shrank (an adapter mounted meanwhile):
+    the queue's head could never run and held everyone behind it forever."""
+    settings = Settings(_env_file=None, batch=1)
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, step_delay=0.3))
+    results: dict[str, httpx.Response] = {}
+
+    def post(name: str, body: dict) -> None:
+        results[name] = httpx.post(url + CHAT, json=body, timeout=30)
+
+    with serve_app(app) as url:
+        posts = [
+            threading.Thread(target=post, args=("running", chat(max_tokens=4, ignore_eos=True))),
+            threading.Thread(
+                target=post, args=("queued", chat(max_tokens=4 * KV_ALLOCATION_STEP, stream=stream))
+            ),
+        ]
+        for thread in posts:
+            thread.start()
+            time.sleep(0.1)
+        # room for one allocation step of KV is left: the running request's, not the queued one's
+        admission = app.state.kvwarm.service.scheduler.admission
+        b = admission.budget
+        room = b.sequence_bytes(KV_ALLOCATION_STEP)
+        admission.budget = replace(b, adapter_bytes=b.adapter_bytes + b.kv_budget_bytes - room)
+        for thread in posts:
+            thread.join(30)
+        after = httpx.post(url + CHAT, json=chat(max_tokens=2), timeout=30)
+    queued = results["queued"]
+    assert queued.status_code == 400, queued.text
+    assert queued.json()["error"]["code"] == "context_over_budget"
+    assert results["running"].status_code == 200
+    assert after.status_code == 200  # nobody is stuck behind it
 
 
 def test_a_watchdog_cut_delivers_what_was_generated_and_stores_nothing():

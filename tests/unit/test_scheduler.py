@@ -71,6 +71,27 @@ def test_never_fitting_request_is_refused_at_once():
     assert s.stats().rejected_total == 1 and s.stats().waiting == 0
 
 
+def test_a_queued_request_the_budget_shrinks_below_is_refused_not_waited_on():
+    """The budget can shrink after a request was checked at the door (an adapter
+    mounted meanwhile); a head that no longer fits even alone held the FIFO queue,
+    and everyone behind it, forever."""
+    s = make(max_running=4, kv_tokens=4096)
+    s.add(req("big", prompt=3000, max_tokens=1000))
+    s.add(req("small"))
+    admission = s.admission
+    assert admission is not None
+    admission.budget = MemoryBudget(
+        total_bytes=2050, weights_bytes=1, reserve_bytes=1, kv_bytes_per_token=1
+    )
+    plan = s.schedule()
+    assert [r.request_id for r in plan.admit] == ["small"]
+    ((rid, why),) = plan.over_budget
+    assert rid == "big" and "memory budget" in why and plan
+    st = s.stats()
+    assert (st.waiting, st.running, st.rejected_total) == (0, 1, 1)
+    assert s.schedule().over_budget == []
+
+
 def test_queue_full_is_429_with_retry_after():
     s = make(max_running=1, max_queue=2)
     s.add(req("a"))
