@@ -600,8 +600,9 @@ class BatchRunner:
         if row.text.stopped:
             out.finish_reason = FinishReason.STOP
         elif resp.finish_reason is not None:
-            out.text += row.text.finish()
-            out.finish_reason = FinishReason.STOP if eos else FinishReason.LENGTH
+            out.text += row.text.finish()  # held text may complete a stop string here
+            stopped = eos or row.text.stopped
+            out.finish_reason = FinishReason.STOP if stopped else FinishReason.LENGTH
         if out.finish_reason is not None:
             out.stop_sequence = row.text.matched_stop
             out.stats = row.stats(now)

@@ -77,6 +77,20 @@ async def test_stop_string_ends_generation_and_is_excluded(tiny_llama_dir):
     assert len(tokens) < 30
 
 
+async def test_a_stop_string_completed_by_the_last_flush_is_a_stop(tiny_llama_dir):
+    """The detokenizer holds lone spaces until a token that is not one; on the
+    max_tokens step the flush of what it held ("   ", less the reply's leading
+    space) completes the stop string: a stop, not length."""
+    async with Harness(tiny_llama_dir) as h:
+        (space,) = h.formatter.encode(" ")
+        spaces = SamplingParams(temperature=0.0, logit_bias=((space, 100.0),))
+        text, tokens, last = await h.run(
+            h.request("abc", max_tokens=3, ignore_eos=True, sampling=spaces, stop=("  ",))
+        )
+    assert tokens == [space] * 3 and text == ""
+    assert last.finish_reason == FinishReason.STOP and last.stop_sequence == "  "
+
+
 async def test_seeded_sampling_is_reproducible_and_seed_sensitive(tiny_llama_dir):
     def params(seed):
         return SamplingParams(temperature=1.0, top_p=0.9, seed=seed)
