@@ -14,12 +14,13 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-from app.protocol.tool_schema import coerce_arguments, parameter_schemas
+from app.protocol.tool_schema import coerce_arguments, parameter_schemas, wants_text
 
 log = logging.getLogger("kvwarm.tools")
 
@@ -74,6 +75,39 @@ def _tool_call_tag_parsers(inner: str, family: str | None) -> list[str]:
     if family == "glm47" and "glm47" not in found:
         found.append("glm47")  # GLM also writes bare names: <tool_call>get_time</tool_call>
     return sorted(found, key=lambda name: name != family)
+
+
+# parsers of XML-style parameters (<parameter=NAME> / <param name="NAME">)
+XML_PARAMETERS = frozenset({"qwen3_coder", "minicpm5"})
+_XML_PARAMETER = re.compile(
+    r"<parameter=\s*([^\s<>]+)>?|<param\s+name\s*=\s*(\"[^\"]*\"|'[^']*'|[^\s\"'<>]+)\s*>"
+)
+
+
+def _null_texts(inner: str) -> dict[str, list[str]]:
+    """Per parameter name, in order, the values written as some casing of "null",
+    as mlx-lm's parsers trim them (Qwen: one newline each side; MiniCPM: spaces or a
+    CDATA section). One pass: each closing tag is searched for from its opening on."""
+    out: dict[str, list[str]] = {}
+    pos = 0
+    while (found := _XML_PARAMETER.search(inner, pos)) is not None:
+        qwen = found.group(1) is not None
+        close = "</parameter>" if qwen else "</param>"
+        end = inner.find(close, found.end())
+        if end < 0:
+            break  # no later parameter is closed either
+        text = inner[found.end() : end]
+        if qwen:
+            text = text.removeprefix("\n").removesuffix("\n")
+        else:
+            text = text.strip()
+            if text.startswith("<![CDATA[") and text.endswith("]]>"):
+                text = text[9:-3]
+        if text.lower() == "null":
+            name = found.group(1) if qwen else found.group(2).strip("\"'")
+            out.setdefault(name, []).append(text)
+        pos = end + len(close)
+    return out
 
 
 def _llama3_json(inner: str) -> list[dict[str, Any]]:
@@ -133,34 +167,46 @@ class ToolCallDecoder:
         return self.family is None
 
     def decode(self, markup: Markup, inner: str) -> list[ToolCall] | None:
-        for parser in self._parsers(markup, inner):
+        for name, parser in self._parsers(markup, inner):
             try:
                 calls = _as_calls(parser(inner))
                 if markup is BARE_JSON and any(c["name"] not in self._schemas for c in calls):
                     continue  # a JSON answer that merely looks like a call
-                return [self._finish(c) for c in calls]
+                nulls = _null_texts(inner) if name in XML_PARAMETERS else {}
+                return [self._finish(c, nulls) for c in calls]
             except Exception as exc:  # noqa: BLE001 - any model text must be survivable
                 log.debug("%s markup did not parse: %s", markup.kind, exc)
         return None
 
-    def _parsers(self, markup: Markup, inner: str):
+    def _parsers(self, markup: Markup, inner: str) -> list[tuple[str, Any]]:
+        """(parser name, parse) in the order to try them."""
         if markup.kind == "llama3_json":
-            return [_llama3_json]
+            return [("llama3_json", _llama3_json)]
         if markup is TOOL_CALL_TAG:
             names = _tool_call_tag_parsers(inner, self.family)
             # GLM's parser keeps declared string arguments as strings only when given the tools
             return [
-                (lambda text, n=n: _mlx_parser(n)(text, self.tools if n == "glm47" else None))
+                (n, lambda text, n=n: _mlx_parser(n)(text, self.tools if n == "glm47" else None))
                 for n in names
             ]
         if markup is MINICPM:
-            return [lambda text: _mlx_parser("minicpm5")(text.rstrip(), None)]
+            return [("minicpm5", lambda text: _mlx_parser("minicpm5")(text.rstrip(), None))]
         if markup not in MARKED:  # the family's own markup and parser
-            return [lambda text: _mlx_parser(markup.kind)(text, self.tools)]
-        return [_mlx_parser(markup.kind)]
+            return [(markup.kind, lambda text: _mlx_parser(markup.kind)(text, self.tools))]
+        return [(markup.kind, _mlx_parser(markup.kind))]
 
-    def _finish(self, call: dict[str, Any]) -> ToolCall:
-        args = coerce_arguments(call["arguments"], self._schemas.get(call["name"], {}))
+    def _finish(self, call: dict[str, Any], nulls: dict[str, list[str]]) -> ToolCall:
+        schemas = self._schemas.get(call["name"], {})
+        arguments = dict(call["arguments"])
+        for key, value in call["arguments"].items():
+            # mlx-lm's XML parsers read any casing of "null" as null before looking at a
+            # schema: a string argument whose text is "null" is that text
+            texts = nulls.get(key)
+            if value is None and texts:
+                text = texts.pop(0)  # parameters in order: the n-th null of this name
+                if wants_text(schemas.get(key)):
+                    arguments[key] = text
+        args = coerce_arguments(arguments, schemas)
         call_id = call.get("id") if isinstance(call.get("id"), str) else None
         # NaN or Infinity is no JSON a client could parse: not a call, its text stays
         arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)

@@ -59,10 +59,15 @@ def _types(schema: Any) -> set[str]:
     if isinstance(typ, list):
         return {t for t in typ if isinstance(t, str)}
     found: set[str] = set()
-    for key in ("anyOf", "oneOf"):
+    for key in ("anyOf", "oneOf", "allOf"):
         subs = schema.get(key)
         for sub in subs if isinstance(subs, list) else ():  # a client's schema: any shape
             found |= _types(sub)
+    if not found - {"null"}:  # typed by its shape alone (pydantic's and MCP's schemas)
+        if "properties" in schema or "additionalProperties" in schema:
+            found.add("object")
+        elif "items" in schema:
+            found.add("array")
     enum = schema.get("enum")
     if not found and isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
         found = {"string"}
@@ -89,10 +94,31 @@ def _number(text: str, integer_only: bool) -> int | float | None:
     return value if math.isfinite(value) else None
 
 
+def wants_text(schema: Any) -> bool:
+    """A parameter whose value must be a string (null not allowed)."""
+    types = _types(schema)
+    return "string" in types and "null" not in types
+
+
+def _container(text: str) -> dict[str, Any] | list[Any] | None:
+    """``text`` as a JSON object or array, else None."""
+    try:
+        decoded = json.loads(text, strict=False)
+    except (ValueError, RecursionError):
+        return None
+    return decoded if isinstance(decoded, (dict, list)) else None
+
+
 def coerce_value(value: Any, schema: Any) -> Any:
     """One argument value decoded against its schema. Never raises: a value that
     does not fit its declared type is passed on as the model wrote it."""
     types = _types(schema)
+    if not types - {"null"} and isinstance(schema, Mapping) and isinstance(value, str):
+        # declared, but its type is elsewhere (a $ref): JSON the model wrote for an
+        # object or an array is one (mlx-lm's parsers, given the schema, do the same)
+        decoded = _container(value)
+        if decoded is not None:
+            return decoded
     if not types:
         return value
     if value is None and "null" in types:
@@ -111,14 +137,11 @@ def coerce_value(value: Any, schema: Any) -> Any:
     if "boolean" in types and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
     if types & {"object", "array"}:
-        try:
-            decoded = json.loads(value, strict=False)
-        except (ValueError, RecursionError):
-            return value
-        if isinstance(decoded, dict) and "object" in types:
-            return decoded
-        if isinstance(decoded, list) and "array" in types:
-            return decoded
+        found = _container(value)
+        if isinstance(found, dict) and "object" in types:
+            return found
+        if isinstance(found, list) and "array" in types:
+            return found
     if "null" in types and value.strip().lower() in ("null", "none"):
         return None
     return value

@@ -3,7 +3,11 @@ decoding of argument values; every thinking control."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from app.protocol.output_parser import Content, OutputParser, Reasoning, Syntax
 from app.protocol.thinking import resolve_thinking
@@ -202,10 +206,54 @@ def test_broken_markup_falls_back_to_content():
         ("7", {"oneOf": True, "anyOf": [{"type": "integer"}]}, 7),
         ("9" * 5000, {"type": "integer"}, "9" * 5000),
         ("[" * 5000 + "]" * 5000, {"type": "array"}, "[" * 5000 + "]" * 5000),
+        # typed by reference or by shape (pydantic's and MCP's schemas): JSON, not a string
+        ('{"mode": "w"}', {"$ref": "#/$defs/Opts"}, {"mode": "w"}),
+        ('{"a": 1}', {"anyOf": [{"$ref": "#/$defs/Opts"}, {"type": "null"}]}, {"a": 1}),
+        ("null", {"anyOf": [{"$ref": "#/$defs/Opts"}, {"type": "null"}]}, None),
+        ("[1, 2]", {"items": {"type": "integer"}}, [1, 2]),
+        ('{"a": 1}', {"properties": {"a": {}}}, {"a": 1}),
+        ('{"a": 1}', {"allOf": [{"type": "object"}]}, {"a": 1}),
+        ('{"a": 1}', {"description": "anything"}, {"a": 1}),
+        ("plain words", {"$ref": "#/$defs/Name"}, "plain words"),
+        ("3", {"$ref": "#/$defs/Count"}, "3"),  # a number only where the schema says so
     ],
 )
 def test_values_decode_against_the_schema(value, schema, expected):
     assert coerce_value(value, schema) == expected
+
+
+@pytest.mark.parametrize("text", ["null", "Null", "NULL"])
+def test_a_string_argument_written_null_is_that_text(text):
+    """mlx-lm's XML parsers read any casing of "null" as null before a schema is
+    looked at: a file whose content is "null" was written as nothing. A nullable
+    or object parameter written null is still null."""
+    args = json.dumps({"command": text, "env": None})
+    qwen = (
+        f"<tool_call>\n<function=run>\n<parameter=command>\n{text}\n</parameter>\n"
+        "<parameter=env>\nnull\n</parameter>\n</function>\n</tool_call>"
+    )
+    assert parse(qwen, "qwen3_coder") == [ToolCall("run", args)]
+    for value in (text, f" <![CDATA[{text}]]> "):
+        minicpm = (
+            f'<function name="run"><param name="command">{value}</param>'
+            '<param name="env">null</param></function>'
+        )
+        assert parse(minicpm, "minicpm5") == [ToolCall("run", args)]
+    nullable = "<tool_call>\n<function=read_file>\n<parameter=offset>\nNull\n</parameter>\n"
+    assert parse(nullable + "</function>\n</tool_call>", "qwen3_coder") == [
+        ToolCall("read_file", '{"offset": null}')
+    ]
+
+
+@given(st.text(st.characters(blacklist_characters="<", blacklist_categories=("Cs",)), max_size=24))
+@settings(max_examples=300, deadline=None)
+def test_a_qwen_string_argument_is_the_text_written(text):
+    markup = (
+        f"<tool_call>\n<function=run>\n<parameter=command>\n{text}\n</parameter>\n"
+        "</function>\n</tool_call>"
+    )
+    (call,) = parse(markup, "qwen3_coder")
+    assert isinstance(call, ToolCall) and json.loads(call.arguments) == {"command": text}
 
 
 def test_a_call_against_a_malformed_schema_still_decodes():
