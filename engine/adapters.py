@@ -95,7 +95,8 @@ class AdapterSet:
         if adapter_id is None:
             return ""
         info = self.get(adapter_id)
-        return f"lora:{info.id}:{info.fingerprint}:{info.scale:g}"
+        # the scale exactly (repr round-trips a float): 1.0 and 1.0000004 are other KV
+        return f"lora:{info.id}:{info.fingerprint}:{float(info.scale)!r}"
 
     # -- mounting ---------------------------------------------------------------
     def mount(self, adapter_id: str, files: AdapterFiles, scale: float = 1.0) -> AdapterInfo:
@@ -146,13 +147,14 @@ class AdapterSet:
         return info
 
     def unmount(self, adapter_id: str) -> AdapterInfo:
-        mounted = self._mounted.pop(adapter_id, None)
+        mounted = self._mounted.get(adapter_id)
         if mounted is None:
             raise AdapterNotFound(adapter_id)
         modules = dict(self.model.named_modules())
+        layers = [modules[module_path] for module_path in mounted.layers]  # before any change
+        del self._mounted[adapter_id]
         unwrap = []
-        for module_path in mounted.layers:
-            layer = modules[module_path]
+        for module_path, layer in zip(mounted.layers, layers):
             layer.adapters.pop(mounted.info.slot, None)
             if not layer.adapters:
                 unwrap.append((module_path, layer.base))
@@ -180,7 +182,8 @@ class AdapterSet:
             layer = modules.get(module_path)
             if isinstance(layer, MultiLoRALinear):
                 layer = layer.base
-            if layer is None:
+            if layer is None or _inside_a_wrapper(modules, module_path):
+                # "<layer>.base" exists only because another adapter wrapped <layer>
                 raise AdapterError(f"layer {module_path!r} does not exist in the loaded model")
             if not isinstance(layer, (nn.Linear, nn.QuantizedLinear)):
                 raise AdapterError(
@@ -220,3 +223,11 @@ class AdapterSet:
             mx.eval(pair.a, pair.b, *(() if factor is None else (factor,)))
             pairs[module_path] = pair
         return pairs
+
+
+def _inside_a_wrapper(modules: dict[str, nn.Module], module_path: str) -> bool:
+    """Whether a path runs through a run-time adapter wrapper (not the model's own tree)."""
+    parts = module_path.split(".")
+    return any(
+        isinstance(modules.get(".".join(parts[:i])), MultiLoRALinear) for i in range(1, len(parts))
+    )

@@ -79,8 +79,10 @@ def token_logprobs(
     else:
         id_rows = top_rows = [[] for _ in asked]
     entries = []
-    for a, value, row_ids, row_values in zip(asked, chosen, id_rows, top_rows):
+    for r, (a, value, row_ids, row_values) in enumerate(zip(asked, chosen, id_rows, top_rows)):
         pairs = sorted(zip(row_values, row_ids), key=lambda p: (-p[0], p[1]))[: a.top]
+        if pairs and pairs[-1][0] == min(row_values):
+            pairs = _lowest_ids_at_the_cut(values[r], pairs)
         entries.append(
             TokenLogprob(
                 TokenChoice(a.token, value, piece(a.token)),
@@ -88,3 +90,14 @@ def token_logprobs(
             )
         )
     return entries
+
+
+def _lowest_ids_at_the_cut(
+    values: np.ndarray, pairs: list[tuple[float, int]]
+) -> list[tuple[float, int]]:
+    """The partition keeps any of the ids tied at the cut-off value; the lowest
+    ones are wanted (a bf16 model ties often). Those above it stay."""
+    cut = pairs[-1][0]
+    above = [p for p in pairs if p[0] > cut]
+    tied = np.flatnonzero(values == cut)[: len(pairs) - len(above)].tolist()
+    return above + [(cut, i) for i in tied]

@@ -221,6 +221,31 @@ def test_bad_adapter_dirs_are_refused_whole(tiny_llama_dir, adapters, tmp_path):
     assert mount(runner, "a", adapters["a"]).id == "a"
     with pytest.raises(AdapterError, match="already mounted"):
         mount(runner, "a", adapters["b"])
+    # tensors named through the wrapper "a" put on its layers ("<layer>.base"): not a
+    # layer of the model (it mounted, nested the wrappers, and unmounting then crashed)
+    nested = tmp_path / "nested"
+    nested.mkdir()
+    (nested / "adapter_config.json").write_text((adapters["a"] / "adapter_config.json").read_text())
+    mx.save_safetensors(
+        str(nested / "adapters.safetensors"),
+        {k.replace(".lora_", ".base.lora_"): v for k, v in tensors.items()},
+    )
+    with pytest.raises(AdapterError, match=r"\.base' does not exist"):
+        mount(runner, "nested", nested)
+    runner.unmount_adapter("a")
+    assert "MultiLoRALinear" not in {type(m).__name__ for _, m in runner.model.named_modules()}
+
+
+def test_an_adapters_kv_namespace_holds_its_exact_scale(tiny_llama_dir, adapters):
+    """Remounted at another scale, the same files compute other KV: stored KV of
+    the first mount must not serve the second (6 significant digits named both alike)."""
+    runner = make_runner(tiny_llama_dir)
+    files = read_adapter_files(adapters["a"])
+    runner.mount_adapter("a", files, scale=1.0)
+    before = runner.adapters.namespace("a")
+    runner.unmount_adapter("a")
+    runner.mount_adapter("a", files, scale=1.0000004)
+    assert runner.adapters.namespace("a") != before
 
 
 def test_adapter_kv_on_the_ssd_tier_is_found_again_after_a_restart(

@@ -6,12 +6,13 @@ ask get nothing, and each token is named by the bytes it adds to the text."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from engine.batch_runner import BatchRunner
-from engine.token_logprobs import token_pieces
+from engine.token_logprobs import Asked, token_logprobs, token_pieces
 from scheduler.request import Request, SamplingParams, TokenLogprob
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -85,3 +86,21 @@ def test_tokens_are_named_by_their_bytes(loaded):
         if text.isascii():
             assert piece(token) == text.encode()
     assert b"".join(piece(t) for t in tokenizer.encode("é, ü")) == "é, ü".encode()
+
+
+def test_alternatives_tied_at_the_cut_are_the_lowest_ids():
+    """As documented (ties: the lower id first), whichever ids the partition kept:
+    a bf16 model's distribution ties often."""
+    values = np.full(1000, -20.0, dtype=np.float32)
+    values[[3, 10, 500, 700, 900]] = -1.0  # a five-way tie for the top
+    rows = mx.array(values)
+    mx.eval(rows)
+    stream = mx.new_stream(mx.cpu)
+
+    def top(*wanted: int) -> list[list[int]]:
+        asked = [Asked(rows, 3, k) for k in wanted]
+        return [[c.token_id for c in e.top] for e in token_logprobs(asked, lambda t: b"", stream)]
+
+    assert top(2) == [[3, 10]]
+    assert top(1, 3) == [[3], [3, 10, 500]]
+    assert top(6) == [[3, 10, 500, 700, 900, 0]]
