@@ -33,7 +33,7 @@ from scheduler.request import CacheHints, Request
 
 router = APIRouter()
 
-# OpenAI's documented default for this endpoint
+# OpenAI's documented default for this endpoint (vLLM's too), not --max-tokens
 DEFAULT_MAX_TOKENS = 16
 
 
@@ -63,12 +63,13 @@ def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Pre
     info = state.model_info()
     adapter = state.adapter(body.adapter_requested(), body.model)
     tokens = _prompt_tokens(prompt, state)
-    limit = body.completion_limit or DEFAULT_MAX_TOKENS
     key = PromptKey.build(tokens)
     session = session_id_from(body.model_extra or {}, headers) or fallback_session_id(key.canonical)
     request = Request(
         prompt_tokens=tokens,
-        max_tokens=resolve_max_tokens(limit, len(tokens), info.context_length, limit),
+        max_tokens=resolve_max_tokens(
+            body.completion_limit, len(tokens), info.context_length, DEFAULT_MAX_TOKENS
+        ),
         sampling=resolve_sampling(body.sampling(), info.generation_defaults, info.vocab_size),
         stop=body.stops,
         ignore_eos=body.ignore_eos,

@@ -53,7 +53,10 @@ class Settings(BaseSettings):
     )
     max_queue: int = Field(64, ge=1, description="requests allowed to wait; beyond it -> 429")
     max_tokens: int = Field(
-        2048, ge=1, description="completion length when a request sets no max_tokens"
+        2048,
+        ge=1,
+        description="completion length when a request sets no max_tokens "
+        "(/v1/completions keeps OpenAI's 16)",
     )
     prefill_step_size: int = Field(
         512,

@@ -66,7 +66,8 @@ def extract_frames(
         scale = f"scale='min({MAX_FRAME_SIDE},iw)':'min({MAX_FRAME_SIDE},ih)'"
         scale += ":force_original_aspect_ratio=decrease"
         cmd = [ffmpeg, "-v", "error", "-nostdin", "-threads", "1", *SAFE_INPUT, "-i", str(video)]
-        cmd += ["-vf", f"fps={rate},{scale}", "-frames:v", str(frames)]
+        # the stream probed and held to the pixel limit, not the one ffmpeg would pick
+        cmd += ["-map", "0:v:0", "-vf", f"fps={rate},{scale}", "-frames:v", str(frames)]
         cmd += [str(Path(tmp) / "frame%04d.png")]
         _run(cmd, deadline, where)
         out = [p.read_bytes() for p in sorted(Path(tmp).glob("frame*.png"))]

@@ -139,6 +139,20 @@ def test_completions_honour_use_kv_cache_and_kv_bits():
     assert seen[0].cache is None and seen[1].cache.kv_bits == 4
 
 
+def test_completions_default_to_16_tokens_within_the_context():
+    """OpenAI's default for the legacy endpoint, clipped to the room the prompt
+    leaves (as an omitted limit is everywhere), not refused as if asked for."""
+    with serve_app(make_app(context_length=64)) as url:
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5] * 20}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 16
+        r = httpx.post(url + "/v1/completions", json={"prompt": [5] * 60}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        r = httpx.post(
+            url + "/v1/completions", json={"prompt": [5] * 60, "max_tokens": 16}, timeout=30
+        )
+        assert r.status_code == 400  # asked for: kept as asked, and it does not fit
+
+
 def test_streaming_framing_and_usage(base):
     body = {
         "messages": msgs(),

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import base64
+import io
 import shutil
+import subprocess
 
 import pytest
+from PIL import Image
 
 from app.errors import APIError
 from app.images import ImageLimits, ImageSource, load_images, source_of
@@ -28,6 +31,20 @@ def test_a_video_becomes_the_frames_asked_for_spread_over_its_length(tmp_path):
     assert all(f.image.size == (64, 48) for f in loaded)
     again = load_images([ImageSource(url=data_url(clip), video=True)], ImageLimits())[0]
     assert [f.digest for f in again] == [f.digest for f in loaded]  # the cache can match
+
+
+def test_the_pixel_limit_holds_for_the_stream_decoded(tmp_path):
+    """ffprobe measures the first video stream; ffmpeg picked the default (or
+    largest) one itself: a small first stream let a large second one through."""
+    ffmpeg = require("ffmpeg", shutil.which("ffmpeg"))
+    clip = tmp_path / "two.mkv"
+    small, large = "testsrc=size=64x48:rate=2:duration=1", "testsrc=size=320x240:rate=2:duration=1"
+    cmd = [ffmpeg, "-v", "error", "-y", "-f", "lavfi", "-i", small, "-f", "lavfi", "-i", large]
+    cmd += ["-map", "0", "-map", "1", "-c:v", "mpeg4"]
+    cmd += ["-disposition:v:0", "0", "-disposition:v:1", "default", str(clip)]
+    subprocess.run(cmd, check=True)
+    frames = extract_frames(clip.read_bytes(), 2, 30.0, max_pixels=64 * 48, where="video 1")
+    assert frames and {Image.open(io.BytesIO(f)).size for f in frames} == {(64, 48)}
 
 
 def test_video_url_parts_name_their_source_as_a_video():
