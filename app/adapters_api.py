@@ -144,4 +144,5 @@ async def mount(http: HTTPRequest) -> dict[str, Any]:
 async def unmount(adapter_id: str, http: HTTPRequest) -> dict[str, Any]:
     state: AppState = http.app.state.kvwarm
     info = await _on_engine(state.engine.unmount_adapter(adapter_id))
+    state.obs.adapter_unmounted(adapter_id)
     return {**info.public(), "deleted": True}

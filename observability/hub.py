@@ -27,5 +27,8 @@ class Observability:
         self.tracing.request_done(rec, headers)
         self.log.write(rec)
 
+    def adapter_unmounted(self, adapter_id: str) -> None:
+        self.metrics.forget_adapter(adapter_id)
+
     def shutdown(self) -> None:
         self.tracing.shutdown()

@@ -96,6 +96,7 @@ TOKEN_BUCKETS = (
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 CORRECTNESS_KINDS = ("exact_key_rejected_by_model_lcp", "hybrid_trim_miss", "vlm_retreat")
 REJECT_REASONS = ("over_budget", "over_context", "queue_full", "invalid", "unavailable")
+FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "error")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()  # *_created series double the output and no dashboard reads them
 
@@ -403,9 +404,20 @@ class Metrics:
             metric.labels(model, "")
         for reason in REJECT_REASONS:
             self.rejected.labels(model, reason)
-        for reason in ("stop", "length", "tool_calls", "abort", "error"):
+        for reason in FINISH_REASONS:
             self.success.labels(model, reason, "")
         self.disconnects.labels(model)
+
+    def forget_adapter(self, adapter: str) -> None:
+        """An unmounted adapter's series go: its id is a client's name, and mounts
+        come and go at run time (every id ever mounted stayed a label value)."""
+        keys = [(metric, (self._model, adapter)) for metric in self._per_adapter]
+        keys += [(self.success, (self._model, reason, adapter)) for reason in FINISH_REASONS]
+        for metric, labels in keys:
+            try:
+                metric.remove(*labels)
+            except KeyError:  # never observed
+                pass
 
     def observe_request(self, rec: RequestRecord) -> None:
         m, a = rec.model, rec.adapter

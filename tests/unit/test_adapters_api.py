@@ -79,6 +79,20 @@ def test_mount_list_select_and_unmount(base, adapter_dir):
     assert err["code"] == "adapter_not_found" and err["param"] == "adapter"
 
 
+def test_an_unmounted_adapters_metric_series_go_with_it(base, adapter_dir):
+    """Adapter ids are clients' names: mounted, used and unmounted over and over,
+    each one stayed a label value on /metrics for good."""
+    for i in range(3):
+        name = f"churn-{i}"
+        assert httpx.post(base + ADAPTERS, json={"id": name, "path": str(adapter_dir)}).is_success
+        assert httpx.post(base + "/v1/chat/completions", json=chat({"adapter": name})).is_success
+        assert f'adapter="{name}"' in httpx.get(base + "/metrics").text
+        assert httpx.delete(base + ADAPTERS + f"/{name}").is_success
+    metrics = httpx.get(base + "/metrics").text
+    assert 'adapter="churn-' not in metrics
+    assert 'adapter=""' in metrics  # the base model's series stay
+
+
 @pytest.mark.parametrize(
     "route,body",
     [
