@@ -32,3 +32,4 @@ class Observability:
 
     def shutdown(self) -> None:
         self.tracing.shutdown()
+        self.log.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import re
 import threading
 from pathlib import Path
@@ -57,6 +58,9 @@ class RequestLog:
         self._lock = threading.Lock()
         if self._trace_bytes > self.max_trace_bytes:
             self._stop_tracing()
+        # file writes happen here, not on the event loop that finishes requests
+        self._lines: queue.Queue[tuple[Path, bytes] | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
 
     def _stop_tracing(self) -> None:
         """Said once; the count then stays over the limit."""
@@ -94,9 +98,33 @@ class RequestLog:
                 if self._trace_bytes <= self.max_trace_bytes:
                     self._stop_tracing()
                 return
+            self._trace_bytes += len(data)
+            if self._writer is None:
+                self._writer = threading.Thread(
+                    target=self._write_lines, name="kvwarm-cache-trace", daemon=True
+                )
+                self._writer.start()
+        self._lines.put((self.trace_path(rec.session), data))
+
+    def _write_lines(self) -> None:
+        while (item := self._lines.get()) is not None:
+            path, data = item
             try:
-                with self.trace_path(rec.session).open("ab") as out:
+                with path.open("ab") as out:
                     out.write(data)
-                self._trace_bytes += len(data)
             except OSError as exc:  # a full disk must not fail requests
                 log.warning("cache trace not written: %s", exc)
+            finally:
+                self._lines.task_done()
+        self._lines.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued trace line is written."""
+        if self._writer is not None:
+            self._lines.join()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._lines.put(None)
+            self._writer.join(timeout=5)
+            self._writer = None

@@ -6,6 +6,7 @@ import json
 import logging
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -172,6 +173,7 @@ def test_json_log_lines_and_cache_trace_files(tmp_path):
         log.write(record(session="agent/1 x"))
     finally:
         logger.removeHandler(handler)
+    log.flush()
     line = json.loads(captured[0])
     assert line["request_id"] == "req-1" and line["session"] == "agent/1 x"
     assert (
@@ -185,14 +187,34 @@ def test_json_log_lines_and_cache_trace_files(tmp_path):
     assert entry["cache_entry_tokens"] == 80
 
 
+def test_cache_trace_files_are_written_off_the_callers_thread(tmp_path, monkeypatch):
+    """The caller is the event loop (a request's end): a slow disk must not stall it."""
+    writers = []
+    real_open = Path.open
+
+    def spying_open(self, *args, **kwargs):
+        writers.append(threading.current_thread().name)
+        return real_open(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "open", spying_open)
+    log = RequestLog(tmp_path)
+    log.write(record(session="s"))
+    log.close()
+    assert writers == ["kvwarm-cache-trace"]
+    assert json.loads((tmp_path / "s.jsonl").read_text())["request_id"] == "req-1"
+
+
 def test_cache_trace_files_stop_at_their_byte_limit_counting_earlier_runs(tmp_path, caplog):
     """A client choosing a new session id each request made a file each, without end."""
-    RequestLog(tmp_path, max_trace_bytes=10**6).write(record(session="old"))
+    first = RequestLog(tmp_path, max_trace_bytes=10**6)
+    first.write(record(session="old"))
+    first.close()
     held = (tmp_path / "old.jsonl").stat().st_size
     log = RequestLog(tmp_path, max_trace_bytes=held * 3)  # a restart counts what is there
     with caplog.at_level(logging.WARNING, logger="kvwarm.request"):
         for i in range(10):
             log.write(record(session=f"s{i}"))
+    log.flush()
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["old.jsonl", "s0.jsonl", "s1.jsonl"]
     assert sum(p.stat().st_size for p in tmp_path.iterdir()) <= held * 3
