@@ -89,8 +89,13 @@ class GracefulServer(uvicorn.Server):
         if state is not None:
             scheduler = state.service.scheduler
             scheduler.drain()
+            # requests still arriving or being prepared too: they are answered (a 503
+            # once they reach the draining scheduler), never cancelled mid-way
+            http = getattr(self.app.state, "http_requests", None)
             deadline = time.monotonic() + timeout
-            while scheduler.in_flight() and time.monotonic() < deadline:
+            while (scheduler.in_flight() or (http is not None and http.open)) and (
+                time.monotonic() < deadline
+            ):
                 await asyncio.sleep(POLL_S)
             left = scheduler.in_flight()
             if left:

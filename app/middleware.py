@@ -67,6 +67,30 @@ class HostCheckMiddleware(TrustedHostMiddleware):
         )
 
 
+class OpenRequests:
+    """Counts HTTP requests being served, from their head to their last byte:
+    one still receiving its body or being prepared is not yet the scheduler's,
+    and a drain that waited only for the scheduler's cut it off with a 500."""
+
+    def __init__(self, app: ASGIApp, counter: RequestCounter):
+        self.app = app
+        self.counter = counter
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        self.counter.open += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.counter.open -= 1
+
+
+class RequestCounter:
+    open: int = 0  # one event loop: no lock
+
+
 class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, api_key: str | None):
         self.app = app

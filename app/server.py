@@ -22,7 +22,13 @@ from app.conv_kv import ConvLoadRequest, ConvSaveRequest
 from app.conv_kv import router as conv_kv_router
 from app.errors import InternalErrorMiddleware, install_error_handlers
 from app.fit_api import router as fit_router
-from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware, HostCheckMiddleware
+from app.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    HostCheckMiddleware,
+    OpenRequests,
+    RequestCounter,
+)
 from app.openai_chat import router as chat_router
 from app.openai_completions import router as completions_router
 from app.openai_responses import router as responses_router
@@ -132,6 +138,8 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
             expose_headers=["Retry-After", "X-Kvwarm-Ignored-Fields"],
         )
     app.add_middleware(HostCheckMiddleware, allowed_hosts=settings.host_allowlist)
+    app.state.http_requests = RequestCounter()  # what a drain waits for (app.lifecycle)
+    app.add_middleware(OpenRequests, counter=app.state.http_requests)
     return app
 
 

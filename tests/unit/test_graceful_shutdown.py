@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.helpers.http_server import free_port, wait_for_process
+from tests.helpers.http_server import free_port, read_response, wait_for_process
 
 ROOT = Path(__file__).resolve().parents[2]
 USER = [{"role": "user", "content": "hi"}]
@@ -107,6 +108,31 @@ def test_sigterm_lets_running_streams_finish_and_exits_zero(tmp_path):
     assert chat[-1] == "[DONE]" and chat[-2]["choices"][0]["finish_reason"] == "length"
     assert events(lines["messages"])[-1] == "message_stop"
     assert events(lines["responses"])[-1] == "response.incomplete"  # cut by max_output_tokens
+
+
+def test_a_request_still_sending_its_body_at_sigterm_is_answered_not_cut(tmp_path):
+    """Not yet the scheduler's, it was not waited for: uvicorn cancelled it a few
+    seconds later with a plain-text 500. Now it is answered: 503, retry later."""
+    proc, url, log = start(tmp_path, shutdown_s=30)
+    body = json.dumps({"messages": USER, "max_tokens": 4}).encode()
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            head = (
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            )
+            sock.sendall(head.encode() + body[:10])
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(6)  # past uvicorn's own 5 s for tasks once the server exits
+            sock.sendall(body[10:])
+            response = read_response(sock)
+        assert proc.wait(30) == 0, log.read_text()[-2000:]
+    finally:
+        proc.kill()
+    assert response.startswith(b"HTTP/1.1 503"), response[:300]
+    assert b"retry-after" in response.lower() and b"server_shutdown" in response
 
 
 def test_streams_past_the_shutdown_timeout_end_with_their_error_event(tmp_path):
