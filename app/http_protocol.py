@@ -9,6 +9,11 @@ request head, counted from when it opened or its last response ended; past
 that it is closed, as nginx's client_header_timeout does. The same deadline
 covers the rest of a body the app answered without reading. Bodies being read
 are bounded apart (``--body-timeout``, app/middleware.py).
+
+The other direction too: a client that stops reading its responses fills the
+send buffer, and the response's write waited for room for ever (its connection,
+task and megabytes of buffer held). A write that makes no progress for the same
+deadline aborts the connection, as nginx's send_timeout does.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class HeadTimeoutProtocol(H11Protocol):
     head_timeout: float = 30.0
 
     _head_timer: asyncio.TimerHandle | None = None
+    _write_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -32,7 +38,32 @@ class HeadTimeoutProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        self._cancel_write_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()  # the send buffer is full: the client must read
+        self._cancel_write_timer()
+        self._write_timer = self.loop.call_later(self.head_timeout, self._write_stalled)
+
+    def resume_writing(self) -> None:
+        self._cancel_write_timer()
+        super().resume_writing()
+
+    def _cancel_write_timer(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
+
+    def _write_stalled(self) -> None:
+        self._write_timer = None
+        peer = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
+        log.info(
+            "aborting a connection from %s: it read nothing of its response in %g s",
+            peer,
+            self.head_timeout,
+        )
+        self.transport.abort()  # close() would wait for the buffer the client never reads
 
     def handle_events(self) -> None:
         super().handle_events()

@@ -105,7 +105,8 @@ class Settings(BaseSettings):
         30.0,
         gt=0,
         description="seconds a connection has to send a complete request head, from when it "
-        "opens or its last response ends (closed otherwise)",
+        "opens or its last response ends (closed otherwise); also how long a response may wait "
+        "on a client that reads none of it",
     )
     allowed_hosts: str | None = Field(
         None,

@@ -99,3 +99,23 @@ def test_requests_longer_than_the_deadline_and_keep_alive_are_served(base):
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
         assert len(events) >= 30
+
+
+def test_a_client_that_never_reads_its_responses_is_cut_off(base):
+    """The response's write waited for room in a full send buffer for ever: the
+    connection, its task and megabytes of buffer held by a client that reads nothing."""
+    one = len(httpx.get(base + "/openapi.json").content)
+    host, port = base.removeprefix("http://").split(":")
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: the window
+        sock.connect((host, int(port)))
+        sock.sendall(b"GET /openapi.json HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 200)
+        time.sleep(HEADER_S * 2 + 1)  # reading nothing meanwhile
+        received = 0
+        sock.settimeout(5)
+        try:
+            while chunk := sock.recv(1 << 20):
+                received += len(chunk)
+        except (ConnectionResetError, TimeoutError):
+            pass
+    assert received < 50 * one  # cut off long before the 200 responses it asked for
