@@ -29,8 +29,8 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "max_tokens": {"type": int, "metavar": "N"},
     "prefill_step_size": {"type": int, "metavar": "N"},
     "max_step_ms": {"metavar": "MS"},
-    "log_level": {"choices": ["debug", "info", "warning", "error"]},
-    "log_json": {"action": "store_true"},
+    "log_level": {"type": str.lower, "choices": ["debug", "info", "warning", "error"]},
+    "log_json": {"action": argparse.BooleanOptionalAction},  # --no-*: undo the env
     "cache_trace_dir": {"metavar": "DIR"},
     "api_key": {"metavar": "KEY"},
     "max_body_bytes": {"metavar": "SIZE"},
@@ -51,7 +51,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "quantized_kv_start": {"type": int, "metavar": "N"},
     "request_timeout": {"type": float, "metavar": "SECONDS"},
     "thinking": {"choices": ["on", "off"]},
-    "strip_thinking": {"action": "store_true"},
+    "strip_thinking": {"action": argparse.BooleanOptionalAction},  # --no-*: undo the env
     "adapter": {"action": "append", "metavar": "ID=PATH"},
     "model_dir": {"action": "append", "metavar": "DIR"},
     "shutdown_timeout": {"type": float, "metavar": "SECONDS"},
@@ -70,7 +70,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "allowed_media_domains": {"metavar": "DOMAINS"},
     "video_frames": {"type": int, "metavar": "N"},
     "max_video_bytes": {"metavar": "SIZE"},
-    "distributed": {"action": "store_true"},
+    "distributed": {"action": argparse.BooleanOptionalAction},  # --no-*: undo the env
     "distributed_mode": {"choices": ["auto", "tensor", "pipeline"]},
     "distributed_server_rank": {"type": int, "metavar": "RANK"},
     "distributed_backend": {"choices": ["any", "ring", "jaccl", "mpi"]},

@@ -34,6 +34,26 @@ def test_flags_override_environment(monkeypatch):
     assert settings.batch == 5 and settings.port == 9999
 
 
+def test_switches_the_environment_turns_on_can_be_turned_off_by_flag(monkeypatch):
+    for name in ("LOG_JSON", "STRIP_THINKING", "DISTRIBUTED"):
+        monkeypatch.setenv(f"KVWARM_{name}", "1")
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--no-log-json",
+            "--no-strip-thinking",
+            "--no-distributed",
+            "--log-level",
+            "DEBUG",
+        ]
+    )
+    settings = load_settings(args)
+    assert not (settings.log_json or settings.strip_thinking or settings.distributed)
+    assert settings.log_level == "debug"  # as the environment takes it
+    on = load_settings(build_parser().parse_args(["serve"]))
+    assert on.log_json and on.strip_thinking and on.distributed
+
+
 def test_dotenv_file_is_read(tmp_path, monkeypatch):
     (tmp_path / ".env").write_text("KVWARM_MAX_QUEUE=7\n")
     monkeypatch.chdir(tmp_path)
