@@ -65,6 +65,15 @@ def block_files(root: Path) -> list[Path]:
     return sorted((root / NS / "blocks").glob("*/*.safetensors"))
 
 
+def one_entry_on_disk(root: Path, tokens: list[int]) -> Path:
+    """Store ``tokens``' KV through a manager that then closes: the entry's file."""
+    m = manager(root)
+    store(m, tokens)
+    m.close()
+    (entry,) = entry_files(root)
+    return entry
+
+
 def rewrite(path: Path, old: bytes, new: bytes) -> None:
     raw = path.read_bytes()
     assert len(old) == len(new) and raw.count(old) == 1, old
@@ -128,10 +137,7 @@ def test_a_restart_under_another_kv_block_size_restores_nothing(tmp_path):
 @pytest.mark.parametrize("position", [5, 99])  # in a shared block; in the private tail
 def test_a_flipped_token_in_a_stored_manifest_is_never_served(tmp_path, position):
     tokens = list(range(1000, 1100))  # 6 blocks of 16 + a 4-token tail
-    m = manager(tmp_path)
-    store(m, tokens)
-    m.close()
-    (entry,) = entry_files(tmp_path)
+    entry = one_entry_on_disk(tmp_path, tokens)
     was = tokens[position]
     after = b"]" if position == len(tokens) - 1 else b","
     rewrite(entry, b"," + str(was).encode() + after, b"," + str(was - 1).encode() + after)
@@ -148,10 +154,7 @@ def test_a_flipped_token_in_a_stored_manifest_is_never_served(tmp_path, position
 
 def test_a_damaged_manifest_is_discarded_at_start_not_raised(tmp_path):
     tokens = list(range(1000, 1100))
-    m = manager(tmp_path)
-    store(m, tokens)
-    m.close()
-    (entry,) = entry_files(tmp_path)
+    entry = one_entry_on_disk(tmp_path, tokens)
     raw = entry.read_bytes()
     start = raw.index(b'blocks\\":[[\\"') + len(b'blocks\\":[[\\"')
     entry.write_bytes(raw[:start] + b"q" + raw[start + 1 :])  # not hex any more
@@ -163,10 +166,7 @@ def test_a_damaged_manifest_is_discarded_at_start_not_raised(tmp_path):
 
 def test_a_manifest_with_an_unreadable_date_does_not_stop_the_start(tmp_path):
     tokens = list(range(1000, 1100))
-    m = manager(tmp_path)
-    store(m, tokens)
-    m.close()
-    (entry,) = entry_files(tmp_path)
+    entry = one_entry_on_disk(tmp_path, tokens)
     raw = entry.read_bytes()
     at = raw.index(b'created\\":') + len(b'created\\":')
     end = raw.index(b"}", at)

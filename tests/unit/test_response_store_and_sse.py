@@ -79,6 +79,14 @@ def test_a_response_json_cannot_hold_is_not_stored_and_nothing_raises():
     assert store.get("a") is None and store.get("b") is None and store.nbytes == 0
 
 
+def follow_up(url: str, first: dict) -> httpx.Response:
+    """A stored turn, then the next one naming it by previous_response_id."""
+    r = httpx.post(url + "/v1/responses", json=first, timeout=30)
+    assert r.status_code == 200, r.text
+    body = {"previous_response_id": r.json()["id"], "input": "and now?"}
+    return httpx.post(url + "/v1/responses", json=body, timeout=30)
+
+
 def test_previous_response_id_after_an_image_turn():
     """The stored conversation of a turn with an image is read back whole (its
     image source was stored as its repr, and the next turn failed with a 500)."""
@@ -90,17 +98,7 @@ def test_previous_response_id_after_an_image_turn():
     )
     content = [{"type": "input_text", "text": "what?"}, {"type": "input_image", "image_url": image}]
     with serve_app(app) as url:
-        first = httpx.post(
-            url + "/v1/responses",
-            json={"store": True, "input": [{"role": "user", "content": content}]},
-            timeout=30,
-        )
-        assert first.status_code == 200, first.text
-        second = httpx.post(
-            url + "/v1/responses",
-            json={"previous_response_id": first.json()["id"], "input": "and now?"},
-            timeout=30,
-        )
+        second = follow_up(url, {"store": True, "input": [{"role": "user", "content": content}]})
         assert second.status_code == 200, second.text
 
 
@@ -141,16 +139,8 @@ def test_previous_response_id_after_a_tool_call_with_any_arguments():
         {"type": "function_call_output", "call_id": "c1", "output": "ok"},
     ]
     with serve_app(app) as url:
-        first = httpx.post(
-            url + "/v1/responses",
-            json={"input": [{"role": "user", "content": "hi"}, *calls], "max_output_tokens": 3},
-            timeout=30,
-        )
-        assert first.status_code == 200, first.text
-        second = httpx.post(
-            url + "/v1/responses",
-            json={"previous_response_id": first.json()["id"], "input": "next"},
-            timeout=30,
+        second = follow_up(
+            url, {"input": [{"role": "user", "content": "hi"}, *calls], "max_output_tokens": 3}
         )
         assert second.status_code == 200, second.text
 
