@@ -232,7 +232,8 @@ def _finalise(response: dict[str, Any], done: Outcome, items: _Items) -> dict[st
         response["status"] = "completed"
     response["usage"] = {
         "input_tokens": done.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": done.cached_tokens},
+        # 0 as Anthropic's cache_creation_input_tokens here: nothing is billed for a write
+        "input_tokens_details": {"cached_tokens": done.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": done.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": done.reasoning_tokens},
         "total_tokens": done.prompt_tokens + done.completion_tokens,

@@ -45,6 +45,11 @@ def _bounded_list(limit: int):
     return BeforeValidator(check)
 
 
+def null_is(default: Any) -> BeforeValidator:
+    """OpenAI marks these fields nullable and its SDK sends null for a None: the default."""
+    return BeforeValidator(lambda value: default if value is None else value)
+
+
 def bounded_list(item: Any, limit: int, min_items: int = 0) -> Any:
     """``list[item]`` with at most ``limit`` items, enforced early and documented."""
     return Annotated[

@@ -14,7 +14,7 @@ from pydantic import (
     model_validator,
 )
 
-from app.request_fields import Effort, Envelope, EnvelopedSampling, bounded_list
+from app.request_fields import Effort, Envelope, EnvelopedSampling, bounded_list, null_is
 from app.schemas import (
     MAX_NAME,
     MAX_PARTS,
@@ -132,10 +132,10 @@ class ResponsesRequest(EnvelopedSampling):
     max_output_tokens: MaxTokens | None = None
     tools: bounded_list(ResponsesTool, MAX_TOOLS) | None = None
     tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Annotated[bool, null_is(True)] = True
     reasoning: ReasoningConfig | None = None
-    stream: bool = False
-    store: bool = True
+    stream: Annotated[bool, null_is(False)] = False
+    store: Annotated[bool, null_is(True)] = True
     previous_response_id: str | None = None
     metadata: Envelope | None = None
 

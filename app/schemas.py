@@ -20,7 +20,14 @@ from pydantic import (
     model_validator,
 )
 
-from app.request_fields import Envelope, EnvelopedSampling, StopList, StopString, bounded_list
+from app.request_fields import (
+    Envelope,
+    EnvelopedSampling,
+    StopList,
+    StopString,
+    bounded_list,
+    null_is,
+)
 
 STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 MAX_TOOLS = 1024
@@ -183,8 +190,8 @@ class GenerationFields(EnvelopedSampling):
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     stop: StopString | StopList | None = None
-    n: Literal[1] = Field(1, description="only one choice per request")
-    stream: bool = False
+    n: Annotated[Literal[1], null_is(1)] = Field(1, description="only one choice per request")
+    stream: Annotated[bool, null_is(False)] = False
     stream_options: StreamOptions | None = None
     # vLLM extension: keep generating through EOS (benchmarks, load tests)
     ignore_eos: bool = False
@@ -220,7 +227,7 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(min_
 
 class CompletionRequest(GenerationFields):
     prompt: Annotated[str, Field(min_length=1)] | bounded_list(str, 1, min_items=1) | TokenIds
-    echo: bool = False
+    echo: Annotated[bool, null_is(False)] = False
     logprobs: int | None = Field(
         None,
         ge=0,

@@ -6,6 +6,7 @@ import json
 
 import openai
 import pytest
+from openai.types.responses import Response
 
 from tests.helpers.dialects import (
     RESPONSES_TOOLS,
@@ -44,6 +45,13 @@ def test_responses_items_and_previous_response_id(server):
         client.responses.retrieve(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="m", previous_response_id=first.id, input="again")
+
+
+def test_a_response_validates_against_the_sdks_own_model(server):
+    """The SDK parses leniently; its model says which fields a client may rely on
+    (input_tokens_details.cache_write_tokens was missing)."""
+    raw = server.openai().responses.with_raw_response.create(model="m", input="CALL_TOOL")
+    Response.model_validate(json.loads(raw.text))
 
 
 def test_responses_stream_event_chain(server):

@@ -243,6 +243,10 @@ def test_good_requests_still_pass_through_every_envelope(base):
             chat(thinking={"type": "enabled", "budget_tokens": 1024}, reasoning={"summary": "x"}),
         ),
         (CHAT, chat(extra_body={"reasoning": {"effort": "low"}, "thinking": "high"})),
+        # nullable in OpenAI's spec (its SDK sends null for a None): the default
+        (CHAT, chat(n=None, stream=None)),
+        (COMPLETIONS, completion(echo=None, n=None, stream=None)),
+        (RESPONSES, responses(store=None, parallel_tool_calls=None, stream=None)),
         (MESSAGES, anthropic(extra_body={"chat_template_kwargs": {"custom_flag": [1, {"a": 2}]}})),
     ]:
         r = httpx.post(base + path, json=body)
