@@ -11,6 +11,7 @@ passed here.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -19,9 +20,12 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
     JsonValue,
     StringConstraints,
 )
+from pydantic_core import core_schema
 
 from app.protocol.thinking import readable_if_said, readable_switch
 
@@ -45,9 +49,20 @@ def _bounded_list(limit: int):
     return BeforeValidator(check)
 
 
-def null_is(default: Any) -> BeforeValidator:
-    """OpenAI marks these fields nullable and its SDK sends null for a None: the default."""
-    return BeforeValidator(lambda value: default if value is None else value)
+@dataclass(frozen=True)
+class null_is:  # noqa: N801 - used as a field annotation, named like one
+    """A field OpenAI marks nullable (its SDK sends null for a None): null is the
+    default. The schema says null is accepted; the value read is never None."""
+
+    default: Any
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> Any:
+        return core_schema.no_info_before_validator_function(
+            lambda value: self.default if value is None else value, handler(source)
+        )
+
+    def __get_pydantic_json_schema__(self, schema: Any, handler: GetJsonSchemaHandler) -> Any:
+        return {"anyOf": [handler(schema), {"type": "null"}]}
 
 
 def bounded_list(item: Any, limit: int, min_items: int = 0) -> Any:
