@@ -158,6 +158,7 @@ def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:
         fields=body.model_dump(exclude={"messages", "system", "tools"}),
         tools=tools,
         tool_choice=tool_choice(body.tool_choice, tools),
+        parallel_tool_calls=not (body.tool_choice and body.tool_choice.disable_parallel_tool_use),
         max_tokens=max_tokens,
         clamp_max_tokens=True,
         thinking_default=False,

@@ -43,6 +43,7 @@ class ChatCall:
     fields: Mapping[str, Any]  # the raw body: sampling, thinking, session, template kwargs
     tools: list[dict[str, Any]] = field(default_factory=list)  # OpenAI function tools
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
+    parallel_tool_calls: bool = True  # False: the reply's first call only
     max_tokens: int | None = None
     # Anthropic clients must send max_tokens and send it large (Claude Code: 32000):
     # fit it to the room the context and KV budget leave instead of refusing
@@ -165,7 +166,9 @@ def _output_side(
     markup = (syntax.tool_call_start or "", syntax.tool_call_end or "")
     decoder = ToolCallDecoder(call.tools, syntax.tool_family, markup) if parses else None
     parser = OutputParser(
-        Syntax(syntax.think_start, syntax.think_end, starts_in_reasoning=opened), decoder
+        Syntax(syntax.think_start, syntax.think_end, starts_in_reasoning=opened),
+        decoder,
+        max_calls=None if call.parallel_tool_calls else 1,
     )
     key = rendered.key
     if parses and call.tool_choice.mode == "required":

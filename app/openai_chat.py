@@ -68,6 +68,7 @@ def chat_call(body: ChatCompletionRequest) -> ChatCall:
         fields=body.model_dump(exclude={"messages", "tools"}),
         tools=tools,
         tool_choice=parse_openai_tool_choice(body.tool_choice, tools),
+        parallel_tool_calls=body.parallel_tool_calls,
         max_tokens=body.completion_limit,
         stop=body.stops,
         ignore_eos=body.ignore_eos,

@@ -255,6 +255,7 @@ def _prepare_call(body: ResponsesRequest, history: list[dict[str, Any]], state: 
         fields=body.model_dump(exclude={"input", "tools", "instructions"}),
         tools=tools,
         tool_choice=parse_openai_tool_choice(body.tool_choice, tools),
+        parallel_tool_calls=body.parallel_tool_calls,
         max_tokens=body.max_output_tokens,
         sampling=body.sampling(),
         use_kv_cache=body.kv_cache_enabled(),

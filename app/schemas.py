@@ -211,6 +211,9 @@ class ChatCompletionRequest(GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: bounded_list(ChatTool, MAX_TOOLS) | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceObject | None = None
+    parallel_tool_calls: Annotated[bool, null_is(True)] = Field(
+        True, description="false: the reply's first tool call only"
+    )
     logprobs: bool | None = Field(None, description="return each generated token's log probability")
     top_logprobs: int | None = Field(
         None, ge=0, le=20, description="and this many likeliest alternatives (needs logprobs)"

@@ -67,6 +67,9 @@ def _held_suffix(text: str, tags: Iterable[str]) -> int:
 class OutputParser:
     syntax: Syntax = field(default_factory=Syntax)
     tools: ToolCallDecoder | None = None  # None: tool calls are not parsed
+    # parallel tool calls off (parallel_tool_calls: false, disable_parallel_tool_use):
+    # calls past this many are dropped, as decoded markup leaving no text behind
+    max_calls: int | None = None
 
     def __post_init__(self) -> None:
         reasoning = bool(self.syntax.think_start and self.syntax.think_end)
@@ -86,6 +89,8 @@ class OutputParser:
         self._tail = ""
         self._out: list[Event] = []
         self._truncated = False
+        self._calls = 0
+        self.dropped_calls = 0
         # the raw text minus tool-call markup that decoded: what the model wrote
         # besides its calls, for healing the echoed turn
         self._kept: list[str] = []
@@ -260,6 +265,11 @@ class OutputParser:
         calls = self.tools.decode(markup, inner)
         self._tool = None
         if calls:
+            if self.max_calls is not None:
+                room = max(0, self.max_calls - self._calls)
+                self.dropped_calls += len(calls[room:])
+                calls = calls[:room]
+            self._calls += len(calls)
             self._out.extend(calls)
             self._to_boundary()
         else:  # not a call after all: the markup is what the model said

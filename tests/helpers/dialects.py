@@ -27,8 +27,13 @@ TEXT_CALL_TEXT = [
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>',
     "After.",
 ]
+TWO_CALLS = [
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n',
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+]
 SCRIPTS = {
     "CALL_TOOL": QWEN_CALL,
+    "TWO_CALLS": TWO_CALLS,
     "THINK": THINK_ANSWER,
     "FORCE": FORCED_REST,
     "SANDWICH": TEXT_CALL_TEXT,

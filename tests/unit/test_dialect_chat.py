@@ -37,6 +37,43 @@ def test_chat_tool_call_non_streaming(server):
     assert json.loads(call.function.arguments) == {"city": "Paris", "days": 3}
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_parallel_tool_calls_off_keeps_the_first_call_in_every_dialect(server, stream):
+    """parallel_tool_calls: false (OpenAI) and disable_parallel_tool_use (Anthropic)
+    were accepted and not enforced: a reply with two calls returned both."""
+    user = [{"role": "user", "content": "TWO_CALLS"}]
+    oa, an = server.openai(), server.anthropic()
+
+    def chat(**kw):
+        if not stream:
+            return oa.chat.completions.create(model="m", messages=user, tools=TOOLS, **kw)
+        chunks = oa.chat.completions.create(
+            model="m", messages=user, tools=TOOLS, stream=True, **kw
+        )
+        return {d.index for c in chunks for d in c.choices[0].delta.tool_calls or []}
+
+    both, first = chat(), chat(parallel_tool_calls=False)
+    if stream:
+        assert (both, first) == ({0, 1}, {0})
+    else:
+        assert len(both.choices[0].message.tool_calls) == 2
+        (call,) = first.choices[0].message.tool_calls
+        assert json.loads(call.function.arguments) == {"city": "Rome"}
+        assert first.choices[0].finish_reason == "tool_calls"
+    r = oa.responses.create(
+        model="m", input="TWO_CALLS", tools=RESPONSES_TOOLS, parallel_tool_calls=False
+    )
+    assert [o.type for o in r.output] == ["function_call"]
+    m = an.messages.create(
+        model="m",
+        max_tokens=64,
+        messages=user,
+        tools=ANTHROPIC_TOOLS,
+        tool_choice={"type": "auto", "disable_parallel_tool_use": True},
+    )
+    assert [b.type for b in m.content] == ["tool_use"] and m.stop_reason == "tool_use"
+
+
 def test_chat_streaming_matches_non_streaming_byte_for_byte(server):
     client = server.openai()
     kwargs = dict(model="m", messages=[{"role": "user", "content": "CALL_TOOL"}], tools=TOOLS)

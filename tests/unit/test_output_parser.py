@@ -53,9 +53,9 @@ FRAGMENTS = st.sampled_from(
 TEXTS = st.lists(st.one_of(FRAGMENTS, st.text(max_size=5)), max_size=25).map("".join)
 
 
-def _parser(with_tools: bool, in_reasoning: bool) -> OutputParser:
+def _parser(with_tools: bool, in_reasoning: bool, max_calls: int | None = None) -> OutputParser:
     tools = ToolCallDecoder(TOOLS, "qwen3_coder") if with_tools else None
-    return OutputParser(Syntax(starts_in_reasoning=in_reasoning), tools)
+    return OutputParser(Syntax(starts_in_reasoning=in_reasoning), tools, max_calls)
 
 
 def _chunks(text: str, cuts: list[int]) -> list[str]:
@@ -68,10 +68,21 @@ def _text_of(events, kind) -> str:
 
 
 @settings(max_examples=400, deadline=None)
-@given(TEXTS, st.lists(st.integers(0, 200), max_size=30), st.booleans(), st.booleans())
-def test_any_chunking_gives_the_whole_text_result(text, cuts, with_tools, in_reasoning):
-    whole = _parser(with_tools, in_reasoning).parse(text)
-    parser = _parser(with_tools, in_reasoning)
+@given(
+    TEXTS,
+    st.lists(st.integers(0, 200), max_size=30),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([None, 1]),
+)
+def test_any_chunking_gives_the_whole_text_result(text, cuts, with_tools, in_reasoning, calls):
+    whole = _parser(with_tools, in_reasoning, calls).parse(text)
+    if calls is not None:  # parallel calls off: the same, less every call after the first
+        full = _parser(with_tools, in_reasoning).parse(text)
+        first = next((i for i, e in enumerate(full) if isinstance(e, ToolCall)), len(full))
+        later = {i for i, e in enumerate(full) if isinstance(e, ToolCall) and i > first}
+        assert whole == merge([e for i, e in enumerate(full) if i not in later])
+    parser = _parser(with_tools, in_reasoning, calls)
     streamed = []
     for piece in _chunks(text, cuts):
         streamed += parser.feed(piece)
