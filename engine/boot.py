@@ -35,7 +35,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
 
     from engine.batch_runner import BatchRunner
     from engine.device_memory import auto_budget, measure_bandwidth
-    from engine.loader import kv_namespace, load_model, model_fingerprint, prepare_model_dir
+    from engine.loader import group_fingerprint, kv_namespace, load_model, prepare_model_dir
     from engine.prompt_format import ChatFormatter
     from engine.text_syntax import probe_syntax
     from kvcache.disk_budget import resolve_disk_bytes
@@ -47,7 +47,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
     log.info("loading model %s (%s) on %s", config.source.path, config.source.kind, device)
     ranks = _group_boot(config)
     if ranks is not None:
-        ranks.check_same(model_fingerprint(prepare_model_dir(config.source)), _shared(config))
+        ranks.check_same(group_fingerprint(prepare_model_dir(config.source)), _shared(config))
     loaded = load_model(
         config.source, shard=ranks.shard if ranks is not None else None, vision=config.vision
     )

@@ -130,6 +130,37 @@ def model_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
+# besides config.json and the weights, what makes ranks of one group behave alike:
+# stop tokens (mlx-lm reads eos_token_id from generation_config.json), the tokenizer
+# (stop strings, text) and the chat template
+GROUP_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+GROUP_SAMPLES = 64  # spread through each weight file, 64 KiB each
+
+
+def group_fingerprint(model_dir: Path) -> str:
+    """What the ranks of a distributed group compare at start: ``model_fingerprint``
+    plus the files above and samples spread through every weight file (its first and
+    last MiB alone named a fine-tune of the same shapes like its base)."""
+    h = hashlib.blake2b(model_fingerprint(model_dir).encode(), digest_size=8)
+    for name in GROUP_FILES:
+        path = model_dir / name
+        h.update(f"{name}:".encode() + (path.read_bytes() if path.exists() else b"-"))
+    for path in sorted(model_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            for i in range(GROUP_SAMPLES):
+                f.seek(size * i // GROUP_SAMPLES)
+                h.update(f.read(2**16))
+    return h.hexdigest()
+
+
 def kv_namespace(model_dir: Path, layout: KVLayout) -> str:
     """Where stored KV of this model belongs: weights, cache layout, file format."""
     return f"{model_fingerprint(model_dir)}-{layout.fingerprint()}-v{FORMAT_VERSION}"

@@ -1,0 +1,41 @@
+"""What the ranks of a distributed group compare at start: the same model files,
+or they refuse to start (a group of mixed files hangs or serves a mix)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from engine.loader import group_fingerprint, model_fingerprint
+from tests.helpers.tiny_models import write_tiny_llama
+
+
+def copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_stop_tokens_and_the_middle_of_the_weights_count(tiny_llama_dir, tmp_path):
+    base = group_fingerprint(tiny_llama_dir)
+    assert group_fingerprint(copy(tiny_llama_dir, tmp_path / "same")) == base
+    # mlx-lm reads eos_token_id from generation_config.json: rows stop differently
+    eos = copy(tiny_llama_dir, tmp_path / "eos")
+    (eos / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
+    assert group_fingerprint(eos) != base
+    assert model_fingerprint(eos) == model_fingerprint(tiny_llama_dir)  # KV is the same
+
+
+def test_a_fine_tune_of_the_same_shapes_differs(tmp_path):
+    """Only bytes in the middle of a weight file differ: the first and last MiB
+    (what the KV namespace reads) named both alike."""
+    base = write_tiny_llama(tmp_path / "base", seed=3, hidden=256)
+    tuned = copy(base, tmp_path / "tuned")
+    (weights,) = tuned.glob("*.safetensors")
+    raw = bytearray(weights.read_bytes())
+    assert len(raw) > 2 * 2**20 + 2**18  # a middle past both ends' MiB
+    for at in range(2**20 + 2**16, len(raw) - 2**20, 2**15):
+        raw[at] ^= 1
+    weights.write_bytes(bytes(raw))
+    assert model_fingerprint(tuned) == model_fingerprint(base)
+    assert group_fingerprint(tuned) != group_fingerprint(base)
