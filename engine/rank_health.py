@@ -3,11 +3,13 @@
 A collective blocks until every rank joins it, so a rank that hangs (or a
 serving rank idle between requests while a worker died) is invisible to
 mlx.distributed itself. Each worker therefore keeps a TCP connection to the
-serving rank and writes a byte every ``timeout / 5`` seconds. The serving rank
-declares a rank lost when its connection closes, when it stays silent for
-``timeout`` seconds, or when a step has not finished after ``stall_s`` (a rank
-alive but stuck in its engine). A worker that loses the serving rank exits
-non-zero: a supervisor then restarts the whole group.
+serving rank, and each side writes a byte on it every ``timeout / 5`` seconds.
+The serving rank declares a rank lost when its connection closes, when it stays
+silent for ``timeout`` seconds, or when a step has not finished after ``stall_s``
+(a rank alive but stuck in its engine). A worker declares the serving rank lost
+the same way (closed, or silent for ``timeout``: a serving rank that hangs, or
+whose machine left the network, closes nothing) and exits non-zero: a
+supervisor then restarts the whole group.
 """
 
 from __future__ import annotations
@@ -53,8 +55,21 @@ class RankMonitor:
         self._lock = threading.Lock()
 
     def listen(self) -> None:
-        """Accept the workers' heartbeat connections (before the group is ready)."""
+        """Accept the workers' heartbeat connections (before the group is ready) and
+        beat on each from then on, through model loading too."""
         threading.Thread(target=self._accept, name="kvwarm-ranks-accept", daemon=True).start()
+        threading.Thread(target=self._beat, name="kvwarm-ranks-beat", daemon=True).start()
+
+    def _beat(self) -> None:
+        interval = max(0.05, self.timeout_s / 5)
+        while not self._stop.wait(interval):
+            with self._lock:
+                conns = list(self._conns.values())
+            for conn in conns:
+                try:
+                    conn.sendall(BEAT)
+                except OSError:
+                    pass  # its reader notices the closed connection
 
     def start(self, on_lost: Callable[[str], None]) -> None:
         """Watch them: ``on_lost`` once, the moment one is lost."""
@@ -173,6 +188,8 @@ class Heartbeat:
         ).start()
 
     def _run(self, sock: socket.socket) -> None:
+        heard = time.monotonic()
+        reason = "the serving rank is gone (its heartbeat connection closed)"
         try:
             while not self._stop.is_set():
                 readable, _, _ = select.select([sock], [], [], self._interval)
@@ -180,20 +197,24 @@ class Heartbeat:
                     data = sock.recv(64)
                     if BYE in data:
                         self.orderly = True
+                        reason = "the serving rank stopped"
                         break
                     if not data:
                         break
+                    heard = time.monotonic()
+                elif time.monotonic() - heard > self._timeout_s:
+                    reason = (
+                        f"the serving rank went silent for {time.monotonic() - heard:.1f}s "
+                        "(it hangs, or its machine left the network)"
+                    )
+                    break
                 sock.sendall(BEAT)
         except OSError:
             pass
         finally:
             sock.close()
         if not self._stop.is_set():
-            self._on_lost(
-                "the serving rank stopped"
-                if self.orderly
-                else "the serving rank is gone (its heartbeat connection closed)"
-            )
+            self._on_lost(reason)
 
     def stop(self) -> None:
         self._stop.set()

@@ -42,6 +42,7 @@ def test_beating_ranks_are_healthy(monitor):
     wait_for(lambda: 1 in monitor._seen)
     time.sleep(1.2)  # more than twice the timeout
     assert monitor.problem(time.monotonic()) is None and not lost
+    assert not worker_lost  # the serving rank beats too
     hb.stop()
 
 
@@ -118,6 +119,21 @@ def test_a_worker_notices_its_serving_rank_gone():
     conn, _ = server.accept()
     conn.close()  # the serving process died
     assert "is gone" in wait_for(lambda: lost)[0]
+    server.close()
+
+
+def test_a_worker_notices_its_serving_rank_gone_silent():
+    """A serving rank that hangs (SIGSTOP) or whose machine leaves the network closes
+    nothing: the worker sat in its collective for ever, never exiting for a restart."""
+    server = socket.create_server(("127.0.0.1", 0))
+    lost: list[str] = []
+    hb = Heartbeat("127.0.0.1", server.getsockname()[1], 1, 0.5, lost.append)
+    hb.start()
+    conn, _ = server.accept()  # and never a byte back
+    started = time.monotonic()
+    reason = wait_for(lambda: lost)[0]
+    assert "went silent" in reason and 0.4 < time.monotonic() - started < 2.0
+    conn.close()
     server.close()
 
 
