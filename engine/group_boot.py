@@ -14,7 +14,7 @@ import mlx.core as mx
 from engine.distributed import RankGroup
 from engine.lockstep import LeaderRunner, TickClock
 from engine.model_shards import shard_model
-from engine.rank_health import RankMonitor
+from engine.rank_health import RankMonitor, own_addresses
 from scheduler.admission import MemoryBudget
 
 log = logging.getLogger("kvwarm.distributed")
@@ -29,6 +29,8 @@ class GroupBoot:
     used: str = ""  # the mode the model was split with
     monitor: RankMonitor | None = None  # the serving rank's, once it leads
     heartbeat_to: int = 0  # a worker's: the port the serving rank's monitor listens on
+    monitor_token: str = ""  # and what that monitor answers a hello with
+    monitor_hosts: tuple[str, ...] = ()  # the serving machine's addresses, loopback last
 
     def check_same(self, fingerprint: str, settings: str) -> None:
         """Ranks refuse to start against other model files or engine settings."""
@@ -70,7 +72,8 @@ class GroupBoot:
         workers = [r for r in range(self.group.size) if r != self.group.rank]
         monitor = RankMonitor(workers, self.timeout_s)
         monitor.listen()
-        self.group.broadcast(str(monitor.port).encode())
+        where = f"{monitor.port} {monitor.token} {','.join(own_addresses())}"
+        self.group.broadcast(where.encode())
         # ready only once every worker is booted and beating (each connects as its
         # last step of booting): a rank lost later is then always a loss, never "late"
         monitor.wait_connected()
@@ -79,4 +82,6 @@ class GroupBoot:
 
     def follow(self) -> None:
         """A worker: learn where the serving rank's monitor listens."""
-        self.heartbeat_to = int(self.group.broadcast(None).decode())
+        port, token, hosts = self.group.broadcast(None).decode().split(" ")
+        self.heartbeat_to, self.monitor_token = int(port), token
+        self.monitor_hosts = tuple(h for h in hosts.split(",") if h)

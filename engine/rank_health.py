@@ -15,11 +15,12 @@ supervisor then restarts the whole group.
 from __future__ import annotations
 
 import logging
+import secrets
 import select
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 log = logging.getLogger("kvwarm.distributed")
 BYE = b"!"  # the serving rank stops in order: not a loss
@@ -38,6 +39,9 @@ class RankMonitor:
 
     def __init__(self, ranks: list[int], timeout_s: float, bind: str = "0.0.0.0"):
         self._ranks = ranks
+        # said back to each worker's hello: the worker knows it reached this monitor,
+        # not whatever else listens on that port at an address it tried
+        self.token = secrets.token_hex(8)
         self.timeout_s = timeout_s
         self.stall_s = stall_limit(timeout_s)
         # how long a worker may take to open its connection once the port is sent
@@ -111,6 +115,11 @@ class RankMonitor:
         if rank not in self._ranks:
             conn.close()
             return
+        try:
+            conn.sendall(f"kvwarm {self.token}\n".encode())
+        except OSError:
+            conn.close()
+            return
         with self._lock:
             self._conns[rank] = conn
             self._seen[rank] = time.monotonic()
@@ -166,13 +175,35 @@ class RankMonitor:
         self._server.close()
 
 
+def own_addresses() -> list[str]:
+    """This machine's addresses for the workers to try, loopback last: the serving
+    rank cannot know which of its interfaces a worker's machine reaches."""
+    import psutil
+
+    found: list[str] = []
+    up = {name for name, stats in psutil.net_if_stats().items() if stats.isup}
+    for name, addresses in psutil.net_if_addrs().items():
+        for a in addresses if name in up else ():
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                found.append(a.address)
+    return [*found, "127.0.0.1"]
+
+
 class Heartbeat:
     """A worker's side: beat to the serving rank; notice when it is gone."""
 
     def __init__(
-        self, host: str, port: int, rank: int, timeout_s: float, on_lost: Callable[[str], None]
+        self,
+        hosts: str | Sequence[str],
+        port: int,
+        rank: int,
+        timeout_s: float,
+        on_lost: Callable[[str], None],
+        token: str | None = None,
     ):
-        self._address = (host, port)
+        self._hosts = [hosts] if isinstance(hosts, str) else list(dict.fromkeys(hosts))
+        self._port = port
+        self._token = token  # the serving monitor's (None: take the first that answers)
         self._rank = rank
         self._interval = max(0.05, timeout_s / 5)
         self._timeout_s = timeout_s
@@ -181,11 +212,40 @@ class Heartbeat:
         self.orderly = False  # the serving rank said bye
 
     def start(self) -> None:
-        sock = socket.create_connection(self._address, timeout=max(self._timeout_s, 5.0))
-        sock.sendall(f"rank {self._rank}\n".encode())
-        threading.Thread(
-            target=self._run, args=(sock,), name="kvwarm-heartbeat", daemon=True
-        ).start()
+        """Connect to the first of the hosts where the serving rank's monitor answers
+        (OSError naming them all if none does), then beat from a thread."""
+        problems = []
+        for host in self._hosts:
+            try:
+                sock = self._connect(host)
+            except OSError as exc:
+                problems.append(f"{host}: {exc}")
+                continue
+            threading.Thread(
+                target=self._run, args=(sock,), name="kvwarm-heartbeat", daemon=True
+            ).start()
+            return
+        raise OSError(
+            f"no serving rank's monitor answered on port {self._port}: {'; '.join(problems)}"
+        )
+
+    def _connect(self, host: str) -> socket.socket:
+        sock = socket.create_connection((host, self._port), timeout=max(self._timeout_s, 5.0))
+        try:
+            sock.sendall(f"rank {self._rank}\n".encode())
+            answer = b""
+            while not answer.endswith(b"\n") and len(answer) < 64:
+                chunk = sock.recv(64 - len(answer))
+                if not chunk:
+                    break
+                answer += chunk
+            word, _, token = answer.decode(errors="replace").strip().partition(" ")
+            if word != "kvwarm" or (self._token is not None and token != self._token):
+                raise OSError("something else listens there")
+        except OSError:
+            sock.close()
+            raise
+        return sock
 
     def _run(self, sock: socket.socket) -> None:
         heard = time.monotonic()

@@ -33,12 +33,16 @@ def run_worker(config: EngineConfig) -> int:
         log.error("rank %d: %s; exiting", group.rank, reason)
         exit_now(1)
 
+    # where the launcher says the serving rank is, then every address its machine has
+    # (mpirun writes no hostfile; JACCL names only rank 0's coordinator)
+    known = server_host(group.server_rank, dist.hosts)
     heartbeat = Heartbeat(
-        server_host(group.server_rank, dist.hosts),
+        [known, *ranks.monitor_hosts],
         ranks.heartbeat_to,
         group.rank,
         dist.rank_timeout_s,
         lost,
+        token=ranks.monitor_token,
     )
     heartbeat.start()
     log.info("rank %d ready: following rank %d", group.rank, group.server_rank)

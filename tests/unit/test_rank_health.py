@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import time
 
 import pytest
@@ -104,19 +105,36 @@ def test_strangers_are_turned_away(monitor):
 
 def test_workers_tell_an_orderly_stop_from_a_lost_serving_rank(monitor):
     lost: list[str] = []
-    beat(monitor, lost)
     monitor.listen()
+    beat(monitor, lost)
     wait_for(lambda: 1 in monitor._seen)
     monitor.close()
     assert wait_for(lambda: lost) == ["the serving rank stopped"]
 
 
+def serving_rank_at(server: socket.socket, lost: list[str]) -> socket.socket:
+    """A worker's heartbeat connected to a bare socket that answers its hello as the
+    serving rank's monitor does, then does nothing more (the test does the rest)."""
+    hb = Heartbeat("127.0.0.1", server.getsockname()[1], 1, 0.5, lost.append, token="t")
+    answered: list[socket.socket] = []
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        conn.recv(64)
+        conn.sendall(b"kvwarm t\n")
+        answered.append(conn)
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    hb.start()
+    thread.join(5)
+    return answered[0]
+
+
 def test_a_worker_notices_its_serving_rank_gone():
     server = socket.create_server(("127.0.0.1", 0))
     lost: list[str] = []
-    hb = Heartbeat("127.0.0.1", server.getsockname()[1], 1, 0.5, lost.append)
-    hb.start()
-    conn, _ = server.accept()
+    conn = serving_rank_at(server, lost)
     conn.close()  # the serving process died
     assert "is gone" in wait_for(lambda: lost)[0]
     server.close()
@@ -127,14 +145,40 @@ def test_a_worker_notices_its_serving_rank_gone_silent():
     nothing: the worker sat in its collective for ever, never exiting for a restart."""
     server = socket.create_server(("127.0.0.1", 0))
     lost: list[str] = []
-    hb = Heartbeat("127.0.0.1", server.getsockname()[1], 1, 0.5, lost.append)
-    hb.start()
-    conn, _ = server.accept()  # and never a byte back
+    conn = serving_rank_at(server, lost)  # and never a byte more
     started = time.monotonic()
     reason = wait_for(lambda: lost)[0]
     assert "went silent" in reason and 0.4 < time.monotonic() - started < 2.0
     conn.close()
     server.close()
+
+
+def test_a_worker_reaches_the_monitor_at_the_first_address_where_it_answers(monitor):
+    """mpirun writes no hostfile: the serving rank sends its machine's addresses and
+    the worker tries them; something else listening at one of them is passed over."""
+    monitor.listen()
+    stranger = socket.create_server(("127.0.0.2", monitor.port))  # the same port elsewhere
+
+    def answer_wrongly() -> None:
+        conn, _ = stranger.accept()
+        conn.recv(64)
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        conn.close()
+
+    thread = threading.Thread(target=answer_wrongly)
+    thread.start()
+    only_it = Heartbeat(["127.0.0.2"], monitor.port, 1, 0.5, [].append, token=monitor.token)
+    with pytest.raises(OSError, match="no serving rank's monitor answered"):
+        only_it.start()
+    thread.join(5)
+    thread = threading.Thread(target=answer_wrongly)
+    thread.start()
+    hb = Heartbeat(["127.0.0.2", "127.0.0.1"], monitor.port, 1, 0.5, [].append, token=monitor.token)
+    hb.start()
+    wait_for(lambda: 1 in monitor._seen)
+    thread.join(5)
+    stranger.close()
+    hb.stop()
 
 
 def test_stall_limit_is_far_beyond_a_step():
