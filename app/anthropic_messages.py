@@ -118,6 +118,16 @@ def template_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     return out
 
 
+def prefilled(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """A final assistant message is where the reply starts (Anthropic's prefill: the
+    model continues it, the response holds only what it adds): the messages before it,
+    and its text."""
+    last = messages[-1] if messages else {}
+    if last.get("role") != "assistant" or last.get("tool_calls") or last.get("reasoning_content"):
+        return messages, ""
+    return messages[:-1], str(last.get("content") or "")
+
+
 def _translate(message: AnthropicMessage, where: str) -> list[dict[str, Any]]:
     content = _dicts(message.content)
     if message.role == "system":
@@ -153,8 +163,10 @@ def tool_choice(value: AnthropicToolChoice | None, tools: list[dict[str, Any]]) 
 def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:
     tools = function_tools(body.tools)
     stops = getattr(body, "stop_sequences", None) or ()
+    messages, prefill = prefilled(template_messages(body))
     return ChatCall(
-        messages=template_messages(body),
+        messages=messages,
+        prefill=prefill,
         fields=body.model_dump(exclude={"messages", "system", "tools"}),
         tools=tools,
         tool_choice=tool_choice(body.tool_choice, tools),

@@ -62,6 +62,7 @@ class ChatCall:
     logprobs: int | None = None  # None: none; N: each token's, with N alternatives
     count_only: bool = False  # count_tokens: a prompt over the context is still counted
     messages_field: str = "messages"  # what the dialect calls them, for errors (Responses: input)
+    prefill: str = ""  # the reply starts with this text (Anthropic's final assistant message)
 
 
 @dataclass
@@ -171,6 +172,15 @@ def _output_side(
         max_calls=None if call.parallel_tool_calls else 1,
     )
     key = rendered.key
+    if call.prefill:
+        if parses and call.tool_choice.mode == "required":
+            raise APIError(
+                400,
+                "A final assistant message (prefill) cannot be continued while tool_choice "
+                "forces a tool call.",
+                param="tool_choice",
+            )
+        key = key.extended(info.formatter.encode(call.prefill))
     if parses and call.tool_choice.mode == "required":
         forced = forced_opening(syntax.tool_family, call.tool_choice.name)
         closing = f"{syntax.think_end}\n\n" if opened and syntax.think_end else ""

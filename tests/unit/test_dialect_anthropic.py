@@ -13,6 +13,7 @@ from app.server import create_app
 from app.settings import Settings
 from tests.helpers.dialects import (
     ANTHROPIC_TOOLS,
+    PROMPTS,
     QWEN_CALL,
 )
 from tests.helpers.fake_engine import FakeEngine
@@ -201,6 +202,20 @@ def test_anthropic_max_tokens_fits_the_context_but_chat_is_refused(server):
     assert msg.stop_reason == "end_turn"  # Claude Code's 32000 is fitted to the 2048 context
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         server.openai().chat.completions.create(model="m", messages=big, max_tokens=32000)
+
+
+def test_a_final_assistant_message_is_continued_not_closed(server):
+    """Anthropic's prefill: the reply starts with the final assistant message's text
+    (it was rendered as a closed turn, and a new one opened after it)."""
+    client = server.anthropic()
+    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": '{"a":'}]
+    msg = client.messages.create(model="c", max_tokens=4, messages=history)
+    assert server.formatter.last_messages[-1] == {"role": "user", "content": "x"}
+    assert PROMPTS[-1].endswith('<assistant>{"a":')  # the generation prompt, then the prefill
+    assert msg.content[0].text and not msg.content[0].text.startswith('{"a":')  # only what it adds
+    counted = client.messages.count_tokens(model="c", messages=history).input_tokens
+    alone = client.messages.count_tokens(model="c", messages=history[:1]).input_tokens
+    assert counted > alone
 
 
 def test_anthropic_images_in_tool_results_become_a_note(server):
