@@ -317,6 +317,8 @@ class EngineThread(threading.Thread):
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - any escape kills the engine
             self._die(f"engine step failed: {type(exc).__name__}: {exc}", exc)
+            if self._runner is not None and hasattr(self._runner, "failure"):
+                self._runner.failure = self._failure  # the other ranks stop as failed too
             if self._on_fatal is not None:
                 self._on_fatal(self._failure or "")
         finally:

@@ -48,10 +48,10 @@ class TickClock:
 
 @dataclass(frozen=True)
 class Op:
-    kind: str  # add | remove | cut_short | step | stop
+    kind: str  # add | remove | cut_short | step | stop | fail
     at: float  # the serving rank's clock when it ran the op
     request: Request | None = None  # add
-    request_id: str = ""  # remove, cut_short
+    request_id: str = ""  # remove, cut_short; fail: why the serving rank's engine died
     plan: SlicePlan | None = None  # step
     cached: int | None = None  # add: prompt tokens reused (None: the add failed)
 
@@ -105,6 +105,9 @@ class LeaderRunner:
         self._tokens = ""
         self._closed = False
         self.broken = False  # a rank was lost: nothing more is sent
+        # the serving rank's engine died: the others stop as failed (they exit 1 and a
+        # supervisor restarts them with it), not as in an orderly stop (exit 0)
+        self.failure: str | None = None
         self._on_step = on_step  # (running): the rank monitor times steps
 
     # -- what the engine loop and /stats read ---------------------------------
@@ -179,7 +182,10 @@ class LeaderRunner:
             self._closed = True
             if notify and not self.broken:
                 try:
-                    self._send(Op("stop", self._now()))
+                    if self.failure is not None:
+                        self._send(Op("fail", self._now(), request_id=self.failure))
+                    else:
+                        self._send(Op("stop", self._now()))
                 except Exception as exc:  # noqa: BLE001 - closing either way
                     log.warning("could not tell the other ranks to stop: %s", exc)
             self.inner.close()
@@ -210,6 +216,8 @@ class Follower:
                 self.clock.now = op.at
                 if op.kind == "stop":
                     return
+                if op.kind == "fail":
+                    raise LockstepError(f"the serving rank's engine failed: {op.request_id}")
                 self._apply(op)
 
     def _apply(self, op: Op) -> None:

@@ -127,6 +127,21 @@ def test_a_worker_whose_step_produced_other_tokens_stops_the_group():
         follower.run()
 
 
+def test_a_serving_rank_whose_engine_died_stops_the_others_as_failed():
+    """An orderly stop let the workers exit 0, so a supervisor restarting on failure
+    restarted the serving rank alone, and it waited for workers that never came."""
+    leader, _, follower, _ = pair()
+    leader.add(req("a"))
+    leader.step()
+    leader.failure = "engine step failed: RuntimeError: boom"
+    leader.close()
+    with pytest.raises(LockstepError, match="serving rank's engine failed: engine step failed"):
+        follower.run()
+    leader, _, follower, _ = pair()
+    leader.close()
+    follower.run()  # an orderly stop returns
+
+
 def test_a_broken_group_is_not_told_to_stop():
     wire: deque[bytes] = deque()
     clock = TickClock()
