@@ -173,6 +173,13 @@ def _output_side(
     )
     key = rendered.key
     if call.prefill:
+        if info.vision is not None and info.vision.image_token in call.prefill:
+            raise APIError(
+                400,
+                f"The final assistant message contains this model's image marker "
+                f"{info.vision.image_token!r}.",
+                param=f"{call.messages_field}.{len(call.messages)}.content",
+            )
         if parses and call.tool_choice.mode == "required":
             raise APIError(
                 400,
@@ -246,6 +253,8 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
         sampling=_sampling(call, info),
         stop=call.stop,
         ignore_eos=call.ignore_eos,
+        # a reply continuing a prefill keeps its first space ("The answer is" + " 42")
+        trim_leading_space=not call.prefill,
         cache=CacheHints(key, session, rendered.message_hashes, call.kv_bits)
         if call.use_kv_cache
         else None,

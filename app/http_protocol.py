@@ -19,11 +19,17 @@ deadline aborts the connection, as nginx's send_timeout does.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import socket
+import struct
+import sys
+import termios
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("kvwarm")
+SO_NWRITE = 0x1024  # macOS: bytes in a socket's send queue
 
 
 class HeadTimeoutProtocol(H11Protocol):
@@ -31,6 +37,7 @@ class HeadTimeoutProtocol(H11Protocol):
 
     _head_timer: asyncio.TimerHandle | None = None
     _write_timer: asyncio.TimerHandle | None = None
+    _unsent = 0  # bytes waiting in the send buffer when the write timer was armed
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -43,7 +50,11 @@ class HeadTimeoutProtocol(H11Protocol):
 
     def pause_writing(self) -> None:
         super().pause_writing()  # the send buffer is full: the client must read
+        self._arm_write_timer()
+
+    def _arm_write_timer(self) -> None:
         self._cancel_write_timer()
+        self._unsent = _unsent_bytes(self.transport)
         self._write_timer = self.loop.call_later(self.head_timeout, self._write_stalled)
 
     def resume_writing(self) -> None:
@@ -57,6 +68,11 @@ class HeadTimeoutProtocol(H11Protocol):
 
     def _write_stalled(self) -> None:
         self._write_timer = None
+        if self.transport.is_closing():
+            return
+        if _unsent_bytes(self.transport) < self._unsent:
+            self._arm_write_timer()  # it reads, slowly: a slow reader is no stalled one
+            return
         peer = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
         log.info(
             "aborting a connection from %s: it read nothing of its response in %g s",
@@ -100,6 +116,25 @@ class HeadTimeoutProtocol(H11Protocol):
             self.head_timeout,
         )
         self.transport.close()
+
+
+def _unsent_bytes(transport: asyncio.Transport) -> int:
+    """Bytes of responses the client has not taken yet: the transport's buffer plus
+    the socket's send queue (megabytes on loopback: a client reading slowly drains
+    it long before the transport's buffer moves)."""
+    unsent = transport.get_write_buffer_size()
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return unsent
+    try:
+        if sys.platform == "darwin":
+            unsent += sock.getsockopt(socket.SOL_SOCKET, SO_NWRITE)
+        else:
+            raw = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0" * 4)
+            unsent += struct.unpack("i", raw)[0]
+    except OSError:  # not a TCP socket, or a platform without either
+        pass
+    return unsent
 
 
 def with_head_timeout(seconds: float) -> type[HeadTimeoutProtocol]:

@@ -113,7 +113,9 @@ def read_verified(
     data = memoryview(raw)[8 + hlen :]
     if data.nbytes != nbytes:
         raise CorruptFile(f"{path.name}: {data.nbytes} data bytes, header says {nbytes}")
-    if zlib.crc32(signed, zlib.crc32(data)) != want_crc:
+    data_crc = zlib.crc32(data)
+    # files written before the checksum covered the header hold their data's alone
+    if want_crc not in (zlib.crc32(signed, data_crc), data_crc):
         raise CorruptFile(f"{path.name}: checksum mismatch")
     arrays: dict[str, np.ndarray] = {}
     bf16: set[str] = set()

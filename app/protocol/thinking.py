@@ -65,7 +65,7 @@ def thinking_flag(value: Any) -> bool | None:
         return None
     if isinstance(value, Mapping):  # Anthropic {"type": "enabled"|"disabled", ...}, {"effort": ...}
         for key in _SWITCH_KEYS:
-            if key in value:
+            if value.get(key) is not None:  # {"effort": null, ...} says nothing by it
                 return thinking_flag(value[key])
     return None
 

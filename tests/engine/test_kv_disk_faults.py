@@ -5,6 +5,9 @@ cache belongs to (the model must never read KV of text it did not see)."""
 
 from __future__ import annotations
 
+import json
+import struct
+import zlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -223,3 +226,15 @@ def test_every_header_byte_is_checksummed(tmp_path):
     rewrite(path, b'"m":"ab"', b'"m":"ac"')
     with pytest.raises(safetensors_io.CorruptFile, match="checksum"):
         safetensors_io.read_verified(path, "n")
+
+
+def test_a_file_of_the_previous_format_still_reads(tmp_path):
+    """Written when the checksum covered the data alone: kept, not discarded as damaged."""
+    data = np.arange(6, dtype=np.float32).tobytes()
+    meta = {"namespace": "n", "nbytes": str(len(data)), "crc32": str(zlib.crc32(data))}
+    header = {"k": {"dtype": "F32", "shape": [6], "data_offsets": [0, len(data)]}}
+    text = json.dumps({**header, "__metadata__": meta}).encode()
+    path = tmp_path / "old.safetensors"
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+    got, _, _ = safetensors_io.read_verified(path, "n")
+    assert got["k"].tolist() == [0, 1, 2, 3, 4, 5]

@@ -60,11 +60,13 @@ RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
 
 
 PROMPTS: list[str] = []  # what the engine was asked to continue, newest last
+REQUESTS: list = []  # and the requests themselves
 
 
 def scripted(req):
     text = prompt_text(req)
     PROMPTS.append(text)
+    REQUESTS.append(req)
     last = text[text.rfind("<user>") :]
     return next((pieces for word, pieces in SCRIPTS.items() if word in last), None)
 

@@ -15,6 +15,7 @@ from tests.helpers.dialects import (
     ANTHROPIC_TOOLS,
     PROMPTS,
     QWEN_CALL,
+    REQUESTS,
 )
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.http_server import serve_app
@@ -213,6 +214,7 @@ def test_a_final_assistant_message_is_continued_not_closed(server):
     assert server.formatter.last_messages[-1] == {"role": "user", "content": "x"}
     assert PROMPTS[-1].endswith('<assistant>{"a":')  # the generation prompt, then the prefill
     assert msg.content[0].text and not msg.content[0].text.startswith('{"a":')  # only what it adds
+    assert REQUESTS[-1].trim_leading_space is False  # "The answer is" + " 42", not "42"
     counted = client.messages.count_tokens(model="c", messages=history).input_tokens
     alone = client.messages.count_tokens(model="c", messages=history[:1]).input_tokens
     assert counted > alone

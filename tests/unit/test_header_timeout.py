@@ -119,3 +119,37 @@ def test_a_client_that_never_reads_its_responses_is_cut_off(base):
         except (ConnectionResetError, TimeoutError):
             pass
     assert received < 50 * one  # cut off long before the 200 responses it asked for
+
+
+def test_a_client_reading_slowly_gets_its_whole_response():
+    """A slow reader is no stalled one: one large response keeps the send buffer
+    full past the deadline while the client reads it steadily, and it was cut off
+    as if it read nothing."""
+    size = 4 * 2**20
+
+    async def big(scope, receive, send):  # /health for serve_app, then 4 MiB
+        if scope["type"] != "http":
+            return
+        body = b"x" * (size if scope["path"] == "/big" else 2)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+    settings = Settings(_env_file=None, header_timeout=HEADER_S)
+    with serve_app(big, settings=settings) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, int(port)))
+            sock.sendall(b"GET /big HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            received = 0
+            sock.settimeout(10)
+            try:
+                while received < size:
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        break
+                    received += len(chunk)
+                    time.sleep(0.002)  # steadily: the 4 MiB take longer than HEADER_S
+            except ConnectionResetError:
+                pass
+    assert received >= size

@@ -121,7 +121,7 @@ def serving_rank_at(server: socket.socket, lost: list[str]) -> socket.socket:
     def answer() -> None:
         conn, _ = server.accept()
         conn.recv(64)
-        conn.sendall(b"kvwarm t\n")
+        conn.sendall(b"kvwarm t\n.")  # a beat may follow the answer in the same read
         answered.append(conn)
 
     thread = threading.Thread(target=answer)

@@ -243,6 +243,7 @@ def test_good_requests_still_pass_through_every_envelope(base):
             chat(thinking={"type": "enabled", "budget_tokens": 1024}, reasoning={"summary": "x"}),
         ),
         (CHAT, chat(extra_body={"reasoning": {"effort": "low"}, "thinking": "high"})),
+        (CHAT, chat(reasoning={"enabled": True, "effort": None}, thinking={"type": None})),
         # nullable in OpenAI's spec (its SDK sends null for a None): the default
         (CHAT, chat(n=None, stream=None)),
         (COMPLETIONS, completion(echo=None, n=None, stream=None)),
