@@ -73,10 +73,9 @@ class HeadTimeoutProtocol(H11Protocol):
         if _unsent_bytes(self.transport) < self._unsent:
             self._arm_write_timer()  # it reads, slowly: a slow reader is no stalled one
             return
-        peer = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
         log.info(
             "aborting a connection from %s: it read nothing of its response in %g s",
-            peer,
+            self._peer,
             self.head_timeout,
         )
         self.transport.abort()  # close() would wait for the buffer the client never reads
@@ -92,6 +91,10 @@ class HeadTimeoutProtocol(H11Protocol):
         # rest of a body the app answered without reading: both are the client's to finish
         if not self._serving() and not self.transport.is_closing():
             self._arm_head_timer()
+
+    @property
+    def _peer(self) -> str:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "?"
 
     def _serving(self) -> bool:
         return self.cycle is not None and not self.cycle.response_complete
@@ -109,10 +112,9 @@ class HeadTimeoutProtocol(H11Protocol):
         self._head_timer = None
         if self.transport.is_closing() or self._serving():
             return
-        peer = f"{self.client[0]}:{self.client[1]}" if self.client else "?"
         log.debug(
             "closing a connection from %s: nothing complete from it in %g s (--header-timeout)",
-            peer,
+            self._peer,
             self.head_timeout,
         )
         self.transport.close()

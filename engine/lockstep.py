@@ -51,9 +51,10 @@ class Op:
     kind: str  # add | remove | cut_short | step | stop | fail
     at: float  # the serving rank's clock when it ran the op
     request: Request | None = None  # add
-    request_id: str = ""  # remove, cut_short; fail: why the serving rank's engine died
+    request_id: str = ""  # remove, cut_short
     plan: SlicePlan | None = None  # step
     cached: int | None = None  # add: prompt tokens reused (None: the add failed)
+    reason: str = ""  # fail: why the serving rank's engine died
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,7 @@ class LeaderRunner:
             if notify and not self.broken:
                 try:
                     if self.failure is not None:
-                        self._send(Op("fail", self._now(), request_id=self.failure))
+                        self._send(Op("fail", self._now(), reason=self.failure))
                     else:
                         self._send(Op("stop", self._now()))
                 except Exception as exc:  # noqa: BLE001 - closing either way
@@ -217,7 +218,7 @@ class Follower:
                 if op.kind == "stop":
                     return
                 if op.kind == "fail":
-                    raise LockstepError(f"the serving rank's engine failed: {op.request_id}")
+                    raise LockstepError(f"the serving rank's engine failed: {op.reason}")
                 self._apply(op)
 
     def _apply(self, op: Op) -> None:

@@ -27,6 +27,11 @@ BYE = b"!"  # the serving rank stops in order: not a loss
 BEAT = b"."
 
 
+def beat_interval(timeout_s: float) -> float:
+    """How often each side of a heartbeat connection writes: five beats a timeout."""
+    return max(0.05, timeout_s / 5)
+
+
 def stall_limit(timeout_s: float) -> float:
     """How long one engine step may run before the group counts as hung: steps
     are sized to about a second (--max-step-ms), a first full prefill chunk of
@@ -65,8 +70,7 @@ class RankMonitor:
         threading.Thread(target=self._beat, name="kvwarm-ranks-beat", daemon=True).start()
 
     def _beat(self) -> None:
-        interval = max(0.05, self.timeout_s / 5)
-        while not self._stop.wait(interval):
+        while not self._stop.wait(beat_interval(self.timeout_s)):
             with self._lock:
                 conns = list(self._conns.values())
             for conn in conns:
@@ -205,7 +209,7 @@ class Heartbeat:
         self._port = port
         self._token = token  # the serving monitor's (None: take the first that answers)
         self._rank = rank
-        self._interval = max(0.05, timeout_s / 5)
+        self._interval = beat_interval(timeout_s)
         self._timeout_s = timeout_s
         self._on_lost = on_lost
         self._stop = threading.Event()

@@ -351,13 +351,14 @@ def _block_names(blocks: Any) -> list[str] | None:
         return None
     names = []
     for block in blocks:
-        if not (isinstance(block, list) and len(block) == 2 and isinstance(block[0], str)):
+        if not (isinstance(block, list) and len(block) == 2):
+            return None
+        name, nbytes = block
+        if not (isinstance(name, str) and name and isinstance(nbytes, int)):
             return None
         try:
-            bytes.fromhex(block[0])
+            bytes.fromhex(name)
         except ValueError:
             return None
-        if not isinstance(block[1], int) or not block[0]:
-            return None
-        names.append(block[0])
+        names.append(name)
     return names

@@ -90,7 +90,6 @@ class OutputParser:
         self._out: list[Event] = []
         self._truncated = False
         self._calls = 0
-        self.dropped_calls = 0
         # the raw text minus tool-call markup that decoded: what the model wrote
         # besides its calls, for healing the echoed turn
         self._kept: list[str] = []
@@ -266,9 +265,7 @@ class OutputParser:
         self._tool = None
         if calls:
             if self.max_calls is not None:
-                room = max(0, self.max_calls - self._calls)
-                self.dropped_calls += len(calls[room:])
-                calls = calls[:room]
+                calls = calls[: max(0, self.max_calls - self._calls)]
             self._calls += len(calls)
             self._out.extend(calls)
             self._to_boundary()
