@@ -30,7 +30,7 @@ from engine.fast_detok import detokenizer_factory
 from engine.lora import AdapterTag, is_tag
 from engine.mrope import positioned
 from engine.row_faults import FaultLedger, GuardedProcessor, GuardedSampler
-from engine.sampling import SamplerFactory
+from engine.sampling import SamplerFactory, rewind
 from engine.text_output import TextOutput
 from engine.token_logprobs import Asked, token_logprobs, token_pieces
 from engine.vision import VisionPrefill
@@ -686,6 +686,8 @@ class BatchRunner:
                 (len(replay) - 1,),
                 row.generated,
             )
+            # its next draw is its next token's, whatever the probe and the lost step drew
+            rewind(row.sampler, row.generated)
             uid = self._insert(row, [replay], cache, cached_tokens)
             self._prefilled[uid] = 0
         if len(outputs) == len(rows) and not self._model_healthy():

@@ -30,7 +30,7 @@ SHARED_SAMPLERS = 64  # unseeded samplers kept for sharing, least recently used 
 
 def compiled_values(params: SamplingParams) -> SamplingParams:
     """``params`` with temperature, top_p and min_p rounded to 0.01; a nonzero
-    temperature or top_p never rounds to 0 (which would mean greedy or no filter)."""
+    value never rounds to 0 (which would mean greedy or no filter)."""
 
     def rounded(value: float, floor: float) -> float:
         return max(floor, round(value, SAMPLING_STEP_DECIMALS)) if value > 0 else value
@@ -39,7 +39,7 @@ def compiled_values(params: SamplingParams) -> SamplingParams:
         params,
         temperature=rounded(params.temperature, 0.01),
         top_p=rounded(params.top_p, 0.01),
-        min_p=rounded(params.min_p, 0.0),
+        min_p=rounded(params.min_p, 0.01),
     )
 
 
@@ -64,7 +64,7 @@ class SamplerFactory:
     def sampler(self, params: SamplingParams) -> GuardedSampler:
         params = compiled_values(params)
         if params.seed is not None and not params.greedy:
-            return GuardedSampler(_seeded_sampler(params, self._top_k(params)), self.ledger)
+            return GuardedSampler(SeededSampler(params, self._top_k(params)), self.ledger)
         key = (
             ("greedy",)
             if params.greedy
@@ -100,21 +100,46 @@ class SamplerFactory:
         )
 
 
-def _seeded_sampler(params: SamplingParams, top_k: int) -> Sampler:
-    filters: list[Callable[[mx.array], mx.array]] = []
-    if 0 < params.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p > 0.0:
-        filters.append(lambda x: apply_min_p(x, params.min_p))
-    if top_k > 0:
-        filters.append(lambda x: apply_top_k(x, top_k))
-    key = [mx.random.key(params.seed)]
-    inv_temp = 1.0 / params.temperature
+MASK64 = 2**64 - 1
 
-    def sampler(logprobs: mx.array) -> mx.array:
-        for f in filters:
+
+def draw_seed(seed: int, index: int) -> int:
+    """The PRNG seed of a seeded row's ``index``-th draw (splitmix64 of the pair):
+    a function of the position, not of a key chain the draws advance."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+class SeededSampler:
+    """A seeded request's sampler. Each token's key comes from the seed and the
+    token's index (``drawn``), so a row re-run from its tokens after a batch
+    recovery draws exactly what it would have (``rewind``), whatever else the
+    batch held or how often it was probed."""
+
+    def __init__(self, params: SamplingParams, top_k: int):
+        mx.random.key(params.seed)  # refuses what is not an unsigned 64-bit seed
+        self.seed = params.seed
+        self.drawn = 0
+        self.inv_temp = 1.0 / params.temperature
+        self.filters: list[Callable[[mx.array], mx.array]] = []
+        if 0 < params.top_p < 1.0:
+            self.filters.append(lambda x: apply_top_p(x, params.top_p))
+        if params.min_p > 0.0:
+            self.filters.append(lambda x: apply_min_p(x, params.min_p))
+        if top_k > 0:
+            self.filters.append(lambda x: apply_top_k(x, top_k))
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        for f in self.filters:
             logprobs = f(logprobs)
-        key[0], sub = mx.random.split(key[0])
-        return mx.random.categorical(logprobs * inv_temp, key=sub)
+        key = mx.random.key(draw_seed(self.seed, self.drawn))
+        self.drawn += 1
+        return mx.random.categorical(logprobs * self.inv_temp, key=key)
 
-    return sampler
+
+def rewind(sampler: GuardedSampler, drawn: int) -> None:
+    """Make a seeded sampler's next draw the ``drawn``-th (others have no state)."""
+    if isinstance(sampler.inner, SeededSampler):
+        sampler.inner.drawn = drawn

@@ -153,3 +153,31 @@ def test_a_fault_that_is_no_rows_kills_the_engine(byte_tokenizer):
     with pytest.raises(EngineFault):
         for _ in range(20):
             runner.step()
+
+
+class FlatPoisonedModel(PoisonedModel):
+    """Nearly uniform logits: what a seeded row draws is pure chance."""
+
+    def __call__(self, inputs: mx.array, cache=None, **kw) -> mx.array:
+        return super().__call__(inputs, cache=cache, **kw) * 0.001
+
+
+def test_a_seeded_row_draws_the_same_tokens_through_a_recovery(byte_tokenizer):
+    seeded = SamplingParams(temperature=1.0, seed=1234)
+
+    def run(rogue_at: int | None) -> list[int]:
+        runner = make_runner(byte_tokenizer, FlatPoisonedModel())
+        runner.add(Request([5, 6, 7], 30, sampling=seeded, ignore_eos=True, request_id="s"))
+        got: list[int] = []
+        for step in range(200):
+            if not runner.active:
+                break
+            if step == rogue_at:
+                runner.add(Request([3, POISON, 5], 5, sampling=GREEDY, request_id="rogue"))
+            got += [t for o in runner.step() if o.request_id == "s" for t in o.token_ids]
+        assert runner.recoveries == (0 if rogue_at is None else 1)
+        return got
+
+    alone = run(None)
+    assert len(alone) == 30 and len(set(alone)) > 5  # really sampled
+    assert run(rogue_at=5) == alone  # the probe and the lost step drew nothing of its own
