@@ -156,13 +156,28 @@ def _template_kwargs(call: ChatCall, syntax: TextSyntax, thinking: bool) -> dict
     return kwargs
 
 
+def _opens_reasoning(tail: str, prefill: str, syntax: TextSyntax) -> bool:
+    """Whether the reply starts inside a think block: the generation prompt opens
+    one (DeepSeek-R1, Qwen3 thinking), unless a prefill closes it, or a prefill
+    opens one it does not close."""
+    start, end = syntax.think_start, syntax.think_end
+    if not start:
+        return False
+    opened = tail.rstrip().endswith(start)
+    last_start = prefill.rfind(start)
+    last_end = prefill.rfind(end) if end else -1
+    if last_start != last_end:  # the prefill says which of the two came last
+        opened = last_start > last_end
+    return opened
+
+
 def _output_side(
     call: ChatCall, info: ModelInfo, rendered: RenderedPrompt
 ) -> tuple[PromptKey, OutputParser]:
     """The parser for the reply and the final prompt: a forced tool choice appends
     the opening of the call, and the parser starts inside it."""
     syntax = info.syntax
-    opened = bool(syntax.think_start) and rendered.tail.rstrip().endswith(syntax.think_start)
+    opened = _opens_reasoning(rendered.tail, call.prefill, syntax)
     parses = bool(call.tools) and call.tool_choice.parses
     markup = (syntax.tool_call_start or "", syntax.tool_call_end or "")
     decoder = ToolCallDecoder(call.tools, syntax.tool_family, markup) if parses else None

@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic_core import from_json
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -28,6 +29,7 @@ class APIError(Exception):
         code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
+        recorded: bool = False,
     ):
         super().__init__(message)
         self.status = status
@@ -36,6 +38,9 @@ class APIError(Exception):
         self.code = code
         self.param = param
         self.headers = headers
+        # the request was accepted and is already counted as finished (in error):
+        # /metrics does not count it again as refused
+        self.recorded = recorded
 
 
 def error_body(message: str, error_type: str, code: str | None, param: str | None = None) -> dict:
@@ -205,10 +210,17 @@ def rejection_reason(status: int, code: str | None) -> str | None:
     return None
 
 
+# the routes whose refusals are requests_rejected_total (not adapter or KV admin calls)
+GENERATION_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/responses"}
+)
+
+
 def _count_rejection(request: Request, status: int, code: str | None) -> None:
     state = getattr(request.app.state, "kvwarm", None)
     reason = rejection_reason(status, code)
-    if state is not None and reason and request.method == "POST":
+    generation = request.method == "POST" and request.url.path in GENERATION_PATHS
+    if state is not None and reason and generation:
         info = state.engine.model_info
         state.obs.metrics.observe_rejection(reason, info.model_id if info else None)
 
@@ -216,7 +228,8 @@ def _count_rejection(request: Request, status: int, code: str | None) -> None:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        _count_rejection(request, exc.status, exc.code)
+        if not exc.recorded:
+            _count_rejection(request, exc.status, exc.code)
         return error_response(
             exc.status,
             exc.message,
@@ -298,6 +311,11 @@ class InternalErrorMiddleware:
 
         try:
             await self.app(scope, receive, tracked)
+        except ClientDisconnect:  # hung up before its body arrived: nobody to answer
+            log.info(
+                "%s %s: the client left before sending its body", scope.get("method"), scope["path"]
+            )
+            return
         except Exception as exc:  # noqa: BLE001 - the one place unexpected errors end
             log.exception("unhandled error on %s %s", scope.get("method"), scope["path"])
             if started:  # a stream already under way: nothing more can be said

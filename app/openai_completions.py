@@ -63,6 +63,8 @@ def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Pre
     info = state.model_info()
     adapter = state.adapter(body.adapter_requested(), body.model)
     tokens = _prompt_tokens(prompt, state)
+    if not tokens:  # [""] passes the schema; text may also encode to nothing
+        raise APIError(400, "The prompt is empty: it encodes to no tokens.", param="prompt")
     key = PromptKey.build(tokens)
     session = session_id_from(body.model_extra or {}, headers) or fallback_session_id(key.canonical)
     request = Request(

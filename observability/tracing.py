@@ -134,10 +134,13 @@ class Tracing:
 
     def _record_metrics(self, rec: RequestRecord) -> None:
         attrs = {"gen_ai.request.model": rec.model, "kvwarm.dialect": rec.dialect}
-        self._m_prompt.add(rec.prompt_tokens, attrs)
+        if rec.reached_engine:  # a request dropped from the queue was never prefilled
+            self._m_prompt.add(rec.prompt_tokens, attrs)
         self._m_generated.add(rec.completion_tokens, attrs)
-        self._m_queries.add(rec.prompt_tokens, attrs)
-        self._m_hits.add(rec.cached_tokens, attrs)
+        report = rec.cache_report
+        if report is not None and report.tier != "disabled":  # the cache was asked
+            self._m_queries.add(rec.prompt_tokens, attrs)
+            self._m_hits.add(rec.cached_tokens, attrs)
         self._m_requests.add(1, {**attrs, "finished_reason": rec.finish})
         self._m_duration.record(rec.e2e_s, attrs)
         if rec.ttft_s is not None:

@@ -79,6 +79,10 @@ def _tool_call_tag_parsers(inner: str, family: str | None) -> list[str]:
 
 # parsers of XML-style parameters (<parameter=NAME> / <param name="NAME">)
 XML_PARAMETERS = frozenset({"qwen3_coder", "minicpm5"})
+# parsers whose markup writes every argument value as text (JSON markup types its own)
+TEXT_VALUES = XML_PARAMETERS | {"glm47"}
+# where one Qwen function ends and the next begins inside one <tool_call> block
+_FUNCTION_SEAM = re.compile(r"</function>\s*(?=<function=)")
 _XML_PARAMETER = re.compile(
     r"<parameter=\s*([^\s<>]+)>?|<param\s+name\s*=\s*(\"[^\"]*\"|'[^']*'|[^\s\"'<>]+)\s*>"
 )
@@ -108,6 +112,26 @@ def _null_texts(inner: str) -> dict[str, list[str]]:
             out.setdefault(name, []).append(text)
         pos = end + len(close)
     return out
+
+
+def _qwen3_coder(inner: str) -> list[dict[str, Any]]:
+    """Every ``<function=...>`` of one ``<tool_call>`` block: Qwen3-Coder sometimes
+    writes several in one, and mlx-lm's parser reads a block as one function (from
+    the first opening to the last closing: the first name, all the parameters)."""
+    pieces = _FUNCTION_SEAM.split(inner)
+    parse = _mlx_parser("qwen3_coder")
+    return [parse(p + "</function>" if i < len(pieces) - 1 else p) for i, p in enumerate(pieces)]
+
+
+def _plausible(parser: str, call: dict[str, Any], schemas: Mapping[str, Any]) -> bool:
+    """Whether a decoded call is one: a name is never text with spaces or markup
+    in it, and GLM's parser, which turns any text into a call (``raw`` holding
+    what it could not read), did not fall back to that."""
+    name = call["name"]
+    if any(c.isspace() or c in "<>" for c in name):
+        return False
+    args = call["arguments"]
+    return not (parser == "glm47" and "raw" in args and "raw" not in schemas.get(name, {}))
 
 
 def _llama3_json(inner: str) -> list[dict[str, Any]]:
@@ -172,8 +196,10 @@ class ToolCallDecoder:
                 calls = _as_calls(parser(inner))
                 if markup is BARE_JSON and any(c["name"] not in self._schemas for c in calls):
                     continue  # a JSON answer that merely looks like a call
+                if not all(_plausible(name, c, self._schemas) for c in calls):
+                    continue  # another parser may read it; else it stays text
                 nulls = _null_texts(inner) if name in XML_PARAMETERS else {}
-                return [self._finish(c, nulls) for c in calls]
+                return [self._finish(c, nulls, name in TEXT_VALUES) for c in calls]
             except Exception as exc:  # noqa: BLE001 - any model text must be survivable
                 log.debug("%s markup did not parse: %s", markup.kind, exc)
         return None
@@ -186,7 +212,14 @@ class ToolCallDecoder:
             names = _tool_call_tag_parsers(inner, self.family)
             # GLM's parser keeps declared string arguments as strings only when given the tools
             return [
-                (n, lambda text, n=n: _mlx_parser(n)(text, self.tools if n == "glm47" else None))
+                (
+                    n,
+                    _qwen3_coder
+                    if n == "qwen3_coder"
+                    else lambda text, n=n: _mlx_parser(n)(
+                        text, self.tools if n == "glm47" else None
+                    ),
+                )
                 for n in names
             ]
         if markup is MINICPM:
@@ -195,7 +228,9 @@ class ToolCallDecoder:
             return [(markup.kind, lambda text: _mlx_parser(markup.kind)(text, self.tools))]
         return [(markup.kind, _mlx_parser(markup.kind))]
 
-    def _finish(self, call: dict[str, Any], nulls: dict[str, list[str]]) -> ToolCall:
+    def _finish(
+        self, call: dict[str, Any], nulls: dict[str, list[str]], from_text: bool
+    ) -> ToolCall:
         schemas = self._schemas.get(call["name"], {})
         arguments = dict(call["arguments"])
         for key, value in call["arguments"].items():
@@ -206,7 +241,7 @@ class ToolCallDecoder:
                 text = texts.pop(0)  # parameters in order: the n-th null of this name
                 if wants_text(schemas.get(key)):
                     arguments[key] = text
-        args = coerce_arguments(arguments, schemas)
+        args = coerce_arguments(arguments, schemas, from_text)
         call_id = call.get("id") if isinstance(call.get("id"), str) else None
         # NaN or Infinity is no JSON a client could parse: not a call, its text stays
         arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)

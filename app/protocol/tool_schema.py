@@ -109,11 +109,14 @@ def _container(text: str) -> dict[str, Any] | list[Any] | None:
     return decoded if isinstance(decoded, (dict, list)) else None
 
 
-def coerce_value(value: Any, schema: Any) -> Any:
+def coerce_value(value: Any, schema: Any, from_text: bool = True) -> Any:
     """One argument value decoded against its schema. Never raises: a value that
-    does not fit its declared type is passed on as the model wrote it."""
+    does not fit its declared type is passed on as the model wrote it.
+    ``from_text``: the markup writes every value as text (XML parameters), so a
+    string is all a value can be; in JSON markup the model typed its values."""
     types = _types(schema)
-    if not types - {"null"} and isinstance(schema, Mapping) and isinstance(value, str):
+    untyped = not types - {"null"} and isinstance(schema, Mapping)
+    if untyped and from_text and isinstance(value, str):
         # declared, but its type is elsewhere (a $ref): JSON the model wrote for an
         # object or an array is one (mlx-lm's parsers, given the schema, do the same)
         decoded = _container(value)
@@ -147,5 +150,9 @@ def coerce_value(value: Any, schema: Any) -> Any:
     return value
 
 
-def coerce_arguments(arguments: Mapping[str, Any], properties: Mapping[str, Any]) -> dict[str, Any]:
-    return {key: coerce_value(value, properties.get(key)) for key, value in arguments.items()}
+def coerce_arguments(
+    arguments: Mapping[str, Any], properties: Mapping[str, Any], from_text: bool = True
+) -> dict[str, Any]:
+    return {
+        key: coerce_value(value, properties.get(key), from_text) for key, value in arguments.items()
+    }

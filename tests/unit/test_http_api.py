@@ -3,7 +3,9 @@ error bodies, SSE framing, auth, limits, disconnects and engine death."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import time
 
 import httpx
@@ -234,6 +236,54 @@ def test_over_context_is_400_context_length_exceeded(base):
 def test_prompt_longer_than_context_without_max_tokens_is_400(base):
     r = httpx.post(base + CHAT, json={"messages": msgs("x" * 3000)})
     assert_error(r, 400, "context_length_exceeded")
+
+
+@pytest.mark.parametrize("prompt", [[""], ["", ""], [[]]])
+def test_a_completion_prompt_of_nothing_is_400_not_an_engine_error(base, prompt):
+    r = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 3})
+    assert assert_error(r, 400)["param"].startswith("prompt")
+
+
+def test_a_client_leaving_mid_body_is_no_server_error(caplog):
+    """The client hung up after part of its body: nobody to answer, nothing failed
+    (it was logged as an unhandled error with a traceback, and a 500 sent)."""
+    caplog.set_level(logging.INFO, logger="kvwarm")
+    app = make_app()
+    messages = [
+        {"type": "http.request", "body": b'{"model":', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": CHAT,
+        "raw_path": CHAT.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"host", b"127.0.0.1"),
+            (b"content-type", b"application/json"),
+            (b"content-length", b"1000"),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+    with serve_app(app):  # started: the route's state exists
+        asyncio.run(app(scope, receive, send))
+    assert sent == [], [m.get("body") for m in sent]
+    assert any("left before sending its body" in m for m in caplog.messages), caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_over_budget_is_400_memory_admission_naming_the_ceiling():

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from app.server import create_app
 from app.settings import Settings
@@ -21,9 +23,9 @@ from observability.request_log import RequestLog
 from observability.tracing import Tracing
 from scheduler.admission import AdmissionController, MemoryBudget
 from scheduler.contracts import EngineStats
-from scheduler.request import CacheReport, Request, RequestStats
+from scheduler.request import CacheReport, Request, RequestOutput, RequestStats
 from scheduler.scheduler import Scheduler
-from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.fake_engine import FakeEngine, FakeRunner
 from tests.helpers.http_server import serve_app
 from tests.helpers.otlp_receiver import OTLPReceiver, attributes
 
@@ -464,3 +466,53 @@ def test_engine_row_faults_and_batch_recoveries_reach_metrics_and_stats():
     assert _value(text, "kvwarm:engine_row_faults_total") == 3
     assert _value(text, "kvwarm:engine_batch_recoveries_total") == 1
     assert stats["row_faults"] == 3 and stats["batch_recoveries"] == 1
+
+
+def test_an_accepted_request_that_fails_counts_once_and_admin_400s_not_at_all(monkeypatch):
+    """A request that expires in the queue was accepted: it is one finished-in-error
+    request, not also a refused one; a bad adapter or KV admin call is no refused
+    generation request."""
+    monkeypatch.setattr(
+        FakeRunner,
+        "add",
+        lambda self, req: RequestOutput.failure(
+            req.request_id, "expired in the queue", "queue_timeout"
+        ),
+    )
+    app = create_app(Settings(_env_file=None), lambda s, r: FakeEngine(s, r))
+    with serve_app(app) as url:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+        for stream in (False, True):
+            r = httpx.post(url + "/v1/chat/completions", json={**body, "stream": stream})
+            assert r.status_code == 503 and "queue_timeout" in r.text
+        for path, sent in (
+            ("/v1/adapters", {"id": "x"}),
+            ("/v1/conv_kv/save", {"conversation_id": 5}),
+        ):
+            assert httpx.post(url + path, json=sent).status_code == 400
+        text = httpx.get(url + "/metrics").text
+    assert _value(text, "kvwarm:request_success_total", finished_reason="error", adapter="") == 2
+    for reason in ("unavailable", "invalid"):
+        assert _value(text, "kvwarm:requests_rejected_total", reason=reason) == 0
+
+
+def test_otel_counts_no_prompt_or_cache_query_for_a_request_never_prefilled():
+    tracing = Tracing(env={})
+    reader = InMemoryMetricReader()
+    tracing._meter_provider = MeterProvider(metric_readers=[reader])  # noqa: SLF001
+    tracing._instruments()  # noqa: SLF001
+    dropped = record(
+        prompt_tokens=30_000, cached_tokens=0, completion_tokens=0, ttft_s=None, stats=None,
+        finish="abort", disconnected=True, cache=None,
+    )  # fmt: skip
+    assert not dropped.reached_engine
+    tracing.request_done(dropped, {})
+    sums: dict[str, float] = {}
+    for resource in reader.get_metrics_data().resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                for point in metric.data.data_points:
+                    sums[metric.name] = sums.get(metric.name, 0) + getattr(point, "value", 0)
+    assert sums.get("kvwarm.prompt_tokens", 0) == 0
+    assert sums.get("kvwarm.prefix_cache.queries", 0) == 0
+    assert sums["kvwarm.requests"] == 1  # the request itself is still counted

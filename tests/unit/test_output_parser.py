@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from app.chat_pipeline import ChatCall, _output_side
 from app.protocol.output_parser import Content, OutputParser, Reasoning, Syntax, merge
 from app.protocol.tool_formats import MARKED, ToolCall, ToolCallDecoder
+from kvcache.prompt_key import PromptKey, RenderedPrompt
+from scheduler.contracts import TextSyntax
 
 TOOLS = [
     {
@@ -301,3 +306,27 @@ def test_an_outcome_read_mid_stream_still_merges_everything(events, reads):
             outcome.events  # noqa: B018 - a read merges what came so far
         outcome.add_event(event)
     assert outcome.events == _naive_merge(events)
+
+
+@pytest.mark.parametrize(
+    ("prefill", "expected"),
+    [
+        ("", [Reasoning(" 42.")]),  # the prompt opened a block: the reply reasons first
+        ("</think>\n\nThe answer is", [Content(" 42.")]),  # the prefill closed it
+        ("Let me see.\n</think>\n\n", [Content(" 42.")]),
+        ("</think>Sure. <think>", [Reasoning(" 42.")]),  # and opened another
+    ],
+)
+def test_a_prefill_that_closes_the_prompts_think_block_is_answered_as_content(prefill, expected):
+    """Qwen3-thinking's and DeepSeek-R1's generation prompts end in ``<think>``:
+    an Anthropic prefill continuing after ``</think>`` is an answer, not reasoning
+    (its text was lost to the thinking block, or dropped with strip_thinking)."""
+    tail = "<|im_start|>assistant\n<think>\n"
+    encode = lambda text: [ord(c) % 256 for c in text]  # noqa: E731
+    info = SimpleNamespace(
+        syntax=TextSyntax(), vision=None, formatter=SimpleNamespace(encode=encode)
+    )
+    call = ChatCall(messages=[{"role": "user", "content": "q"}], fields={}, prefill=prefill)
+    rendered = RenderedPrompt(PromptKey.build(encode(tail)), tail=tail)
+    _, parser = _output_side(call, info, rendered)
+    assert parser.parse(" 42.") == expected

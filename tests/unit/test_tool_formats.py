@@ -178,6 +178,53 @@ def test_gemma4_calls():
     ]
 
 
+def test_qwen3_coder_two_functions_in_one_block_are_two_calls():
+    """mlx-lm's parser reads a block as one function: the first one's name with
+    the last one's arguments, here reading the wrong file and losing the run."""
+    text = (
+        "<tool_call>\n<function=read_file>\n<parameter=path>\nnotes.txt\n</parameter>\n"
+        "</function>\n<function=run>\n<parameter=command>\nrm -rf build\n</parameter>\n"
+        "</function>\n</tool_call>"
+    )
+    assert parse(text, "qwen3_coder") == [
+        ToolCall("read_file", '{"path": "notes.txt"}'),
+        ToolCall("run", '{"command": "rm -rf build"}'),
+    ]
+    # a parameter whose text holds a closing tag, not followed by another function
+    one = "<tool_call>\n<function=run>\n<parameter=command>\necho '</function>' x\n</parameter>\n</function>\n</tool_call>"
+    assert parse(one, "qwen3_coder") == [ToolCall("run", '{"command": "echo \'</function>\' x"}')]
+
+
+@pytest.mark.parametrize("family", [None, "json_tools", "mistral"])
+def test_json_markup_keeps_a_string_the_model_wrote_for_an_untyped_parameter(family):
+    """Only markup that writes every value as text has its untyped values decoded:
+    in JSON the model typed the value itself (here a file's JSON text)."""
+    tools = function_tools(
+        [{"type": "function", "function": {"name": "write", "parameters": {"type": "object",
+          "properties": {"content": {"description": "the text"}}}}}]
+    )  # fmt: skip
+    args = {"content": '{"debug": true}'}
+    if family == "mistral":
+        text = "[TOOL_CALLS]" + json.dumps([{"name": "write", "arguments": args}])
+    else:
+        text = "<tool_call>" + json.dumps({"name": "write", "arguments": args}) + "</tool_call>"
+    calls = OutputParser(Syntax(), ToolCallDecoder(tools, family)).parse(text)
+    assert calls == [ToolCall("write", json.dumps(args))]
+    xml = "<tool_call>\n<function=write>\n<parameter=content>\n[1, 2]\n</parameter>\n</function>\n</tool_call>"
+    xml_calls = OutputParser(Syntax(), ToolCallDecoder(tools, "qwen3_coder")).parse(xml)
+    assert xml_calls == [ToolCall("write", '{"content": [1, 2]}')]  # text: decoded
+
+
+def test_glm_reads_other_markup_and_prose_is_no_call():
+    """GLM's parser turns any text into a call; one that is not falls through to
+    the parser that reads it, or stays text."""
+    qwen = "<tool_call>\n<function=run>\n<parameter=command>\nls\n</parameter>\n</function>\n</tool_call>"
+    assert parse(qwen, "glm47") == [ToolCall("run", '{"command": "ls"}')]
+    prose = "<tool_call>I will not call anything</tool_call>"
+    assert parse(prose, "glm47") == [Content(prose)]
+    assert parse("<tool_call>run</tool_call>", "glm47") == [ToolCall("run", "{}")]
+
+
 def test_broken_markup_falls_back_to_content():
     text = "<tool_call>\n{not json at all\n</tool_call> and more"
     assert parse(text) == [Content(text)]
