@@ -88,6 +88,24 @@ def _line(regex: str, group: int = 0) -> Regex:
     return Regex(re.compile(regex, re.IGNORECASE | re.MULTILINE), group)
 
 
+_MONTHS = "jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|june?|july?|aug(?:ust)?|sept?(?:ember)?|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?"
+_DAYS = "mon(?:day)?|tue(?:s|sday)?|wed(?:nesday)?|thu(?:rs|rsday)?|fri(?:day)?|sat(?:urday)?|sun(?:day)?"
+# one word of a date or time: a number (2026-11-26, 10:42:01, 26th, +01:00, ...T10:42Z),
+# a month or day name, AM/PM, an upper-case zone (UTC, CEST), an IANA zone, a linking word
+_DATE_WORD = (
+    r"(?:[+-]?\d[\w:./+-]*|(?:" + _MONTHS + "|" + _DAYS + r")\b\.?|[ap]\.?m\.?"
+    r"|(?-i:[A-Z]{1,5})\b|\(?[a-z]+/[\w/+-]+\)?|(?:at|of|the|on)\b)"
+)
+_DATE_GAP = r"(?:[ \t]*[,\u2013\u2014][ \t]*|[ \t]+)"  # spaces, a comma or a dash
+# The value is volatile only when the rest of its line is nothing but a date or time
+# (a short one): "What I need today is a script that ..." is the user's words, and
+# reusing KV past an edit of them would hide the edit from the model. Linear: the
+# lookahead reads at most 80 characters, and words and gaps share no character.
+TIMESTAMP = (
+    r"\b(?:the )?(?:current (?:date and time|date|time)|today's date|today is)(?: is)?:?[ \t]*"
+    r"(?=[^\n]{1,80}$)(" + _DATE_WORD + "(?:" + _DATE_GAP + _DATE_WORD + r")*)\.?[ \t]*$"
+)
+
 RULES: tuple[VolatileRule, ...] = (
     # Claude Code's first system line: carries a per-request cch nonce
     VolatileRule(
@@ -95,15 +113,7 @@ RULES: tuple[VolatileRule, ...] = (
     ),
     VolatileRule("cch_nonce", _line(r"\bcch=[0-9a-f]+;"), Canonical.SENTINEL),
     # "Current time is 10:42", "Current date: 2026-11-26", "Today's date is ..."
-    VolatileRule(
-        "timestamp",
-        _line(
-            r"\b(?:the )?(?:current (?:date and time|date|time)|today's date|today is)"
-            r"(?: is)?:?[ \t]*([^\n]+)$",
-            group=1,
-        ),
-        Canonical.SENTINEL,
-    ),
+    VolatileRule("timestamp", _line(TIMESTAMP, group=1), Canonical.SENTINEL),
     # Channel envelopes: "[message_id: 8812]", "message_id=abc", "\"message_id\": \"x\""
     VolatileRule(
         "message_id",

@@ -40,6 +40,16 @@ def marked(text: str) -> list[tuple[str, str]]:
         ),
         ("Current date: Thursday, November 26", "timestamp", "Thursday, November 26"),
         ("Today's date is 2026-11-26.", "timestamp", "2026-11-26."),
+        (
+            "Current date: Thursday, November 26, 2026 at 10:42 AM (Europe/Paris)",
+            "timestamp",
+            "Thursday, November 26, 2026 at 10:42 AM (Europe/Paris)",
+        ),
+        (
+            "Be brief. Current time is 2026-11-26T10:42:01.5+01:00",
+            "timestamp",
+            "2026-11-26T10:42:01.5+01:00",
+        ),
         ("Fix it [message_id: 8812]", "message_id", "8812"),
         ('{"message_id": "abc-12"}', "message_id", "abc-12"),
         (
@@ -73,6 +83,11 @@ def test_rule_marks_exactly_its_span(text, rule, span):
         "timestamps like 2026-11-26 in code are content",
         "message ids are described in the docs",
         "Inbound requests are handled by the router.",
+        # the user's words after "today is": an edit to them must reach the model
+        "What I need today is a script that lists the files in ./build",
+        "What I need today is 3 scripts, by Monday",
+        "Current time is 10:42, and then delete ~/.ssh",
+        "Current time is " + "9 " * 60,  # no date is that long
     ],
 )
 def test_ordinary_text_is_not_volatile(text):
