@@ -211,7 +211,17 @@ class DiskTier:
             return {}
         if not isinstance(pins, dict):
             return {}
-        return {str(k): v for k, v in pins.items() if isinstance(v, dict) and "uid" in v}
+        out: dict[str, dict[str, Any]] = {}
+        for conversation_id, pin in pins.items():  # a damaged file: keep what is sound
+            if not isinstance(pin, dict) or not isinstance(pin.get("uid"), str):
+                continue
+            title, saved_at = pin.get("title"), pin.get("saved_at")
+            out[conversation_id] = {
+                "uid": pin["uid"],
+                "title": title if isinstance(title, str) else None,
+                "saved_at": saved_at if isinstance(saved_at, (int, float)) else None,
+            }
+        return out
 
     # -- reads (engine thread: the arrays become MLX arrays there) -----------
     def read_block(self, digest: Digest) -> Arrays:
@@ -312,6 +322,20 @@ class DiskTier:
                         continue  # written for an entry that since left; same bytes
                     path.parent.mkdir(exist_ok=True)
                     self._count(write_atomic(path, encode(arrays.arrays, meta, arrays.bf16)))
+                # blocks it shares were left to the entry queued before it: if that
+                # write failed they are not here, and this manifest would name nothing
+                missing = sum(
+                    not self.block_path(bytes.fromhex(name)).exists()
+                    for name, _ in job.manifest["blocks"]
+                )
+                if missing:
+                    log.warning(
+                        "KV disk writer: entry %s not written: %d of its shared blocks "
+                        "are missing (an earlier write failed); it stays in RAM",
+                        job.uid,
+                        missing,
+                    )
+                    return
                 manifest = json.dumps(job.manifest, separators=(",", ":"))
                 parts = encode(job.private.arrays, {**meta, "manifest": manifest}, job.private.bf16)
                 self._count(write_atomic(self.entry_path(job.uid), parts))

@@ -53,6 +53,10 @@ class CacheEntry:
     in_ram: bool = True
     on_disk: bool = False  # fully written: a restart finds it
     persisting: bool = False  # disk bytes reserved, the write not finished
+    # its queued write is larger than the write queue's share of the budget: the
+    # queue holds its arrays until written, so leaving RAM would free nothing and
+    # let RAM + queue outgrow the budget; it stays (counted) until the write ends
+    holds_queue: bool = False
     pinned: bool = False  # saved by a user: never evicted from disk
     variant: str = ""  # how its KV is stored ("" full precision, "q8g64s0", ...)
 

@@ -401,7 +401,9 @@ class PrefixIndex:
         entries (``keep``) are about to go anyway and are not victims."""
         kept = {e.entry_id for e in keep or ()}
         while not self.ram.fits(held) or self._ram_entries - spare >= self.max_entries:
-            victim = self._victim(lambda e: e.in_ram and e.entry_id not in kept)
+            victim = self._victim(
+                lambda e: e.in_ram and e.entry_id not in kept and not e.holds_queue
+            )
             if victim is None:
                 return False
             self._leave_ram(victim)
@@ -462,6 +464,7 @@ class PrefixIndex:
         entry = self._entries.get(entry_id)
         if entry is None or not entry.persisting:
             return
+        entry.holds_queue = False
         if ok:
             entry.persisting = False
             entry.on_disk = True

@@ -374,9 +374,12 @@ class TieredKVManager:
             "created": time.time(),
         }
         blocks = [(d, numpy_arrays(self._blocks[d])) for d in new_blocks]
-        self.disk.submit(
-            WriteEntry(entry.entry_id, entry.uid, blocks, numpy_arrays(private.arrays()), manifest)
+        job = WriteEntry(
+            entry.entry_id, entry.uid, blocks, numpy_arrays(private.arrays()), manifest
         )
+        # a write past the queue's share went alone into an empty queue (DiskTier.room_for)
+        entry.holds_queue = job.nbytes > self.disk.max_pending_bytes
+        self.disk.submit(job)
 
     def poll(self) -> None:
         """Apply the disk writes that finished since the last call."""

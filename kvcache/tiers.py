@@ -23,6 +23,7 @@ class PersistentTier(Protocol):
     counters: DiskCounters
     degraded: str | None  # why it turned itself off; None while usable
     max_occupancy: float
+    max_pending_bytes: int  # queued writes past this wait (one alone may exceed it)
 
     @property
     def usable(self) -> bool: ...

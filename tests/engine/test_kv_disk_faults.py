@@ -238,3 +238,100 @@ def test_a_file_of_the_previous_format_still_reads(tmp_path):
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
     got, _, _ = safetensors_io.read_verified(path, "n")
     assert got["k"].tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_an_entry_writing_past_the_queues_share_stays_in_ram_until_written(tmp_path, monkeypatch):
+    """A lone write larger than the queue's share is queued; the queue holds its
+    arrays until written, so demoting the entry from RAM meanwhile freed nothing,
+    and RAM + queue held more than the cache's budget."""
+    import threading
+
+    import kvcache.disk as disk_module
+
+    gate = threading.Event()
+    write = disk_module.write_atomic
+
+    def held_back(path, parts):
+        gate.wait(30)
+        return write(path, parts)
+
+    monkeypatch.setattr(disk_module, "write_atomic", held_back)
+    budget = 4 * 2**20  # RAM tier 3 MiB, write queue 1 MiB
+    config = PromptCacheConfig(block_size=16, kv_block_size=16, policy=VolatilePolicy.STRICT)
+    m = TieredKVManager(
+        config, budget, NS, [KVCache() for _ in range(LAYERS)], DiskConfig(tmp_path, GiB)
+    )
+    a, b = list(range(1000, 13_000)), list(range(100_000, 112_000))  # ~2.9 MiB of KV each
+
+    def held() -> int:  # bytes alive: RAM entries, and queued writes of entries not in RAM
+        queued = sum(e.nbytes for e in m.index.entries() if e.persisting and not e.in_ram)
+        return m.index.ram.nbytes + queued
+
+    try:
+        first = store(m, a)
+        assert m.disk.pending_bytes() > m.disk.max_pending_bytes  # alone, past the share
+        assert m.store(PromptKey.build(b), caches_for(b), session="b") is None  # no room yet
+        assert m.index.get(first).in_ram and held() <= budget
+        gate.set()
+        assert m.disk.flush()
+        second = store(m, b, "b")  # written: the first leaves RAM for the disk
+        entry = m.index.get(first)
+        assert entry.on_disk and not entry.in_ram and m.index.get(second).in_ram
+        assert held() <= budget
+    finally:
+        gate.set()
+        m.close()
+
+
+def test_an_entry_whose_shared_blocks_were_never_written_is_not_marked_on_disk(
+    tmp_path, monkeypatch
+):
+    """B shares blocks with A, whose queued write was to write them; A's write
+    fails on its data (the tier stays on): B was marked on disk without them,
+    and lost at the next load or restart."""
+    import kvcache.disk as disk_module
+
+    encode = disk_module.encode
+    calls = []
+
+    def first_fails(arrays, meta, bf16=frozenset()):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("one entry's arrays")
+        return encode(arrays, meta, bf16)
+
+    monkeypatch.setattr(disk_module, "encode", first_fails)
+    m = manager(tmp_path)
+    shared = list(range(1000, 1064))  # four blocks of 16
+    a, b = shared + list(range(2000, 2040)), shared + list(range(3000, 3040))
+    first, second = store(m, a, "a"), store(m, b, "b")
+    assert m.disk.flush()
+    m.poll()
+    assert m.disk.usable and not m.index.get(first).on_disk
+    entry = m.index.get(second)
+    assert not entry.on_disk and entry.in_ram  # RAM only, as it really is
+    assert served(m, b + [1]) == (b, "ram")
+    m.close()
+    again = manager(tmp_path)
+    assert again.restored == 0  # nothing on disk claimed it
+    again.close()
+
+
+def test_a_damaged_saved_list_keeps_its_sound_pins_and_the_server_starts(tmp_path):
+    """A pin whose uid was a list stopped the manager (and the server) at start."""
+    m = manager(tmp_path)
+    store(m, list(range(500, 600)), session="kept")
+    m.save_conversation("kept", "mine")
+    assert m.disk.flush()
+    m.close()
+    path = tmp_path / NS / "saved.json"
+    pins = json.loads(path.read_text())
+    pins["bad"] = {"uid": ["x"], "title": None}
+    pins["odd"] = {"uid": "0" * 32, "title": {"t": 1}, "saved_at": "now"}
+    path.write_text(json.dumps(pins))
+    again = manager(tmp_path)
+    try:
+        saved = {c.conversation_id: c for c in again.saved_conversations()}
+        assert list(saved) == ["kept"] and saved["kept"].title == "mine"
+    finally:
+        again.close()
