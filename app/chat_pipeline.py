@@ -251,7 +251,11 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
     healed = state.healing.heal_all(messages)
     try:
         rendered = info.formatter.render_chat(
-            healed, relocate_volatile=relocate, count_only=call.count_only, **kwargs
+            healed,
+            relocate_volatile=relocate,
+            count_only=call.count_only,
+            image_placeholder=info.vision.placeholder if info.vision is not None else None,
+            **kwargs,
         )
     except AdmissionError:
         raise  # a prompt no context could hold: 400 context_length_exceeded

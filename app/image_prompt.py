@@ -62,6 +62,8 @@ def resolve_images(
     sources = _sources(messages)
     resolved = ResolvedImages()
     if not sources:
+        if front is not None:  # no image parts: the marker in text is refused all the same
+            _refuse_markers(messages, front)
         return messages, resolved
     reading = front is not None or placeholder_notes
     loaded: list[list[LoadedImage]] = []  # per source: an image, or a video's frames
@@ -120,6 +122,20 @@ def _join(pieces: list[str], front: ImageFront | None) -> str:
         else:
             text = piece
     return text
+
+
+def _refuse_markers(messages: list[dict[str, Any]], front: ImageFront) -> None:
+    for index, message in enumerate(messages):
+        content = message.get("content")
+        texts = (
+            [content]
+            if isinstance(content, str)
+            else [p.get("text", "") for p in content if isinstance(p, dict)]
+            if isinstance(content, list)
+            else []
+        )
+        if any(isinstance(t, str) and front.image_token in t for t in texts):
+            raise _forged(front, index)
 
 
 def _forged(front: ImageFront, index: int) -> APIError:

@@ -301,4 +301,9 @@ class _RedirectHandler(urllib.request.HTTPRedirectHandler):
             raise APIError(
                 400, f"{self._where}: the URL redirects to {newurl[:200]}, not an http(s) URL."
             )
-        return super().redirect_request(req, fp, code, msg, headers, newurl)
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None:
+            # urllib then reads the redirect's body whole, past every byte cap (a 30x
+            # with a body of gigabytes): closed, the read gets nothing
+            fp.close()
+        return new

@@ -110,12 +110,15 @@ class ChatFormatter:
         messages: Sequence[dict[str, Any]],
         relocate_volatile: bool = False,
         count_only: bool = False,
+        image_placeholder: str | None = None,
         **template_kwargs: Any,
     ) -> RenderedPrompt:
         messages = [dict(m) for m in messages]
         if relocate_volatile:
             contents = relocate_volatile_lines(
-                [m.get("content") for m in messages], [m["role"] for m in messages]
+                [m.get("content") for m in messages],
+                [m["role"] for m in messages],
+                fixed=image_placeholder,
             )
             for m, content in zip(messages, contents):
                 m["content"] = content

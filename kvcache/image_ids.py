@@ -62,13 +62,33 @@ def expand_images(key: PromptKey, slots: Sequence[tuple[int, int, int]]) -> Prom
         return p + sum(length - 1 for at, length, _ in slots if at < p)
 
     tokens += key.model_tokens[pos:]
-    spans = [TokenSpan(moved(s.start), moved(s.end), s.rule) for s in key.spans]
+    images = [(moved(at), moved(at) + length) for at, length, _ in slots]
+    spans = [
+        piece
+        for s in key.spans
+        for piece in _around(TokenSpan(moved(s.start), moved(s.end), s.rule), images)
+    ]
     return PromptKey.build(
         tokens,
         spans,
         [moved(e) for e in key.message_ends],
         moved(key.stable_prefix_end),
     )
+
+
+def _around(span: TokenSpan, images: Sequence[tuple[int, int]]) -> Iterator[TokenSpan]:
+    """The parts of a volatile span outside every image: an image inside a volatile
+    block (a screenshot in a <system-reminder>) is compared exactly, never stepped
+    over as a stale value, or a different image would hit the first one's KV."""
+    start = span.start
+    for a, b in images:  # ascending, disjoint
+        if b <= start or a >= span.end:
+            continue
+        if a > start:
+            yield TokenSpan(start, a, span.rule)
+        start = b
+    if start < span.end:
+        yield TokenSpan(start, span.end, span.rule)
 
 
 def image_runs(tokens: Sequence[int]) -> Iterator[tuple[int, int, int]]:

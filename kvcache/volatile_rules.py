@@ -179,10 +179,14 @@ def merge_spans(spans: Iterable[CharSpan]) -> list[CharSpan]:
     return merged
 
 
-def relocate_volatile_lines(contents: list[str | None], roles: list[str]) -> list[str | None]:
+def relocate_volatile_lines(
+    contents: list[str | None], roles: list[str], fixed: str | None = None
+) -> list[str | None]:
     """``--volatile-policy relocate``: move every line holding a volatile span out
     of system/user messages to the end of the last message, so the prefix stays
-    stable and the model still reads every current value."""
+    stable and the model still reads every current value. Lines holding ``fixed``
+    (a vision model's image placeholder) stay: images are matched to placeholders
+    in the order the client sent them, and a moved one would get another's pixels."""
     moved: list[str] = []
     out: list[str | None] = []
     last = len(contents) - 1
@@ -194,23 +198,31 @@ def relocate_volatile_lines(contents: list[str | None], roles: list[str]) -> lis
         if not spans:
             out.append(content)
             continue
-        keep_from = 0
+        keep_from = 0  # text before it is in ``kept`` or ``moved``
+        done = 0  # lines before it are decided: moved, or staying
+        staying = False  # the last decided lines stay
         kept: list[str] = []
         for span in spans:
-            if span.end <= keep_from:  # wholly on lines already moved
+            if span.end <= done:  # wholly on lines already decided
                 continue
-            if span.start < keep_from:  # starts on a moved line and runs past it
-                line_start = keep_from
+            if span.start < done:  # starts on a decided line and runs past it
+                line_start = done
             else:
                 # scans bounded by what is already done: each character examined at
                 # most twice however many spans share a line
-                newline = content.rfind("\n", keep_from, span.start)
-                line_start = keep_from if newline < 0 else newline + 1
+                newline = content.rfind("\n", done, span.start)
+                line_start = done if newline < 0 else newline + 1
             line_end = content.find("\n", max(span.end - 1, line_start))
             line_end = len(content) if line_end < 0 else line_end + 1
+            if (span.start < done and staying) or (
+                fixed and content.find(fixed, line_start, line_end) >= 0
+            ):
+                done, staying = line_end, True  # stays where it is, its value with it
+                continue
             kept.append(content[keep_from:line_start])
             moved.append(content[line_start:line_end].rstrip("\n"))
-            keep_from = line_end
+            keep_from = done = line_end
+            staying = False
         kept.append(content[keep_from:])
         out.append("".join(kept))
     if moved and out:

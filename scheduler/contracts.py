@@ -26,10 +26,12 @@ class PromptFormatter(Protocol):
         messages: Sequence[dict[str, Any]],
         relocate_volatile: bool = False,
         count_only: bool = False,
+        image_placeholder: str | None = None,
         **template_kwargs: Any,
     ) -> RenderedPrompt:
         """``count_only``: the tokens are counted, not generated from, so a prompt
-        over the context is tokenised whole rather than refused early."""
+        over the context is tokenised whole rather than refused early.
+        ``image_placeholder``: lines holding it are never relocated."""
         ...
 
     def encode(self, text: str) -> list[int]: ...

@@ -46,6 +46,7 @@ class CharFormatter:
         messages: Sequence[dict[str, Any]],
         relocate_volatile: bool = False,
         count_only: bool = False,
+        image_placeholder: str | None = None,
         **kwargs: Any,
     ) -> RenderedPrompt:
         self.last_messages, self.last_kwargs = [dict(m) for m in messages], kwargs

@@ -8,6 +8,7 @@ import pytest
 from PIL import Image
 
 from app.errors import APIError
+from app.image_prompt import resolve_images
 from app.images import IMAGE_FORMATS, ImageLimits, decode_image
 
 
@@ -42,3 +43,25 @@ def test_images_over_the_requests_total_bytes_are_refused_naming_the_limit():
         load_images([source, source, source], limits)
     assert err.value.status == 400 and "--max-images-bytes" in err.value.message
     assert f"{3 * len(raw)} bytes" in err.value.message
+
+
+class _Front:
+    placeholder = "<image>"
+    image_token = "<image>"
+    placeholder_id = 7
+
+
+@pytest.mark.parametrize(
+    "content",
+    ["a <image> here", [{"type": "text", "text": "a <image> here"}]],
+)
+def test_the_image_marker_in_text_is_refused_with_no_image_part_too(content):
+    """A request with no image part skipped the check: its text reached the model
+    as image tokens with no image behind them (one with an image part got a 400)."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "user", "content": content}]
+    with pytest.raises(APIError) as err:
+        resolve_images(messages, _Front(), ImageLimits(), placeholder_notes=False)
+    assert err.value.status == 400 and "image marker" in err.value.message
+    assert err.value.param == "messages.1.content"
+    fine = [{"role": "user", "content": "a picture, please"}]
+    assert resolve_images(fine, _Front(), ImageLimits(), placeholder_notes=False)[0] == fine

@@ -6,9 +6,10 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache.image_ids import image_identity, image_start, is_image_id
+from kvcache.image_ids import expand_images, image_identity, image_start, is_image_id
 from kvcache.index import PrefixIndex
-from kvcache.prompt_key import PromptKey
+from kvcache.prompt_key import PromptKey, TokenSpan
+from kvcache.volatile_rules import RULE_INDEX
 
 PLACEHOLDER = 7  # what the model reads at every image position
 BLOCK = 4
@@ -77,3 +78,29 @@ def test_identity_ids_are_never_vocabulary_ids_and_depend_on_the_split():
     assert a != image_identity(b"x", [PLACEHOLDER] * 5)
     tokens = [1, a, a, a, 2]
     assert [image_start(tokens, d) for d in range(6)] == [0, 1, 1, 1, 4, 5]
+
+
+def _reminder_with_image(image: bytes, note: int) -> PromptKey:
+    """STEM, then a user's <system-reminder> block (volatile, dropped from the cache
+    key) holding ``note`` and a screenshot, then the question."""
+    span = 6
+    rule = RULE_INDEX["system_reminder"]
+    tokens = STEM + [100, note, PLACEHOLDER, 101] + [102, 103, 104]
+    at = len(STEM) + 2
+    key = PromptKey.build(tokens, [TokenSpan(len(STEM), len(STEM) + 4, rule)])
+    return expand_images(key, [(at, span, image_identity(image, [PLACEHOLDER] * span))])
+
+
+def test_an_image_inside_a_volatile_block_is_compared_not_stepped_over():
+    """Under --volatile-policy reuse a changed volatile block is stepped over as a
+    stale value: an image inside one was too, and another screenshot reused the
+    first one's KV whole (the model answered about the first)."""
+    index = PrefixIndex(max_bytes=10**6, block_size=BLOCK, namespace="m")
+    stored = _reminder_with_image(b"red", note=110)
+    index.insert(stored, len(stored.model_tokens), True)
+    image_at = len(STEM) + 2
+    other = index.lookup(_reminder_with_image(b"blue", note=110).extended([1])).hit
+    assert (other.reused if other else 0) <= image_at
+    # the same image beside a changed note still reuses past both (a stale note)
+    same = index.lookup(_reminder_with_image(b"red", note=111).extended([1])).hit
+    assert same is not None and same.reused == len(stored.model_tokens)

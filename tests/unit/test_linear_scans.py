@@ -110,3 +110,13 @@ def test_relocating_volatile_lines_examines_each_character_at_most_three_times(
     out = relocate_volatile_lines([text, "now"], ["user", "user"])
     assert out[0] != text  # lines were moved
     assert 0 < text.examined <= 3 * len(text)
+
+
+@pytest.mark.parametrize("unit", ["cch=1; <image> ", "cch=1; <image>\n", "cch=1;\n<image> cch=2;"])
+def test_relocating_around_image_placeholders_stays_linear(unit: str) -> None:
+    """Lines holding an image placeholder stay where they are; deciding so must
+    not rescan them for every volatile span they hold."""
+    text = adversarial(unit)
+    out = relocate_volatile_lines([text, "now"], ["user", "user"], fixed="<image>")
+    assert out[0].count("<image>") == text.count("<image>")  # every image stays
+    assert 0 < text.examined <= 4 * len(text)

@@ -188,6 +188,23 @@ def test_an_allowed_host_cannot_redirect_the_fetch_elsewhere():
     assert "--allowed-media-domains" in err.value.message
 
 
+def test_a_redirects_own_body_is_not_read():
+    """urllib reads a 30x's body whole before following it, past every byte cap:
+    an endless one held the fetch (and its memory) to the deadline."""
+
+    with http_server(png()) as target:
+
+        def endless_redirect(conn: socket.socket, stop: threading.Event) -> None:
+            head = f"HTTP/1.1 302 Found\r\nLocation: {target}\r\n\r\n"  # a body to EOF
+            conn.sendall(head.encode())
+            while not stop.is_set():
+                conn.sendall(b"x" * 65536)
+
+        with serving(endless_redirect) as url:
+            ((image,),) = load_images([ImageSource(url=url)], ImageLimits(fetch_timeout=3))
+    assert image.image.size == (3, 2)
+
+
 def test_a_redirect_to_another_scheme_is_refused():
     with redirecting_server("ftp://127.0.0.1/cat.png") as url, pytest.raises(APIError) as err:
         load_images([ImageSource(url=url)], ImageLimits())

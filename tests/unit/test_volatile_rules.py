@@ -143,6 +143,26 @@ def test_relocate_moves_volatile_lines_to_the_last_message():
     ]
 
 
+def test_relocate_leaves_lines_holding_an_image_where_they_are():
+    """Images fill placeholders in the order the client sent them: a screenshot in
+    a reminder moved after the last message's own image swapped their pixels."""
+    contents = [
+        "System rules.\nCurrent time is 10:00\nMore rules.",
+        "<system-reminder>\nscreen: <image>\n</system-reminder>\nwhat is on it?",
+        "ok",
+        "and here <image>",
+    ]
+    roles = ["system", "user", "assistant", "user"]
+    out = relocate_volatile_lines(contents, roles, fixed="<image>")
+    assert out == [
+        "System rules.\nMore rules.",
+        contents[1],  # its reminder holds an image: it stays, volatile value and all
+        "ok",
+        "and here <image>\n\nCurrent time is 10:00",
+    ]
+    assert relocate_volatile_lines(contents, roles)[1] == "what is on it?"  # no images: moved
+
+
 def test_relocate_keeps_tool_results_untouched():
     contents = ["Current time is 10:00", "go"]
     assert relocate_volatile_lines(contents, ["tool", "user"]) == contents
