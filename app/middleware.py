@@ -67,6 +67,45 @@ class HostCheckMiddleware(TrustedHostMiddleware):
         )
 
 
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+class CrossOriginGuard:
+    """Refuses a state-changing request a web page sent from an origin not in
+    ``--cors-origins``. CORS only keeps the page from reading the answer: a
+    ``text/plain`` or form POST needs no preflight, so any page the user opened
+    could otherwise mount adapters, fill the queue or save conversations on a
+    loopback server without a key. Clients that are not browsers send no Origin."""
+
+    def __init__(self, app: ASGIApp, allowed: list[str]):
+        self.app = app
+        self.allowed = frozenset(allowed)
+
+    def _permitted(self, scope: Scope, origin: str) -> bool:
+        if "*" in self.allowed or origin in self.allowed:
+            return True
+        host = Headers(scope=scope).get("host")
+        return host is not None and origin == f"{scope.get('scheme', 'http')}://{host}"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in SAFE_METHODS:
+            await self.app(scope, receive, send)
+            return
+        origin = Headers(scope=scope).get("origin")
+        if origin is None or self._permitted(scope, origin):
+            await self.app(scope, receive, send)
+            return
+        await _send_error(
+            scope,
+            send,
+            403,
+            f"Requests from the web origin {origin[:200]!r} are refused: start kvwarm with "
+            "--cors-origins naming it to allow a page there to call this server.",
+            "permission_error",
+            "origin_not_allowed",
+        )
+
+
 class OpenRequests:
     """Counts HTTP requests being served, from their head to their last byte:
     one still receiving its body or being prepared is not yet the scheduler's,

@@ -18,6 +18,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from app.middleware import SAFE_METHODS
 from app.settings import Settings
 
 REF = "#/components/schemas/{model}"
@@ -28,6 +29,7 @@ WHY = {
     "the context or the memory budget, content this model cannot read, or a Host header "
     "outside --allowed-hosts.",
     401: "Missing or wrong API key.",
+    403: "Sent by a web page from an origin outside --cors-origins.",
     404: "No such stored response.",
     408: "The body paused longer than --body-timeout, or arrived slower than 256 KiB/s.",
     413: "Body larger than --max-body-bytes.",
@@ -238,13 +240,16 @@ def install_openapi(
                 "apiKey": {"type": "apiKey", "in": "header", "name": "x-api-key"},
             }
         checks_host = "*" not in settings.host_allowlist
+        checks_origin = "*" not in settings.cors_allowlist
         for path, ops in doc.get("paths", {}).items():
             error = ANTHROPIC_ERROR if path.startswith("/v1/messages") else OPENAI_ERROR
-            for op in ops.values():
+            for method, op in ops.items():
                 responses = op.setdefault("responses", {})
                 responses.pop("422", None)
                 # the middleware's answers, on any route it guards
                 statuses = [400] if checks_host else []
+                if checks_origin and method.upper() not in SAFE_METHODS:
+                    statuses.append(403)
                 if "requestBody" in op:
                     statuses += [408, 413]
                 for status, doc_ in errors(error, statuses).items():

@@ -25,6 +25,7 @@ from app.fit_api import router as fit_router
 from app.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
+    CrossOriginGuard,
     HostCheckMiddleware,
     OpenRequests,
     RequestCounter,
@@ -129,6 +130,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
         max_in_flight=max(int(settings.max_bodies_bytes), settings.max_body_size),
         idle_timeout=settings.body_timeout,
     )
+    app.add_middleware(CrossOriginGuard, allowed=settings.cors_allowlist)
     if settings.cors_allowlist:
         app.add_middleware(
             CORSMiddleware,

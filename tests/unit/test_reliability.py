@@ -580,6 +580,38 @@ def test_allowed_hosts_and_cors_are_opt_in():
         assert "access-control-allow-origin" not in other.headers
 
 
+def test_a_web_page_from_another_origin_cannot_post_even_without_a_preflight():
+    """A text/plain POST needs no CORS preflight: any page the user opened could
+    mount adapters or run generations on a loopback server with no key."""
+    settings = Settings(_env_file=None, cors_origins="http://app.lan")
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, eos_after=2))
+    with serve_app(app) as url:
+        sent = json.dumps(chat())
+        plain = {"Content-Type": "text/plain"}
+        for origin in ("http://evil.example", "null"):
+            r = httpx.post(url + CHAT, content=sent, headers={**plain, "Origin": origin})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+            r = httpx.post(url + MESSAGES, json=anthropic(), headers={"Origin": origin})
+            assert r.status_code == 403 and r.json()["type"] == "error"
+            r = httpx.post(
+                url + "/v1/adapters", json={"id": "x", "path": "/"}, headers={"Origin": origin}
+            )
+            assert r.status_code == 403
+        # allowed: the listed origin, the server's own pages, clients that send none
+        assert (
+            httpx.post(url + CHAT, json=chat(), headers={"Origin": "http://app.lan"}).status_code
+            == 200
+        )
+        own = url.replace("localhost", "127.0.0.1")
+        assert httpx.post(url + CHAT, json=chat(), headers={"Origin": own}).status_code == 200
+        assert httpx.post(url + CHAT, json=chat()).status_code == 200
+        # reading is not guarded (CORS keeps a page from seeing the answer)
+        assert (
+            httpx.get(url + "/v1/models", headers={"Origin": "http://evil.example"}).status_code
+            == 200
+        )
+
+
 def test_no_cors_headers_by_default(base):
     r = httpx.get(base + "/health", headers={"Origin": "http://evil.example"})
     assert "access-control-allow-origin" not in r.headers
