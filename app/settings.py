@@ -26,7 +26,13 @@ ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
-        env_prefix="KVWARM_", env_file=".env", extra="ignore", protected_namespaces=()
+        env_prefix="KVWARM_",
+        env_file=".env",
+        extra="ignore",
+        protected_namespaces=(),
+        # "nan" passes every "< 0" check and then breaks what it sizes (a NaN step
+        # budget fits no prefill slice): no setting is a NaN or an infinity
+        allow_inf_nan=False,
     )
 
     model: str | None = Field(

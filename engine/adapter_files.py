@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,9 @@ def _check_config(config: Any, where: Path) -> dict[str, Any]:
     rank, scale = params.get("rank"), params.get("scale")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise AdapterError(f"lora_parameters.rank must be a positive integer, got {rank!r}")
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise AdapterError(f"lora_parameters.scale must be a number, got {scale!r}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        # NaN or 1e400 (json reads both) mounted, and every token it ran was NaN
+        raise AdapterError(f"lora_parameters.scale must be a finite number, got {scale!r}")
     return config
 
 

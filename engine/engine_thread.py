@@ -209,6 +209,13 @@ class EngineThread(threading.Thread):
         engine.adapter_files); admission then counts its bytes."""
 
         def mount(runner: Runner) -> AdapterInfo:
+            # priced by its file before it is read: loading one past the budget first
+            # could take the memory the budget keeps (on Metal, the process with it)
+            problem = self._adapter_room(runner.adapter_bytes() + files.weights_size)
+            if problem is not None:
+                raise AdapterTooLarge(
+                    f"adapter {adapter_id!r} ({files.weights_size / 2**20:.1f} MiB on disk) {problem}"
+                )
             info = runner.mount_adapter(adapter_id, files, scale)
             problem = self._adapter_room(runner.adapter_bytes())
             if problem is not None:

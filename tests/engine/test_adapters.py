@@ -202,6 +202,16 @@ def test_bad_adapter_dirs_are_refused_whole(tiny_llama_dir, adapters, tmp_path):
     )
     (full / "adapter_config.json").write_text(json.dumps({**config, "fine_tune_type": "full"}))
     _mount_fails(runner, full, "fine_tune_type 'full' cannot be mounted")
+    for scale in ("NaN", "Infinity", "1e400"):  # json reads them all: every token was NaN
+        odd = tmp_path / f"scale-{scale}"
+        odd.mkdir()
+        (odd / "adapters.safetensors").write_bytes(
+            (adapters["a"] / "adapters.safetensors").read_bytes()
+        )
+        text = json.dumps(config).replace('"scale": 4.0', f'"scale": {scale}')
+        assert scale in text
+        (odd / "adapter_config.json").write_text(text)
+        _mount_fails(runner, odd, "scale must be a finite number")
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()
     (corrupt / "adapter_config.json").write_text(

@@ -189,3 +189,33 @@ async def test_shutdown_ends_open_streams(tiny_llama_dir):
     await h.__aexit__(None, None, None)
     tail = [o async for o in stream][-1]
     assert tail.finish_reason == FinishReason.ERROR and "shutting down" in tail.error
+
+
+async def test_an_adapter_past_the_budget_is_refused_before_it_is_read(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """Loaded first, a large one took the memory the budget keeps before the 400."""
+    import engine.adapters as adapters_module
+    from engine.adapter_files import read_adapter_files
+    from scheduler.contracts import AdapterTooLarge
+    from tests.helpers.adapters import write_adapter
+
+    files = read_adapter_files(write_adapter(tiny_llama_dir, tmp_path / "a", seed=1))
+    loads = []
+    load = adapters_module._load_weights  # noqa: SLF001
+    monkeypatch.setattr(adapters_module, "_load_weights", lambda f: loads.append(f) or load(f))
+    async with Harness(tiny_llama_dir) as h:
+        budget = h.engine.model_info.budget
+        roomy = h.scheduler.admission.budget
+        h.scheduler.admission.budget = type(budget)(  # less KV room than the adapter's file
+            total_bytes=budget.weights_bytes + budget.reserve_bytes + files.weights_size // 2,
+            weights_bytes=budget.weights_bytes,
+            reserve_bytes=budget.reserve_bytes,
+            kv_bytes_per_token=budget.kv_bytes_per_token,
+        )
+        with pytest.raises(AdapterTooLarge, match="no KV budget"):
+            await asyncio.wrap_future(h.engine.mount_adapter("big", files))
+        assert loads == []  # never read
+        h.scheduler.admission.budget = roomy
+        info = await asyncio.wrap_future(h.engine.mount_adapter("big", files))
+        assert info.id == "big" and len(loads) == 1

@@ -65,6 +65,14 @@ def test_invalid_setting_exits_nonzero_with_message(capsys):
     assert "memory_budget" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flag, value", [("--max-step-ms", "nan"), ("--request-timeout", "inf")])
+def test_a_nan_or_infinite_setting_is_refused(flag, value):
+    """NaN passed every "< 0" check: --max-step-ms nan fit no prefill slice at all."""
+    with pytest.raises(ValueError, match="finite number") as err:
+        load_settings(build_parser().parse_args(["serve", flag, value]))
+    assert flag.removeprefix("--").replace("-", "_") in str(err.value)
+
+
 @pytest.mark.parametrize(
     "model, fragment",
     [
