@@ -233,17 +233,21 @@ def _group_boot(config: EngineConfig) -> GroupBoot | None:
 
 
 def _shared(config: EngineConfig) -> str:
-    """Engine settings every rank must run with: each one decides the same
-    batch and cache changes only if these match."""
-    return repr(
-        (
-            config.max_batch,
-            config.prefill_step_size,
-            config.prompt_cache,
-            config.kv_quant,
-            config.distributed.mode if config.distributed else "",
-        )
-    )
+    """Settings every rank must run with: each one decides the same batch and
+    cache changes only if the engine's match; and the ranks must agree on which
+    of them serves, and on how long silence means a rank is lost (a worker
+    waiting less than the serving rank beats dropped out of every idle group)."""
+    d = config.distributed
+    named = {
+        "--batch": config.max_batch,
+        "--prefill-step-size": config.prefill_step_size,
+        "prompt cache": config.prompt_cache,
+        "--kv-bits": config.kv_quant,
+        "--distributed-mode": d.mode if d else "",
+        "--distributed-server-rank": d.server_rank if d else 0,
+        "--rank-timeout": d.rank_timeout_s if d else 0.0,
+    }
+    return " ".join(f"{name}={value!r}" for name, value in named.items())
 
 
 def read_allocator() -> dict[str, int]:

@@ -111,12 +111,16 @@ class RankMonitor:
     def _read(self, conn: socket.socket) -> None:
         conn.settimeout(self.timeout_s)
         try:
-            hello = conn.recv(64).decode(errors="replace").strip()
-            rank = int(hello.split()[1]) if hello.startswith("rank ") else -1
-        except (OSError, ValueError, IndexError):
+            # its first line; a beat may follow it in the same read
+            words = conn.recv(128).partition(b"\n")[0].decode(errors="replace").split()
+            rank = int(words[1]) if len(words) == 3 and words[0] == "rank" else -1
+        except (OSError, ValueError):
             conn.close()
             return
-        if rank not in self._ranks:
+        # "rank N TOKEN": the token reached the workers through the group itself, so a
+        # stray connection (a probe, a stale process) cannot take over a rank's slot,
+        # and its closing declare that rank lost
+        if rank not in self._ranks or words[2] != self.token:
             conn.close()
             return
         try:
@@ -134,7 +138,9 @@ class RankMonitor:
             except OSError:
                 data = b""
             if not data:
-                if not self._stop.is_set():
+                with self._lock:
+                    current = self._conns.get(rank) is conn
+                if current and not self._stop.is_set():
                     self._gone[rank] = "its connection closed (the process exited or crashed)"
                 return
             self._seen[rank] = time.monotonic()
@@ -203,11 +209,11 @@ class Heartbeat:
         rank: int,
         timeout_s: float,
         on_lost: Callable[[str], None],
-        token: str | None = None,
+        token: str,
     ):
         self._hosts = [hosts] if isinstance(hosts, str) else list(dict.fromkeys(hosts))
         self._port = port
-        self._token = token  # the serving monitor's (None: take the first that answers)
+        self._token = token  # the serving monitor's: sent with the hello, and answered
         self._rank = rank
         self._interval = beat_interval(timeout_s)
         self._timeout_s = timeout_s
@@ -236,7 +242,7 @@ class Heartbeat:
     def _connect(self, host: str) -> socket.socket:
         sock = socket.create_connection((host, self._port), timeout=max(self._timeout_s, 5.0))
         try:
-            sock.sendall(f"rank {self._rank}\n".encode())
+            sock.sendall(f"rank {self._rank} {self._token}\n".encode())
             answer = b""
             while b"\n" not in answer and len(answer) < 64:
                 chunk = sock.recv(64 - len(answer))
@@ -246,7 +252,7 @@ class Heartbeat:
             # one line; the monitor's beats may follow it in the same read
             line = answer.partition(b"\n")[0]
             word, _, token = line.decode(errors="replace").strip().partition(" ")
-            if word != "kvwarm" or (self._token is not None and token != self._token):
+            if word != "kvwarm" or token != self._token:
                 raise OSError("something else listens there")
         except OSError:
             sock.close()

@@ -92,8 +92,15 @@ def launched_group(cache: Path, *args: str, log: Path) -> Iterator[str]:
 
 
 @contextmanager
-def flag_group(cache: Path, models: tuple[Path, Path], *args: str, log_dir: Path):
-    """Each rank started by hand with --distributed (what a supervisor would run)."""
+def flag_group(
+    cache: Path,
+    models: tuple[Path, Path],
+    *args: str,
+    log_dir: Path,
+    per_rank: tuple[tuple[str, ...], ...] = ((), ()),
+):
+    """Each rank started by hand with --distributed (what a supervisor would run);
+    ``per_rank``: flags for one rank only, after the others."""
     port, ring = free_port(), _ring_ports(2)
     procs = []
     for rank, model in enumerate(models):
@@ -102,7 +109,10 @@ def flag_group(cache: Path, models: tuple[Path, Path], *args: str, log_dir: Path
         with (log_dir / f"rank{rank}.log").open("w") as out:
             procs.append(
                 subprocess.Popen(
-                    [KVWARM, "serve", "--port", str(port), "--model", str(model), *flags, *args],
+                    [
+                        *(KVWARM, "serve", "--port", str(port), "--model", str(model)),
+                        *(*flags, *args, *per_rank[rank]),
+                    ],
                     env=_env(cache),
                     stdout=out,
                     stderr=subprocess.STDOUT,
@@ -256,6 +266,21 @@ def test_sigterm_on_the_serving_rank_stops_every_rank_cleanly(serving, model_cac
         assert leader.wait(30) == 0
         assert worker.wait(30) == 0
     assert "stopped with the serving rank" in (tmp_path / f"rank{1 - serving}.log").read_text()
+
+
+def test_ranks_started_with_different_rank_timeouts_refuse_to_start(model_cache, tiny, tmp_path):
+    """A worker waiting less than the serving rank's beat interval declared it
+    lost about 10 s into every start: the group never stayed up."""
+    longer = (("--rank-timeout", "60"), ())
+    with flag_group(model_cache, (tiny, tiny), *TINY, log_dir=tmp_path, per_rank=longer) as (
+        _,
+        procs,
+    ):
+        codes = [p.wait(120) for p in procs]
+    assert codes[0] != 0 and codes[1] != 0
+    for rank in (0, 1):
+        log = (tmp_path / f"rank{rank}.log").read_text()
+        assert "the ranks disagree on the engine settings" in log and "--rank-timeout=60.0" in log
 
 
 def test_ranks_started_against_different_weights_refuse_to_start(model_cache, tiny, tmp_path):

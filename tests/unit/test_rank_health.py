@@ -29,7 +29,7 @@ def monitor():
 
 
 def beat(monitor: RankMonitor, lost: list[str]) -> Heartbeat:
-    hb = Heartbeat("127.0.0.1", monitor.port, 1, monitor.timeout_s, lost.append)
+    hb = Heartbeat("127.0.0.1", monitor.port, 1, monitor.timeout_s, lost.append, monitor.token)
     hb.start()
     return hb
 
@@ -52,7 +52,7 @@ def test_a_rank_whose_process_exits_is_lost_at_once(monitor):
     monitor.listen()
     monitor.start(lost.append)
     conn = socket.create_connection(("127.0.0.1", monitor.port))
-    conn.sendall(b"rank 1\n.")
+    conn.sendall(f"rank 1 {monitor.token}\n.".encode())
     wait_for(lambda: 1 in monitor._seen)
     conn.close()  # what the kernel does when the process dies
     assert "connection closed" in wait_for(lambda: lost)[0]
@@ -63,7 +63,7 @@ def test_a_silent_rank_is_lost_after_the_timeout(monitor):
     monitor.listen()
     monitor.start(lost.append)
     conn = socket.create_connection(("127.0.0.1", monitor.port))
-    conn.sendall(b"rank 1\n")  # then nothing: stopped (SIGSTOP) or wedged
+    conn.sendall(f"rank 1 {monitor.token}\n".encode())  # then nothing: stopped (SIGSTOP) or wedged
     started = time.monotonic()
     reason = wait_for(lambda: lost)[0]
     assert "no heartbeat" in reason and "rank 1" in reason
@@ -75,7 +75,7 @@ def test_a_step_that_never_finishes_counts_as_a_hang():
     monitor = RankMonitor([1], timeout_s=100, bind="127.0.0.1")
     monitor.stall_s = 5.0
     conn = socket.create_connection(("127.0.0.1", monitor.port))
-    conn.sendall(b"rank 1\n")
+    conn.sendall(f"rank 1 {monitor.token}\n".encode())
     monitor.listen()
     wait_for(lambda: 1 in monitor._seen)
     now = monitor._seen[1]
@@ -97,10 +97,28 @@ def test_a_rank_that_never_connects_is_lost(monitor):
 
 def test_strangers_are_turned_away(monitor):
     conn = socket.create_connection(("127.0.0.1", monitor.port))
-    conn.sendall(b"rank 7\n")
+    conn.sendall(f"rank 7 {monitor.token}\n".encode())
     monitor.listen()
     assert conn.recv(10) == b""  # closed on it
     assert 7 not in monitor._seen
+
+
+def test_a_stray_hello_neither_takes_a_ranks_slot_nor_loses_it(monitor):
+    """Any connection naming a rank took over its slot, and its closing declared
+    the rank lost while the real worker still beat: the whole group went down."""
+    lost: list[str] = []
+    monitor.listen()
+    monitor.start(lost.append)
+    hb = beat(monitor, [])
+    wait_for(lambda: 1 in monitor._seen)
+    for hello in (b"rank 1\n", b"rank 1 wrong-token\n"):  # a probe, a stale process
+        stray = socket.create_connection(("127.0.0.1", monitor.port))
+        stray.sendall(hello)
+        assert stray.recv(64) == b""  # turned away, told nothing
+        stray.close()
+    time.sleep(4 * monitor.timeout_s)
+    assert monitor.problem(time.monotonic()) is None and not lost
+    hb.stop()
 
 
 def test_workers_tell_an_orderly_stop_from_a_lost_serving_rank(monitor):
