@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import ByteSize, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AliasChoices,
+    ByteSize,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.images import ImageLimits
@@ -30,6 +36,7 @@ class Settings(BaseSettings):
         env_file=".env",
         extra="ignore",
         protected_namespaces=(),
+        populate_by_name=True,  # flags set fields by name; the environment by alias
         # "nan" passes every "< 0" check and then breaks what it sizes (a NaN step
         # budget fits no prefill slice): no setting is a NaN or an infinity
         allow_inf_nan=False,
@@ -294,11 +301,22 @@ class Settings(BaseSettings):
     distributed_backend: Literal["any", "ring", "jaccl", "mpi"] = Field(
         "any", description="mlx.distributed backend (with --distributed: ring)"
     )
+    # the Kamiwaza seed's plain RANK / WORLD_SIZE work too, in the environment or .env
     distributed_rank: int | None = Field(
-        None, ge=0, description="this process's rank (with --distributed; env RANK works too)"
+        None,
+        ge=0,
+        validation_alias=AliasChoices("KVWARM_DISTRIBUTED_RANK", "RANK"),
+        description="this process's rank (with --distributed; env RANK works too)",
     )
     distributed_world_size: int | None = Field(
-        None, ge=2, description="how many ranks (with --distributed; env WORLD_SIZE works too)"
+        None,
+        ge=2,
+        validation_alias=AliasChoices("KVWARM_DISTRIBUTED_WORLD_SIZE", "WORLD_SIZE"),
+        description="how many ranks (with --distributed; env WORLD_SIZE works too)",
+    )
+    # the seed's PAIRED_HOST named only the other machine: read so as to refuse it clearly
+    paired_host: str | None = Field(
+        None, validation_alias=AliasChoices("KVWARM_PAIRED_HOST", "PAIRED_HOST")
     )
     distributed_hosts: str | None = Field(
         None,
@@ -350,6 +368,25 @@ class Settings(BaseSettings):
     def adapters(self) -> tuple[tuple[str, Path], ...]:
         pairs = (item.partition("=") for item in self.adapter)
         return tuple((i, Path(p).expanduser()) for i, _, p in pairs)
+
+    @field_validator("distributed_rank", "distributed_world_size", mode="before")
+    @classmethod
+    def _plain_rank_vars(cls, value: object) -> object:
+        # RANK / WORLD_SIZE are also other tools' variables: one that is no count is
+        # theirs, not a reason to refuse to start a server that is not distributed
+        if isinstance(value, str) and not value.strip().isdigit():
+            return None
+        return value
+
+    @model_validator(mode="after")
+    def _paired_host(self) -> Settings:
+        if self.paired_host and self.distributed and not self.distributed_hosts:
+            raise ValueError(
+                f"PAIRED_HOST={self.paired_host} is set, but kvwarm needs every rank's address: "
+                "--distributed-hosts (KVWARM_DISTRIBUTED_HOSTS) with each rank's address in "
+                "rank order, the same on every machine (without it every rank is on loopback)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _pixel_range(self) -> Settings:
@@ -484,19 +521,11 @@ class Settings(BaseSettings):
             server_rank=self.distributed_server_rank,
             backend="ring" if self.distributed and not launched() else self.distributed_backend,
             rank_timeout_s=self.rank_timeout,
-            rank=_env_int("RANK") if self.distributed_rank is None else self.distributed_rank,
-            world_size=_env_int("WORLD_SIZE")
-            if self.distributed_world_size is None
-            else self.distributed_world_size,
+            rank=self.distributed_rank,
+            world_size=self.distributed_world_size,
             hosts=_comma_list(self.distributed_hosts),
             port=self.distributed_port,
         )
-
-
-def _env_int(name: str) -> int | None:
-    """The Kamiwaza seed's plain RANK / WORLD_SIZE variables, when set."""
-    value = os.environ.get(name, "").strip()
-    return int(value) if value.isdigit() else None
 
 
 def _comma_list(value: str | None) -> tuple[str, ...]:

@@ -20,6 +20,7 @@ def clean_env(monkeypatch):
         "PMI_RANK",
         "RANK",
         "WORLD_SIZE",
+        "PAIRED_HOST",
     ):
         monkeypatch.setenv(name, "")  # undone last: the variable ends as it began
         monkeypatch.delenv(name)
@@ -63,6 +64,22 @@ def test_plain_rank_and_world_size_env_vars_work(clean_env):
     assert (config.rank, config.world_size) == (0, 2)
     write_hostfile(config)  # one host for all: loopback
     assert server_host(0) == "127.0.0.1"
+
+
+def test_the_seed_variables_work_from_a_dot_env_file_too(clean_env, tmp_path):
+    """RANK / WORLD_SIZE were read from the process environment only; PAIRED_HOST
+    was dropped, and each machine's ranks silently sat on loopback."""
+    env = tmp_path / ".env"
+    env.write_text("KVWARM_DISTRIBUTED=1\nRANK=1\nWORLD_SIZE=2\n")
+    config = Settings(_env_file=env).distributed_config
+    assert (config.rank, config.world_size) == (1, 2)
+    env.write_text(env.read_text() + "PAIRED_HOST=10.0.0.1\n")
+    with pytest.raises(ValueError, match="PAIRED_HOST=10.0.0.1 is set.*--distributed-hosts"):
+        Settings(_env_file=env)
+    hosts = Settings(_env_file=env, distributed_hosts="10.0.0.1,10.0.0.2").distributed_config
+    assert hosts.hosts == ("10.0.0.1", "10.0.0.2")
+    clean_env.setenv("RANK", "worker-3")  # another tool's variable: not ours to refuse
+    assert Settings(_env_file=None).distributed_rank is None
 
 
 @pytest.mark.parametrize(
