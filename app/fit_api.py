@@ -16,7 +16,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 
 from app.machine import machine_facts
-from app.model_library import ModelLibrary, NotAModel, dir_facts
+from app.model_library import ModelLibrary, NotAModel, dir_facts, real_path
 from app.openapi_doc import OPENAI_ERROR, errors, json_content
 from app.state import AppState
 from scheduler.contracts import ModelInfo
@@ -151,7 +151,7 @@ def library_entry(facts: ModelFacts, machine: MachineFacts, budget_bytes: int) -
 def library_view(state: AppState, library: ModelLibrary) -> dict[str, Any]:
     info = state.model_info()
     machine = _machine(info)
-    serving = Path(info.path).resolve()
+    serving = real_path(Path(info.path))
     data = []
     for found in library.scan():
         if isinstance(found, tuple):
@@ -159,7 +159,7 @@ def library_view(state: AppState, library: ModelLibrary) -> dict[str, Any]:
             data.append({"id": name, "path": path, "supported": False, "why_unsupported": why})
             continue
         entry = library_entry(found, machine, info.budget.total_bytes)
-        entry["serving"] = Path(found.path).resolve() == serving
+        entry["serving"] = real_path(Path(found.path)) == serving
         data.append(entry)
     return {"object": "list", "machine": machine.public(), "data": data}
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from engine.gguf_archs import ARCHS as GGUF_ARCHS  # what engine.gguf_convert converts
+from engine.vision_families import SERVED_FAMILIES as VISION_FAMILIES
 from scheduler.fit import ModelFacts
 
 CACHE_S = 30.0
@@ -96,7 +97,7 @@ def dir_facts(
     quant = config.get("quantization") or config.get("quantization_config") or {}
     bits = quant.get("bits") if isinstance(quant, dict) else None
     weights = params = expert_params = 0
-    act_bytes = 0
+    float_numel: dict[int, int] = {}  # float width -> elements stored at it
     # the files mlx-lm loads (a repo may also ship consolidated.safetensors)
     files = sorted(path.glob("model*.safetensors")) or sorted(path.glob("*.safetensors"))
     for file in files:
@@ -111,7 +112,9 @@ def dir_facts(
             params += numel
             if any(m in tname for m in _EXPERT_MARKERS):
                 expert_params += numel
-            act_bytes = max(act_bytes, _FLOAT_BYTES.get(info["dtype"], 0))
+            width = _FLOAT_BYTES.get(info["dtype"], 0)
+            if width:
+                float_numel[width] = float_numel.get(width, 0) + _numel(info["shape"])
     if not weights:
         raise NotAModel(f"{path}: no safetensors weights")
     experts = _int(text, "num_local_experts", "num_experts", "n_routed_experts")
@@ -123,13 +126,19 @@ def dir_facts(
     kv_heads = _int(text, "num_key_value_heads", "n_kv_heads", default=heads)
     head_dim = _int(text, "head_dim", default=_int(text, "hidden_size") // max(1, heads))
     layers = _int(text, "num_hidden_layers", "n_layer")
+    # activations (and so the KV) have the width most of the float tensors have: a
+    # few kept float32 by mlx-lm (router biases) do not make a bf16 model's KV float32
+    act_bytes = max(float_numel, key=lambda w: float_numel[w]) if float_numel else 2
     model_type = str(config.get("model_type", "?"))
     vision = "vision_config" in config
     types = _mlx_lm_types() if mlx_types is None else mlx_types
     why = ""
-    if vision:
-        why = "a vision model (served through mlx-vlm, not by this server yet)"
-    elif types and model_type not in types:
+    if vision and model_type not in VISION_FAMILIES:
+        why = (
+            f"vision model type {model_type!r} is not served yet (kvwarm serves "
+            f"{', '.join(sorted(VISION_FAMILIES))})"
+        )
+    elif not vision and types and model_type not in types:
         why = f"mlx-lm has no {model_type!r} model class"
     return ModelFacts(
         name=name or path.name,
@@ -139,7 +148,9 @@ def dir_facts(
         weights_bytes=weights,
         params=params,
         active_params=active,
-        kv_bytes_per_token=layers * kv_heads * head_dim * 2 * (act_bytes or 2),
+        kv_bytes_per_token=_kv_per_layer(text, kv_heads, head_dim)
+        * _attention_layers(text, layers)
+        * act_bytes,
         context_length=_int(text, "max_position_embeddings", "max_seq_len", default=4096),
         num_heads=heads,
         quant_bits=int(bits) if bits else None,
@@ -147,6 +158,33 @@ def dir_facts(
         supported=not why,
         why_unsupported=why,
     )
+
+
+def _kv_per_layer(text: dict[str, Any], kv_heads: int, head_dim: int) -> int:
+    """KV values one attention layer caches per token: multi-head latent attention
+    (DeepSeek V3, Kimi K2) caches one compressed latent and its rotary part, not
+    every head's keys and values."""
+    latent = _int(text, "kv_lora_rank")
+    if latent:
+        return latent + _int(text, "qk_rope_head_dim")
+    return kv_heads * head_dim * 2
+
+
+def _attention_layers(text: dict[str, Any], layers: int) -> int:
+    """Layers that keep a KV cache: hybrid models' linear-attention and state-space
+    layers keep a fixed-size state instead (sliding windows count: an upper bound)."""
+    pattern = text.get("hybrid_override_pattern")  # Nemotron-H: "*" is attention
+    if isinstance(pattern, (str, list)) and pattern:
+        return sum(1 for block in pattern if block == "*")
+    kinds = text.get("layer_types") or text.get("layers_block_type")
+    if isinstance(kinds, list) and kinds and all(isinstance(k, str) for k in kinds):
+        attention = [k for k in kinds if "attention" in k and "linear" not in k]
+        if attention or any("linear" in k or "mamba" in k for k in kinds):
+            return len(attention)
+    interval = _int(text, "full_attention_interval")  # Qwen3-Next, Qwen3.5
+    if interval > 1:
+        return layers // interval
+    return layers
 
 
 # -- GGUF: the header only ------------------------------------------------------
@@ -315,6 +353,15 @@ def read_entry(
         return (name or str(path), str(path), f"unreadable: {exc}")
 
 
+def real_path(path: Path) -> str:
+    """Where ``path`` really is; itself where that cannot be known (a symlink loop
+    raised out of the scan, and one such link hid every other model)."""
+    try:
+        return str(path.resolve())
+    except (OSError, RuntimeError):
+        return str(path.absolute())
+
+
 def hub_roots() -> list[Path]:
     hub = os.environ.get("HF_HUB_CACHE")
     if hub:
@@ -359,7 +406,7 @@ class ModelLibrary:
             types = _mlx_lm_types()
             seen: set[str] = set()
             for name, path in _candidates(self.hub, self.folders):
-                key = str(path.resolve())
+                key = real_path(path)
                 if key in seen:
                     continue
                 seen.add(key)

@@ -22,9 +22,6 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-# mlx-vlm model types whose language model reads multimodal RoPE positions
-GRID_ROPE_FAMILIES = {"qwen2_vl", "qwen2_5_vl"}
-
 
 class PositionedKVCache(KVCache):
     """A row's KV cache whose RoPE positions run ``rope_delta`` from its length."""

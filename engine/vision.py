@@ -37,7 +37,6 @@ import numpy as np
 
 from engine.model_errors import UnsupportedModelError
 from engine.mrope import (
-    GRID_ROPE_FAMILIES,
     PositionedKVCache,
     batch_positions,
     grid_shape,
@@ -45,17 +44,13 @@ from engine.mrope import (
     position_span,
     sequential_positions,
 )
+from engine.vision_families import GRID_ROPE_FAMILIES, SERVED_FAMILIES
 from kvcache.image_ids import image_identity, image_runs, real_tokens
 from scheduler.contracts import ImageRejected
 from scheduler.request import ImageInput
 
 log = logging.getLogger("kvwarm.engine.vision")
 
-# families whose language model reads image tokens at plain sequential positions,
-# checked token for token against mlx-vlm's own forward (tests/engine/test_vision.py);
-# others (LLaVA-NeXT's tiling, Gemma 3n/4, ...) wait for that proof
-SEQUENTIAL_FAMILIES = {"idefics3", "smolvlm", "gemma3", "llava", "pixtral", "mistral3"}
-SERVED_FAMILIES = SEQUENTIAL_FAMILIES | GRID_ROPE_FAMILIES
 # text around each image's token for families whose template writes it so
 _IMAGE_TEXT = {f: ("<|vision_start|>", "<|vision_end|>") for f in GRID_ROPE_FAMILIES}
 # the processor attribute naming the token it widens (default: image_token); Gemma 3

@@ -161,8 +161,20 @@ def test_dense_quantized_and_moe_facts_from_headers(tmp_path):
     )
     m = dir_facts(moe)
     assert m.active_params == 64 * 64 + 8 * 64 * 64 * 2 // 8
-    vlm = write_model(tmp_path / "vlm", {**LLAMA, "vision_config": {}}, {"w": ("F16", [4])})
-    assert not dir_facts(vlm).supported and "vision" in dir_facts(vlm).why_unsupported
+    # vision models kvwarm serves through mlx-vlm are served; others say which are
+    vlm = write_model(
+        tmp_path / "vlm",
+        {**LLAMA, "model_type": "qwen2_vl", "vision_config": {}},
+        {"w": ("F16", [4])},
+    )
+    assert dir_facts(vlm).supported and dir_facts(vlm).vision
+    other = write_model(
+        tmp_path / "vlm2",
+        {**LLAMA, "model_type": "gemma3n", "vision_config": {}},
+        {"w": ("F16", [4])},
+    )
+    why = dir_facts(other).why_unsupported
+    assert not dir_facts(other).supported and "'gemma3n' is not served" in why and "qwen2_vl" in why
     odd = write_model(tmp_path / "odd", {**LLAMA, "model_type": "nonesuch"}, {"w": ("F16", [4])})
     assert "no 'nonesuch' model class" in dir_facts(odd).why_unsupported
 
@@ -192,12 +204,13 @@ def test_the_library_finds_hub_snapshots_and_folders_and_caches_30s(tmp_path):
     (folder / "smol.gguf").symlink_to(smollm_gguf())
     (folder / "broken").mkdir()
     (folder / "broken" / "config.json").write_text("{not json")
+    (folder / "loop.gguf").symlink_to(folder / "loop.gguf")  # raised out of the scan
     lib = ModelLibrary([folder], hub=[hub])
     found = lib.scan()
     names = {f.name if isinstance(f, ModelFacts) else f[0] for f in found}
-    assert names == {"org/tiny", "local", "smol.gguf", "broken"}
-    broken = [f for f in found if isinstance(f, tuple)]
-    assert broken and "config.json" in broken[0][2]
+    assert names == {"org/tiny", "local", "smol.gguf", "broken", "loop.gguf"}
+    broken = {f[0]: f[2] for f in found if isinstance(f, tuple)}
+    assert "config.json" in broken["broken"] and "loop.gguf" in broken
     write_model(folder / "later", LLAMA, {"w": ("F16", [8])})
     assert len(lib.scan()) == len(found)  # cached
     lib._at -= 31

@@ -1,0 +1,94 @@
+"""`kvwarm fit`'s KV bytes per token, read from headers alone, against what
+mlx-lm's cache really holds for the same model: multi-head latent attention,
+hybrid linear-attention stacks, and a bf16 model keeping a tensor float32."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models import deepseek_v3, llama, qwen3_next
+from mlx_lm.models.cache import make_prompt_cache
+
+from app.model_library import dir_facts
+
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3", vocab_size=256, hidden_size=128, intermediate_size=256,
+    moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
+    n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.0, kv_lora_rank=64,
+    q_lora_rank=96, qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=64,
+    topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, n_group=1, topk_group=1,
+    num_experts_per_tok=2, moe_layer_freq=1, first_k_dense_replace=1,
+    max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0,
+)  # fmt: skip
+QWEN3_NEXT = dict(
+    model_type="qwen3_next", vocab_size=256, hidden_size=128, intermediate_size=256,
+    num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+    linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+    decoder_sparse_step=1, shared_expert_intermediate_size=64, moe_intermediate_size=64,
+    mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=10000.0, partial_rotary_factor=0.25,
+    max_position_embeddings=8192, full_attention_interval=4, tie_word_embeddings=False,
+    norm_topk_prob=True,
+)  # fmt: skip
+LLAMA = dict(
+    model_type="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+)  # fmt: skip
+
+
+def save(model: nn.Module, config: dict, path: Path, quantize: bool, f32: str = "") -> Path:
+    if quantize:
+        nn.quantize(
+            model,
+            group_size=32,
+            bits=4,
+            class_predicate=lambda _, m: (
+                isinstance(m, (nn.Linear, nn.Embedding)) and m.weight.shape[-1] % 32 == 0
+            ),
+        )
+        config = {**config, "quantization": {"group_size": 32, "bits": 4}}
+    weights = dict(tree_flatten(model.parameters()))
+    if f32:  # what mlx-lm's cast_predicate keeps float32 in a bf16 model
+        weights[f32] = weights[f32].astype(mx.float32)
+    path.mkdir(parents=True)
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def cached_bytes_per_token(model: nn.Module, tokens: int = 48) -> float:
+    """What the caches that grow with the prompt hold per token."""
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((1, tokens), dtype=mx.int32), cache=cache))
+    grown = 0
+    for c in cache:
+        if getattr(c, "offset", None) is None:
+            continue  # a fixed-size state (linear attention, SSM)
+        for _, array in tree_flatten(c.state):
+            if isinstance(array, mx.array):  # keys and values, cut to the offset
+                grown += array.size // array.shape[-2] * array.itemsize * c.offset
+    return grown / tokens
+
+
+@pytest.mark.parametrize(
+    "module, config, quantize, f32",
+    [
+        (deepseek_v3, DEEPSEEK_V3, True, ""),  # one latent per layer, not every head's K and V
+        (qwen3_next, QWEN3_NEXT, True, ""),  # KV in one layer of four
+        (llama, LLAMA, False, "model.norm.weight"),  # bf16 KV beside one float32 tensor
+    ],
+    ids=["mla", "hybrid", "bf16-with-a-float32-tensor"],
+)
+def test_the_kv_estimate_is_what_mlx_lm_caches(tmp_path, module, config, quantize, f32):
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    if not quantize:
+        model.set_dtype(mx.bfloat16)
+    real = cached_bytes_per_token(model)
+    path = save(model, config, tmp_path / config["model_type"], quantize, f32)
+    assert dir_facts(path).kv_bytes_per_token == real
