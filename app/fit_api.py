@@ -16,7 +16,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 
 from app.machine import machine_facts
-from app.model_library import ModelLibrary, NotAModel, dir_facts, real_path
+from app.model_library import ModelLibrary, NotAModel, dir_facts, gguf_facts, real_path
 from app.openapi_doc import OPENAI_ERROR, errors, json_content
 from app.state import AppState
 from scheduler.contracts import ModelInfo
@@ -119,8 +119,19 @@ def fit_view(state: AppState) -> dict[str, Any]:
             else None,
             "per_stream_tok_s": _round(_stream_rate(state, info.model_id)),
         },
-        "apple_matrix": apple_matrix(facts) if facts else [],
+        "apple_matrix": apple_matrix(_as_shipped(info.source_path) or facts) if facts else [],
     }
+
+
+def _as_shipped(source_path: str) -> ModelFacts | None:
+    """A GGUF's own facts: the folder it was converted into holds what the CPU
+    backend runs (float32), not what a Mac would load (apple_matrix prices that)."""
+    if not source_path.endswith(".gguf"):
+        return None
+    try:
+        return gguf_facts(Path(source_path))
+    except (NotAModel, OSError):
+        return None
 
 
 def _round(value: float | None) -> float | None:

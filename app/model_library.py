@@ -279,10 +279,10 @@ def gguf_facts(path: Path) -> ModelFacts:
         for _ in range(n_kv):
             key = h.value(8, True)
             meta[key] = h.value(h.read("<I"), True)
-        params = gpu_bytes = 0
+        params = gpu_bytes = expert_params = 0
         by_bits: dict[int, int] = {}  # parameters per nominal bit width (0: float)
         for _ in range(n_tensors):
-            h.value(8, False)
+            tensor = h.value(8, True)
             n_dims = h.read("<I")
             if n_dims > _GGML_MAX_DIMS:
                 raise NotAModel(f"{path}: a tensor of {n_dims} dimensions")
@@ -290,6 +290,8 @@ def gguf_facts(path: Path) -> ModelFacts:
             ttype = h.read("<I")
             h.read("<Q")  # offset
             params += numel
+            if isinstance(tensor, str) and "_exps." in tensor:  # blk.N.ffn_up_exps.weight
+                expert_params += numel
             gpu_bytes += _mlx_gguf_bytes(ttype, numel)
             bits = _GGML_BITS.get(ttype, 0)
             by_bits[bits] = by_bits.get(bits, 0) + numel
@@ -315,7 +317,10 @@ def gguf_facts(path: Path) -> ModelFacts:
         model_type=arch,
         weights_bytes=path.stat().st_size,
         params=params,
-        active_params=params * per_token // experts if experts and per_token else params,
+        # only the routed experts' share is scaled: attention and embeddings always run
+        active_params=params - expert_params + expert_params * per_token // experts
+        if experts and per_token
+        else params,
         kv_bytes_per_token=layers * kv_heads * head_dim * 2 * 2,
         context_length=arch_int("context_length", 4096),
         num_heads=heads,

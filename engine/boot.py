@@ -115,6 +115,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
         syntax=probe_syntax(loaded.tokenizer),
         bandwidth_bytes_s=bandwidth,
         vision=front,
+        source_path=str(cfg.source.path) if cfg.source.kind == "gguf" else "",
     )
     syntax = info.syntax
     log.info(

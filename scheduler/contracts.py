@@ -161,6 +161,9 @@ class ModelInfo:
     # memory bandwidth as decode sees it, measured once at start (engine.device_memory)
     bandwidth_bytes_s: float = 0.0
     vision: ImageFront | None = None  # None: a text-only model
+    # the file the model came from when ``path`` is what was made of it (a GGUF's
+    # conversion, float32 on the CPU backend); "" when it is ``path`` itself
+    source_path: str = ""
 
 
 @dataclass(frozen=True)

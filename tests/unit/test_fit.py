@@ -275,3 +275,36 @@ def test_k_quant_ggufs_are_costed_as_float16_on_metal():
     f = gguf_facts(smollm_gguf())  # Q4_1 blocks, Q8_0 embeddings: all stay quantized
     assert f.gpu_weights_bytes < 0.8 * f.params
     assert as_loaded(f, "Device(gpu, 0)").weights_bytes == f.gpu_weights_bytes
+
+
+def _gguf(path: Path, meta: dict[str, int], tensors: list[tuple[str, tuple[int, ...]]]) -> Path:
+    """A GGUF header (u32 values, F16 tensors) with no tensor data: all facts read."""
+
+    def text(value: str) -> bytes:
+        raw = value.encode()
+        return struct.pack("<Q", len(raw)) + raw
+
+    out = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(meta) + 1))
+    out += text("general.architecture") + struct.pack("<I", 8) + text("qwen3moe")
+    for key, value in meta.items():
+        out += text(f"qwen3moe.{key}") + struct.pack("<II", 4, value)
+    for name, dims in tensors:
+        out += text(name) + struct.pack("<I", len(dims))
+        out += b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", 1, 0)
+    path.write_bytes(bytes(out) + b"\0" * 4096)
+    return path
+
+
+def test_a_moe_ggufs_active_parameters_scale_only_its_experts(tmp_path):
+    """The routed share was applied to every tensor: attention and embeddings
+    run for every token, so the active count (and the decode rate) was 1.8x off."""
+    meta = {"block_count": 1, "attention.head_count": 4, "expert_count": 16, "expert_used_count": 2}
+    dense = [("token_embd.weight", (64, 1000)), ("blk.0.attn_q.weight", (64, 64))]
+    experts = [
+        ("blk.0.ffn_up_exps.weight", (64, 32, 16)),
+        ("blk.0.ffn_down_exps.weight", (32, 64, 16)),
+    ]
+    f = gguf_facts(_gguf(tmp_path / "moe.gguf", meta, dense + experts))
+    always, routed = 64 * 1000 + 64 * 64, 2 * 64 * 32 * 16
+    assert f.params == always + routed
+    assert f.active_params == always + routed * 2 // 16

@@ -45,3 +45,22 @@ def test_library_lists_models_with_an_assessment(tmp_path, monkeypatch):
     assert smol["supported"] and smol["serving"] is False and smol["vision"] is False
     assert smol["fit"]["verdict"] in ("fits", "tight", "no")
     assert set(smol) >= {"id", "type", "size_bytes", "quant_bits", "vision", "supported", "serving"}
+
+
+def test_fits_apple_matrix_prices_a_served_gguf_as_a_mac_loads_it(tmp_path):
+    """Served from a GGUF, the model's folder is its float32 conversion for the
+    CPU backend: the matrix priced that, 5x the weights a Mac would load."""
+    from dataclasses import replace
+
+    from app.model_library import gguf_facts
+    from scheduler.fit import apple_matrix
+
+    converted = write_model(tmp_path / "converted", LLAMA, {"w": ("F32", [64, 2**20])})
+    app = make_app(eos_after=3)
+    with serve_app(app) as base:
+        engine = app.state.kvwarm.engine
+        engine._model_info = replace(  # noqa: SLF001 - as the engine boots a GGUF
+            engine.model_info, path=str(converted), source_path=str(smollm_gguf())
+        )
+        fit = httpx.get(base + "/fit").json()
+    assert fit["apple_matrix"] == apple_matrix(gguf_facts(smollm_gguf()))
