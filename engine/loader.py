@@ -140,6 +140,13 @@ GROUP_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
     "chat_template.json",
+    # tokenizers kept in other files (SentencePiece, byte-level BPE without a
+    # tokenizer.json, tiktoken) and tokens added beside them
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "tiktoken.model",
 )
 GROUP_SAMPLES = 64  # spread through each weight file, 64 KiB each
 

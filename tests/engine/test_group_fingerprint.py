@@ -24,6 +24,11 @@ def test_stop_tokens_and_the_middle_of_the_weights_count(tiny_llama_dir, tmp_pat
     (eos / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7]}))
     assert group_fingerprint(eos) != base
     assert model_fingerprint(eos) == model_fingerprint(tiny_llama_dir)  # KV is the same
+    # a tokenizer kept outside tokenizer.json (SentencePiece) reads text differently
+    for name in ("tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json"):
+        other = copy(tiny_llama_dir, tmp_path / name)
+        (other / name).write_bytes(b"another tokenizer's " + name.encode())
+        assert group_fingerprint(other) != base, name
 
 
 def test_a_fine_tune_of_the_same_shapes_differs(tmp_path):
