@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any
 
 from app.errors import APIError
 from app.generation_params import resolve_max_tokens, resolve_sampling
-from app.image_prompt import attach_images, resolve_images
+from app.image_prompt import ResolvedImages, attach_images, resolve_images
 from app.protocol.output_parser import OutputParser, Syntax
 from app.protocol.thinking import resolve_thinking
 from app.protocol.tool_formats import ToolCallDecoder, forced_opening
@@ -24,12 +25,12 @@ from app.protocol.tool_schema import ToolChoice
 from app.request_fields import SamplingFields
 from app.session_id import session_id_from
 from app.state import AppState
-from kvcache.healing import context_of, decoded_arguments
+from kvcache.healing import decoded_arguments, history_contexts
 from kvcache.index import VolatilePolicy
 from kvcache.prompt_key import PromptKey, RenderedPrompt
 from kvcache.sessions import fallback_session_id
 from scheduler.admission import AdmissionError
-from scheduler.contracts import ModelInfo, TextSyntax
+from scheduler.contracts import ImageFront, ModelInfo, TextSyntax
 from scheduler.request import CacheHints, Request, SamplingParams
 
 log = logging.getLogger("kvwarm.http")
@@ -211,6 +212,22 @@ def _output_side(
     return key, parser
 
 
+def _image_salts(
+    messages: list[dict[str, Any]], images: ResolvedImages, front: ImageFront | None
+) -> list[bytes] | None:
+    """Per message, the digests of its images: every image is the same placeholder
+    in the text, and a reply about one must not heal back beside another."""
+    if front is None or not images.images:
+        return None
+    pending = iter(images.images)  # in prompt order, one per placeholder
+    salts = []
+    for message in messages:
+        content = message.get("content")
+        count = content.count(front.placeholder) if isinstance(content, str) else 0
+        salts.append(b"".join(image.digest for image in islice(pending, count)))
+    return salts
+
+
 def _completion_limit(call: ChatCall, info: ModelInfo, prompt_len: int, default: int) -> int:
     limit = call.max_tokens
     if call.clamp_max_tokens and limit is not None:
@@ -248,7 +265,11 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
         # a template holds the GIL for tens of ms)
         if message["role"] in ("user", "tool") and isinstance(message.get("content"), str):
             info.formatter.check_length(message["content"])
-    healed = state.healing.heal_all(messages)
+    explicit_session = session_id_from(call.fields, headers)
+    contexts = history_contexts(
+        messages, explicit_session or "", _image_salts(messages, images, info.vision)
+    )
+    healed = state.healing.heal_all(messages, contexts)
     try:
         rendered = info.formatter.render_chat(
             healed,
@@ -265,7 +286,7 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
     prompt, image_inputs = list(key.model_tokens), ()
     if info.vision is not None and images.images:
         key, prompt, image_inputs = attach_images(key, images, info.vision)
-    session = session_id_from(call.fields, headers) or fallback_session_id(rendered.key.canonical)
+    session = explicit_session or fallback_session_id(rendered.key.canonical)
     request = Request(
         prompt_tokens=prompt,
         max_tokens=_completion_limit(call, info, len(prompt), settings.max_tokens),
@@ -283,4 +304,4 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
     )
     if call.ignored:
         log.info("%s: ignored fields: %s", request.request_id, shown_names(call.ignored))
-    return Prepared(request, parser, context_of(messages[-1]), call.ignored, session)
+    return Prepared(request, parser, contexts[-1], call.ignored, session)

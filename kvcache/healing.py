@@ -80,17 +80,65 @@ def canonical_tool_calls(tool_calls: Sequence[dict[str, Any]] | None) -> str:
     return json.dumps(out, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def context_of(message: dict[str, Any] | None) -> str:
-    """What a reply answered: the message before it. Part of the key, so two
-    replies with the same visible text ("Done.") in different places never swap."""
-    if message is None:
+def history_contexts(
+    messages: Sequence[dict[str, Any]], scope: str = "", salts: Sequence[bytes] | None = None
+) -> list[str]:
+    """What each message answers: ``[i]`` is a hash chained over ``messages[:i]``
+    (``[-1]``: over them all, what a reply to this request answers). Part of each
+    reply's key, so a reply heals back only where it was generated: not into
+    another conversation, nor into an earlier turn with the same visible text
+    ("continue" -> "Done."). Assistant turns count by their visible form (the
+    echo strips them), the rest as sent; ``salts[i]``: what the text does not
+    show (the digests of message i's images); ``scope``: the client's session id.
+    One pass: linear in the conversation."""
+    h = hashlib.blake2b(scope.encode(), digest_size=16)
+    contexts = [h.hexdigest()]
+    for i, message in enumerate(messages):
+        content = message.get("content") or ""
+        if not isinstance(content, str):
+            content = json.dumps(content, sort_keys=True, default=str)
+        if message.get("role") == "assistant":
+            content = visible_form(content)
+        h = hashlib.blake2b(h.digest(), digest_size=16)
+        for part in (
+            str(message.get("role")),
+            content,
+            canonical_tool_calls(message.get("tool_calls")),
+            str(message.get("tool_call_id") or ""),
+        ):
+            h.update(part.encode())
+            h.update(b"\x00")
+        h.update(salts[i] if salts is not None and i < len(salts) else b"")
+        contexts.append(h.hexdigest())
+    return contexts
+
+
+def _reasoning_of(content: str) -> str:
+    """The reasoning an original reply holds inline (before its first closing tag)."""
+    end = content.find(_CLOSE)
+    if end < 0:
         return ""
-    return f"{message.get('role')}\x00{visible_form(message.get('content') or '')}"
+    start = content.find(_OPEN, 0, end)
+    return content[start + len(_OPEN) if start >= 0 else 0 : end].strip()
 
 
 def _key(content: str, tool_calls: Sequence[dict[str, Any]] | None, context: str) -> str:
     raw = "\x00".join((visible_form(content), canonical_tool_calls(tool_calls), context))
     return hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
+
+
+def _echoes(message: dict[str, Any], content: str, original: str) -> bool:
+    """Whether the message is the original with its reasoning only stripped: the
+    text it kept is the original's end (all of it, or what follows a kept part of
+    the reasoning), and reasoning it sends apart is the original's, unedited."""
+    if not original.rstrip().endswith(content.strip()):
+        return False
+    reasoning = message.get("reasoning_content")
+    return (
+        not isinstance(reasoning, str)
+        or not reasoning.strip()
+        or (reasoning.strip() == _reasoning_of(original))
+    )
 
 
 @dataclass(frozen=True)
@@ -125,9 +173,9 @@ class HealingStore:
         *,
         restore_calls: bool = True,
     ) -> None:
-        """Record a reply exactly as generated; ``context`` is ``context_of`` the
-        request's last message. With ``restore_calls`` false the calls only key
-        the entry: the echo keeps its own (ids the tool results refer to)."""
+        """Record a reply exactly as generated; ``context`` is ``history_contexts``
+        of the request it answered, ``[-1]``. With ``restore_calls`` false the calls
+        only key the entry: the echo keeps its own (ids the tool results refer to)."""
         item = Original(content, tuple(tool_calls) if tool_calls and restore_calls else None)
         size = self._size(item)
         if size > self.max_bytes:
@@ -143,13 +191,22 @@ class HealingStore:
                 _, dropped = self._items.popitem(last=False)
                 self.nbytes -= self._size(dropped)
 
-    def heal_all(self, messages: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Every echoed reply in a conversation, swapped for its original."""
-        out = []
-        for i, message in enumerate(messages):
-            if message.get("role") == "assistant" and self._items:
-                message = self.heal(message, context_of(messages[i - 1]) if i else "")
-            out.append(message)
+    def heal_all(
+        self, messages: Sequence[dict[str, Any]], contexts: Sequence[str] | None = None
+    ) -> list[dict[str, Any]]:
+        """Every echoed reply in a conversation, swapped for its original
+        (``contexts``: ``history_contexts`` of these messages)."""
+        if contexts is None:
+            contexts = history_contexts(messages)
+        out = list(messages)
+        if not self._items:
+            return out
+        # newest first: a long conversation's oldest replies are then the most
+        # recently used, and a full store evicts others' (evicting them first
+        # re-prefilled nearly the whole conversation, turn after turn)
+        for i in reversed(range(len(out))):
+            if out[i].get("role") == "assistant":
+                out[i] = self.heal(out[i], contexts[i])
         return out
 
     def heal(self, message: dict[str, Any], context: str = "") -> dict[str, Any]:
@@ -157,7 +214,7 @@ class HealingStore:
         if message.get("role") != "assistant":
             return message
         content = message.get("content") or ""
-        if "<think>" in content:
+        if not isinstance(content, str) or "<think>" in content:
             # the client kept the reasoning (or wrote it: few-shot examples): not a
             # stripped echo, and swapping it could rewrite history the client owns
             return message
@@ -172,6 +229,8 @@ class HealingStore:
             )
             if item.content == content and same_calls:
                 return message
+            if not _echoes(message, content, item.content):
+                return message  # edited: the model reads the client's version
             self.healed += 1
         healed = dict(message, content=item.content)
         healed.pop("reasoning_content", None)  # the original carries its reasoning inline

@@ -406,7 +406,7 @@ def test_unexpected_errors_are_one_500_logged_once(base, caplog):
     app = create_app(Settings(_env_file=None), lambda s, r: FakeEngine(s, r, eos_after=2))
     with serve_app(app) as url:
 
-        def broken(messages):
+        def broken(messages, contexts=None):
             raise KeyError("boom")
 
         app.state.kvwarm.healing.heal_all = broken

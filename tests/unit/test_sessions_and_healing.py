@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.session_id import session_id_from
-from kvcache.healing import HealingStore, context_of, visible_form
+from kvcache.healing import HealingStore, history_contexts, visible_form
 from kvcache.sessions import ANCHOR_TOKENS, SessionStore, fallback_session_id
 
 
@@ -146,17 +146,99 @@ def test_same_visible_text_in_different_places_heals_to_its_own_original():
     store = HealingStore()
     q1 = {"role": "user", "content": "first question"}
     q2 = {"role": "tool", "content": "tool output"}
-    store.remember("reasoning one</think>Done.", context=context_of(q1))
-    store.remember("reasoning two</think>Done.", context=context_of(q2))
     history = [
         q1,
         {"role": "assistant", "content": "Done."},
         q2,
         {"role": "assistant", "content": "Done."},
     ]
+    contexts = history_contexts(history)
+    store.remember("reasoning one</think>Done.", context=contexts[1])
+    store.remember("reasoning two</think>Done.", context=contexts[3])
     healed = store.heal_all(history)
     assert healed[1]["content"] == "reasoning one</think>Done."
     assert healed[3]["content"] == "reasoning two</think>Done."
+
+
+def _turns(system: str, replies: list[str]) -> list[dict]:
+    """An agent loop: the same tool result, answered with the same visible reply."""
+    out = [{"role": "system", "content": system}]
+    for reply in replies:
+        out += [{"role": "user", "content": "continue"}, {"role": "assistant", "content": reply}]
+    return out
+
+
+def test_a_reply_heals_back_only_where_it_was_generated():
+    """Keyed by the message before it alone, a reply healed into another agent's
+    conversation (its reasoning read by the other's model) and into every earlier
+    turn with the same visible text."""
+    store = HealingStore()
+    for agent in ("A", "B"):  # same last message, same visible reply, other histories
+        history = _turns(f"You are agent {agent}.", [])
+        history.append({"role": "user", "content": "continue"})
+        store.remember(f"{agent} reasons</think>Done.", context=history_contexts(history)[-1])
+    echo = _turns("You are agent A.", ["Done."])
+    assert store.heal_all(echo)[2]["content"] == "A reasons</think>Done."
+    # a loop answering alike each turn: each turn heals to its own reasoning
+    loop = _turns("sys", [])
+    for turn in range(3):
+        loop.append({"role": "user", "content": "continue"})
+        store.remember(f"attempt {turn}</think>Done.", context=history_contexts(loop)[-1])
+        loop.append({"role": "assistant", "content": "Done."})
+    healed = store.heal_all(loop)
+    assert [m["content"] for m in healed[2::2]] == [f"attempt {t}</think>Done." for t in range(3)]
+    # the same text beside another image (the salt) or in another session: no heal
+    alone = _turns("sys", ["Done."])
+    store.remember(
+        "image one</think>Done.", context=history_contexts(alone[:2], salts=[b"", b"1"])[-1]
+    )
+    assert (
+        store.heal_all(alone, history_contexts(alone, salts=[b"", b"2"]))[2]["content"] == "Done."
+    )
+    assert (
+        store.heal_all(alone, history_contexts(alone, "s2", [b"", b"1"]))[2]["content"] == "Done."
+    )
+    assert store.heal_all(alone, history_contexts(alone, "", [b"", b"1"]))[2]["content"] != "Done."
+
+
+def test_an_edited_reasoning_is_never_healed_over():
+    """The client's edit of the reasoning (sent apart, or kept inline before the
+    closing tag) was replaced by the original: the model never read it."""
+    store = HealingStore()
+    original = "<think>I will rm -rf the build dir</think>\n\nDone."
+    store.remember(original)
+    edited = {"role": "assistant", "content": "Done.", "reasoning_content": "never delete anything"}
+    assert store.heal(edited) == edited
+    inline = {"role": "assistant", "content": "never delete anything</think>\n\nDone."}
+    assert store.heal(inline) == inline
+    assert store.healed == 0
+    # unedited, sent apart or partly kept inline: healed
+    same = {
+        "role": "assistant",
+        "content": "Done.",
+        "reasoning_content": "I will rm -rf the build dir",
+    }
+    assert store.heal(same)["content"] == original and "reasoning_content" not in store.heal(same)
+    assert (
+        store.heal({"role": "assistant", "content": "the build dir</think>\n\nDone."})["content"]
+        == original
+    )
+
+
+def test_a_full_store_evicts_other_conversations_before_a_long_ones_oldest_replies():
+    """Healing touched replies oldest first, so a full store evicted the oldest
+    reply still in use: each turn after re-prefilled nearly the whole history."""
+    store = HealingStore(max_entries=8)
+    history = _turns("sys", [])
+    for turn in range(8):
+        history.append({"role": "user", "content": f"step {turn}"})
+        store.remember(f"r{turn}</think>ok {turn}", context=history_contexts(history)[-1])
+        history.append({"role": "assistant", "content": f"ok {turn}"})
+    store.heal_all(history)  # this turn's request: every earlier reply used
+    store.remember("another agent's reply")  # the store is full: one goes
+    healed = store.heal_all(history)
+    assert healed[2]["content"] == "r0</think>ok 0"  # the oldest is still there
+    assert sum("</think>" in m["content"] for m in healed) == 7  # the newest went
 
 
 def test_healing_store_is_bounded():
