@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvcache.volatile_rules import tag_blocks
+from kvcache.volatile_rules import VOLATILE_ROLES, canonical_text, find_in_text, tag_blocks
 
 _OPEN, _CLOSE = "<think>", "</think>"
 # deeper arguments stay the string they are: json.loads takes ~1,000 levels but
@@ -88,7 +88,8 @@ def history_contexts(
     reply's key, so a reply heals back only where it was generated: not into
     another conversation, nor into an earlier turn with the same visible text
     ("continue" -> "Done."). Assistant turns count by their visible form (the
-    echo strips them), the rest as sent; ``salts[i]``: what the text does not
+    echo strips them), system and user turns by their cache-key form (volatile
+    values such as a timestamp replaced), the rest as sent; ``salts[i]``: what the text does not
     show (the digests of message i's images); ``scope``: the client's session id.
     One pass: linear in the conversation."""
     h = hashlib.blake2b(scope.encode(), digest_size=16)
@@ -99,6 +100,8 @@ def history_contexts(
             content = json.dumps(content, sort_keys=True, default=str)
         if message.get("role") == "assistant":
             content = visible_form(content)
+        elif message.get("role") in VOLATILE_ROLES:  # a new timestamp each turn is no new place
+            content = canonical_text(content, find_in_text(content))
         h = hashlib.blake2b(h.digest(), digest_size=16)
         for part in (
             str(message.get("role")),

@@ -201,6 +201,17 @@ def test_a_reply_heals_back_only_where_it_was_generated():
     assert store.heal_all(alone, history_contexts(alone, "", [b"", b"1"]))[2]["content"] != "Done."
 
 
+def test_a_timestamp_that_changes_every_turn_does_not_stop_healing():
+    """Agents resend their system prompt with the current time each turn: the
+    place a reply was generated in is the same place."""
+    store = HealingStore()
+    turn = _turns("Be brief.\nCurrent time is 10:42", [])
+    turn.append({"role": "user", "content": "continue"})
+    store.remember("r</think>Done.", context=history_contexts(turn)[-1])
+    later = _turns("Be brief.\nCurrent time is 10:57", ["Done."])
+    assert store.heal_all(later)[2]["content"] == "r</think>Done."
+
+
 def test_an_edited_reasoning_is_never_healed_over():
     """The client's edit of the reasoning (sent apart, or kept inline before the
     closing tag) was replaced by the original: the model never read it."""
