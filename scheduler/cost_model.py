@@ -23,6 +23,8 @@ from itertools import combinations
 # weight of an observation after each newer one: ~50 steps of memory
 FORGETTING = 0.98
 RIDGE = 1e-9  # keeps a singular system solvable (an unseen feature stays at 0)
+OUTLIER_FACTOR = 4.0  # a sample counts as at most this many times its prediction...
+OUTLIER_AFTER = 8  # ...once the part has seen this many samples
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,14 @@ class ForgettingLeastSquares:
         return self._yy - 2 * fitted + quad
 
 
+def _outlier_cap(predicted: float, samples: int) -> float:
+    """One hiccup (swap, a compile, another process) counts as at most this much:
+    learned in full it inflated the fit for as long as prompts kept prefilling."""
+    if samples < OUTLIER_AFTER or predicted <= 0:
+        return float("inf")
+    return OUTLIER_FACTOR * predicted
+
+
 def _gauss(a: list[list[float]], b: list[float]) -> list[float] | None:
     """Solve a x = b by Gaussian elimination with partial pivoting (None: singular)."""
     n = len(b)
@@ -177,10 +187,17 @@ class StepCostModel:
     def observe(self, shape: StepShape, seconds: float) -> None:
         if shape.prefill_tokens == 0:
             if shape.decode_rows:
-                self._decode.observe(shape.decode_features, seconds)
+                cap = _outlier_cap(self.decode_s(shape), self._decode.samples)
+                self._decode.observe(shape.decode_features, min(seconds, cap))
             return
-        rest = seconds - self.decode_s(shape)
-        self._prefill.observe(shape.prefill_features, max(rest, 0.0))
+        decode = self.decode_s(shape)
+        if shape.decode_rows and seconds < decode:
+            # the whole step ran faster than its decode alone is predicted to: the
+            # decode part is stale (decode-only steps are rare while prompts prefill)
+            self._decode.observe(shape.decode_features, seconds)
+            decode = self.decode_s(shape)
+        cap = _outlier_cap(self.prefill_s(shape), self._prefill.samples)
+        self._prefill.observe(shape.prefill_features, min(max(seconds - decode, 0.0), cap))
 
     def estimates(self) -> CostEstimates:
         d, p = self._decode.coef, self._prefill.coef

@@ -31,6 +31,9 @@ PROBE_SLICE = 32  # per step, before the cost model has seen a prefill
 # (a row in the batch cannot be paused again)
 ADMIT_SLICE = 4 * MIN_ROW_SLICE
 SHORT_STEPS = 8  # a prompt done in this many thinnest slices joins as long as those fit
+# prefill's share of a step when decode alone leaves less: deep streams past the
+# budget left joiners 4 tokens a step (a 10k prompt beside 7 rows at 16k: 75x slower)
+PREFILL_FLOOR_SHARE = 0.25
 AGING_STEPS = 32  # steps a waiting prompt may be passed over by shorter ones
 
 
@@ -101,7 +104,10 @@ class StepBudget:
             rows = running or waiting[: min(free, 1)]  # one prompt teaches the model
             per_row = max(1, PROBE_SLICE // max(1, len(rows)))
             return self._done(decode_rows, decode_depth, rows, len(running), per_row, False)
-        room = self.max_step_s - self.cost.decode_s(StepShape(decode_rows, decode_depth))
+        room = max(
+            self.max_step_s - self.cost.decode_s(StepShape(decode_rows, decode_depth)),
+            PREFILL_FLOOR_SHARE * self.max_step_s,
+        )
         rows = list(running)
         for candidate in waiting[:free]:
             trial = [*rows, candidate]
@@ -144,8 +150,11 @@ class StepBudget:
         return self.cost.prefill_s(step_shape(0, 0, rows, per_row)) <= room
 
     def _widest(self, rows: list[Prefill], room: float) -> int:
-        """The largest equal slice whose prefill fits ``room`` (the floor if none does)."""
-        lo, hi = self.min_row_slice, self.chunk
+        """The largest equal slice whose prefill fits ``room`` (the floor if none does),
+        all rows together no more than the token budget's (what boot sizes the
+        transient reserve for: a fast backend's time allowed rows x chunk)."""
+        lo = self.min_row_slice
+        hi = max(lo, max(self.chunk, TOKEN_BUDGET_FLOOR * len(rows)) // max(1, len(rows)))
         if not rows or not self._fits(rows, lo, room):
             return lo
         while lo < hi:
