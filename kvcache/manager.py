@@ -462,21 +462,22 @@ class TieredKVManager:
 
     # -- conversations (save/load for people who resume work later) -----------
     def _entry_of(self, conversation_id: str) -> CacheEntry:
-        """The conversation's latest cached turn: the saved one, the session's last
-        entry, or (after a restart) its longest entry on disk."""
+        """The conversation's latest cached turn: the saved one, else the longest of
+        its entries (the session record's among them; after a restart, on disk)."""
         pin = self._pins.get(conversation_id)
         if pin is not None:
             for e in self.index.entries():
                 if e.uid == pin["uid"]:
                     return e
-        record = self.sessions.get(conversation_id)
-        if record is not None and record.entry_id is not None:
-            entry = self.index.get(record.entry_id)
-            if entry is not None:
-                return entry
         own = [e for e in self.index.entries() if e.session == conversation_id]
+        record = self.sessions.get(conversation_id)
+        recorded = self.index.get(record.entry_id) if record and record.entry_id else None
+        if recorded is not None:
+            own.append(recorded)
         if not own:
             raise ConversationNotFound(f"no cached KV for conversation {conversation_id!r}")
+        # the latest turn: the session record alone could be stuck on a side request
+        # (a title request sent first under the same session), and a save pinned that
         return max(own, key=lambda e: (e.length, e.created))
 
     def _describe(self, conversation_id: str, entry: CacheEntry) -> SavedConversation:
