@@ -91,20 +91,43 @@ def _line(regex: str, group: int = 0) -> Regex:
 _MONTHS = "jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|june?|july?|aug(?:ust)?|sept?(?:ember)?|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?"
 _DAYS = "mon(?:day)?|tue(?:s|sday)?|wed(?:nesday)?|thu(?:rs|rsday)?|fri(?:day)?|sat(?:urday)?|sun(?:day)?"
 # one word of a date or time: a number (2026-11-26, 10:42:01, 26th, +01:00, ...T10:42Z),
-# a month or day name, AM/PM, an upper-case zone (UTC, CEST), an IANA zone, a linking word
-_DATE_WORD = (
-    r"(?:[+-]?\d[\w:./+-]*|(?:" + _MONTHS + "|" + _DAYS + r")\b\.?|[ap]\.?m\.?"
-    r"|(?-i:[A-Z]{1,5})\b|\(?[a-z]+/[\w/+-]+\)?|(?:at|of|the|on)\b)"
+# a month or day name, AM/PM, an upper-case zone maybe with its offset (UTC, GMT+0100),
+# an IANA zone, a linking word, or anything short in parentheses ("(Thursday)")
+_DATE_WORD = re.compile(
+    r"[+-]?\d[\w:./+-]*|(?:" + _MONTHS + "|" + _DAYS + r")\.?|[ap]\.?m\.?"
+    r"|(?-i:[A-Z]{1,5})(?:[+-]\d{1,4}(?::?\d\d)?)?|[a-z]+/[\w/+-]+|at|of|the|on|\x00",
+    re.IGNORECASE,
 )
-_DATE_GAP = r"(?:[ \t]*[,\u2013\u2014][ \t]*|[ \t]+)"  # spaces, a comma or a dash
-# The value is volatile only when the rest of its line is nothing but a date or time
-# (a short one): "What I need today is a script that ..." is the user's words, and
-# reusing KV past an edit of them would hide the edit from the model. Linear: the
-# lookahead reads at most 80 characters, and words and gaps share no character.
-TIMESTAMP = (
-    r"\b(?:the )?(?:current (?:date and time|date|time)|today's date|today is)(?: is)?:?[ \t]*"
-    r"(?=[^\n]{1,80}$)(" + _DATE_WORD + "(?:" + _DATE_GAP + _DATE_WORD + r")*)\.?[ \t]*$"
+_DATE_PARENS = re.compile(r"\([^()\n]{1,40}\)")
+_DATE_GAP = re.compile(r"[ \t]*[,\u2013\u2014][ \t]*|[ \t]+")  # spaces, a comma or a dash
+_TIMESTAMP_LEAD = re.compile(
+    r"\b(?:the )?(?:current (?:date and time|date|time)|today's date|today is)"
+    r"(?: in [\w ]{1,30}? format)?(?: is)?:?[ \t]*",
+    re.IGNORECASE,
 )
+MAX_TIMESTAMP = 80
+
+
+def timestamps(text: str) -> Iterator[tuple[int, int]]:
+    """Each date or time a "Current time is ..." style label gives, when the rest of
+    its line is nothing but one (a short one): "What I need today is a script that
+    ..." is the user's words, and reusing KV past an edit of them would hide the
+    edit from the model. Each word is checked on its own (a pattern of alternating
+    words backtracked exponentially on a line that was no date): linear, each
+    line's end found once, at most ``MAX_TIMESTAMP`` characters checked per label."""
+    line_end = -1  # the end of the line last looked at: each character read once
+    for lead in _TIMESTAMP_LEAD.finditer(text):
+        start = lead.end()
+        if line_end < start:
+            line_end = text.find("\n", start)
+            line_end = len(text) if line_end < 0 else line_end
+        if line_end - start > MAX_TIMESTAMP:
+            continue
+        value = text[start:line_end].rstrip(" \t")
+        words = _DATE_GAP.split(_DATE_PARENS.sub("\x00", value))
+        if value and all(_DATE_WORD.fullmatch(w.removesuffix(".") or ".") for w in words):
+            yield start, start + len(value)
+
 
 RULES: tuple[VolatileRule, ...] = (
     # Claude Code's first system line: carries a per-request cch nonce
@@ -113,7 +136,7 @@ RULES: tuple[VolatileRule, ...] = (
     ),
     VolatileRule("cch_nonce", _line(r"\bcch=[0-9a-f]+;"), Canonical.SENTINEL),
     # "Current time is 10:42", "Current date: 2026-11-26", "Today's date is ..."
-    VolatileRule("timestamp", _line(TIMESTAMP, group=1), Canonical.SENTINEL),
+    VolatileRule("timestamp", timestamps, Canonical.SENTINEL),
     # Channel envelopes: "[message_id: 8812]", "message_id=abc", "\"message_id\": \"x\""
     VolatileRule(
         "message_id",
