@@ -304,13 +304,11 @@ class Settings(BaseSettings):
     # the Kamiwaza seed's plain RANK / WORLD_SIZE work too, in the environment or .env
     distributed_rank: int | None = Field(
         None,
-        ge=0,
         validation_alias=AliasChoices("KVWARM_DISTRIBUTED_RANK", "RANK"),
         description="this process's rank (with --distributed; env RANK works too)",
     )
     distributed_world_size: int | None = Field(
         None,
-        ge=2,
         validation_alias=AliasChoices("KVWARM_DISTRIBUTED_WORLD_SIZE", "WORLD_SIZE"),
         description="how many ranks (with --distributed; env WORLD_SIZE works too)",
     )
@@ -380,6 +378,16 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _paired_host(self) -> Settings:
+        # bounds only when distributed: WORLD_SIZE=1 in a launcher's or a container's
+        # environment is no reason for a server on its own to refuse to start
+        if self.distributed or launched():
+            if self.distributed_rank is not None and self.distributed_rank < 0:
+                raise ValueError(f"--distributed-rank {self.distributed_rank} is negative")
+            if self.distributed_world_size is not None and self.distributed_world_size < 2:
+                raise ValueError(
+                    f"--distributed-world-size {self.distributed_world_size}: a group has 2 "
+                    "ranks or more"
+                )
         if self.paired_host and self.distributed and not self.distributed_hosts:
             raise ValueError(
                 f"PAIRED_HOST={self.paired_host} is set, but kvwarm needs every rank's address: "

@@ -80,6 +80,10 @@ def test_the_seed_variables_work_from_a_dot_env_file_too(clean_env, tmp_path):
     assert hosts.hosts == ("10.0.0.1", "10.0.0.2")
     clean_env.setenv("RANK", "worker-3")  # another tool's variable: not ours to refuse
     assert Settings(_env_file=None).distributed_rank is None
+    clean_env.setenv("WORLD_SIZE", "1")  # a launcher's single process: not distributed
+    assert Settings(_env_file=None).distributed_config is None
+    with pytest.raises(ValueError, match="2 ranks or more"):
+        Settings(_env_file=None, distributed=True)
 
 
 @pytest.mark.parametrize(
