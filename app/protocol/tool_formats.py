@@ -79,8 +79,20 @@ def _tool_call_tag_parsers(inner: str, family: str | None) -> list[str]:
 
 # parsers of XML-style parameters (<parameter=NAME> / <param name="NAME">)
 XML_PARAMETERS = frozenset({"qwen3_coder", "minicpm5"})
-# parsers whose markup writes every argument value as text (JSON markup types its own)
-TEXT_VALUES = XML_PARAMETERS | {"glm47"}
+# parsers whose markup types its own values (JSON, Python literals); every other
+# markup writes values as text, and an untyped one holding JSON is decoded
+TYPED_VALUES = frozenset(
+    {
+        "json_tools",
+        "llama3_json",
+        "mistral",
+        "gemma4",
+        "kimi_k2",
+        "kimi_k3",
+        "pythonic",
+        "muse_spark",
+    }
+)
 # where one Qwen function ends and the next begins inside one <tool_call> block
 _FUNCTION_SEAM = re.compile(r"</function>\s*(?=<function=)")
 _XML_PARAMETER = re.compile(
@@ -118,9 +130,32 @@ def _qwen3_coder(inner: str) -> list[dict[str, Any]]:
     """Every ``<function=...>`` of one ``<tool_call>`` block: Qwen3-Coder sometimes
     writes several in one, and mlx-lm's parser reads a block as one function (from
     the first opening to the last closing: the first name, all the parameters)."""
-    pieces = _FUNCTION_SEAM.split(inner)
     parse = _mlx_parser("qwen3_coder")
-    return [parse(p + "</function>" if i < len(pieces) - 1 else p) for i, p in enumerate(pieces)]
+    return [parse(piece) for piece in _functions(inner)]
+
+
+def _functions(inner: str) -> list[str]:
+    """``inner`` cut between functions, never inside a parameter's value (a file
+    holding Qwen markup is one argument). One pass: every search starts where the
+    last one ended."""
+    pieces, start = [], 0
+    seam = _FUNCTION_SEAM.search(inner)
+    param = inner.find("<parameter=")
+    while seam is not None:
+        if 0 <= param < seam.start():  # a value first: the seam may lie inside it
+            close = inner.find("</parameter>", param)
+            if close < 0:
+                break  # an unclosed value runs to the end: nothing after it is a seam
+            past = close + len("</parameter>")
+            param = inner.find("<parameter=", past)
+            if seam.start() < past:
+                seam = _FUNCTION_SEAM.search(inner, past)
+            continue
+        pieces.append(inner[start : seam.start()] + "</function>")
+        start = seam.end()
+        seam = _FUNCTION_SEAM.search(inner, start)
+    pieces.append(inner[start:])
+    return pieces
 
 
 def _plausible(parser: str, call: dict[str, Any], schemas: Mapping[str, Any]) -> bool:
@@ -199,7 +234,7 @@ class ToolCallDecoder:
                 if not all(_plausible(name, c, self._schemas) for c in calls):
                     continue  # another parser may read it; else it stays text
                 nulls = _null_texts(inner) if name in XML_PARAMETERS else {}
-                return [self._finish(c, nulls, name in TEXT_VALUES) for c in calls]
+                return [self._finish(c, nulls, name not in TYPED_VALUES) for c in calls]
             except Exception as exc:  # noqa: BLE001 - any model text must be survivable
                 log.debug("%s markup did not parse: %s", markup.kind, exc)
         return None

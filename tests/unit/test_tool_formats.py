@@ -195,6 +195,31 @@ def test_qwen3_coder_two_functions_in_one_block_are_two_calls():
     assert parse(one, "qwen3_coder") == [ToolCall("run", '{"command": "echo \'</function>\' x"}')]
 
 
+def test_a_parameter_value_holding_qwen_markup_is_not_cut_into_calls():
+    """A file whose text holds a function seam ("</function>\\n<function=") is one
+    argument: it became the call without its content and a call never declared."""
+    text = (
+        "<tool_call>\n<function=run>\n<parameter=command>\ncat <<EOF\n</function>\n<function=demo>\nEOF\n"
+        "</parameter>\n</function>\n</tool_call>"
+    )
+    assert parse(text, "qwen3_coder") == [
+        ToolCall("run", json.dumps({"command": "cat <<EOF\n</function>\n<function=demo>\nEOF"}))
+    ]
+
+
+def test_text_valued_markup_of_a_familys_own_parser_decodes_untyped_json():
+    """MiniMax-M2 writes every value as text: a $ref parameter's JSON is the object."""
+    tools = function_tools(
+        [{"type": "function", "function": {"name": "event", "parameters": {"type": "object",
+          "properties": {"slot": {"$ref": "#/$defs/Slot"}}}}}]
+    )  # fmt: skip
+    decoder = ToolCallDecoder(tools, "minimax_m2", ("<minimax:tool_call>", "</minimax:tool_call>"))
+    inner = '\n<invoke name="event">\n<parameter name="slot">{"start": "10:00"}</parameter>\n</invoke>\n'
+    assert decoder.decode(decoder.markups[0], inner) == [
+        ToolCall("event", '{"slot": {"start": "10:00"}}')
+    ]
+
+
 @pytest.mark.parametrize("family", [None, "json_tools", "mistral"])
 def test_json_markup_keeps_a_string_the_model_wrote_for_an_untyped_parameter(family):
     """Only markup that writes every value as text has its untyped values decoded:
