@@ -75,7 +75,8 @@ class CrossOriginGuard:
     ``--cors-origins``. CORS only keeps the page from reading the answer: a
     ``text/plain`` or form POST needs no preflight, so any page the user opened
     could otherwise mount adapters, fill the queue or save conversations on a
-    loopback server without a key. Clients that are not browsers send no Origin."""
+    loopback server without a key. Clients that are not browsers send no Origin;
+    desktop apps' own schemes (``tauri://``, ``vscode-webview://``) are no web page."""
 
     def __init__(self, app: ASGIApp, allowed: list[str]):
         self.app = app
@@ -84,8 +85,13 @@ class CrossOriginGuard:
     def _permitted(self, scope: Scope, origin: str) -> bool:
         if "*" in self.allowed or origin in self.allowed:
             return True
-        host = Headers(scope=scope).get("host")
-        return host is not None and origin == f"{scope.get('scheme', 'http')}://{host}"
+        scheme, sep, host = origin.partition("://")
+        if not sep or scheme.lower() not in ("http", "https"):
+            return bool(sep)  # an app's own scheme; "null" (a sandboxed page) is refused
+        if host.lower() == "tauri.localhost":  # Tauri's webview on Windows
+            return True
+        # the server's own pages (/docs), whatever scheme a TLS proxy in front adds
+        return host.lower() == (Headers(scope=scope).get("host") or "").lower()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in SAFE_METHODS:

@@ -605,6 +605,14 @@ def test_a_web_page_from_another_origin_cannot_post_even_without_a_preflight():
         own = url.replace("localhost", "127.0.0.1")
         assert httpx.post(url + CHAT, json=chat(), headers={"Origin": own}).status_code == 200
         assert httpx.post(url + CHAT, json=chat()).status_code == 200
+        # desktop apps' own schemes, and the server's own host behind a TLS proxy
+        for app_origin in ("tauri://localhost", "http://tauri.localhost", "vscode-webview://abc"):
+            assert (
+                httpx.post(url + CHAT, json=chat(), headers={"Origin": app_origin}).status_code
+                == 200
+            )
+        tls = url.replace("http://localhost", "https://127.0.0.1").replace("http://", "https://")
+        assert httpx.post(url + CHAT, json=chat(), headers={"Origin": tls}).status_code == 200
         # reading is not guarded (CORS keeps a page from seeing the answer)
         assert (
             httpx.get(url + "/v1/models", headers={"Origin": "http://evil.example"}).status_code
