@@ -29,7 +29,6 @@ class APIError(Exception):
         code: str | None = None,
         param: str | None = None,
         headers: dict[str, str] | None = None,
-        recorded: bool = False,
     ):
         super().__init__(message)
         self.status = status
@@ -40,7 +39,7 @@ class APIError(Exception):
         self.headers = headers
         # the request was accepted and is already counted as finished (in error):
         # /metrics does not count it again as refused
-        self.recorded = recorded
+        self.recorded = False
 
 
 def error_body(message: str, error_type: str, code: str | None, param: str | None = None) -> dict:

@@ -139,6 +139,11 @@ class Outcome:
         """The HTTP error for a request that failed: a fault of its own is a 500,
         a queue timeout or a shutdown is a 503 worth retrying. The request was
         accepted: /metrics counts it once, as finished in error, not as refused."""
+        error = self._error()
+        error.recorded = True
+        return error
+
+    def _error(self) -> APIError:
         if self.error_code in RETRYABLE:
             return APIError(
                 503,
@@ -146,19 +151,12 @@ class Outcome:
                 "server_error",
                 self.error_code,
                 headers={"Retry-After": str(RETRY_AFTER_S)},
-                recorded=True,
             )
         if self.error_code == "adapter_not_found":  # unmounted between validation and start
-            return APIError(
-                400, self.error or "", code="adapter_not_found", param="adapter", recorded=True
-            )
+            return APIError(400, self.error or "", code="adapter_not_found", param="adapter")
         if self.error_code == "context_over_budget":  # the budget shrank while it was queued
-            return APIError(
-                400, self.error or "", "memory_admission", "context_over_budget", recorded=True
-            )
-        return APIError(
-            500, f"Generation failed: {self.error}", "server_error", "engine_error", recorded=True
-        )
+            return APIError(400, self.error or "", "memory_admission", "context_over_budget")
+        return APIError(500, f"Generation failed: {self.error}", "server_error", "engine_error")
 
     @property
     def stop_kind(self) -> str:

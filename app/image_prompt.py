@@ -59,11 +59,11 @@ def resolve_images(
     placeholder_notes: bool,
 ) -> tuple[list[dict[str, Any]], ResolvedImages]:
     """Messages with string contents, and the images the model will read."""
+    if front is not None:  # before any image is fetched; with no image part all the same
+        _refuse_markers(messages, front)
     sources = _sources(messages)
     resolved = ResolvedImages()
     if not sources:
-        if front is not None:  # no image parts: the marker in text is refused all the same
-            _refuse_markers(messages, front)
         return messages, resolved
     reading = front is not None or placeholder_notes
     loaded: list[list[LoadedImage]] = []  # per source: an image, or a video's frames
@@ -76,17 +76,12 @@ def resolve_images(
     for index, message in enumerate(messages):
         content = message.get("content")
         if not isinstance(content, list):
-            if front is not None and isinstance(content, str) and front.image_token in content:
-                raise _forged(front, index)
             out.append(message)
             continue
         pieces = []
         for part in content:
             if part.get("type") != "image":
-                text = part.get("text", "")
-                if front is not None and front.image_token in text:
-                    raise _forged(front, index)
-                pieces.append(text)
+                pieces.append(part.get("text", ""))
                 continue
             if front is not None:
                 for image in loaded[k]:
@@ -125,6 +120,7 @@ def _join(pieces: list[str], front: ImageFront | None) -> str:
 
 
 def _refuse_markers(messages: list[dict[str, Any]], front: ImageFront) -> None:
+    """Message text holding the model's image marker: images come as image parts."""
     for index, message in enumerate(messages):
         content = message.get("content")
         texts = (

@@ -377,7 +377,7 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _paired_host(self) -> Settings:
+    def _distributed_group(self) -> Settings:
         # bounds only when distributed: WORLD_SIZE=1 in a launcher's or a container's
         # environment is no reason for a server on its own to refuse to start
         if self.distributed or launched():

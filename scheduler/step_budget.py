@@ -98,7 +98,7 @@ class StepBudget:
         if decode_rows == 0 or self.max_step_s == 0:
             # nobody to keep smooth (or no time budget): the token budget, shared
             rows = running + waiting[:free]
-            per_row = max(TOKEN_BUDGET_FLOOR, self.chunk // max(1, len(rows)))
+            per_row = self._token_share(len(rows))
             return self._done(decode_rows, decode_depth, rows, len(running), per_row, False)
         if not self.cost.ready:
             rows = running or waiting[: min(free, 1)]  # one prompt teaches the model
@@ -145,6 +145,10 @@ class StepBudget:
             budgeted=budgeted,
         )
 
+    def _token_share(self, rows: int) -> int:
+        """Each row's share of the token budget's ``chunk`` (at least its floor)."""
+        return max(TOKEN_BUDGET_FLOOR, self.chunk // max(1, rows))
+
     def _fits(self, rows: list[Prefill], per_row: int, room: float) -> bool:
         """Whether ``rows`` can each prefill ``per_row`` tokens within ``room`` seconds."""
         return self.cost.prefill_s(step_shape(0, 0, rows, per_row)) <= room
@@ -154,7 +158,7 @@ class StepBudget:
         all rows together no more than the token budget's (what boot sizes the
         transient reserve for: a fast backend's time allowed rows x chunk)."""
         lo = self.min_row_slice
-        hi = max(lo, max(self.chunk, TOKEN_BUDGET_FLOOR * len(rows)) // max(1, len(rows)))
+        hi = max(lo, self._token_share(len(rows)))
         if not rows or not self._fits(rows, lo, room):
             return lo
         while lo < hi:
