@@ -25,7 +25,7 @@ from app.protocol.tool_schema import ToolChoice
 from app.request_fields import SamplingFields
 from app.session_id import session_id_from
 from app.state import AppState
-from kvcache.healing import decoded_arguments, history_contexts
+from kvcache.healing import decoded_arguments
 from kvcache.index import VolatilePolicy
 from kvcache.prompt_key import PromptKey, RenderedPrompt
 from kvcache.sessions import fallback_session_id
@@ -266,7 +266,7 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
         if message["role"] in ("user", "tool") and isinstance(message.get("content"), str):
             info.formatter.check_length(message["content"])
     explicit_session = session_id_from(call.fields, headers)
-    contexts = history_contexts(
+    contexts = state.healing.contexts(
         messages, explicit_session or "", _image_salts(messages, images, info.vision)
     )
     healed = state.healing.heal_all(messages, contexts)

@@ -16,9 +16,7 @@ the turn adds:
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import marshal
 import sys
 import threading
 from array import array
@@ -33,6 +31,7 @@ from typing import Any
 from tokenizers import Tokenizer as FastTokenizer
 
 from kvcache.prompt_key import TokenSpan
+from kvcache.value_digest import value_digest as _digest
 from kvcache.volatile_rules import CharSpan, MessageSlice
 
 log = logging.getLogger("kvwarm.prompt")
@@ -361,23 +360,6 @@ class Conversation:
             return None
         key = hashlib.blake2b(kwargs_digest + digests[0], digest_size=16).digest()
         return cls(kwargs_digest, digests, key)
-
-
-# messages come from JSON: no cycles to check for (a third of the encoding's time)
-_ENCODER = json.JSONEncoder(sort_keys=True, default=repr, check_circular=False)
-
-
-def _digest(value: Any) -> bytes:
-    """A digest equal for equal values. marshal (format 0: no back-references or
-    interning flags, which would depend on object identity) encodes a message in a
-    fifth of JSON's time, and a new turn digests every message of the history.
-    Dicts encode in their key order: the same message with its keys reordered
-    digests differently, which costs a reuse, never a wrong one."""
-    try:
-        encoded = marshal.dumps(value, 0)
-    except ValueError:  # a value marshal has no form for
-        encoded = b"json:" + _ENCODER.encode(value).encode()
-    return hashlib.blake2b(encoded, digest_size=16).digest()
 
 
 @dataclass(frozen=True)

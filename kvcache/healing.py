@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvcache.value_digest import value_digest
 from kvcache.volatile_rules import VOLATILE_ROLES, canonical_text, find_in_text, tag_blocks
 
 _OPEN, _CLOSE = "<think>", "</think>"
@@ -80,8 +81,69 @@ def canonical_tool_calls(tool_calls: Sequence[dict[str, Any]] | None) -> str:
     return json.dumps(out, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+class PlaceMemo:
+    """What each message seen lately adds to the history chain, by its digest: the
+    next turn resends every message, and canonicalising them all again (a volatile
+    scan of each user turn, tool-call JSON) cost 18 ms a turn at 1,000 messages.
+    Bounded; thread-safe (requests are prepared in worker threads)."""
+
+    def __init__(self, max_entries: int = 16384):
+        self.max_entries = max_entries
+        self._items: OrderedDict[bytes, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: bytes) -> bytes | None:
+        with self._lock:
+            value = self._items.get(key)
+            if value is not None:
+                self._items.move_to_end(key)
+            return value
+
+    def put(self, key: bytes, value: bytes) -> None:
+        with self._lock:
+            self._items[key] = value
+            if len(self._items) > self.max_entries:
+                self._items.popitem(last=False)
+
+
+def _place(message: dict[str, Any]) -> bytes:
+    """What one message adds to the history chain (see ``history_contexts``)."""
+    content = message.get("content") or ""
+    if not isinstance(content, str):
+        content = json.dumps(content, sort_keys=True, default=str)
+    if message.get("role") == "assistant":
+        content = visible_form(content)
+    elif message.get("role") in VOLATILE_ROLES:  # a new timestamp each turn is no new place
+        content = canonical_text(content, find_in_text(content))
+    h = hashlib.blake2b(digest_size=16)
+    for part in (
+        str(message.get("role")),
+        content,
+        canonical_tool_calls(message.get("tool_calls")),
+        str(message.get("tool_call_id") or ""),
+    ):
+        h.update(part.encode())
+        h.update(b"\x00")
+    return h.digest()
+
+
+def _remembered_place(message: dict[str, Any], memo: PlaceMemo) -> bytes:
+    try:
+        key = value_digest(message)
+    except (TypeError, ValueError, RecursionError):
+        return _place(message)
+    place = memo.get(key)
+    if place is None:
+        place = _place(message)
+        memo.put(key, place)
+    return place
+
+
 def history_contexts(
-    messages: Sequence[dict[str, Any]], scope: str = "", salts: Sequence[bytes] | None = None
+    messages: Sequence[dict[str, Any]],
+    scope: str = "",
+    salts: Sequence[bytes] | None = None,
+    memo: PlaceMemo | None = None,
 ) -> list[str]:
     """What each message answers: ``[i]`` is a hash chained over ``messages[:i]``
     (``[-1]``: over them all, what a reply to this request answers). Part of each
@@ -90,28 +152,14 @@ def history_contexts(
     ("continue" -> "Done."). Assistant turns count by their visible form (the
     echo strips them), system and user turns by their cache-key form (volatile
     values such as a timestamp replaced), the rest as sent; ``salts[i]``: what the text does not
-    show (the digests of message i's images); ``scope``: the client's session id.
-    One pass: linear in the conversation."""
+    show (the digests of message i's images); ``scope``: the client's session id;
+    ``memo``: places of messages seen before. One pass: linear in the conversation."""
     h = hashlib.blake2b(scope.encode(), digest_size=16)
     contexts = [h.hexdigest()]
     for i, message in enumerate(messages):
-        content = message.get("content") or ""
-        if not isinstance(content, str):
-            content = json.dumps(content, sort_keys=True, default=str)
-        if message.get("role") == "assistant":
-            content = visible_form(content)
-        elif message.get("role") in VOLATILE_ROLES:  # a new timestamp each turn is no new place
-            content = canonical_text(content, find_in_text(content))
-        h = hashlib.blake2b(h.digest(), digest_size=16)
-        for part in (
-            str(message.get("role")),
-            content,
-            canonical_tool_calls(message.get("tool_calls")),
-            str(message.get("tool_call_id") or ""),
-        ):
-            h.update(part.encode())
-            h.update(b"\x00")
-        h.update(salts[i] if salts is not None and i < len(salts) else b"")
+        place = _place(message) if memo is None else _remembered_place(message, memo)
+        salt = salts[i] if salts is not None and i < len(salts) else b""
+        h = hashlib.blake2b(h.digest() + place + salt, digest_size=16)
         contexts.append(h.hexdigest())
     return contexts
 
@@ -160,6 +208,16 @@ class HealingStore:
         self._lock = threading.Lock()
         self.nbytes = 0
         self.healed = 0
+        self.places = PlaceMemo()
+
+    def contexts(
+        self,
+        messages: Sequence[dict[str, Any]],
+        scope: str = "",
+        salts: Sequence[bytes] | None = None,
+    ) -> list[str]:
+        """``history_contexts`` of a request's messages, those seen before not redone."""
+        return history_contexts(messages, scope, salts, self.places)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -200,7 +258,7 @@ class HealingStore:
         """Every echoed reply in a conversation, swapped for its original
         (``contexts``: ``history_contexts`` of these messages)."""
         if contexts is None:
-            contexts = history_contexts(messages)
+            contexts = self.contexts(messages)
         out = list(messages)
         if not self._items:
             return out

@@ -299,3 +299,19 @@ def test_a_partly_stripped_echo_is_healed():
     store.remember(original)
     echoed = {"role": "assistant", "content": "draft</think>\nanswer"}
     assert store.heal(echoed)["content"] == original
+
+
+def test_a_resent_history_is_chained_from_remembered_places(monkeypatch):
+    """Each turn resends every message: canonicalising all of them again cost 18 ms a
+    turn at 1,000 messages. The memo gives the same chain, computing only new ones."""
+    import kvcache.healing as healing
+
+    history = _turns("Be brief.\nCurrent time is 10:42", ["Done.", "ok"])
+    store = HealingStore()
+    assert store.contexts(history, "s") == history_contexts(history, "s")
+    computed: list[dict] = []
+    place = healing._place  # noqa: SLF001
+    monkeypatch.setattr(healing, "_place", lambda m: computed.append(m) or place(m))
+    turn = [*history, {"role": "user", "content": "and now?"}]
+    assert store.contexts(turn, "s") == history_contexts(turn, "s")[: len(turn) + 1]
+    assert computed[0] == turn[-1] and len(computed) == 1 + len(turn)  # memo, then none
