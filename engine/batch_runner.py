@@ -356,7 +356,8 @@ class BatchRunner:
 
     def cut_short(self, request_id: str) -> RequestOutput | None:
         """End a running request as if it hit max_tokens (the watchdog): what it
-        generated is delivered, nothing of it is stored."""
+        generated is delivered, nothing of it is stored. Text the detokeniser still
+        held may complete a stop string: then it stopped, as it would have anyway."""
         row = self.remove(request_id)
         if row is None:
             return None
@@ -365,9 +366,11 @@ class BatchRunner:
             text = row.text.finish()
         except Exception:  # noqa: BLE001 - the row ends either way
             text = ""
+        stopped = row.text.stopped
         return row.output(
             text=text,
-            finish_reason=FinishReason.LENGTH,
+            finish_reason=FinishReason.STOP if stopped else FinishReason.LENGTH,
+            stop_sequence=row.text.matched_stop,
             timed_out=True,
             stats=row.stats(now),
         )

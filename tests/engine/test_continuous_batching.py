@@ -186,3 +186,54 @@ def test_rows_waiting_for_the_budget_can_leave_and_the_rest_finish(byte_tokenize
     while "a" not in done:
         done |= {o.request_id for o in runner.step() if o.finish_reason}
     runner.close()
+
+
+class _WordHoldingDetokenizer:
+    """Holds text until finalize, as SentencePiece's streaming detokeniser holds
+    the last word until the next one begins."""
+
+    def __init__(self):
+        self.last_segment = ""
+        self._held = ""
+
+    def add_token(self, token: int) -> None:
+        self._held += chr(token)
+        self.last_segment = ""
+
+    def finalize(self) -> None:
+        self.last_segment, self._held = self._held, ""
+
+
+def test_a_watchdog_cut_whose_held_text_completes_a_stop_string_says_stop(byte_tokenizer):
+    """The watchdog flushes what the detokeniser held; when that completes a stop
+    string the reply stopped there (finish stop, the string named), as a reply
+    ending normally would say."""
+    from engine.text_output import TextOutput
+
+    runner = _runner(byte_tokenizer)
+    runner.add(Request([3] * 5, max_tokens=50, sampling=GREEDY, ignore_eos=True, request_id="s"))
+    while not runner.row("s").generated:
+        runner.step()
+    row = runner.row("s")
+    row.text = TextOutput(_WordHoldingDetokenizer(), ("AB",))
+    for token in b"xyAB":
+        row.text.add_token(token)
+    cut = runner.cut_short("s")
+    assert cut.text == "xy"
+    assert cut.finish_reason is FinishReason.STOP and cut.stop_sequence == "AB"
+    assert cut.timed_out
+
+
+def test_a_watchdog_cut_without_a_stop_string_says_length(byte_tokenizer):
+    from engine.text_output import TextOutput
+
+    runner = _runner(byte_tokenizer)
+    runner.add(Request([3] * 5, max_tokens=50, sampling=GREEDY, ignore_eos=True, request_id="s"))
+    while not runner.row("s").generated:
+        runner.step()
+    runner.row("s").text = TextOutput(_WordHoldingDetokenizer(), ("AB",))
+    for token in b"xyA":
+        runner.row("s").text.add_token(token)
+    cut = runner.cut_short("s")
+    assert cut.text == "xyA"
+    assert cut.finish_reason is FinishReason.LENGTH and cut.stop_sequence is None
