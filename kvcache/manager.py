@@ -170,7 +170,7 @@ class TieredKVManager:
         )
         result = self.index.lookup(
             key,
-            self.sessions.candidates(hints.session_id),
+            self.sessions.candidates(hints.session_id, hints.message_hashes),
             promised,
             max_growth=max_growth,
             variant=self._variant(self._quant_for(hints.kv_bits), hints.adapter),
@@ -470,14 +470,14 @@ class TieredKVManager:
                 if e.uid == pin["uid"]:
                     return e
         own = [e for e in self.index.entries() if e.session == conversation_id]
-        record = self.sessions.get(conversation_id)
-        recorded = self.index.get(record.entry_id) if record and record.entry_id else None
-        if recorded is not None:
-            own.append(recorded)
+        for record in self.sessions.branches(conversation_id):
+            recorded = self.index.get(record.entry_id) if record.entry_id is not None else None
+            if recorded is not None:
+                own.append(recorded)
         if not own:
             raise ConversationNotFound(f"no cached KV for conversation {conversation_id!r}")
-        # the latest turn: the session record alone could be stuck on a side request
-        # (a title request sent first under the same session), and a save pinned that
+        # the longest turn: a session's latest write may be a side request's (a
+        # client's title request), and a save must pin the conversation itself
         return max(own, key=lambda e: (e.length, e.created))
 
     def _describe(self, conversation_id: str, entry: CacheEntry) -> SavedConversation:

@@ -1,12 +1,13 @@
 """Session layer: what each conversation looked like last turn.
 
 The global index works on tokens; this layer works on message structure. Per
-session it keeps the canonical message list of the last turn it saw grow by
-strict appends, the cache entry that turn produced, and lineage anchors (an
-entry every ``ANCHOR_TOKENS`` of growth). When the global lookup reuses less
-than the unchanged leading messages promise (an edited tool result in the
-middle, an entry that fell out of the chain), the session's entries are tried
-directly, so everything before the change point is still reused.
+session and branch (its main conversation, sub-agents, side requests) it keeps
+the canonical message list of the branch's last turn, the cache entry that turn
+produced, and lineage anchors (an entry every ``ANCHOR_TOKENS`` of growth). When
+the global lookup reuses less than the unchanged leading messages of the closest
+branch promise (an edited tool result in the middle, an entry that fell out of
+the chain), that branch's entries are tried directly, so everything before the
+change point is still reused.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 
 ANCHOR_TOKENS = 2048
 MAX_ANCHORS = 8
+# branches kept per session: a main conversation, a few sub-agents, side requests
+MAX_BRANCHES = 4
 # ~120 bytes each (a digest string, its end offset): about 30 MiB, all sessions
 # together. A count of sessions alone let 256 clients of 8,192 messages hold 242 MiB.
 MAX_MESSAGES = 262_144
@@ -52,15 +55,27 @@ def change_point(old: Sequence[str], new: Sequence[str]) -> int:
 
 
 class SessionStore:
-    """Least recently written records go first, past ``max_sessions`` records or
+    """Per session, the last turn of each of its few branches (a main conversation,
+    its sub-agents, a client's title request), most recently written first. A turn
+    that strictly extends a branch replaces it; any other starts a branch, the
+    least recently written one going past ``max_branches``. With one record per
+    session the first request (often a side request) kept it for good: no later
+    turn of the main conversation appended to it, so none was ever recorded.
+    Sessions go least recently written first, past ``max_sessions`` sessions or
     ``max_messages`` messages held; the record just written always stays."""
 
-    def __init__(self, max_sessions: int = 256, max_messages: int = MAX_MESSAGES):
+    def __init__(
+        self,
+        max_sessions: int = 256,
+        max_messages: int = MAX_MESSAGES,
+        max_branches: int = MAX_BRANCHES,
+    ):
         self.max_sessions = max_sessions
         self.max_messages = max_messages
-        self._records: OrderedDict[str, TurnRecord] = OrderedDict()
+        self.max_branches = max_branches
+        self._records: OrderedDict[str, list[TurnRecord]] = OrderedDict()
         self._messages_held = 0
-        self.rejected_writes = 0  # branches / edits that did not clobber a record
+        self.branches_started = 0  # writes that extended no branch of their session
 
     def __len__(self) -> int:
         return len(self._records)
@@ -70,26 +85,42 @@ class SessionStore:
         return self._messages_held
 
     def forget(self, session: str) -> None:
-        record = self._records.pop(session, None)
-        if record is not None:
+        for record in self._records.pop(session, ()):
             self._messages_held -= len(record.messages)
 
     def get(self, session: str) -> TurnRecord | None:
-        return self._records.get(session)
+        """The session's most recently written record."""
+        branches = self._records.get(session)
+        return branches[0] if branches else None
+
+    def branches(self, session: str) -> list[TurnRecord]:
+        return list(self._records.get(session, ()))
+
+    def _closest(self, session: str, messages: Sequence[str]) -> tuple[TurnRecord | None, int]:
+        """The branch sharing most leading messages with ``messages`` (the most
+        recently written among equals), and how many it shares."""
+        best, shared = None, 0
+        for record in self._records.get(session, ()):
+            n = change_point(record.messages, messages)
+            if n > shared:
+                best, shared = record, n
+        return best, shared
 
     def promised_tokens(self, session: str, messages: Sequence[str], ends: Sequence[int]) -> int:
         """Tokens covered by the messages this request shares with the session's
-        record: the prefix the cache ought to reuse."""
-        record = self._records.get(session)
-        if record is None:
-            return 0
-        shared = change_point(record.messages, messages)
+        closest branch: the prefix the cache ought to reuse."""
+        _, shared = self._closest(session, messages)
         if shared == 0 or shared > len(ends):
             return 0
         return ends[shared - 1]
 
-    def candidates(self, session: str) -> list[int]:
-        record = self._records.get(session)
+    def candidates(self, session: str, messages: Sequence[str] | None = None) -> list[int]:
+        """The entries of the branch closest to ``messages`` (the latest branch
+        when not given), its last turn's first, then its lineage anchors."""
+        if messages is None:
+            record = self.get(session)
+        else:
+            record, _ = self._closest(session, messages)
         if record is None:
             return []
         ids = [record.entry_id] if record.entry_id is not None else []
@@ -103,31 +134,48 @@ class SessionStore:
         ends: Sequence[int],
         entry_id: int | None,
     ) -> bool:
-        """Write the turn if it strictly extends the record (or starts one): a
-        sub-agent branch or a mid-history edit must not clobber its parent."""
+        """Write the turn over the branch it strictly extends (True), or as a new
+        branch (False): a sub-agent or an edited history does not clobber its parent."""
         messages = tuple(messages)
-        record = self._records.get(session)
-        if record is not None:
-            appends = (
-                len(messages) >= len(record.messages)
-                and messages[: len(record.messages)] == record.messages
-            )
-            if not appends:
-                self.rejected_writes += 1
-                return False
-        anchors = list(record.anchors) if record is not None else []
-        if record is not None and record.entry_id is not None:
-            last = anchors[-1][0] if anchors else 0
-            prev_tokens = record.message_ends[-1] if record.message_ends else 0
-            if prev_tokens - last >= ANCHOR_TOKENS:
-                anchors.append((prev_tokens, record.entry_id))
-                del anchors[:-MAX_ANCHORS]
-        self.forget(session)
-        self._records[session] = TurnRecord(messages, tuple(ends), entry_id, anchors)
+        branches = self._records.pop(session, [])
+        extended = next(
+            (
+                r
+                for r in sorted(branches, key=lambda r: -len(r.messages))
+                if len(messages) >= len(r.messages) and messages[: len(r.messages)] == r.messages
+            ),
+            None,
+        )
+        anchors: list[tuple[int, int]] = []
+        if extended is not None:
+            branches.remove(extended)
+            self._messages_held -= len(extended.messages)
+            anchors = list(extended.anchors)
+            if extended.entry_id is not None:
+                last = anchors[-1][0] if anchors else 0
+                prev_tokens = extended.message_ends[-1] if extended.message_ends else 0
+                if prev_tokens - last >= ANCHOR_TOKENS:
+                    anchors.append((prev_tokens, extended.entry_id))
+                    del anchors[:-MAX_ANCHORS]
+        elif branches:
+            self.branches_started += 1
+        branches.insert(0, TurnRecord(messages, tuple(ends), entry_id, anchors))
         self._messages_held += len(messages)
+        for dropped in branches[self.max_branches :]:
+            self._messages_held -= len(dropped.messages)
+        del branches[self.max_branches :]
+        self._records[session] = branches
+        self._evict(session)
+        return extended is not None or len(branches) == 1
+
+    def _evict(self, written: str) -> None:
+        """Oldest sessions first; then, if the one just written still holds too
+        many messages, its older branches (its newest record always stays)."""
         while len(self._records) > 1 and (
             len(self._records) > self.max_sessions or self._messages_held > self.max_messages
         ):
             _, oldest = self._records.popitem(last=False)
-            self._messages_held -= len(oldest.messages)
-        return True
+            self._messages_held -= sum(len(r.messages) for r in oldest)
+        branches = self._records[written]
+        while len(branches) > 1 and self._messages_held > self.max_messages:
+            self._messages_held -= len(branches.pop().messages)

@@ -338,14 +338,15 @@ def test_a_damaged_saved_list_keeps_its_sound_pins_and_the_server_starts(tmp_pat
 
 
 def test_saving_a_conversation_pins_its_latest_turn_not_a_side_requests(tmp_path):
-    """The session record is kept by the first request of a session (a client's
-    title request) when later turns are no append to it: a save pinned that."""
+    """A session's latest write may be a side request's (a client's title request):
+    a save pins the conversation's longest turn, whichever branch wrote last."""
     m = manager(tmp_path)
     try:
         side = store(m, list(range(700, 760)), session="S")
         m.sessions.record_turn("S", ["title request"], [60], side)
         turn = store(m, list(range(800, 1200)), session="S")
-        assert not m.sessions.record_turn("S", ["system", "question"], [300, 400], turn)
+        m.sessions.record_turn("S", ["system", "question"], [300, 400], turn)
+        m.sessions.record_turn("S", ["title request", "again"], [60, 70], side)
         saved = m.save_conversation("S", "my work")
         assert saved.tokens == 400
     finally:

@@ -12,7 +12,7 @@ from kvcache.healing import HealingStore, history_contexts, visible_form
 from kvcache.sessions import ANCHOR_TOKENS, SessionStore, fallback_session_id
 
 
-def test_turn_records_are_written_only_on_strict_appends():
+def test_a_turn_replaces_only_the_branch_it_strictly_extends():
     store = SessionStore()
     assert store.record_turn("s", ["sys", "u1"], [100, 120], entry_id=1)
     assert store.record_turn("s", ["sys", "u1", "a1", "u2"], [100, 120, 150, 170], entry_id=2)
@@ -20,8 +20,37 @@ def test_turn_records_are_written_only_on_strict_appends():
     assert not store.record_turn("s", ["sys", "sub"], [100, 130], entry_id=3)
     # nor does a mid-history edit
     assert not store.record_turn("s", ["sys", "u1-edited", "a1", "u2"], [100, 121, 151, 171], 4)
-    assert store.get("s").entry_id == 2 and store.rejected_writes == 2
-    assert store.candidates("s")[0] == 2
+    assert store.branches_started == 2
+    main = ["sys", "u1", "a1", "u2", "a2", "u3"]
+    assert store.candidates("s", main)[0] == 2
+    assert store.promised_tokens("s", main, [100, 120, 150, 170, 200, 220]) == 170
+    # the sub-agent goes on in its own branch
+    assert store.record_turn("s", ["sys", "sub", "a", "u"], [100, 130, 140, 150], entry_id=5)
+    assert store.candidates("s", ["sys", "sub", "a", "u", "x"])[0] == 5
+    assert store.candidates("s", main)[0] == 2
+
+
+def test_a_side_request_sent_first_does_not_keep_the_session_for_good():
+    """A client's title request opened the session; with one record per session no
+    turn of the conversation itself appended to it, so none was ever recorded."""
+    store = SessionStore()
+    store.record_turn("s", ["title-sys", "summarise: hello"], [40, 60], entry_id=1)
+    store.record_turn("s", ["sys", "hello"], [100, 120], entry_id=2)
+    assert store.record_turn("s", ["sys", "hello", "a1", "u2"], [100, 120, 150, 170], 3)
+    assert store.candidates("s", ["sys", "hello", "a1", "u2", "a2", "u3"]) == [3]
+    assert store.promised_tokens("s", ["sys", "hello", "a1", "u2*"], [100, 120, 150, 171]) == 150
+    assert store.candidates("s", ["title-sys", "summarise: more"]) == [1]
+
+
+def test_branches_per_session_are_bounded_oldest_written_first():
+    store = SessionStore(max_branches=2)
+    store.record_turn("s", ["a"], [1], 1)
+    store.record_turn("s", ["b"], [1], 2)
+    store.record_turn("s", ["a", "a2"], [1, 2], 3)  # extends a: now the newest
+    store.record_turn("s", ["c"], [1], 4)  # b, the least recently written, goes
+    assert [r.entry_id for r in store.branches("s")] == [4, 3]
+    assert store.messages_held == 3
+    assert store.candidates("s", ["b", "b2"]) == []
 
 
 def test_promised_tokens_end_at_the_change_point():
@@ -77,7 +106,7 @@ def test_messages_held_is_the_sum_over_records(writes):
             [1] * (len(base) + n),
             1,
         )
-        total = sum(len(store.get(s).messages) for s in "abcde" if store.get(s))
+        total = sum(len(r.messages) for s in "abcde" for r in store.branches(s))
         assert store.messages_held == total
         assert len(store) <= 3 and (total <= 8 or len(store) == 1)
 
