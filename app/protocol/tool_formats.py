@@ -158,6 +158,41 @@ def _functions(inner: str) -> list[str]:
     return pieces
 
 
+def _glm_pairs(inner: str) -> str:
+    """GLM markup rebuilt from its well-formed ``<arg_key>K</arg_key> <arg_value>V
+    </arg_value>`` pairs, found in one pass: mlx-lm's pair regex, given pairs left
+    open (a model looping on them), backtracks over the whole tail for each one,
+    cubic in the reply's length (32 KB: 4 s on the event loop; 64 KB: minutes).
+    On well-formed markup it reads what the regex reads; a pair left open, or a
+    key with no value after it, is dropped rather than glued into its neighbour."""
+    first = inner.find("<arg_key>")
+    if first < 0:
+        return inner  # a bare name, JSON, or key=value text: no pair regex runs
+    pairs, pos = [inner[:first]], first
+    while (key := inner.find("<arg_key>", pos)) >= 0:
+        key_end = inner.find("</arg_key>", key + 9)
+        if key_end < 0:
+            break  # no later key is closed either
+        value = key_end + 10
+        while True:  # what the regex allows between key and value: spaces, "\\n"
+            if value < len(inner) and inner[value].isspace():
+                value += 1
+            elif inner.startswith("\\n", value):
+                value += 2
+            else:
+                break
+        pos = value
+        if not inner.startswith("<arg_value>", value):
+            continue
+        value_end = inner.find("</arg_value>", value + 11)
+        if value_end < 0:
+            break  # no later value is closed either
+        pairs.append(inner[key : value + 11])
+        pairs.append(inner[value + 11 : value_end] + "</arg_value>")
+        pos = value_end + 12
+    return "".join(pairs)
+
+
 def _plausible(parser: str, call: dict[str, Any], schemas: Mapping[str, Any]) -> bool:
     """Whether a decoded call is one: a name is never text with spaces or markup
     in it, and GLM's parser, which turns any text into a call (``raw`` holding
@@ -251,9 +286,9 @@ class ToolCallDecoder:
                     n,
                     _qwen3_coder
                     if n == "qwen3_coder"
-                    else lambda text, n=n: _mlx_parser(n)(
-                        text, self.tools if n == "glm47" else None
-                    ),
+                    else (lambda text: _mlx_parser("glm47")(_glm_pairs(text), self.tools))
+                    if n == "glm47"
+                    else _mlx_parser(n),
                 )
                 for n in names
             ]

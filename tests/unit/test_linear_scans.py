@@ -120,3 +120,20 @@ def test_relocating_around_image_placeholders_stays_linear(unit: str) -> None:
     out = relocate_volatile_lines([text, "now"], ["user", "user"], fixed="<image>")
     assert out[0].count("<image>") == text.count("<image>")  # every image stays
     assert 0 < text.examined <= 4 * len(text)
+
+
+@pytest.mark.parametrize(
+    "unit",
+    [
+        "<arg_key>a</arg_key><arg_value>x",  # values left open
+        "<arg_key>a</arg_key>x",  # keys with no value
+        "<arg_key>a",  # keys left open
+        "<arg_key>a</arg_key> \n<arg_value>x</arg_value>",
+    ],
+)
+def test_glm_pairs_examine_each_character_at_most_twice(unit: str) -> None:
+    from app.protocol.tool_formats import _glm_pairs
+
+    text = adversarial(unit)
+    _glm_pairs(text)
+    assert text.examined <= 2 * len(text)

@@ -381,3 +381,53 @@ def test_every_thinking_control_maps_onto_one_flag(fields, expected):
     for default in (True, False):
         want = default if expected is None else expected
         assert resolve_thinking(fields, default) is want
+
+
+_GLM_TEXT = st.text(st.sampled_from("ab \n<>/=_\\n"), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(["read_file", "run", " run\n"]),
+    st.lists(st.tuples(_GLM_TEXT, st.sampled_from(["", " ", "\n", "\\n", " \\n\n"]), _GLM_TEXT)),
+)
+def test_glm_pairs_read_what_mlx_lms_regex_reads_on_well_formed_markup(name, pairs):
+    """The one-pass rebuild hands mlx-lm's GLM parser exactly the pairs its regex
+    would find in well-formed markup, so the parse is unchanged."""
+    import importlib
+
+    from app.protocol.tool_formats import _glm_pairs
+
+    def clean(text: str) -> str:  # a key or value holding no closing tag of its own
+        return text.replace("</arg_key>", "").replace("</arg_value>", "")
+
+    inner = name + "".join(
+        f"<arg_key>{clean(k)}</arg_key>{gap}<arg_value>{clean(v)}</arg_value>"
+        for k, gap, v in pairs
+    )
+    if "</arg_key" in inner.replace("</arg_key>", "") or "</arg_value" in inner.replace(
+        "</arg_value>", ""
+    ):
+        return  # a partial tag spliced across the join: not what this property covers
+    parse = importlib.import_module("mlx_lm.tool_parsers.glm47").parse_tool_call
+    assert parse(_glm_pairs(inner), TOOLS) == parse(inner, TOOLS)
+
+
+def test_glm_markup_a_model_loops_on_reaches_mlx_lms_parser_without_its_open_pairs(
+    monkeypatch,
+):
+    """Pairs left open made mlx-lm's regex backtrack over the tail for each one:
+    64 KB of them held the event loop for minutes. The parser now sees only the
+    closed pairs."""
+    import app.protocol.tool_formats as tf
+
+    seen = []
+    monkeypatch.setattr(
+        tf,
+        "_mlx_parser",
+        lambda name: lambda text, tools=None: seen.append(text) or {"name": "run", "arguments": {}},
+    )
+    loop = "<arg_key>command</arg_key><arg_value>ls" * 2000
+    inner = "run\n<arg_key>path</arg_key>\n<arg_value>a.txt</arg_value>" + loop
+    ToolCallDecoder(TOOLS, "glm47").decode(tf.TOOL_CALL_TAG, inner)
+    assert seen == ["run\n<arg_key>path</arg_key>\n<arg_value>a.txt</arg_value>"]
