@@ -264,6 +264,8 @@ async def messages(http: HTTPRequest):
             headers={**SSE_HEADERS, **gen.response_headers()},
         )
     done = await gen.collect(http)
+    if done is None:
+        return Response(status_code=499)  # the client left: nothing to build or store
     if done.failed:
         raise done.failure()
     content = [_block(event) for event in done.events]

@@ -310,8 +310,9 @@ class Generation:
         finally:
             self._close()
 
-    async def collect(self, http: HTTPRequest) -> Outcome:
-        """The whole outcome, aborting if the client hangs up meanwhile."""
+    async def collect(self, http: HTTPRequest) -> Outcome | None:
+        """The whole outcome; None when the client hung up first (the request is
+        aborted: nobody is left to build, store or send a reply for)."""
 
         async def consume() -> None:
             async for _ in self.events():
@@ -326,7 +327,7 @@ class Generation:
             if await http.is_disconnected():
                 log.info("%s: client disconnected, aborting", self.request_id)
                 task.cancel()
-                break
+                return None
         return self.outcome
 
     def _observe_itl(self, out: RequestOutput) -> None:

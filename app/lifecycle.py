@@ -75,7 +75,10 @@ class GracefulServer(uvicorn.Server):
         if self._loop is None:  # died while loading: nothing is being served yet
             self.should_exit = True
             return
-        self._loop.call_soon_threadsafe(self._begin, self._flush_and_exit)
+        try:
+            self._loop.call_soon_threadsafe(self._begin, self._flush_and_exit)
+        except RuntimeError:  # the loop closed meanwhile: the server is gone already
+            self.should_exit = True
 
     def _begin(self, job) -> None:
         if self._stopping:

@@ -119,6 +119,8 @@ async def completions(http: HTTPRequest):
             headers={**SSE_HEADERS, **gen.response_headers()},
         )
     done = await gen.collect(http)
+    if done is None:
+        return Response(status_code=499)  # the client left: nothing to build or store
     if done.failed:
         raise done.failure()
 

@@ -314,6 +314,8 @@ async def create_response(http: HTTPRequest):
         )
     items = _Items()
     done = await gen.collect(http)
+    if done is None:
+        return Response(status_code=499)  # the client left: nothing to build or store
     for event in done.events:
         _apply(items, event)
     _finalise(response, done, items)

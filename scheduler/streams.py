@@ -29,8 +29,12 @@ class OutputRouter:
 
     def publish(self, outputs: Iterable[RequestOutput]) -> None:
         batch = list(outputs)
-        if batch and not self._loop.is_closed():
+        if not batch:
+            return
+        try:
             self._loop.call_soon_threadsafe(self._dispatch, batch)
+        except RuntimeError:  # the loop closed (the server exited): nobody reads them
+            pass
 
     def _dispatch(self, batch: list[RequestOutput]) -> None:
         for output in batch:

@@ -219,3 +219,25 @@ def test_a_refused_limit_steps_down_to_one_the_system_grants(monkeypatch):
     monkeypatch.setattr(resource, "getrlimit", lambda which: (256, resource.RLIM_INFINITY))
     monkeypatch.setattr(resource, "setrlimit", setrlimit)
     assert raise_open_files_limit() == (256, 61440) and granted == [61440]
+
+
+def test_the_engine_thread_outliving_the_event_loop_raises_nothing():
+    """An engine thread still running after the server's loop closed (past the exit
+    join) ends its outputs and its death quietly, instead of raising on that thread."""
+    import asyncio
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from app.lifecycle import GracefulServer
+    from scheduler.request import RequestOutput
+    from scheduler.streams import OutputRouter
+
+    loop = asyncio.new_event_loop()
+    router = OutputRouter(loop)
+    server = GracefulServer(uvicorn.Config(FastAPI()), FastAPI(), 1.0)
+    server._loop = loop
+    loop.close()
+    router.publish([RequestOutput("r")])
+    server.engine_died("boom")
+    assert server.exit_code == 1 and server.should_exit

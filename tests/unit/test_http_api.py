@@ -377,6 +377,24 @@ def test_non_streaming_disconnect_aborts_too():
         _wait(lambda: engine.engine_stats().active_rows == 0)
 
 
+def test_a_non_streamed_response_whose_client_left_is_not_stored():
+    """The handler went on after the hang-up: it stored the partial reply under
+    status "completed", for a previous_response_id nobody would send."""
+    app = make_app(Settings(_env_file=None, batch=1), step_delay=0.01)
+    with serve_app(app) as url:
+        state = app.state.kvwarm
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(
+                url + "/v1/responses", json={"input": "hi", "max_output_tokens": 1000}, timeout=0.3
+            )
+        _wait(lambda: state.service.scheduler.stats().aborted_total == 1)
+        _wait(lambda: state.engine.engine_stats().active_rows == 0)
+        time.sleep(0.3)  # the handler's own work after the abort
+        assert len(state.responses) == 0
+        done = httpx.post(url + "/v1/responses", json={"input": "hi", "max_output_tokens": 2})
+        assert done.status_code == 200 and len(state.responses) == 1
+
+
 def test_engine_death_ends_streams_with_an_error_and_health_turns_503():
     app = make_app(step_delay=0.01)
     with serve_app(app) as url:
