@@ -366,7 +366,7 @@ async def _stream(gen: Generation, message: dict[str, Any]) -> AsyncIterator[str
             )
 
     ping = sse_event("ping", {"type": "ping"})
-    async for text in framed(gen.events(), lambda event: "".join(frames(event)), ping):
+    async for text in framed(gen.events(), lambda event: "".join(frames(event)), ping, gen.broke):
         yield text
     for frame in blocks.close():
         yield frame

@@ -367,6 +367,14 @@ class Generation:
             },
         )
 
+    def broke(self, exc: Exception) -> None:
+        """A fault while streaming, outside the parser: this request fails alone,
+        ending with its dialect's error event."""
+        log.error("%s: the stream failed", self.request_id, exc_info=exc)
+        if self.outcome.finish_reason is None:
+            self.state.service.cancel(self.request_id)
+        self.outcome.fail(f"the reply could not be streamed: {type(exc).__name__}: {exc}")
+
     def _close(self) -> None:
         if self._closed:
             return

@@ -201,7 +201,7 @@ async def _stream_chunks(
             calls += 1
         return chunk(delta)
 
-    async for frames in framed(gen.events(), frame):
+    async for frames in framed(gen.events(), frame, on_error=gen.broke):
         yield frames
     if done.failed:
         err = done.failure()

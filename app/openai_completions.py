@@ -167,7 +167,7 @@ async def _stream(
     def frame(event: Event) -> str:
         return chunk(event.text)  # type: ignore[union-attr]
 
-    async for frames in framed(gen.events(), frame):
+    async for frames in framed(gen.events(), frame, on_error=gen.broke):
         yield frames
     if done.failed:
         err = done.failure()

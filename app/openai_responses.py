@@ -504,7 +504,9 @@ async def _stream(gen: Generation, response: dict[str, Any], store) -> AsyncIter
                 delta=event.arguments,
             )
 
-    async for text in framed(gen.events(), lambda event: "".join(frames(event))):
+    async for text in framed(
+        gen.events(), lambda event: "".join(frames(event)), on_error=gen.broke
+    ):
         yield text
     done = gen.outcome
     if done.finish_reason is None:

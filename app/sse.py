@@ -114,10 +114,21 @@ def _wake(future: asyncio.Future[None]) -> None:
 
 
 async def framed(
-    events: AsyncIterator[T], frame: Callable[[T], str], keepalive: str = SSE_KEEPALIVE
+    events: AsyncIterator[T],
+    frame: Callable[[T], str],
+    keepalive: str = SSE_KEEPALIVE,
+    on_error: Callable[[Exception], None] | None = None,
 ) -> AsyncIterator[str]:
     """A stream's body: each batch of ``events`` that is waiting framed into one
     string (one socket write however far the stream fell behind), ``keepalive``
-    whenever ``KEEPALIVE_S`` pass without one."""
-    async for batch in with_heartbeat(events, KEEPALIVE_S):
-        yield keepalive if batch is None else "".join(map(frame, batch))
+    whenever ``KEEPALIVE_S`` pass without one. A fault producing or framing an
+    event goes to ``on_error`` and ends the body: the caller then sends its
+    dialect's error event (once the headers are out, nothing else can tell the
+    client; the connection was cut mid-chunk)."""
+    try:
+        async for batch in with_heartbeat(events, KEEPALIVE_S):
+            yield keepalive if batch is None else "".join(map(frame, batch))
+    except Exception as exc:  # noqa: BLE001 - this stream fails alone
+        if on_error is None:
+            raise
+        on_error(exc)
