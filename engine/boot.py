@@ -83,7 +83,11 @@ def boot_mlx(config: EngineConfig) -> Booted:
         prefix_cache = TieredKVManager(
             pc,
             cache_bytes,
-            kv_namespace(loaded.model_dir, loaded.layout),
+            kv_namespace(
+                loaded.model_dir,
+                loaded.layout,
+                cfg.kv_dir / ".weights-digests.json" if disk is not None else None,
+            ),
             make_prompt_cache(loaded.model),
             disk,
             cfg.kv_quant,

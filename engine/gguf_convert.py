@@ -26,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.file_digest import content_digest
 from engine.gguf_archs import TOP, GGUFArch, arch_of, base_config
 from engine.model_errors import UnsupportedModelError
 
@@ -220,38 +221,11 @@ def cache_root() -> Path:
     return Path(base) / "kvwarm"
 
 
-def content_digest(gguf: Path) -> str:
-    """SHA-256 of the file's bytes, remembered per (path, size, mtime) so a
-    restart does not read gigabytes again: two copies of one file share a key."""
-    memo_path = cache_root() / "models" / ".gguf-digests.json"
-    stat = gguf.stat()
-    where = str(gguf.resolve())
-    try:
-        memo = json.loads(memo_path.read_text())
-    except (OSError, ValueError):
-        memo = {}
-    known = memo.get(where)
-    if known and known.get("size") == stat.st_size and known.get("mtime_ns") == stat.st_mtime_ns:
-        return str(known["sha256"])
-    digest = hashlib.sha256()
-    with open(gguf, "rb") as f:
-        while chunk := f.read(8 * 2**20):
-            digest.update(chunk)
-    memo[where] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest.hexdigest()}
-    try:
-        memo_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo_path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(memo))
-        tmp.replace(memo_path)
-    except OSError:
-        pass  # a read-only cache still works: the file is hashed again next time
-    return digest.hexdigest()
-
-
 def converted_dir(gguf: Path, dequantize: bool) -> Path:
     """Keyed by content and converter version, not path: every checkout (or copy)
     of the same file shares one converted folder."""
-    key = f"{content_digest(gguf)}|{_CONVERTER_VERSION}"
+    digest = content_digest(gguf, cache_root() / "models" / ".gguf-digests.json")
+    key = f"{digest}|{_CONVERTER_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     flavour = "f32" if dequantize else "q"
     return cache_root() / "models" / f"{gguf.stem}-{flavour}-{digest}"

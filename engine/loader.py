@@ -22,6 +22,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from engine.file_digest import content_digest
 from engine.gguf_convert import convert_gguf
 from engine.model_errors import UnsupportedModelError
 from engine.model_source import ModelSource
@@ -168,9 +169,27 @@ def group_fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
-def kv_namespace(model_dir: Path, layout: KVLayout) -> str:
-    """Where stored KV of this model belongs: weights, cache layout, file format."""
-    return f"{model_fingerprint(model_dir)}-{layout.fingerprint()}-v{FORMAT_VERSION}"
+def weights_digest(model_dir: Path, memo: Path) -> str:
+    """The weights named by every byte (config + each weight file's SHA-256, each
+    read once and remembered in ``memo``): what KV kept across restarts is keyed
+    by. A fine-tune of the same shapes (a fused LoRA changes a few projections in
+    some layers) differs from its base nowhere a sample is sure to look, and KV
+    of its base would be read as its own."""
+    h = hashlib.blake2b(digest_size=8)
+    config = model_dir / "config.json"
+    if config.exists():
+        h.update(config.read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        h.update(f"{path.name}:{content_digest(path, memo)}".encode())
+    return h.hexdigest()
+
+
+def kv_namespace(model_dir: Path, layout: KVLayout, memo: Path | None = None) -> str:
+    """Where stored KV of this model belongs: weights, cache layout, file format.
+    With ``memo`` (KV that outlives the process: the SSD tier) the weights are
+    named by their content, else by ``model_fingerprint``."""
+    weights = weights_digest(model_dir, memo) if memo is not None else model_fingerprint(model_dir)
+    return f"{weights}-{layout.fingerprint()}-v{FORMAT_VERSION}"
 
 
 def _num_heads(model: Any, config: dict[str, Any]) -> int:

@@ -44,3 +44,37 @@ def test_a_fine_tune_of_the_same_shapes_differs(tmp_path):
     weights.write_bytes(bytes(raw))
     assert model_fingerprint(tuned) == model_fingerprint(base)
     assert group_fingerprint(tuned) != group_fingerprint(base)
+
+
+def test_kv_kept_across_restarts_is_keyed_by_every_byte_of_the_weights(tmp_path):
+    """The SSD tier's namespace: a fine-tune differing from its base only between
+    the two ends of a weight file (a fused LoRA) gets its own, where the sampled
+    fingerprint gave both one and the base's KV was served as the tune's."""
+    import os
+
+    from engine.loader import kv_namespace
+    from kvcache.layout import KVLayout
+
+    layout = KVLayout((), ())
+    base = write_tiny_llama(tmp_path / "base", seed=3, hidden=256)
+    tuned = copy(base, tmp_path / "tuned")
+    (weights,) = tuned.glob("*.safetensors")
+    raw = bytearray(weights.read_bytes())
+    raw[len(raw) // 2] ^= 1
+    weights.write_bytes(bytes(raw))
+    memo = tmp_path / "kv" / ".weights-digests.json"
+    assert kv_namespace(tuned, layout) == kv_namespace(base, layout)  # RAM only: sampled
+    assert kv_namespace(tuned, layout, memo) != kv_namespace(base, layout, memo)
+    assert kv_namespace(copy(base, tmp_path / "copy"), layout, memo) == kv_namespace(
+        base, layout, memo
+    )
+    # each file is read once: the digest is remembered by path, size, mtime and inode
+    stat = weights.stat()
+    named = kv_namespace(tuned, layout, memo)
+    raw[len(raw) // 2] ^= 1
+    with open(weights, "r+b") as f:  # in place: the same inode and size
+        f.write(bytes(raw))
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert kv_namespace(tuned, layout, memo) == named
+    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # touched: read again
+    assert kv_namespace(tuned, layout, memo) == kv_namespace(base, layout, memo)
