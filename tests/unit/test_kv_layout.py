@@ -54,3 +54,25 @@ def test_auto_disk_budget_is_a_share_of_free_space(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert resolve_disk_bytes(blocker / "kv", None) == 0  # cannot be made: tier off
+
+
+def test_the_auto_disk_budget_counts_what_the_tier_already_holds_as_free(tmp_path, monkeypatch):
+    """A restart after the tier filled found that much less free space: the budget
+    shrank and the restart deleted stored KV to fit it."""
+    import shutil
+    from collections import namedtuple
+
+    disk = 16 * 2**20
+    usage = namedtuple("usage", "total used free")
+    root = tmp_path / "kv"
+
+    def disk_usage(path):
+        held = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+        return usage(disk, held, disk - held)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    first = resolve_disk_bytes(root, None)
+    assert first == disk // 4
+    (root / "ns" / "blocks" / "ab").mkdir(parents=True)
+    (root / "ns" / "blocks" / "ab" / "x.safetensors").write_bytes(b"\0" * first)
+    assert resolve_disk_bytes(root, None) == first
