@@ -554,14 +554,19 @@ class BatchRunner:
                 self._release(row)
                 if resp.finish_reason is not None:
                     self._store_quietly(row, resp.prompt_cache, resp.all_tokens)
+                    # its own copy of the row's KV, counted nowhere: gone now, not
+                    # when the step ends (rows finishing together piled them up)
+                    resp.prompt_cache = None
                 else:
                     stopped_by_text[resp.uid] = row
         if stopped_by_text:
             caches = self._generator.remove(
                 list(stopped_by_text), return_prompt_caches=self.prefix_cache is not None
             )
-            for uid, (cache, tokens) in caches.items():
+            for uid in list(caches):
+                cache, tokens = caches.pop(uid)  # each copy goes once stored
                 self._store_quietly(stopped_by_text[uid], cache, tokens)
+                del cache
         self._read_logprobs(failed)
         outputs += self._fail_rows(failed, now)
         self.timings.record(

@@ -357,3 +357,28 @@ def test_recurrent_cache_falls_back_to_a_message_boundary_checkpoint(byte_tokeni
     cold = _recurrent_harness(byte_tokenizer, cache=False)
     ((expected, _),) = cold.run(_raw_request(second, (), 0, "c"))
     assert warm == expected
+
+
+def test_rows_finishing_together_do_not_pile_up_copies_of_their_kv(tiny):
+    """Storing a finished row reads mlx-lm's extracted copy of its KV, counted in
+    no budget: each copy must go once stored, not stay alive until the step ends
+    (eight rows finishing together held 0.83x the batch's KV past the budget)."""
+    import weakref
+
+    h = Harness(tiny, VolatilePolicy.STRICT)
+    alive_at_store: list[int] = []
+    earlier: list[weakref.ref] = []
+    store = h.runner._store_quietly
+
+    def watching(row, caches, all_tokens):
+        alive_at_store.append(sum(1 for ref in earlier if ref() is not None))
+        store(row, caches, all_tokens)
+        earlier.extend(weakref.ref(c) for c in caches)
+
+    h.runner._store_quietly = watching
+    requests = [
+        h.request(conversation(turns=1) + [{"role": "user", "content": f"q{i}"}], session=f"s{i}")
+        for i in range(4)
+    ]
+    h.run(*requests)
+    assert len(alive_at_store) == 4 and alive_at_store == [0, 0, 0, 0]
