@@ -235,7 +235,9 @@ def _completion_limit(call: ChatCall, info: ModelInfo, prompt_len: int, default:
         if 1 <= room < limit:
             log.info("max_tokens %d lowered to %d: the room this prompt leaves", limit, room)
             limit = room
-    return resolve_max_tokens(limit, prompt_len, info.context_length, default)
+    return resolve_max_tokens(
+        limit, prompt_len, info.context_length, default, info.budget.ceiling_tokens
+    )
 
 
 def _sampling(call: ChatCall, info: ModelInfo) -> SamplingParams:

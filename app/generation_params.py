@@ -97,10 +97,16 @@ def resolve_sampling(
 
 
 def resolve_max_tokens(
-    requested: int | None, prompt_tokens: int, context_length: int, server_default: int
+    requested: int | None,
+    prompt_tokens: int,
+    context_length: int,
+    server_default: int,
+    ceiling_tokens: int | None = None,
 ) -> int:
     """An explicit limit is kept as asked (admission refuses it if it cannot fit);
-    an omitted one is the server default clipped to the room left in the context."""
+    an omitted one is the server default clipped to the room left in the context
+    and under the memory ceiling (a client that set no limit was refused for the
+    server's default of 2048 where 992 tokens of room were left)."""
     if requested is not None:
         return requested
     room = context_length - prompt_tokens
@@ -110,4 +116,6 @@ def resolve_max_tokens(
             f"your messages resulted in {prompt_tokens} tokens. Please reduce the length "
             f"of the messages."
         )
+    if ceiling_tokens is not None and ceiling_tokens - prompt_tokens >= 1:
+        room = min(room, ceiling_tokens - prompt_tokens)  # else admission says why not
     return min(server_default, room)

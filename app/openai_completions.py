@@ -70,7 +70,11 @@ def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Pre
     request = Request(
         prompt_tokens=tokens,
         max_tokens=resolve_max_tokens(
-            body.completion_limit, len(tokens), info.context_length, DEFAULT_MAX_TOKENS
+            body.completion_limit,
+            len(tokens),
+            info.context_length,
+            DEFAULT_MAX_TOKENS,
+            info.budget.ceiling_tokens,
         ),
         sampling=resolve_sampling(body.sampling(), info.generation_defaults, info.vocab_size),
         stop=body.stops,

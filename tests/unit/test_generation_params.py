@@ -29,6 +29,10 @@ def test_max_tokens_default_is_clipped_to_the_room_left():
     assert resolve_max_tokens(None, 100, 1000, 2048) == 900
     assert resolve_max_tokens(None, 100, 10_000, 2048) == 2048
     assert resolve_max_tokens(5000, 100, 1000, 2048) == 5000  # explicit: admission decides
+    # an omitted limit stays under the memory ceiling too; past it admission says why
+    assert resolve_max_tokens(None, 20_000, 131_072, 2048, 20_992) == 992
+    assert resolve_max_tokens(5000, 20_000, 131_072, 2048, 20_992) == 5000
+    assert resolve_max_tokens(None, 21_000, 131_072, 2048, 20_992) == 2048
     with pytest.raises(ContextLengthExceeded):
         resolve_max_tokens(None, 1000, 1000, 2048)
 

@@ -293,6 +293,10 @@ def test_over_budget_is_400_memory_admission_naming_the_ceiling():
         assert "1024" in err["message"]  # the ceiling
         ok = httpx.post(url + CHAT, json={"messages": msgs(), "max_tokens": 100})
         assert ok.status_code == 200
+        # no limit given: the server's default (2048) is held under the ceiling, not refused
+        for path, body in ((CHAT, {"messages": msgs()}), ("/v1/completions", {"prompt": "hi"})):
+            unset = httpx.post(url + path, json=body, timeout=120)
+            assert unset.status_code == 200, unset.text
 
 
 def test_unknown_route_and_method_use_the_error_shape(base):
