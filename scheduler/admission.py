@@ -52,6 +52,8 @@ class MemoryBudget:
     layout: KVLayout | None = None
     prefill_chunk: int = 0  # tokens one step may append (sliding windows overshoot by it)
     adapter_bytes: int = 0  # LoRA adapters mounted at run time: weights too
+    # the context the reserve's attention scores were sized for: no request goes past it
+    context_cap: int | None = None
 
     def sequence_bytes(self, positions: int) -> int:
         """KV bytes one batch row of ``positions`` positions can occupy."""
@@ -82,7 +84,8 @@ class MemoryBudget:
                 lo = mid
             else:
                 hi = mid - 1
-        return lo * KV_ALLOCATION_STEP
+        ceiling = lo * KV_ALLOCATION_STEP
+        return ceiling if self.context_cap is None else min(ceiling, self.context_cap)
 
 
 def transient_reserve(
@@ -110,19 +113,38 @@ def plan_budget(
     what the fit views predict (scheduler.fit), from one rule. ``prompt_cache``
     sizes the prefix cache from the bytes weights and reserve leave (None: off);
     ``extra_reserve``: what else the model holds (a vision model's, engine.vision)."""
-    reserve = transient_reserve(total_bytes, prefill_chunk, context_length, num_heads)
-    reserve += extra_reserve
-    cache = prompt_cache(total_bytes - weights_bytes - reserve) if prompt_cache else 0
-    return MemoryBudget(
-        total_bytes=total_bytes,
-        weights_bytes=weights_bytes,
-        reserve_bytes=reserve,
-        kv_bytes_per_token=kv_bytes_per_token,
-        source=source,
-        prompt_cache_bytes=cache,
-        layout=layout,
-        prefill_chunk=prefill_chunk,
-    )
+
+    def planned(context: int, cap: int | None) -> MemoryBudget:
+        reserve = transient_reserve(total_bytes, prefill_chunk, context, num_heads)
+        reserve += extra_reserve
+        cache = prompt_cache(total_bytes - weights_bytes - reserve) if prompt_cache else 0
+        return MemoryBudget(
+            total_bytes=total_bytes,
+            weights_bytes=weights_bytes,
+            reserve_bytes=reserve,
+            kv_bytes_per_token=kv_bytes_per_token,
+            source=source,
+            prompt_cache_bytes=cache,
+            layout=layout,
+            prefill_chunk=prefill_chunk,
+            context_cap=cap,
+        )
+
+    full = planned(context_length, None)
+    if full.ceiling_tokens >= context_length:
+        return full
+    # Scores sized for the model's whole context (128k) left a 16 GB Mac no KV at
+    # all: size them for the longest context the memory reaches, the largest c
+    # whose own reserve still leaves a ceiling of c, and hold requests to it.
+    lo, hi = 0, context_length // KV_ALLOCATION_STEP  # in allocation steps
+    while lo < hi:  # a larger context's reserve never leaves a higher ceiling
+        mid = (lo + hi + 1) // 2
+        if planned(mid * KV_ALLOCATION_STEP, None).ceiling_tokens >= mid * KV_ALLOCATION_STEP:
+            lo = mid
+        else:
+            hi = mid - 1
+    reach = lo * KV_ALLOCATION_STEP
+    return planned(reach, reach) if reach > 0 else full
 
 
 class AdmissionError(Exception):
@@ -202,7 +224,8 @@ class AdmissionController:
                 f"{max_tokens} in the completion). Please reduce the length of the "
                 f"messages or completion."
             )
-        if self.footprint([total]) > self.budget.kv_budget_bytes:
+        cap = self.budget.context_cap
+        if self.footprint([total]) > self.budget.kv_budget_bytes or (cap and total > cap):
             raise OverBudget(
                 f"Request needs {total} KV positions ({prompt_tokens} prompt + {max_tokens} "
                 f"max_tokens) but the memory budget admits at most "

@@ -41,7 +41,7 @@ def facts(weights=2 * GB, kv=100_000, context=32768, params=1_000_000_000, activ
         active_params=active or params,
         kv_bytes_per_token=kv,
         context_length=context,
-        num_heads=16,
+        num_heads=kw.pop("num_heads", 16),
         **kw,
     )
 
@@ -308,3 +308,25 @@ def test_a_moe_ggufs_active_parameters_scale_only_its_experts(tmp_path):
     always, routed = 64 * 1000 + 64 * 64, 2 * 64 * 32 * 16
     assert f.params == always + routed
     assert f.active_params == always + routed * 2 // 16
+
+
+def test_scores_are_reserved_for_the_context_memory_reaches_not_the_models_whole():
+    """An 8B 4-bit model of 128k context on a 16 GB Mac (12 GB budget): attention
+    scores sized for 128k took 8 GiB and left no KV at all ("no", and the server
+    refused to boot). Sized for the context the memory reaches, it runs there, and
+    admission holds requests to that context, whose scores the reserve covers."""
+    from scheduler.admission import transient_reserve
+
+    model = facts(weights=int(4.5 * GB), kv=131_072, context=131_072, num_heads=32)
+    a = assess(model, 12 * GB, None)
+    assert a.verdict != "no" and 16_384 <= a.max_context < 131_072
+    budget = budget_for(model, 12 * GB)
+    cap = budget.context_cap
+    assert cap is not None and budget.ceiling_tokens == cap == a.ceiling_tokens
+    assert budget.reserve_bytes >= transient_reserve(12 * GB, budget.prefill_chunk or 512, cap, 32)
+    admission = AdmissionController(budget, model.context_length)
+    admission.check_ever_fits(cap - 1, 1)
+    with pytest.raises(OverBudget):
+        admission.check_ever_fits(cap, 1)
+    roomy = budget_for(model, 128 * GB)  # the whole context fits: nothing capped
+    assert roomy.context_cap is None and roomy.ceiling_tokens >= 131_072
