@@ -20,6 +20,7 @@ every file is verified again (size, CRC, namespace) when it is read.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import queue
@@ -29,7 +30,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -125,6 +126,7 @@ class DiskTier:
         self._full = False
         (self.dir / "blocks").mkdir(parents=True, exist_ok=True)
         (self.dir / "entries").mkdir(parents=True, exist_ok=True)
+        self._lock_file = _hold_alone(self.dir / ".lock")
         self._thread = threading.Thread(target=self._run, name="kvwarm-kv-writer", daemon=True)
         self._thread.start()
 
@@ -195,6 +197,8 @@ class DiskTier:
         self.flush(timeout)
         self._jobs.put(None)
         self._thread.join(timeout=1.0)
+        if not self._thread.is_alive():  # a write still running keeps the folder held
+            self._lock_file.close()
 
     @property
     def pins_path(self) -> Path:
@@ -386,3 +390,23 @@ def _block_names(blocks: Any) -> list[str] | None:
             return None
         names.append(name)
     return names
+
+
+class TierInUse(OSError):
+    """Another process serves from this folder."""
+
+
+def _hold_alone(path: Path) -> IO[bytes]:
+    """An exclusive lock on ``path`` for as long as the returned file stays open.
+    Two servers on one folder deleted each other's temp files and unreferenced
+    blocks at start (the other's writes in flight), evicted each other's blocks
+    and each counted only its own bytes against --kv-disk-bytes."""
+    f = open(path, "a+b")  # noqa: SIM115 - held open: the lock lives as long as the file
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        raise TierInUse(
+            f"another kvwarm server uses {path.parent}; give each server its own --kv-dir"
+        ) from None
+    return f

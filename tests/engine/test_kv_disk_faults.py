@@ -351,3 +351,31 @@ def test_saving_a_conversation_pins_its_latest_turn_not_a_side_requests(tmp_path
         assert saved.tokens == 400
     finally:
         m.close()
+
+
+def test_a_second_server_on_the_same_kv_dir_leaves_the_first_ones_files_alone(tmp_path, caplog):
+    """Its start-up sweep deleted the first server's temp files and its blocks not
+    yet named by a manifest (writes in flight), turning the first one's tier off;
+    the two also evicted each other's blocks. The second now serves from RAM only,
+    saying why, and the folder is free again once the first closes."""
+    first = manager(tmp_path)
+    try:
+        store(first, list(range(100, 164)))
+        first.flush()
+        files = sorted(p for p in (tmp_path / NS).rglob("*") if p.is_file())
+        second = manager(tmp_path)
+        try:
+            assert second.disk is None
+            assert "another kvwarm server uses" in caplog.text
+            store(second, list(range(500, 564)))
+            assert sorted(p for p in (tmp_path / NS).rglob("*") if p.is_file()) == files
+        finally:
+            second.close()
+        assert first.disk is not None and first.disk.usable
+    finally:
+        first.close()
+    third = manager(tmp_path)
+    try:
+        assert third.disk is not None and served(third, list(range(100, 164))) is not None
+    finally:
+        third.close()
