@@ -20,6 +20,7 @@ every file is verified again (size, CRC, namespace) when it is read.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -102,6 +103,10 @@ class ScannedEntry:
 class Scan:
     entries: list[ScannedEntry] = field(default_factory=list)
     discarded: int = 0
+
+
+# a full file system or quota: skipped writes, not a broken disk (the tier stays on)
+OUT_OF_SPACE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 
 
 class DiskTier:
@@ -345,6 +350,13 @@ class DiskTier:
                 self._count(write_atomic(self.entry_path(job.uid), parts))
                 ok = True
         except OSError as exc:
+            if exc.errno in OUT_OF_SPACE:  # passes: later writes wait for room, as when 90% full
+                self.counters.writes_skipped += 1
+                self._full, self._occupancy_at = True, time.monotonic()
+                log.warning(
+                    "KV disk writer: %s full (%s); entry %s stays in RAM", self.dir, exc, job.uid
+                )
+                return
             self.counters.write_errors += 1
             self.degraded = f"{type(exc).__name__}: {exc}"
             log.warning(

@@ -77,13 +77,17 @@ def write_atomic(path: Path, parts: list[bytes | memoryview]) -> int:
     """Write to a temp file, fsync, rename: readers see the whole file or none."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     size = 0
-    with open(tmp, "wb") as f:
-        for part in parts:
-            f.write(part)
-            size += len(part) if isinstance(part, bytes) else part.nbytes
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            for part in parts:
+                f.write(part)
+                size += len(part) if isinstance(part, bytes) else part.nbytes
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a failed write (a full disk) keeps no space
+        raise
     return size
 
 

@@ -201,19 +201,48 @@ def test_a_failing_disk_turns_the_tier_off_and_no_request_fails(llama, tmp_path,
 
     import kvcache.disk as disk_module
 
-    def full(*_a, **_k):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def broken(*_a, **_k):
+        raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(disk_module, "write_atomic", full)
+    monkeypatch.setattr(disk_module, "write_atomic", broken)
     h = disk_harness(llama, tmp_path)
     ((first, _),) = h.run(h.request(conversation(turns=1)))
     h.cache.flush()
     st = h.cache.stats()
-    assert "No space left" in (st.disk_degraded or "") and st.disk_write_errors == 1
+    assert "Input/output error" in (st.disk_degraded or "") and st.disk_write_errors == 1
     assert st.disk.entries == 0 and st.ram.entries >= 1  # kept in RAM, nothing on disk
     turn2 = second_turn(h, first)
     ((warm, cached),) = h.run(h.request(turn2))
     assert cached > 0 and warm == cold_output(llama, turn2)
+
+
+def test_a_full_disk_skips_writes_keeps_no_partial_file_and_the_tier_on(
+    llama, tmp_path, monkeypatch
+):
+    """ENOSPC turned the tier off until a restart and left the partial temp file
+    holding space on the full disk; it now skips the write, as the 90% guard
+    does, and writes again once there is room."""
+    import errno
+
+    import kvcache.safetensors_io as io_module
+
+    real_fsync = io_module.os.fsync
+
+    def full(_fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(io_module.os, "fsync", full)
+    h = disk_harness(llama, tmp_path)
+    ((first, _),) = h.run(h.request(conversation(turns=1)))
+    h.cache.flush()
+    st = h.cache.stats()
+    assert st.disk_degraded is None and st.disk_writes_skipped >= 1 and st.disk.entries == 0
+    assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
+    monkeypatch.setattr(io_module.os, "fsync", real_fsync)
+    h.cache.disk._occupancy_at = 0.0  # the guard samples the disk again: there is room
+    h.run(h.request(second_turn(h, first)))
+    h.cache.flush()
+    assert h.cache.stats().disk.entries >= 1
 
 
 def test_writes_stop_at_the_disk_occupancy_guard(llama, tmp_path):
