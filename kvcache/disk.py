@@ -234,7 +234,10 @@ class DiskTier:
 
     # -- reads (engine thread: the arrays become MLX arrays there) -----------
     def read_block(self, digest: Digest) -> Arrays:
-        arrays, _, bf16 = read_verified(self.block_path(digest), self.namespace)
+        try:
+            arrays, _, bf16 = read_verified(self.block_path(digest), self.namespace)
+        except CorruptFile as exc:
+            raise CorruptBlock(str(exc), digest) from exc
         return Arrays(arrays, bf16)
 
     def read_entry(self, uid: str) -> tuple[Arrays, dict[str, Any]]:
@@ -402,6 +405,14 @@ def _block_names(blocks: Any) -> list[str] | None:
             return None
         names.append(name)
     return names
+
+
+class CorruptBlock(CorruptFile):
+    """A shared block's file is damaged: every entry naming it is."""
+
+    def __init__(self, message: str, digest: Digest):
+        super().__init__(message)
+        self.digest = digest
 
 
 class TierInUse(OSError):

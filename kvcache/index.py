@@ -473,6 +473,24 @@ class PrefixIndex:
         if not entry.in_ram:
             self.remove(entry_id)
 
+    def lose_block(self, digest: bytes) -> int:
+        """A block's file was found damaged: every disk copy naming it goes (an
+        entry also in RAM stays there), so the file is deleted once none names it
+        and the next entry holding those tokens writes it afresh. Only the entry
+        read went before: the others kept the bad file, and new entries were
+        written pointing at it, across restarts."""
+        named = [
+            e
+            for e in self._entries.values()
+            if (e.on_disk or e.persisting) and any(d == digest for d, _ in e.held.blocks)
+        ]
+        for entry in named:
+            if entry.in_ram:
+                self._drop_disk(entry)
+            else:
+                self.remove(entry.entry_id)
+        return len(named)
+
     def promote(self, entry_id: int) -> bool:
         """Count a disk entry back into RAM once its KV is loaded; False if RAM has
         no room (the caller uses the loaded KV once and lets it go)."""

@@ -20,7 +20,7 @@ from typing import Any
 import mlx.core as mx
 
 from kvcache.blocks import Digest, EntryBytes, TierLedger, block_digests
-from kvcache.disk import FORMAT_VERSION, WriteEntry
+from kvcache.disk import FORMAT_VERSION, CorruptBlock, WriteEntry
 from kvcache.entry_files import key_from, key_manifest, mlx_arrays, numpy_arrays
 from kvcache.index import CacheEntry, PrefixIndex, PromptCacheConfig
 from kvcache.interface import ConversationNotFound, SavedConversation, StorageFull
@@ -196,7 +196,7 @@ class TieredKVManager:
         except CorruptFile as exc:
             log.warning("%s: cached KV on disk discarded: %s", request_id, exc)
             self.index.release(entry.entry_id)
-            self._discard(entry)
+            self._damaged(entry, exc)
             return None, miss
         except Exception:  # noqa: BLE001 - an entry that cannot be read must not stay the best hit
             log.exception("%s: cached KV discarded: it could not be assembled", request_id)
@@ -284,6 +284,15 @@ class TieredKVManager:
                 self._blocks.setdefault(digest, arrays)
             self._private[entry.entry_id] = private
         return blocks, private
+
+    def _damaged(self, entry: CacheEntry, exc: CorruptFile) -> None:
+        """``entry`` could not be read back; a damaged shared block takes every
+        disk copy naming it along (kvcache.index.lose_block)."""
+        self._discard(entry)
+        if isinstance(exc, CorruptBlock):
+            lost = self.index.lose_block(exc.digest)
+            if lost:
+                log.warning("%d more cached entries on disk named the damaged block", lost)
 
     def _discard(self, entry: CacheEntry) -> None:
         if self.disk is not None:
@@ -540,7 +549,7 @@ class TieredKVManager:
             try:
                 self._load(entry)
             except CorruptFile as exc:
-                self._discard(entry)
+                self._damaged(entry, exc)
                 raise ConversationNotFound(
                     f"the saved KV of {conversation_id!r} was damaged and is discarded ({exc})"
                 ) from exc

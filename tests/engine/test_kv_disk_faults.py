@@ -379,3 +379,32 @@ def test_a_second_server_on_the_same_kv_dir_leaves_the_first_ones_files_alone(tm
         assert third.disk is not None and served(third, list(range(100, 164))) is not None
     finally:
         third.close()
+
+
+def test_a_damaged_shared_block_takes_every_entry_naming_it_and_is_written_afresh(tmp_path):
+    """Only the entry read was dropped: its neighbours kept the bad file, and a new
+    entry of the same prefix was written pointing at it (the block 'was on disk'),
+    so that prefix missed on disk for good, across restarts."""
+    shared = list(range(300, 332))  # two blocks of 16
+    a, b, c = (shared + list(range(base, base + 20)) for base in (400, 500, 600))
+    m = manager(tmp_path)
+    store(m, a)
+    store(m, b)
+    m.close()
+    again = manager(tmp_path)
+    (first, _) = next(e for e in again.index.entries()).held.blocks[0]
+    path = again.disk.block_path(first)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert served(again, a + [1]) is None  # the damage is caught on read
+    assert again.index.entries() == []  # b named the block too: gone with it
+    store(again, c)
+    again.close()
+    assert path.exists()  # written afresh for c
+    last = manager(tmp_path)
+    try:
+        tokens, tier = served(last, c + [1])
+        assert tier == "disk" and tokens == c
+    finally:
+        last.close()
