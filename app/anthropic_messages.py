@@ -162,7 +162,8 @@ def tool_choice(value: AnthropicToolChoice | None, tools: list[dict[str, Any]]) 
 
 def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:
     tools = function_tools(body.tools)
-    stops = getattr(body, "stop_sequences", None) or ()
+    # counting stops nothing; an undeclared stop_sequences there is any JSON value
+    stops = (body.stop_sequences or ()) if isinstance(body, MessagesRequest) else ()
     messages, prefill = prefilled(template_messages(body))
     return ChatCall(
         messages=messages,

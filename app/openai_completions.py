@@ -66,7 +66,9 @@ def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Pre
     if not tokens:  # [""] passes the schema; text may also encode to nothing
         raise APIError(400, "The prompt is empty: it encodes to no tokens.", param="prompt")
     key = PromptKey.build(tokens)
-    session = session_id_from(body.model_extra or {}, headers) or fallback_session_id(key.canonical)
+    # metadata and extra_body are declared fields: model_extra never held them
+    fields = body.model_dump(exclude={"prompt"})
+    session = session_id_from(fields, headers) or fallback_session_id(key.canonical)
     request = Request(
         prompt_tokens=tokens,
         max_tokens=resolve_max_tokens(

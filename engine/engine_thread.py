@@ -351,6 +351,8 @@ class EngineThread(threading.Thread):
         if booted.ranks is not None:
             booted.ranks.start(self._rank_lost)
         for adapter_id, path in self.config.adapters:
+            if adapter_id == booted.info.model_id:  # it would take the base model's requests
+                raise RuntimeError(f"--adapter {adapter_id}: that is the base model's id")
             try:
                 self._runner.mount_adapter(adapter_id, read_adapter_files(path))
             except Exception as exc:

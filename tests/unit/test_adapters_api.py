@@ -138,6 +138,13 @@ def test_mount_errors(base, adapter_dir, tmp_path_factory):
     err = assert_error(httpx.post(base + ADAPTERS, json={"id": "a", "path": str(adapter_dir)}), 409)
     assert err["code"] == "adapter_exists" and "already mounted" in err["message"]
     assert_error(httpx.delete(base + ADAPTERS + "/unknown"), 404, "adapter_not_found")
+    # the base model's own id: every request naming the base model would run the adapter
+    model = httpx.get(base + "/v1/models").json()["data"][0]["id"]
+    err = assert_error(
+        httpx.post(base + ADAPTERS, json={"id": model, "path": str(adapter_dir)}), 409
+    )
+    assert err["code"] == "adapter_exists" and err["param"] == "id"
+    assert [m["id"] for m in httpx.get(base + "/v1/models").json()["data"]].count(model) == 1
 
 
 def test_unmount_while_in_use_is_409_and_the_request_finishes(adapter_dir):

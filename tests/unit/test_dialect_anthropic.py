@@ -112,6 +112,13 @@ def test_anthropic_count_tokens_and_errors(server):
         model="c", messages=[{"role": "user", "content": "hello"}]
     )
     assert counted.input_tokens == len("<user>hello<assistant>")
+    # counting declares no stop_sequences: whatever JSON it holds is ignored, never a 500
+    for stops in (1, True, {"a": 1}, ["a", 1]):
+        r = httpx.post(
+            server.url + "/v1/messages/count_tokens",
+            json={"messages": [{"role": "user", "content": "hello"}], "stop_sequences": stops},
+        )
+        assert r.status_code == 200 and r.json()["input_tokens"] == counted.input_tokens
     r = httpx.post(
         server.url + "/v1/messages",
         json={"model": "c", "messages": [{"role": "user", "content": "x"}]},

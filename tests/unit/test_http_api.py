@@ -120,6 +120,13 @@ def test_conv_headers_and_use_kv_cache_false(base):
     assert_error(r, 400, None)
     r = httpx.post(base + CHAT, json={"messages": msgs(), "extra_body": {"kv_bits": 5}})
     assert "kv_bits" in assert_error(r, 400, None)["param"]
+    # every place a session id rides, in completions as in chat
+    for where in ("extra_body", "metadata"):
+        for path, body in ((CHAT, {"messages": msgs()}), ("/v1/completions", {"prompt": "x"})):
+            r = httpx.post(
+                base + path, json={**body, "max_tokens": 2, where: {"conversation_id": where}}
+            )
+            assert r.headers["x-conv-id"] == where, (path, where)
 
 
 def test_completions_honour_use_kv_cache_and_kv_bits():
