@@ -182,6 +182,7 @@ def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:
         adapter=body.adapter_requested(),
         template_kwargs=body.template_kwargs(),
         ignored=ignored_fields(body),
+        same_indices=False,  # the system prompt comes first; blocks split into messages
     )
 
 

@@ -63,6 +63,9 @@ class ChatCall:
     logprobs: int | None = None  # None: none; N: each token's, with N alternatives
     count_only: bool = False  # count_tokens: a prompt over the context is still counted
     messages_field: str = "messages"  # what the dialect calls them, for errors (Responses: input)
+    # whether ``messages[i]`` is the client's i-th message (chat); a translated
+    # dialect's errors name the field alone rather than a shifted index
+    same_indices: bool = True
     prefill: str = ""  # the reply starts with this text (Anthropic's final assistant message)
 
 
@@ -259,7 +262,13 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
     kwargs = _template_kwargs(call, info.syntax, thinking)
     relocate = settings.volatile_policy is VolatilePolicy.RELOCATE
     messages, images = resolve_images(
-        call.messages, info.vision, settings.image_limits, settings.images == "placeholder"
+        call.messages,
+        info.vision,
+        settings.image_limits,
+        settings.images == "placeholder",
+        lambda i: (
+            f"{call.messages_field}.{i}.content" if call.same_indices else call.messages_field
+        ),
     )
     for message in messages:
         # every template renders what the user and tools said: a message longer than

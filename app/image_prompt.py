@@ -18,7 +18,7 @@ conversation): a picture re-sent three times is "image 1" each time.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,10 +57,12 @@ def resolve_images(
     front: ImageFront | None,
     limits: ImageLimits,
     placeholder_notes: bool,
+    param: Callable[[int], str] = lambda i: f"messages.{i}.content",
 ) -> tuple[list[dict[str, Any]], ResolvedImages]:
-    """Messages with string contents, and the images the model will read."""
+    """Messages with string contents, and the images the model will read; ``param``
+    names the client's field holding message ``i`` in errors."""
     if front is not None:  # before any image is fetched; with no image part all the same
-        _refuse_markers(messages, front)
+        _refuse_markers(messages, front, param)
     sources = _sources(messages)
     resolved = ResolvedImages()
     if not sources:
@@ -98,7 +100,7 @@ def resolve_images(
                     "Image content is not supported by this model (a text model: serve a "
                     "vision model, or start with --images placeholder to replace images "
                     "with a note).",
-                    param=f"messages.{index}.content",
+                    param=param(index),
                 )
             k += 1
         out.append({**message, "content": _join(pieces, front)})
@@ -119,7 +121,9 @@ def _join(pieces: list[str], front: ImageFront | None) -> str:
     return text
 
 
-def _refuse_markers(messages: list[dict[str, Any]], front: ImageFront) -> None:
+def _refuse_markers(
+    messages: list[dict[str, Any]], front: ImageFront, param: Callable[[int], str]
+) -> None:
     """Message text holding the model's image marker: images come as image parts."""
     for index, message in enumerate(messages):
         content = message.get("content")
@@ -131,16 +135,12 @@ def _refuse_markers(messages: list[dict[str, Any]], front: ImageFront) -> None:
             else []
         )
         if any(isinstance(t, str) and front.image_token in t for t in texts):
-            raise _forged(front, index)
-
-
-def _forged(front: ImageFront, index: int) -> APIError:
-    return APIError(
-        400,
-        f"Message text contains this model's image marker {front.image_token!r}: send "
-        "images as image parts.",
-        param=f"messages.{index}.content",
-    )
+            raise APIError(
+                400,
+                f"Message text contains this model's image marker {front.image_token!r}: "
+                "send images as image parts.",
+                param=param(index),
+            )
 
 
 def attach_images(

@@ -264,6 +264,7 @@ def _prepare_call(body: ResponsesRequest, history: list[dict[str, Any]], state: 
         template_kwargs=body.template_kwargs(),
         ignored=ignored_fields(body),
         messages_field="input",
+        same_indices=False,
     )
     return conversation, prepare_chat(call, state, headers)
 

@@ -141,3 +141,23 @@ def test_responses_incomplete_message_status_agrees_streamed_and_final(server):
     assert done[-1].item.status == "incomplete"
     assert events[-1].type == "response.incomplete"
     assert events[-1].response.output[-1].status == "incomplete"
+
+
+def test_an_image_a_text_model_refuses_names_the_clients_own_field(server):
+    """The index was the translated conversation's (instructions come first) under
+    chat's field name: messages.1.content for input[0]."""
+    import httpx
+
+    r = httpx.post(
+        server.url + "/v1/responses",
+        json={
+            "instructions": "sys",
+            "input": [
+                {
+                    "role": "user",
+                    "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA=="}],
+                }
+            ],
+        },
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
