@@ -24,6 +24,7 @@ import errno
 import fcntl
 import json
 import logging
+import os
 import queue
 import shutil
 import threading
@@ -432,4 +433,5 @@ def _hold_alone(path: Path) -> IO[bytes]:
         raise TierInUse(
             f"another kvwarm server uses {path.parent}; give each server its own --kv-dir"
         ) from None
+    os.utime(path)  # when this namespace was last served (kvcache.namespaces)
     return f

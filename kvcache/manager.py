@@ -25,6 +25,7 @@ from kvcache.entry_files import key_from, key_manifest, mlx_arrays, numpy_arrays
 from kvcache.index import CacheEntry, PrefixIndex, PromptCacheConfig
 from kvcache.interface import ConversationNotFound, SavedConversation, StorageFull
 from kvcache.layout import KVQuant
+from kvcache.namespaces import prune_other_namespaces
 from kvcache.os_memory import MemoryReturner
 from kvcache.payloads import BlockArrays, KVLayoutOps, PrivatePart, rebuild_private
 from kvcache.prompt_key import PromptKey
@@ -102,6 +103,8 @@ class TieredKVManager:
                 ram_bytes = max_bytes - pending
             except OSError as exc:
                 log.warning("KV disk tier off: %s is not usable (%s)", disk.root, exc)
+            else:
+                prune_other_namespaces(disk.root, self.namespace, disk.max_bytes)
         self.index = PrefixIndex(
             max_bytes=ram_bytes,
             max_entries=config.max_entries,

@@ -408,3 +408,36 @@ def test_a_damaged_shared_block_takes_every_entry_naming_it_and_is_written_afres
         assert tier == "disk" and tokens == c
     finally:
         last.close()
+
+
+def test_other_namespaces_go_oldest_first_to_keep_the_dir_within_its_budget(tmp_path):
+    """Every model switch or weights update left a namespace folder that nothing
+    ever evicted: the dir grew by a whole budget per model. One with saved
+    conversations, or one a running server holds, stays."""
+    import os
+
+    from kvcache.namespaces import prune_other_namespaces
+
+    def namespace(name: str, size: int, age: int) -> Path:
+        folder = tmp_path / name
+        (folder / "entries").mkdir(parents=True)
+        (folder / "blocks" / "ab").mkdir(parents=True)
+        (folder / "blocks" / "ab" / "x.safetensors").write_bytes(b"\0" * size)
+        (folder / ".lock").touch()
+        os.utime(folder / ".lock", (age, age))
+        return folder
+
+    oldest, old, saved = namespace("a", 400, 1), namespace("b", 400, 2), namespace("c", 400, 0)
+    (saved / "saved.json").write_text('{"conv": {"uid": "x"}}')
+    held = manager(tmp_path, disk_bytes=1000)  # the namespace this server serves (NS)
+    try:
+        # 1200 of others over 1000: the oldest unsaved goes; then it is within
+        assert not oldest.exists() and old.exists() and saved.exists()
+        assert prune_other_namespaces(tmp_path, NS, 500) == ["b"]  # the next oldest
+        assert (tmp_path / NS).exists()
+        assert prune_other_namespaces(tmp_path, "another", 0) == []  # NS is held: it stays
+        assert (tmp_path / NS).exists()
+    finally:
+        held.close()
+    assert prune_other_namespaces(tmp_path, "another", 10**9) == []  # within budget: kept
+    assert prune_other_namespaces(tmp_path, "another", 0) == [NS]

@@ -1,0 +1,90 @@
+"""Other namespaces in one --kv-dir: KV of models, versions or cache layouts this
+server does not read. Each server only ever looked in its own folder, so every
+model switch, weights update or format change left up to a whole budget behind
+that nothing evicted. At start, the dir as a whole is brought within the budget:
+other namespaces go least recently used first, except one a running server holds
+or one with saved conversations (the user asked to keep those). This server's
+namespace then grows to its budget at most, so the dir stays within twice it,
+and a model used in turn with another keeps its KV while there is room."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import shutil
+from pathlib import Path
+
+from kvcache.disk_budget import held_bytes
+
+log = logging.getLogger("kvwarm.kvcache")
+LOCK = ".lock"  # a running server holds it (kvcache.disk); its mtime: last start
+PINS = "saved.json"
+
+
+def prune_other_namespaces(root: Path, keep: str, budget: int) -> list[str]:
+    """Delete other namespace folders under ``root``, least recently started first,
+    until the dir holds at most ``budget`` bytes; returns the deleted names."""
+    try:
+        others = [p for p in root.iterdir() if p.name != keep and _namespace(p)]
+    except OSError:
+        return []
+    sizes = {p: held_bytes(p) for p in others}
+    total = held_bytes(root / keep) + sum(sizes.values())
+    deleted = []
+    for folder in sorted(others, key=_last_started):
+        if total <= budget:
+            break
+        if _has_pins(folder) or not _delete_unless_held(folder):
+            continue
+        total -= sizes[folder]
+        deleted.append(folder.name)
+        log.info(
+            "KV dir %s: deleted namespace %s (%.1f MiB of another model, version or layout, "
+            "least recently used) to keep the dir within --kv-disk-bytes",
+            root,
+            folder.name,
+            sizes[folder] / 2**20,
+        )
+    return deleted
+
+
+def _namespace(path: Path) -> bool:
+    """A namespace folder (its blocks/ and entries/), not a symlink or a stray file."""
+    return (
+        path.is_dir()
+        and not path.is_symlink()
+        and (path / "blocks").is_dir()
+        and (path / "entries").is_dir()
+    )
+
+
+def _last_started(folder: Path) -> float:
+    for marker in (folder / LOCK, folder):
+        try:
+            return marker.stat().st_mtime
+        except OSError:
+            continue
+    return 0.0
+
+
+def _has_pins(folder: Path) -> bool:
+    try:
+        pins = json.loads((folder / PINS).read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(pins)
+
+
+def _delete_unless_held(folder: Path) -> bool:
+    """Delete ``folder`` under its lock; False when a running server holds it."""
+    try:
+        with open(folder / LOCK, "a+b") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            shutil.rmtree(folder, ignore_errors=True)
+    except OSError:
+        return False
+    return True
