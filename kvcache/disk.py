@@ -267,15 +267,23 @@ class DiskTier:
                 continue
             referenced.update(names)
             out.entries.append(ScannedEntry(path.stem, manifest))
-        for block in (self.dir / "blocks").glob("*/*.safetensors"):
+        for block in self._block_files("*.safetensors"):
             if block.stem not in referenced:
                 out.discarded += self._unlink(block)
         self.counters.files_discarded += out.discarded
         return out
 
     def _files(self, pattern: str) -> Iterator[Path]:
+        yield from self.dir.glob(pattern)  # saved.json's
         yield from (self.dir / "entries").glob(pattern)
-        yield from (self.dir / "blocks").glob(f"*/{pattern}")
+        yield from self._block_files(pattern)
+
+    def _block_files(self, pattern: str) -> Iterator[Path]:
+        """Files in the block shards, never through a symlinked shard (the sweep
+        deleted files in whatever folder it pointed to)."""
+        for shard in (self.dir / "blocks").iterdir():
+            if shard.is_dir() and not shard.is_symlink():
+                yield from shard.glob(pattern)
 
     def _manifest(self, path: Path) -> dict[str, Any] | None:
         """The manifest from a file's header alone (the data is verified on load)."""

@@ -441,3 +441,19 @@ def test_other_namespaces_go_oldest_first_to_keep_the_dir_within_its_budget(tmp_
         held.close()
     assert prune_other_namespaces(tmp_path, "another", 10**9) == []  # within budget: kept
     assert prune_other_namespaces(tmp_path, "another", 0) == [NS]
+
+
+def test_the_start_up_sweep_stays_inside_the_namespace(tmp_path):
+    """A torn saved-list write was never swept; and the orphan sweep followed a
+    symlinked block shard, deleting files wherever it pointed."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "precious.safetensors").write_bytes(b"mine")
+    root = tmp_path / "kv"
+    manager(root).close()
+    (root / NS / "blocks" / "ff").symlink_to(elsewhere)
+    torn = root / NS / ".saved.json.tmp-99999"
+    torn.write_text("{")
+    manager(root).close()
+    assert (elsewhere / "precious.safetensors").exists()
+    assert not torn.exists()
