@@ -259,3 +259,25 @@ def test_an_adapter_unmounted_between_validation_and_start_is_a_400(adapter_dir)
         err = assert_error(r, 400, "adapter_not_found")
         assert "no adapter 'a' is mounted" in err["message"]
         assert httpx.get(base + "/health").status_code == 200
+
+
+def test_an_adapter_flag_under_the_base_models_id_stops_the_start(adapter_dir):
+    """It would take every request naming the base model (as /v1/models lists it)."""
+    import asyncio
+
+    from scheduler.scheduler import Scheduler
+    from scheduler.streams import OutputRouter
+    from tests.helpers.fake_engine import FakeEngine
+
+    loop = asyncio.new_event_loop()
+    try:
+        engine = FakeEngine(
+            Scheduler(None, max_running=1, max_queue=4),
+            OutputRouter(loop),
+            adapters=(("fake-model", adapter_dir),),
+        )
+        engine.start()
+        engine.join(30)
+        assert not engine.ready and "the base model's id" in (engine.failure or "")
+    finally:
+        loop.close()
