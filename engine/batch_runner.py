@@ -19,29 +19,29 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
 from engine.adapters import AdapterSet
+from engine.batch_rows import Row, Waiting, kv_only
 from engine.fast_detok import detokenizer_factory
-from engine.lora import AdapterTag, is_tag
+from engine.lora import AdapterTag
 from engine.mrope import positioned
-from engine.row_faults import FaultLedger, GuardedProcessor, GuardedSampler
+from engine.row_faults import FaultLedger, GuardedProcessor
 from engine.sampling import SamplerFactory, rewind
 from engine.text_output import TextOutput
 from engine.token_logprobs import Asked, token_logprobs, token_pieces
 from engine.vision import VisionPrefill
 from kvcache.manager import TieredKVManager
 from kvcache.payloads import plain_kv_only
-from kvcache.prompt_key import PromptKey
 from scheduler.admission import round_up
 from scheduler.contracts import AdapterFiles, AdapterInfo, AdapterInUse
 from scheduler.cost_model import StepShape
-from scheduler.request import CacheReport, FinishReason, Request, RequestOutput, RequestStats
-from scheduler.step_budget import Prefill, SlicePlan, StepBudget
+from scheduler.request import CacheReport, FinishReason, Request, RequestOutput
+from scheduler.step_budget import SlicePlan, StepBudget
 from scheduler.step_timings import StepTimings
 
 log = logging.getLogger("kvwarm.engine")
@@ -52,91 +52,6 @@ MAX_RECOVERIES = 3
 
 class EngineFault(RuntimeError):
     """A fault that is no row's: the engine cannot go on."""
-
-
-@dataclass
-class _Row:
-    request: Request
-    text: TextOutput
-    sampler: GuardedSampler
-    processors: list[GuardedProcessor]
-    generated: int = 0
-    tokens: list[int] = field(default_factory=list)  # generated ids (to re-admit after a fault)
-    first_token_at: float | None = None
-    cached: int = 0  # prompt tokens served from the prefix cache
-    kv_offset: int = 0  # KV positions the reused cache holds (differs from ``cached``
-    # when a volatile span of another length was stepped over)
-    kv_key: PromptKey | None = None  # what this row's KV holds before generation
-    entry_id: int | None = None  # prefix-cache entry read (released after prefill)
-    # prefill progress values (prompt tokens after ``cached``) at which to store KV
-    checkpoints: list[int] = field(default_factory=list)
-    prefill_len: int = 0  # prompt tokens after ``cached`` (what prefill runs)
-    stops: tuple[int, ...] = ()  # progress values where the generator pauses prefill
-    replayed: int = 0  # generated tokens prefilled again after a batch rebuild
-    slot: int = 0  # its adapter's routing slot (engine.lora.BASE: none)
-    # multimodal RoPE: the next token's position minus the KV depth (engine.mrope)
-    rope_delta: int = 0
-    joined_at: float = field(default_factory=time.monotonic)
-    report: CacheReport = field(default_factory=CacheReport)
-
-    def stats(self, now: float) -> RequestStats:
-        first = self.first_token_at if self.first_token_at is not None else now
-        return RequestStats(
-            queued_s=max(0.0, self.joined_at - self.request.arrival_time),
-            prefill_s=max(0.0, first - self.joined_at),
-            decode_s=max(0.0, now - first),
-            cache=self.report,
-        )
-
-    def output(self, text: str = "", token_ids: tuple[int, ...] = (), **fields) -> RequestOutput:
-        """An output of this row carrying its running totals."""
-        return RequestOutput(
-            request_id=self.request.request_id,
-            text=text,
-            token_ids=token_ids,
-            prompt_tokens=len(self.request.prompt_tokens),
-            completion_tokens=self.generated,
-            cached_tokens=self.cached,
-            **fields,
-        )
-
-    def kv_depth(self, done: int) -> int:
-        """KV positions this row holds once ``done`` prompt tokens are prefilled."""
-        return self.kv_offset + done + self.generated - self.replayed
-
-    def prefill(self, done: int, running: bool, waited: int = 0) -> Prefill:
-        """The row as the step budget sees it, ``done`` tokens into its prefill."""
-        # the generator runs the prompt's last token as the first decode step
-        total = max(0, self.prefill_len - 1 - done)
-        stop = next((s for s in self.stops if s > done), done)
-        return Prefill(
-            self.request.request_id,
-            self.kv_depth(done),
-            min(stop - done, total),
-            total,
-            running,
-            waited,
-        )
-
-    def failure(self, now: float, error: str) -> RequestOutput:
-        return self.output(
-            finish_reason=FinishReason.ERROR,
-            error=f"the request failed in the engine: {error}",
-            error_code="engine_error",
-            stats=self.stats(now),
-        )
-
-
-@dataclass
-class _Waiting:
-    """A row admitted but not prefilling yet: the step budget starts it."""
-
-    row: _Row
-    segments: list[list[int]]
-    cache: list | None
-    cached_tokens: list[int] | None
-    waited: int = 0  # steps it was held back
-    vision_at: int | None = None  # prompt tokens its images' prefill reached so far
 
 
 class BatchRunner:
@@ -174,7 +89,7 @@ class BatchRunner:
         # each step's prefill slice: within --max-step-ms by a learned cost model
         self.budget = StepBudget(max_step_s, prefill_step_size, self._prefill_rows)
         self.timings = StepTimings(self.budget)
-        self._waiting: dict[str, _Waiting] = {}  # admitted, prefill not started
+        self._waiting: dict[str, Waiting] = {}  # admitted, prefill not started
         self._last_prefilled = False  # the step before prefilled (see _observe)
         self.faults = FaultLedger()
         # LoRA adapters mounted at run time; the generator runs the routed model
@@ -183,7 +98,7 @@ class BatchRunner:
         self._eos = [[t] for t in sorted(tokenizer.eos_token_ids)]
         self._generator = self._new_generator(max_batch, self._prefill_rows)
         self._no_stop = StopSequences()
-        self._rows: dict[int, _Row] = {}
+        self._rows: dict[int, Row] = {}
         self._uids: dict[str, int] = {}
         self._prefilled: dict[int, int] = {}  # uid -> prompt tokens processed so far
         self.prefill_tokens = 0
@@ -208,7 +123,7 @@ class BatchRunner:
     def active(self) -> int:
         return len(self._rows) + len(self._waiting)
 
-    def row(self, request_id: str) -> _Row | None:
+    def row(self, request_id: str) -> Row | None:
         """A request's row, prefilling, decoding or still waiting to start."""
         waiting = self._waiting.get(request_id)
         if waiting is not None:
@@ -225,7 +140,7 @@ class BatchRunner:
         processors = [
             GuardedProcessor(p, rid, self.faults) for p in self._samplers.logits_processors(params)
         ]
-        row = _Row(
+        row = Row(
             request,
             TextOutput(self._detokenizer(), request.stop, request.trim_leading_space),
             self._samplers.sampler(params),
@@ -261,7 +176,7 @@ class BatchRunner:
             raise ValueError("nothing to generate: an empty prompt or max_tokens <= 0")
         segments = self._segments(row, rest, row.cached)
         # prefill starts when the step budget has room for it (``step``)
-        self._waiting[request.request_id] = _Waiting(row, segments, cache, cached_tokens)
+        self._waiting[request.request_id] = Waiting(row, segments, cache, cached_tokens)
         if hints is None:
             row.report = CacheReport(tier="disabled")
         # what the cache did, before any token: the HTTP layer's X-Conv-* headers
@@ -276,7 +191,7 @@ class BatchRunner:
         """A cached key's tokens as the model's ids (image identities expanded)."""
         return self.vision.model_ids(tokens) if self.vision is not None else list(tokens)
 
-    def _vision_prefill(self, w: _Waiting) -> bool:
+    def _vision_prefill(self, w: Waiting) -> bool:
         """Run the row's prompt through its next uncached image (engine.vision), one
         image a step so that a many-image prompt does not stall the running rows;
         True once past its last image: it then joins the batch like a prefix hit,
@@ -300,7 +215,7 @@ class BatchRunner:
         return all(i.end <= done for i in request.images)
 
     def _read_images(
-        self, row: _Row, cache: list, start: int, delta: int, max_images: int | None = None
+        self, row: Row, cache: list, start: int, delta: int, max_images: int | None = None
     ) -> tuple[int, int]:
         """The row's prompt from ``start`` through its images into ``cache``
         (engine.vision), through the routed model with the row's adapter tag, as
@@ -318,7 +233,7 @@ class BatchRunner:
             tag=AdapterTag(row.slot),
         )
 
-    def _insert(self, row: _Row, segments, cache, cached_tokens, generator=None) -> int:
+    def _insert(self, row: Row, segments, cache, cached_tokens, generator=None) -> int:
         request = row.request
         # the row's caches end with its adapter tag: it follows the row through the batch
         kv = list(cache) if cache is not None else make_prompt_cache(self.model)
@@ -338,7 +253,7 @@ class BatchRunner:
             self._uids[request.request_id] = uid
         return uid
 
-    def remove(self, request_id: str) -> _Row | None:
+    def remove(self, request_id: str) -> Row | None:
         """Take a request out of the batch (client gone, watchdog); its KV is not kept."""
         waiting = self._waiting.pop(request_id, None)
         if waiting is not None:
@@ -375,12 +290,12 @@ class BatchRunner:
             stats=row.stats(now),
         )
 
-    def _release(self, row: _Row) -> None:
+    def _release(self, row: Row) -> None:
         if row.entry_id is not None:
             self.prefix_cache.release(row.entry_id)
             row.entry_id = None
 
-    def _segments(self, row: _Row, rest: list[int], start: int) -> list[list[int]]:
+    def _segments(self, row: Row, rest: list[int], start: int) -> list[list[int]]:
         """The prompt after ``start`` as the generator prefills it: cut at the
         checkpoints where its KV is stored on the way."""
         hints = row.request.cache if self.prefix_cache is not None else None
@@ -404,16 +319,16 @@ class BatchRunner:
         min_gain = self.prefix_cache.config.block_size
         return sorted(p - cached for p in points if min_gain <= p - cached < remaining)
 
-    def _checkpoint(self, uid: int, row: _Row) -> None:
+    def _checkpoint(self, uid: int, row: Row) -> None:
         """Store the KV of the prompt so far, the moment prefill reaches a checkpoint."""
         ((caches, _tokens),) = self._generator.extract_cache([uid]).values()
         key = row.kv_key.truncated(row.kv_offset + row.checkpoints.pop(0))
         hints = row.request.cache
         self.prefix_cache.store(
-            key, _kv_only(caches), hints.session_id, hints.kv_bits, hints.adapter
+            key, kv_only(caches), hints.session_id, hints.kv_bits, hints.adapter
         )
 
-    def _store_final(self, row: _Row, caches, all_tokens) -> None:
+    def _store_final(self, row: Row, caches, all_tokens) -> None:
         """Keep prompt + reply KV: the next turn of this conversation starts with it."""
         if row.kv_key is None or not caches:
             return
@@ -423,7 +338,7 @@ class BatchRunner:
         key = row.kv_key.extended(all_tokens[len(base) :])
         hints = row.request.cache
         entry_id = self.prefix_cache.store(
-            key, _kv_only(caches), hints.session_id, hints.kv_bits, hints.adapter
+            key, kv_only(caches), hints.session_id, hints.kv_bits, hints.adapter
         )
         self.prefix_cache.record_turn(hints, entry_id)
 
@@ -534,7 +449,7 @@ class BatchRunner:
         prefill = self._account_prefill(prompt_responses, failed)
         self._observe(plan, prefill, ran)
         now = time.monotonic()
-        stopped_by_text: dict[int, _Row] = {}
+        stopped_by_text: dict[int, Row] = {}
         if responses:
             self.batch_sizes[min(len(responses), len(self.batch_sizes) - 1)] += 1
         rows, advance, emit = self._rows, self._advance, outputs.append  # per row: kept lean
@@ -588,7 +503,7 @@ class BatchRunner:
             self.budget.observe(shape, seconds)
         self._last_prefilled = shape.prefill_tokens > 0
 
-    def _advance(self, row: _Row, resp, now: float) -> RequestOutput:
+    def _advance(self, row: Row, resp, now: float) -> RequestOutput:
         """This row's share of a step: its token as text, and whether it finished.
         Runs once per row per step on the host's critical path: kept lean."""
         token = resp.token
@@ -632,7 +547,7 @@ class BatchRunner:
         for (out, _), entry in zip(asked, entries):
             out.logprobs = (entry,)
 
-    def _store_quietly(self, row: _Row, caches, all_tokens) -> None:
+    def _store_quietly(self, row: Row, caches, all_tokens) -> None:
         """A reply already delivered must not fail because its KV could not be kept."""
         if self.prefix_cache is None:
             return
@@ -702,7 +617,7 @@ class BatchRunner:
             raise EngineFault(f"the model no longer runs: {type(exc).__name__}: {exc}") from exc
         return outputs
 
-    def _replay(self, row: _Row) -> tuple[list[int], list | None, list[int] | None]:
+    def _replay(self, row: Row) -> tuple[list[int], list | None, list[int] | None]:
         """The row from scratch: what to prefill (its prompt and what it generated
         so far), its images run through the vision prefill again into a new cache."""
         tokens = list(row.request.prompt_tokens) + row.tokens
@@ -714,7 +629,7 @@ class BatchRunner:
         row.kv_offset = done
         return tokens[done:], cache, tokens[:done]
 
-    def _probe(self, row: _Row) -> str | None:
+    def _probe(self, row: Row) -> str | None:
         """Run ``row`` alone in a throwaway batch up to its next token: its fault, or None."""
         probe = self._new_generator(1, 1)
         try:
@@ -769,8 +684,3 @@ class BatchRunner:
         self._generator.close()
         if self.prefix_cache is not None:
             self.prefix_cache.close()  # queued KV writes reach the disk
-
-
-def _kv_only(caches: list) -> list:
-    """A row's caches without its adapter tag: what the prefix cache stores."""
-    return [c for c in caches if not is_tag(c)]
