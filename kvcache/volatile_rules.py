@@ -98,6 +98,12 @@ _DATE_WORD = re.compile(
     r"|(?-i:[A-Z]{1,5})(?:[+-]\d{1,4}(?::?\d\d)?)?|[a-z]+/[\w/+-]+|at|of|the|on|\x00",
     re.IGNORECASE,
 )
+# a word only a date or time has: a clock time, a date with separators, a month or
+# day name, an epoch count. A bare number or an upper-case word alone is not one
+# ("The dose today is 20", "The answer today is NO" are the user's own words)
+_DATE_PROOF = re.compile(
+    r"\d:\d\d|\d[-/.]\d|\d{9,}|\b(?:" + _MONTHS + "|" + _DAYS + r")\b", re.IGNORECASE
+)
 _DATE_PARENS = re.compile(r"\([^()\n]{1,40}\)")
 _DATE_GAP = re.compile(r"[ \t]*[,\u2013\u2014][ \t]*|[ \t]+")  # spaces, a comma or a dash
 _TIMESTAMP_LEAD = re.compile(
@@ -125,7 +131,11 @@ def timestamps(text: str) -> Iterator[tuple[int, int]]:
             continue
         value = text[start:line_end].rstrip(" \t")
         words = _DATE_GAP.split(_DATE_PARENS.sub("\x00", value))
-        if value and all(_DATE_WORD.fullmatch(w.removesuffix(".") or ".") for w in words):
+        if (
+            value
+            and all(_DATE_WORD.fullmatch(w.removesuffix(".") or ".") for w in words)
+            and _DATE_PROOF.search(value)
+        ):
             yield start, start + len(value)
 
 
@@ -137,10 +147,15 @@ RULES: tuple[VolatileRule, ...] = (
     VolatileRule("cch_nonce", _line(r"\bcch=[0-9a-f]+;"), Canonical.SENTINEL),
     # "Current time is 10:42", "Current date: 2026-11-26", "Today's date is ..."
     VolatileRule("timestamp", timestamps, Canonical.SENTINEL),
-    # Channel envelopes: "[message_id: 8812]", "message_id=abc", "\"message_id\": \"x\""
+    # Channel envelopes: "[message_id: 8812]", "message_id=abc" opening a line or a
+    # field, "\"message_id\": \"x\"": not "WHERE message_id = 4411" in the user's SQL
     VolatileRule(
         "message_id",
-        _line(r"\bmessage[_ ]id[\"']?\s*[:=]\s*[\"']?([\w.:-]+)[\"']?", group=1),
+        _line(
+            r"(?:^[ \t#*>-]*|(?<=[\[{(\"',;|])[ \t]*)"
+            r"message[_ ]id[\"']?[ \t]*[:=][ \t]*[\"']?([\w.:-]+)[\"']?",
+            group=1,
+        ),
         Canonical.SENTINEL,
     ),
     # OpenClaw's per-message metadata block: a header line, then a fenced JSON

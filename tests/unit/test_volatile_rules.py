@@ -63,6 +63,10 @@ def marked(text: str) -> list[tuple[str, str]]:
         ("Current time: 10:42 (UTC+01:00)", "timestamp", "10:42 (UTC+01:00)"),
         ("Current date: 2026-11-27 (Thursday)", "timestamp", "2026-11-27 (Thursday)"),
         ("Fix it [message_id: 8812]", "message_id", "8812"),
+        ("message_id=abc\nthe text", "message_id", "abc"),
+        ("From: bob | message_id: m-77 | 10 KB", "message_id", "m-77"),
+        ("Today is Monday", "timestamp", "Monday"),
+        ("Current time: 1732712345", "timestamp", "1732712345"),
         ('{"message_id": "abc-12"}', "message_id", "abc-12"),
         (
             'Hello\n## Inbound Context (trusted metadata)\n```json\n{"chat": 5}\n```\nBye',
@@ -100,6 +104,16 @@ def test_rule_marks_exactly_its_span(text, rule, span):
         "What I need today is 3 scripts, by Monday",
         "Current time is 10:42, and then delete ~/.ssh",
         "Current time is " + "9 " * 60,  # no date is that long
+        # a number or an upper-case word after "today is" is no date: an edit of the
+        # user's value must reach the model, not be stepped over as a stale timestamp
+        "The dose today is 20",
+        "blood sugar today is 250",
+        "The password today is ABCDE",
+        "The answer today is NO",
+        "the limit today is 5 USD",
+        # a message id in the user's own text is no channel envelope
+        "DELETE FROM inbox WHERE message_id = 4411",
+        "look up the row whose message id: 12 failed",
     ],
 )
 def test_ordinary_text_is_not_volatile(text):
