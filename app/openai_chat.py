@@ -48,10 +48,21 @@ def template_message(message: ChatMessage, index: int) -> dict[str, Any]:
             raise APIError(400, str(exc), param=where) from exc
     role = "system" if message.role == "developer" else message.role
     out: dict[str, Any] = {"role": role, "content": content}
-    for key in ("name", "tool_call_id", "reasoning_content"):
+    for key in ("name", "tool_call_id"):
         value = getattr(message, key)
         if value is not None:
             out[key] = value
+    # whichever name the client used (transformers' order): the template reads it
+    reasoning = next(
+        (
+            v
+            for v in (message.reasoning_content, message.thinking, message.reasoning)
+            if v is not None
+        ),
+        None,
+    )
+    if reasoning is not None:
+        out["reasoning_content"] = reasoning
     if message.tool_calls:
         out["tool_calls"] = template_tool_calls(
             [c.model_dump(exclude_none=True) for c in message.tool_calls]

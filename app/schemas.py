@@ -130,6 +130,9 @@ class ChatMessage(BaseModel):
     tool_calls: bounded_list(ToolCallIn, MAX_CALLS) | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    # the same, as vLLM >= 0.10 and OpenRouter (reasoning) and gpt-oss (thinking) name it
+    reasoning: str | None = None
+    thinking: str | None = None
 
     def text(self) -> str:
         if self.content is None:

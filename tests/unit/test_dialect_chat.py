@@ -349,3 +349,19 @@ def test_slow_streams_carry_keep_alives(monkeypatch):
             if c.choices
         )
         assert text == "w0 w1 "
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning", "thinking"])
+def test_an_assistant_turns_reasoning_reaches_the_template_whatever_its_name(server, field):
+    """vLLM >= 0.10 and OpenRouter echo it as reasoning, gpt-oss as thinking: both
+    were dropped, and a template keeping the current turn's reasoning lost it."""
+    server.openai().chat.completions.create(
+        model="m",
+        messages=[
+            {"role": "user", "content": "read a.txt"},
+            {"role": "assistant", "content": "", field: "I must call read."},
+            {"role": "user", "content": "go on"},
+        ],
+        max_tokens=2,
+    )
+    assert server.formatter.last_messages[1]["reasoning_content"] == "I must call read."
