@@ -73,6 +73,12 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
+                if reasoning:  # thought before this call: its turn's, not the next turn's
+                    before = last.get("reasoning_content")
+                    last["reasoning_content"] = "\n".join(
+                        [before, *reasoning] if before else reasoning
+                    )
+                    reasoning = []
             else:
                 message = {"role": "assistant", "content": "", "tool_calls": [call]}
                 if reasoning:

@@ -161,3 +161,28 @@ def test_an_image_a_text_model_refuses_names_the_clients_own_field(server):
         },
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+
+
+def test_reasoning_before_a_call_stays_on_the_calls_turn(server):
+    """It waited for the next assistant message and rode on a later step."""
+    items = [
+        {"role": "user", "content": "fix it"},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Let me look."}],
+        },
+        {"type": "reasoning", "id": "rs_2", "summary": [{"type": "summary_text", "text": "R2"}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Fixed."}],
+        },
+        {"role": "user", "content": "thanks"},
+    ]
+    server.openai().responses.create(model="m", input=items, store=False, tools=RESPONSES_TOOLS)
+    seen = server.formatter.last_messages
+    assert seen[1]["reasoning_content"] == "R2" and seen[1]["tool_calls"]
+    assert "reasoning_content" not in seen[3]
