@@ -19,7 +19,7 @@ from app.errors import APIError
 from app.generation_params import resolve_max_tokens, resolve_sampling
 from app.image_prompt import ResolvedImages, attach_images, resolve_images
 from app.protocol.output_parser import OutputParser, Syntax
-from app.protocol.thinking import resolve_thinking
+from app.protocol.thinking import resolve_effort, resolve_thinking
 from app.protocol.tool_formats import ToolCallDecoder, forced_opening
 from app.protocol.tool_schema import ToolChoice
 from app.request_fields import SamplingFields
@@ -151,6 +151,9 @@ def _template_kwargs(call: ChatCall, syntax: TextSyntax, thinking: bool) -> dict
     kwargs: dict[str, Any] = {}
     if "preserve_thinking" in syntax.template_vars:
         kwargs["preserve_thinking"] = True  # past reasoning stays in the prompt: a stable prefix
+    effort = resolve_effort(call.fields) if "reasoning_effort" in syntax.template_vars else None
+    if effort is not None and thinking:  # the level the client asked, not the template's default
+        kwargs["reasoning_effort"] = effort
     kwargs.update(call.template_kwargs)
     kwargs["enable_thinking"] = thinking
     if call.tools:

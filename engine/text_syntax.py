@@ -5,7 +5,7 @@ from __future__ import annotations
 from scheduler.contracts import TextSyntax
 
 # template variables kvwarm sets when the template reads them
-KNOWN_VARS = ("enable_thinking", "preserve_thinking")
+KNOWN_VARS = ("enable_thinking", "preserve_thinking", "reasoning_effort")
 
 
 def probe_syntax(tokenizer) -> TextSyntax:

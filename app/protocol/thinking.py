@@ -95,3 +95,23 @@ def resolve_thinking(fields: Mapping[str, Any], default: bool) -> bool:
             if flag is not None:
                 return flag
     return default
+
+
+EFFORTS = frozenset({"minimal", "low", "medium", "high"})
+
+
+def resolve_effort(fields: Mapping[str, Any]) -> str | None:
+    """The request's reasoning level (``reasoning_effort``, Responses' ``reasoning:
+    {"effort"}``), for a template that reads one (gpt-oss: "Reasoning: high"); the
+    most specific place that says wins, as for the switch."""
+    for scope in (fields, fields.get("extra_body"), fields.get("metadata")):
+        if not isinstance(scope, Mapping):
+            continue
+        reasoning = scope.get("reasoning")
+        for value in (
+            scope.get("reasoning_effort"),
+            reasoning.get("effort") if isinstance(reasoning, Mapping) else None,
+        ):
+            if isinstance(value, str) and value.strip().lower() in EFFORTS:
+                return value.strip().lower()
+    return None

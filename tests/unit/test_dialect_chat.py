@@ -365,3 +365,34 @@ def test_an_assistant_turns_reasoning_reaches_the_template_whatever_its_name(ser
         max_tokens=2,
     )
     assert server.formatter.last_messages[1]["reasoning_content"] == "I must call read."
+
+
+def test_the_clients_reasoning_level_reaches_a_template_that_reads_one():
+    """gpt-oss's template renders "Reasoning: {{ reasoning_effort }}": low and high
+    both read medium, the level reduced to an on/off switch."""
+    import dataclasses
+
+    from engine.text_syntax import probe_syntax
+
+    class Tok:
+        think_start, think_end = "<think>", "</think>"
+        chat_template = "Reasoning: {{ reasoning_effort | default('medium') }}"
+        tool_parser = None
+
+    probed = probe_syntax(Tok())
+    assert "reasoning_effort" in probed.template_vars
+    app = serve_scripted()
+    with serve_app(app) as url:
+        engine = app.state.kvwarm.engine
+        engine.info = dataclasses.replace(engine.info, syntax=probed)
+        served = Served(url, app)
+        msgs = [{"role": "user", "content": "x"}]
+        client = served.openai()
+        client.chat.completions.create(
+            model="m", messages=msgs, max_tokens=1, reasoning_effort="high"
+        )
+        assert served.formatter.last_kwargs["reasoning_effort"] == "high"
+        client.responses.create(model="m", input="x", reasoning={"effort": "low"}, store=False)
+        assert served.formatter.last_kwargs["reasoning_effort"] == "low"
+        client.chat.completions.create(model="m", messages=msgs, max_tokens=1)
+        assert "reasoning_effort" not in served.formatter.last_kwargs  # the template's default
