@@ -209,12 +209,14 @@ def _output_side(
                 "forces a tool call.",
                 param="tool_choice",
             )
-        key = key.extended(info.formatter.encode(call.prefill))
+    appended = call.prefill
     if parses and call.tool_choice.mode == "required":
         forced = forced_opening(syntax.tool_family, call.tool_choice.name)
         closing = f"{syntax.think_end}\n\n" if opened and syntax.think_end else ""
-        key = key.extended(info.formatter.encode(closing + forced.text))
+        appended += closing + forced.text
         parser.open_tool(forced.markup, forced.seed)
+    if appended:
+        key = info.formatter.continued(rendered, appended)
     return key, parser
 
 

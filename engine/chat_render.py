@@ -227,6 +227,7 @@ class OffsetEncoder:
         self._cut_ids = frozenset(
             i for i, t in decoder.items() if not (t.lstrip or t.single_word or t.normalized)
         )
+        self._added = {i: decoder[i].content for i in self._cut_ids}
         self._warned = False
         self.incremental = False
         if self._raw is not None and self._cut_ids:
@@ -237,6 +238,14 @@ class OffsetEncoder:
             self.incremental = all(self._splices(s) for s in (sample, synthetic) if s)
             if not self.incremental:
                 log.info("tokenizer fails the splice self-check: every prompt is tokenised whole")
+
+    @property
+    def cut_ids(self) -> frozenset[int]:
+        """Added tokens whose tokenisation nothing around them changes."""
+        return self._cut_ids
+
+    def added_text(self, token: int) -> str | None:
+        return self._added.get(token)
 
     def encode(self, text: str) -> Tokens | None:
         """None for tokenizers without offsets."""

@@ -161,6 +161,23 @@ class ChatFormatter:
     def encode(self, text: str) -> list[int]:
         return self._encode(text, add_special_tokens=False)
 
+    def continued(self, rendered: RenderedPrompt, text: str) -> PromptKey:
+        """The rendered prompt with ``text`` appended, its tokens re-cut from the
+        last added token on (nothing before such a token changes its tokenisation):
+        ``text`` tokenised alone split the seam as the whole text never would
+        ("\n\n" after "assistant\n" as two tokens), so the model read an odd
+        tokenisation and the next turn's render missed the cache from there."""
+        key = rendered.key
+        ids = key.model_tokens
+        cut = next((i for i in range(len(ids) - 1, -1, -1) if ids[i] in self._encoder.cut_ids), -1)
+        special = self._encoder.added_text(ids[cut]) if cut >= 0 else None
+        at = rendered.tail.rfind(special) if special else -1
+        if at >= 0:
+            after = rendered.tail[at + len(special) :]
+            if self.encode(after) == list(ids[cut + 1 :]):  # the tail is what those tokens say
+                return key.truncated(cut + 1).extended(self.encode(after + text))
+        return key.extended(self.encode(text))
+
     def encode_prompt(self, text: str) -> list[int]:
         self.check_length(text)
         self.check_head_tokens(text)

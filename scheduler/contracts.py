@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from kvcache.interface import KVCacheManager
-from kvcache.prompt_key import RenderedPrompt
+from kvcache.prompt_key import PromptKey, RenderedPrompt
 from kvcache.stats import KVCacheStats
 from scheduler.admission import MemoryBudget
 from scheduler.request import ImageInput, Request, RequestOutput
@@ -35,6 +35,11 @@ class PromptFormatter(Protocol):
         ...
 
     def encode(self, text: str) -> list[int]: ...
+
+    def continued(self, rendered: RenderedPrompt, text: str) -> PromptKey:
+        """The rendered prompt with ``text`` appended (a prefill, a forced call's
+        opening), tokenised across the seam as the whole text would be."""
+        ...
 
     def encode_prompt(self, text: str) -> list[int]:
         """A raw completion prompt, with the special tokens (BOS) the model expects."""

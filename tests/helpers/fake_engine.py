@@ -56,6 +56,9 @@ class CharFormatter:
     def encode(self, text: str) -> list[int]:
         return [ord(c) % 256 for c in text]
 
+    def continued(self, rendered: RenderedPrompt, text: str) -> PromptKey:
+        return rendered.key.extended(self.encode(text))  # one token per character: no seam
+
     def check_length(self, text: str) -> None:
         pass  # one token per character: the context check after rendering is exact
 
