@@ -107,6 +107,7 @@ def test_kv_survives_a_restart_for_every_cache_type(arch_dir, arch_model, tmp_pa
         loaded = _state(again.cache, e)
         want = stored[e.key.model_tokens]
         assert len(loaded) == len(want) and all(np.array_equal(a, b) for a, b in zip(loaded, want))
+    again.cache.close()  # a restart: the folder is one server's at a time
     again = Harness(arch_model, VolatilePolicy.STRICT, disk=DiskConfig(tmp_path, 2**30))
     ((warm, cached),) = again.run(again.request(turn2))
     st = again.cache.stats()

@@ -93,6 +93,9 @@ class LaggingGeneration:
 
         self.outcome = Outcome()
 
+    def broke(self, exc: Exception) -> None:
+        raise exc  # nothing here fails: a fault is the test's own
+
     async def events(self):
         from app.protocol.output_parser import Content
         from scheduler.request import FinishReason, RequestOutput, TokenChoice, TokenLogprob
