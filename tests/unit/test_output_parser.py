@@ -322,10 +322,10 @@ def test_a_prefill_that_closes_the_prompts_think_block_is_answered_as_content(pr
     an Anthropic prefill continuing after ``</think>`` is an answer, not reasoning
     (its text was lost to the thinking block, or dropped with strip_thinking)."""
     tail = "<|im_start|>assistant\n<think>\n"
-    encode = lambda text: [ord(c) % 256 for c in text]  # noqa: E731
-    info = SimpleNamespace(
-        syntax=TextSyntax(), vision=None, formatter=SimpleNamespace(encode=encode)
-    )
+    from tests.helpers.fake_engine import CharFormatter
+
+    encode = CharFormatter().encode
+    info = SimpleNamespace(syntax=TextSyntax(), vision=None, formatter=CharFormatter())
     call = ChatCall(messages=[{"role": "user", "content": "q"}], fields={}, prefill=prefill)
     rendered = RenderedPrompt(PromptKey.build(encode(tail)), tail=tail)
     _, parser = _output_side(call, info, rendered)
