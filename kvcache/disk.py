@@ -37,6 +37,7 @@ from typing import IO, Any
 import numpy as np
 
 from kvcache.blocks import Digest
+from kvcache.namespaces import LOCK
 from kvcache.safetensors_io import CorruptFile, encode, read_verified, write_atomic
 
 log = logging.getLogger("kvwarm.kvcache.disk")
@@ -130,9 +131,11 @@ class DiskTier:
         self._lock = threading.Lock()
         self._occupancy_at = 0.0
         self._full = False
-        (self.dir / "blocks").mkdir(parents=True, exist_ok=True)
-        (self.dir / "entries").mkdir(parents=True, exist_ok=True)
-        self._lock_file = _hold_alone(self.dir / ".lock")
+        # held before anything is made in it: a server pruning old namespaces must
+        # never find this one looking abandoned (kvcache.namespaces)
+        self._lock_file = _hold_alone(self.dir)
+        (self.dir / "blocks").mkdir(exist_ok=True)
+        (self.dir / "entries").mkdir(exist_ok=True)
         self._thread = threading.Thread(target=self._run, name="kvwarm-kv-writer", daemon=True)
         self._thread.start()
 
@@ -428,18 +431,36 @@ class TierInUse(OSError):
     """Another process serves from this folder."""
 
 
-def _hold_alone(path: Path) -> IO[bytes]:
-    """An exclusive lock on ``path`` for as long as the returned file stays open.
+def _hold_alone(folder: Path) -> IO[bytes]:
+    """An exclusive lock on ``folder`` for as long as the returned file stays open.
     Two servers on one folder deleted each other's temp files and unreferenced
     blocks at start (the other's writes in flight), evicted each other's blocks
     and each counted only its own bytes against --kv-disk-bytes."""
-    f = open(path, "a+b")  # noqa: SIM115 - held open: the lock lives as long as the file
+    path = folder / LOCK
+    for _ in range(5):
+        folder.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+b")  # noqa: SIM115 - held open: the lock lives as long as the file
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = True
+        except BlockingIOError:
+            held = False
+        if _same_file(f, path):
+            if held:
+                os.utime(path)  # when this namespace was last served (kvcache.namespaces)
+                return f
+            f.close()
+            raise TierInUse(
+                f"another kvwarm server uses {folder}; give each server its own --kv-dir"
+            )
+        f.close()  # the folder was moved away meanwhile (pruned as old): make it again
+        time.sleep(0.05)
+    raise TierInUse(f"{folder} kept being removed while this server started")
+
+
+def _same_file(f: IO[bytes], path: Path) -> bool:
     try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
-        raise TierInUse(
-            f"another kvwarm server uses {path.parent}; give each server its own --kv-dir"
-        ) from None
-    os.utime(path)  # when this namespace was last served (kvcache.namespaces)
-    return f
+        here, there = os.fstat(f.fileno()), os.stat(path)
+    except FileNotFoundError:
+        return False
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)

@@ -485,6 +485,7 @@ class PrefixIndex:
             if (e.on_disk or e.persisting) and any(d == digest for d, _ in e.held.blocks)
         ]
         for entry in named:
+            entry.holds_queue = False  # its write's end finds it no longer persisting
             if entry.in_ram:
                 self._drop_disk(entry)
             else:

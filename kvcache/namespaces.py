@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -20,15 +21,20 @@ from kvcache.disk_budget import held_bytes
 log = logging.getLogger("kvwarm.kvcache")
 LOCK = ".lock"  # a running server holds it (kvcache.disk); its mtime: last start
 PINS = "saved.json"
+TOMBSTONE = ".deleting-"  # a folder being deleted, moved aside first
 
 
 def prune_other_namespaces(root: Path, keep: str, budget: int) -> list[str]:
     """Delete other namespace folders under ``root``, least recently started first,
     until the dir holds at most ``budget`` bytes; returns the deleted names."""
     try:
-        others = [p for p in root.iterdir() if p.name != keep and _namespace(p)]
+        found = list(root.iterdir())
     except OSError:
         return []
+    for p in found:  # a deletion cut short (a kill): nobody's anymore
+        if p.name.startswith(TOMBSTONE) and p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+    others = [p for p in found if p.name != keep and _namespace(p)]
     sizes = {p: held_bytes(p) for p in others}
     total = held_bytes(root / keep) + sum(sizes.values())
     deleted = []
@@ -52,7 +58,8 @@ def prune_other_namespaces(root: Path, keep: str, budget: int) -> list[str]:
 def _namespace(path: Path) -> bool:
     """A namespace folder (its blocks/ and entries/), not a symlink or a stray file."""
     return (
-        path.is_dir()
+        not path.name.startswith(".")
+        and path.is_dir()
         and not path.is_symlink()
         and (path / "blocks").is_dir()
         and (path / "entries").is_dir()
@@ -77,14 +84,18 @@ def _has_pins(folder: Path) -> bool:
 
 
 def _delete_unless_held(folder: Path) -> bool:
-    """Delete ``folder`` under its lock; False when a running server holds it."""
+    """Delete ``folder`` under its lock; False when a running server holds it. It
+    is moved aside first, under the lock: a server starting on that name meanwhile
+    makes a fresh folder (kvcache.disk checks its lock is the folder's)."""
     try:
         with open(folder / LOCK, "a+b") as f:
             try:
                 fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return False
-            shutil.rmtree(folder, ignore_errors=True)
+            aside = folder.with_name(f"{TOMBSTONE}{folder.name}-{os.getpid()}")
+            folder.rename(aside)
+        shutil.rmtree(aside, ignore_errors=True)
     except OSError:
         return False
     return True

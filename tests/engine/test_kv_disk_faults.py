@@ -457,3 +457,41 @@ def test_the_start_up_sweep_stays_inside_the_namespace(tmp_path):
     manager(root).close()
     assert (elsewhere / "precious.safetensors").exists()
     assert not torn.exists()
+
+
+def test_a_namespace_pruned_while_its_server_starts_comes_up_fresh(tmp_path, monkeypatch):
+    """Its folders were made before its lock was taken: another server pruning old
+    namespaces in that gap deleted the folder under it, and its tier went off.
+    Moved aside under the lock, the old folder goes and the starting server makes
+    its own, whichever comes first."""
+    import fcntl
+    import os
+
+    import kvcache.disk as disk_module
+    from kvcache.namespaces import prune_other_namespaces
+
+    old = tmp_path / "F"
+    (old / "blocks" / "ab").mkdir(parents=True)
+    (old / "entries").mkdir()
+    (old / "blocks" / "ab" / "x.safetensors").write_bytes(b"\0" * 5000)
+    os.utime(old, (1, 1))
+    real_flock = disk_module.fcntl.flock
+    pruned: list[list[str]] = []
+
+    def flock_after_a_prune(fd, op):  # another server prunes F just before this lock
+        if not pruned:
+            pruned.append([])  # once: the prune's own lock is taken as usual
+            pruned[0] = prune_other_namespaces(tmp_path, "N", 1000)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(disk_module.fcntl, "flock", flock_after_a_prune)
+    tier = disk_module.DiskTier(tmp_path, "F")
+    try:
+        assert pruned == [["F"]]  # the old folder went...
+        assert tier.usable and (old / "blocks").is_dir() and (old / "entries").is_dir()
+        assert not (old / "blocks" / "ab").exists()  # ...and this one is new, and held
+        with open(old / ".lock", "a+b") as f, pytest.raises(BlockingIOError):
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        tier.close()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".deleting-")]

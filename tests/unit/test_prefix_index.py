@@ -277,3 +277,19 @@ def test_stale_values_longer_than_the_reservation_allows_fall_back_to_exact_reus
     assert index.lookup(new, acquire=False).hit.alignment.entry_depth == 9  # 3 more positions
     capped = index.lookup(new, acquire=False, max_growth=2)
     assert capped.hit.alignment.entry_depth == capped.hit.reused == 2  # exact prefix only
+
+
+def test_a_lost_block_leaves_no_entry_held_in_ram_by_a_write_that_no_longer_counts():
+    """lose_block ends a persisting entry's disk copy; its write's end then found it
+    not persisting and returned before letting it go from the write queue's hold,
+    so RAM eviction skipped it for good."""
+    index = PrefixIndex(max_bytes=10**6, block_size=BLOCK, namespace="m", disk_bytes=10**6)
+    key = _key(list(range(10, 18)))
+    entry_id = index.insert(key, held_for(key), trimmable=True)
+    assert index.begin_persist(entry_id)
+    entry = index.get(entry_id)
+    entry.holds_queue = True  # a write larger than the queue's share (the manager sets it)
+    (digest, _) = entry.held.blocks[0]
+    assert index.lose_block(digest) == 1
+    index.end_persist(entry_id, True)
+    assert entry.in_ram and not entry.on_disk and not entry.holds_queue
