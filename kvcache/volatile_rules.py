@@ -102,7 +102,9 @@ _DATE_WORD = re.compile(
 # day name, an epoch count. A bare number or an upper-case word alone is not one
 # ("The dose today is 20", "The answer today is NO" are the user's own words)
 _DATE_PROOF = re.compile(
-    r"\d:\d\d|\d[-/.]\d|\d{9,}|\b(?:" + _MONTHS + "|" + _DAYS + r")\b", re.IGNORECASE
+    r"\d:\d\d|\d[-/.]\d|\d{8,}|\d[ \t]?[ap]\.?m\b|\d(?:st|nd|rd|th)\b|\d{1,2}h\d\d\b"
+    r"|\b(?:" + _MONTHS + "|" + _DAYS + r")\b",
+    re.IGNORECASE,
 )
 _DATE_PARENS = re.compile(r"\([^()\n]{1,40}\)")
 _DATE_GAP = re.compile(r"[ \t]*[,\u2013\u2014][ \t]*|[ \t]+")  # spaces, a comma or a dash
@@ -148,11 +150,12 @@ RULES: tuple[VolatileRule, ...] = (
     # "Current time is 10:42", "Current date: 2026-11-26", "Today's date is ..."
     VolatileRule("timestamp", timestamps, Canonical.SENTINEL),
     # Channel envelopes: "[message_id: 8812]", "message_id=abc" opening a line or a
-    # field, "\"message_id\": \"x\"": not "WHERE message_id = 4411" in the user's SQL
+    # field or right against its separator ("chat_id=5 message_id=77"), "\"message_id\":
+    # \"x\"": not "WHERE message_id = 4411" in the user's SQL
     VolatileRule(
         "message_id",
         _line(
-            r"(?:^[ \t#*>-]*|(?<=[\[{(\"',;|])[ \t]*)"
+            r"(?:^[ \t#*>-]*|(?<=[\[{(\"',;|])[ \t]*|(?<=[ \t])(?=message_id[:=]))"
             r"message[_ ]id[\"']?[ \t]*[:=][ \t]*[\"']?([\w.:-]+)[\"']?",
             group=1,
         ),
