@@ -1,0 +1,107 @@
+"""Which hosts and web origins may reach the server: DNS rebinding, CORS, and a
+page of another origin posting without a preflight."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from app.server import create_app
+from app.settings import Settings
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.http_server import serve_app
+from tests.unit.test_http_api import make_app
+from tests.unit.test_reliability import (
+    CHAT,
+    MESSAGES,
+    anthropic,
+    chat,
+)
+
+
+@pytest.fixture(scope="module")
+def base():
+    with serve_app(make_app()) as url:
+        yield url
+
+
+def test_dns_rebinding_hosts_are_refused_on_loopback(base):
+    refused = httpx.get(base + "/v1/models", headers={"Host": "evil.example"})
+    assert refused.status_code == 400  # in the JSON error shape the OpenAPI document gives
+    assert refused.json()["error"]["code"] == "invalid_host"
+    assert "--allowed-hosts" in refused.json()["error"]["message"]
+    messages = httpx.post(base + MESSAGES, json=anthropic(), headers={"Host": "evil.example"})
+    assert messages.json()["type"] == "error"  # each dialect's own shape
+    for bad in ("", "a b", "[::zz]"):
+        assert httpx.get(base + "/health", headers={"Host": bad}).status_code == 400
+    assert httpx.get(base + "/v1/models", headers={"Host": "localhost:8080"}).status_code == 200
+    assert httpx.get(base + "/v1/models", headers={"Host": "[::1]:8080"}).status_code == 200
+
+
+def test_allowed_hosts_and_cors_are_opt_in():
+    settings = Settings(
+        _env_file=None, allowed_hosts="kv.lan, 127.0.0.1", cors_origins="http://app.lan"
+    )
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, eos_after=2))
+    with serve_app(app) as url:
+        hosted = {"Host": "kv.lan"}
+        assert httpx.get(url + "/health", headers=hosted).status_code == 200
+        assert httpx.get(url + "/health", headers={"Host": "localhost"}).status_code == 400
+        pre = httpx.options(
+            url + CHAT,
+            headers={
+                **hosted,
+                "Origin": "http://app.lan",
+                "Access-Control-Request-Method": "POST",
+            },
+        )
+        assert pre.headers["access-control-allow-origin"] == "http://app.lan"
+        other = httpx.get(url + "/health", headers={**hosted, "Origin": "http://evil.lan"})
+        assert "access-control-allow-origin" not in other.headers
+
+
+def test_a_web_page_from_another_origin_cannot_post_even_without_a_preflight():
+    """A text/plain POST needs no CORS preflight: any page the user opened could
+    mount adapters or run generations on a loopback server with no key."""
+    settings = Settings(_env_file=None, cors_origins="http://app.lan")
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, eos_after=2))
+    with serve_app(app) as url:
+        sent = json.dumps(chat())
+        plain = {"Content-Type": "text/plain"}
+        for origin in ("http://evil.example", "null"):
+            r = httpx.post(url + CHAT, content=sent, headers={**plain, "Origin": origin})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+            r = httpx.post(url + MESSAGES, json=anthropic(), headers={"Origin": origin})
+            assert r.status_code == 403 and r.json()["type"] == "error"
+            r = httpx.post(
+                url + "/v1/adapters", json={"id": "x", "path": "/"}, headers={"Origin": origin}
+            )
+            assert r.status_code == 403
+        # allowed: the listed origin, the server's own pages, clients that send none
+        assert (
+            httpx.post(url + CHAT, json=chat(), headers={"Origin": "http://app.lan"}).status_code
+            == 200
+        )
+        own = url.replace("localhost", "127.0.0.1")
+        assert httpx.post(url + CHAT, json=chat(), headers={"Origin": own}).status_code == 200
+        assert httpx.post(url + CHAT, json=chat()).status_code == 200
+        # desktop apps' own schemes, and the server's own host behind a TLS proxy
+        for app_origin in ("tauri://localhost", "http://tauri.localhost", "vscode-webview://abc"):
+            assert (
+                httpx.post(url + CHAT, json=chat(), headers={"Origin": app_origin}).status_code
+                == 200
+            )
+        tls = url.replace("http://localhost", "https://127.0.0.1").replace("http://", "https://")
+        assert httpx.post(url + CHAT, json=chat(), headers={"Origin": tls}).status_code == 200
+        # reading is not guarded (CORS keeps a page from seeing the answer)
+        assert (
+            httpx.get(url + "/v1/models", headers={"Origin": "http://evil.example"}).status_code
+            == 200
+        )
+
+
+def test_no_cors_headers_by_default(base):
+    r = httpx.get(base + "/health", headers={"Origin": "http://evil.example"})
+    assert "access-control-allow-origin" not in r.headers
