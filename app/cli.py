@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -18,6 +19,7 @@ from pydantic import ByteSize, ValidationError
 from app.settings import Settings
 
 log = logging.getLogger("kvwarm")
+LEAVE_GROUP_S = 0.5  # a distributed rank waits this long for its last sends before exiting
 
 _FLAGS: dict[str, dict[str, Any]] = {
     "model": {"metavar": "PATH"},
@@ -270,10 +272,11 @@ def cmd_serve(settings: Settings) -> int:
             from engine.rank_worker import run_worker
 
             try:
-                return run_worker(config)
+                code = run_worker(config)
             except Exception as exc:  # noqa: BLE001 - said once, then a non-zero exit
                 log.error("rank %d could not start: %s", group.rank, exc)
-                return 1
+                code = 1
+            return _leave_group(code)
     server: GracefulServer | None = None
     load_failure: list[str] = []
 
@@ -315,7 +318,19 @@ def cmd_serve(settings: Settings) -> int:
         return _fail(load_failure[0], code=1)
     if server.exit_code:
         log.error("exiting with status %d: the engine died", server.exit_code)
-    return server.exit_code
+    return _leave_group(server.exit_code) if dist is not None else server.exit_code
+
+
+def _leave_group(code: int) -> int:
+    """Exit a distributed rank without the interpreter's teardown: the group's
+    transport threads were still joinable when their destructors ran, now and
+    then (std::terminate: SIGABRT, status -6, after a clean stop), which a
+    supervisor reads as a crash. A moment first, for their last sends."""
+    from engine.engine_thread import exit_now
+
+    time.sleep(LEAVE_GROUP_S)
+    exit_now(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
