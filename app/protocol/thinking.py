@@ -8,7 +8,7 @@ Clients say it in many dialects: ``enable_thinking``, ``chat_template_kwargs``,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 _OFF = {"off", "none", "false", "disabled", "disable", "no", "0", "minimal_off"}
@@ -86,14 +86,21 @@ def _from_fields(fields: Mapping[str, Any]) -> bool | None:
     return None
 
 
-def resolve_thinking(fields: Mapping[str, Any], default: bool) -> bool:
-    """The request's thinking switch; the most specific place that says wins:
-    top-level fields, then ``extra_body``, then ``metadata``, then the server default."""
+def _scopes(fields: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """Where a request says it, most specific first: top-level fields, then
+    ``extra_body``, then ``metadata``."""
     for scope in (fields, fields.get("extra_body"), fields.get("metadata")):
         if isinstance(scope, Mapping):
-            flag = _from_fields(scope)
-            if flag is not None:
-                return flag
+            yield scope
+
+
+def resolve_thinking(fields: Mapping[str, Any], default: bool) -> bool:
+    """The request's thinking switch; the most specific place that says wins
+    (``_scopes``), then the server default."""
+    for scope in _scopes(fields):
+        flag = _from_fields(scope)
+        if flag is not None:
+            return flag
     return default
 
 
@@ -104,9 +111,7 @@ def resolve_effort(fields: Mapping[str, Any]) -> str | None:
     """The request's reasoning level (``reasoning_effort``, Responses' ``reasoning:
     {"effort"}``), for a template that reads one (gpt-oss: "Reasoning: high"); the
     most specific place that says wins, as for the switch."""
-    for scope in (fields, fields.get("extra_body"), fields.get("metadata")):
-        if not isinstance(scope, Mapping):
-            continue
+    for scope in _scopes(fields):
         reasoning = scope.get("reasoning")
         for value in (
             scope.get("reasoning_effort"),
