@@ -132,14 +132,6 @@ async def mount(http: HTTPRequest) -> dict[str, Any]:
         http,
         lambda raw: parse_body(raw, AdapterMountRequest, state.model_info().context_length),
     )
-    base = state.model_info().model_id
-    if body.id == base:  # it would take every request naming the base model
-        raise APIError(
-            409,
-            f"{body.id!r} is the base model's id; mount the adapter under another",
-            code="adapter_exists",
-            param="id",
-        )
     try:  # file reads and hashing: off the event loop and off the engine thread
         files = await asyncio.to_thread(read_adapter_files, Path(body.path))
     except AdapterError as exc:

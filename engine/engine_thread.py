@@ -27,6 +27,7 @@ from kvcache.interface import KVCacheDisabled, KVCacheManager
 from kvcache.layout import KVQuant
 from scheduler.admission import AdmissionController, EngineUnavailable
 from scheduler.contracts import (
+    AdapterExists,
     AdapterFiles,
     AdapterInfo,
     AdapterInUse,
@@ -209,6 +210,7 @@ class EngineThread(threading.Thread):
         engine.adapter_files); admission then counts its bytes."""
 
         def mount(runner: Runner) -> AdapterInfo:
+            self._refuse_base_id(adapter_id)
             # priced by its file before it is read: loading one past the budget first
             # could take the memory the budget keeps (on Metal, the process with it)
             problem = self._adapter_room(runner.adapter_bytes() + files.weights_size)
@@ -227,6 +229,15 @@ class EngineThread(threading.Thread):
             return info
 
         return self.control(mount)
+
+    def _refuse_base_id(self, adapter_id: str) -> None:
+        """An adapter named as the base model would take every request naming it
+        (as /v1/models lists it): at start and at run time alike."""
+        info = self._model_info
+        if info is not None and adapter_id == info.model_id:
+            raise AdapterExists(
+                f"{adapter_id!r} is the base model's id; mount the adapter under another"
+            )
 
     def unmount_adapter(self, adapter_id: str) -> Future[AdapterInfo]:
         """Unmount between two steps; refused while queued or running requests use it."""
@@ -351,9 +362,8 @@ class EngineThread(threading.Thread):
         if booted.ranks is not None:
             booted.ranks.start(self._rank_lost)
         for adapter_id, path in self.config.adapters:
-            if adapter_id == booted.info.model_id:  # it would take the base model's requests
-                raise RuntimeError(f"--adapter {adapter_id}: that is the base model's id")
             try:
+                self._refuse_base_id(adapter_id)
                 self._runner.mount_adapter(adapter_id, read_adapter_files(path))
             except Exception as exc:
                 raise RuntimeError(f"--adapter {adapter_id}={path}: {exc}") from exc
