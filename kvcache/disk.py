@@ -21,7 +21,6 @@ every file is verified again (size, CRC, namespace) when it is read.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -37,7 +36,7 @@ from typing import IO, Any
 import numpy as np
 
 from kvcache.blocks import Digest
-from kvcache.namespaces import LOCK
+from kvcache.namespaces import LOCK, try_lock
 from kvcache.safetensors_io import CorruptFile, encode, read_verified, write_atomic
 
 log = logging.getLogger("kvwarm.kvcache.disk")
@@ -440,11 +439,7 @@ def _hold_alone(folder: Path) -> IO[bytes]:
     for _ in range(5):
         folder.mkdir(parents=True, exist_ok=True)
         f = open(path, "a+b")  # noqa: SIM115 - held open: the lock lives as long as the file
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            held = True
-        except BlockingIOError:
-            held = False
+        held = try_lock(f)
         if _same_file(f, path):
             if held:
                 os.utime(path)  # when this namespace was last served (kvcache.namespaces)

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from typing import IO
 
 from kvcache.disk_budget import held_bytes
 
@@ -89,13 +90,21 @@ def _delete_unless_held(folder: Path) -> bool:
     makes a fresh folder (kvcache.disk checks its lock is the folder's)."""
     try:
         with open(folder / LOCK, "a+b") as f:
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if not try_lock(f):
                 return False
             aside = folder.with_name(f"{TOMBSTONE}{folder.name}-{os.getpid()}")
             folder.rename(aside)
         shutil.rmtree(aside, ignore_errors=True)
     except OSError:
+        return False
+    return True
+
+
+def try_lock(f: IO[bytes]) -> bool:
+    """An exclusive lock on the open ``f``, held until it closes; False: another
+    process (a running server) holds it."""
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         return False
     return True

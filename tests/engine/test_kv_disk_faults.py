@@ -475,7 +475,7 @@ def test_a_namespace_pruned_while_its_server_starts_comes_up_fresh(tmp_path, mon
     (old / "entries").mkdir()
     (old / "blocks" / "ab" / "x.safetensors").write_bytes(b"\0" * 5000)
     os.utime(old, (1, 1))
-    real_flock = disk_module.fcntl.flock
+    real_flock = fcntl.flock
     pruned: list[list[str]] = []
 
     def flock_after_a_prune(fd, op):  # another server prunes F just before this lock
@@ -484,7 +484,7 @@ def test_a_namespace_pruned_while_its_server_starts_comes_up_fresh(tmp_path, mon
             pruned[0] = prune_other_namespaces(tmp_path, "N", 1000)
         return real_flock(fd, op)
 
-    monkeypatch.setattr(disk_module.fcntl, "flock", flock_after_a_prune)
+    monkeypatch.setattr(fcntl, "flock", flock_after_a_prune)
     tier = disk_module.DiskTier(tmp_path, "F")
     try:
         assert pruned == [["F"]]  # the old folder went...
