@@ -23,6 +23,19 @@ def round_up(n: int, step: int = KV_ALLOCATION_STEP) -> int:
     return -(-n // step) * step
 
 
+def allocated(positions: int) -> int:
+    """Positions an mlx-lm cache holding ``positions`` may have allocated.
+
+    Its buffer grows by whole 256-position steps from wherever it stands, and a
+    cache rebuilt from stored KV, merged into a batch or grown by a prefill chunk
+    after a prefix hit stands off the 256 grid: 300 reused positions plus one
+    decoded token allocate 556, and the next growth from 556 gives 812 where
+    ``round_up(557)`` says 768. Whatever the path, a growth adds under one step
+    past what it holds.
+    """
+    return positions + KV_ALLOCATION_STEP - 1 if positions > 0 else 0
+
+
 class LayerKind(str, enum.Enum):
     ATTENTION = "attention"  # KVCache: bytes per position, trimmable
     WINDOW = "window"  # RotatingKVCache: bytes per position up to a window
@@ -38,10 +51,10 @@ class LayerKV:
 
     def sequence_bytes(self, positions: int, chunk: int) -> int:
         if self.kind is LayerKind.ATTENTION:
-            return self.bytes_per_token * round_up(positions)
+            return self.bytes_per_token * allocated(positions)
         if self.kind is LayerKind.WINDOW:
             # a prefill chunk is appended before the buffer rotates back to the window
-            return self.bytes_per_token * min(round_up(positions), self.window + chunk)
+            return self.bytes_per_token * min(allocated(positions), self.window + chunk)
         return self.state_bytes
 
     def tag(self) -> str:

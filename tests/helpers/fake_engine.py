@@ -10,7 +10,7 @@ from typing import Any
 
 from engine.engine_thread import Booted, EngineConfig, EngineThread
 from kvcache.prompt_key import PromptKey, RenderedPrompt
-from scheduler.admission import AdmissionController, MemoryBudget
+from scheduler.admission import KV_ALLOCATION_STEP, AdmissionController, MemoryBudget
 from scheduler.contracts import (
     AdapterExists,
     AdapterFiles,
@@ -207,7 +207,9 @@ class FakeEngine(EngineThread):
         ranks: object = None,
     ):
         budget = MemoryBudget(
-            total_bytes=1000 + 500 + kv_budget_tokens * 10,
+            # one request of kv_budget_tokens (a 256 multiple) fits, with the part of a
+            # step a cache grown off the 256 grid may hold past it
+            total_bytes=1000 + 500 + (kv_budget_tokens + KV_ALLOCATION_STEP - 1) * 10,
             weights_bytes=1000,
             reserve_bytes=500,
             kv_bytes_per_token=10,

@@ -55,11 +55,13 @@ def budget(kv_tokens: int, per_token: int = 100) -> MemoryBudget:
 def test_budget_split_and_ceiling():
     b = budget(1000)
     assert b.kv_budget_bytes == 100_000
-    assert b.ceiling_tokens == 768  # whole 256-position allocation steps only
+    # whole 256-position steps, each with the 255 positions a buffer grown off the
+    # 256 grid may hold past it: 512 + 255 fits 1000, 768 + 255 does not
+    assert b.ceiling_tokens == 512
 
 
 def test_never_fits_is_over_budget_and_names_the_ceiling():
-    ctl = AdmissionController(budget(1024), context_length=100_000)
+    ctl = AdmissionController(budget(1024 + 255), context_length=100_000)
     ctl.check_ever_fits(24, 1000)
     with pytest.raises(OverBudget) as exc:
         ctl.check_ever_fits(24, 1001)
@@ -77,11 +79,12 @@ def test_context_limit_checked_before_memory():
 
 
 def test_footprint_is_the_padded_rectangle():
-    ctl = AdmissionController(budget(4096, per_token=1), context_length=10**6)
+    row = 1024 + 255  # 1000 positions: 4 steps, and what growth may add past them
+    ctl = AdmissionController(budget(4 * row, per_token=1), context_length=10**6)
     # a long row makes every row as wide as it is
-    assert ctl.footprint([1000, 10, 10]) == 3 * 1024
-    assert ctl.fits_with([1000, 10, 10], 10)  # 4 rows x 1024 = 4096: exactly fits
-    assert not ctl.fits_with([1000, 10, 10, 10], 10)  # 5 x 1024 does not
+    assert ctl.footprint([1000, 10, 10]) == 3 * row
+    assert ctl.fits_with([1000, 10, 10], 10)  # 4 rows of 1000: exactly fits
+    assert not ctl.fits_with([1000, 10, 10, 10], 10)  # 5 do not
     # the same five short rows alone are cheap: only width counts, not the sum
     assert ctl.fits_with([10, 10, 10, 10], 10)
     assert ctl.footprint([]) == 0

@@ -23,8 +23,10 @@ def budget(layout: KVLayout, kv_bytes: int, chunk: int = 512) -> MemoryBudget:
 
 
 def test_each_kind_grows_as_its_cache_does():
-    assert ATTN.sequence_bytes(1000, 512) == 100 * 1024  # 256-position allocation steps
-    assert WINDOW.sequence_bytes(300, 512) == 100 * 512
+    # a buffer grows by 256-position steps from wherever it stands: up to 255 past
+    assert ATTN.sequence_bytes(1000, 512) == 100 * (1000 + 255)
+    assert ATTN.sequence_bytes(0, 512) == 0
+    assert WINDOW.sequence_bytes(300, 512) == 100 * (300 + 255)
     assert WINDOW.sequence_bytes(100_000, 512) == 100 * (1024 + 512)  # window + one chunk
     assert STATE.sequence_bytes(10, 512) == STATE.sequence_bytes(100_000, 512) == 50_000
 
@@ -33,9 +35,9 @@ def test_the_ceiling_of_a_hybrid_model_counts_only_what_grows():
     hybrid = KVLayout((ATTN, STATE, STATE, WINDOW))
     b = budget(hybrid, kv_bytes=10_000_000)
     fixed = 2 * 50_000 + 100 * (1024 + 512)
-    assert b.ceiling_tokens == (10_000_000 - fixed) // 100 // 256 * 256
+    assert b.ceiling_tokens == ((10_000_000 - fixed) // 100 - 255) // 256 * 256
     plain = budget(KVLayout.attention_only(400), kv_bytes=10_000_000)
-    assert plain.ceiling_tokens == 10_000_000 // 400 // 256 * 256
+    assert plain.ceiling_tokens == (10_000_000 // 400 - 255) // 256 * 256
     assert not hybrid.trimmable and KVLayout((ATTN,)).trimmable
     assert hybrid.fingerprint() != KVLayout((ATTN, STATE, WINDOW, STATE)).fingerprint()
 
