@@ -112,13 +112,7 @@ class Lookup:
     layer: str = "global"  # which layer found the hit: global (block chain) or session
     # candidates whose alignment was cut back to the start of an image
     retreated: set[int] = field(default_factory=set)
-
-    @property
-    def tier(self) -> str:
-        """Where the hit's KV is: ram, disk, or none (a miss)."""
-        if self.hit is None:
-            return "none"
-        return "ram" if self.hit.entry.in_ram else "disk"
+    tier: str = "none"  # where the hit's KV was when chosen: ram, disk, or none (a miss)
 
 
 @dataclass

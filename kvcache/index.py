@@ -183,21 +183,34 @@ class PrefixIndex:
             return result
         result.hit = best
         entry = best.entry
-        if entry.entry_id in result.retreated:
-            self.counters.vlm_retreat += 1
+        result.tier = "ram" if entry.in_ram else "disk"
         entry.hits += 1
         entry.last_used = self._clock()
         if acquire:
             entry.refs += 1
-        self.counters.hits += 1
-        if result.layer == "session":
-            self.counters.session_hits += 1
-        if not entry.in_ram:
-            self.counters.disk_hits += 1
-            self.counters.disk_tokens_reused += best.alignment.request_depth
-        self.counters.tokens_reused += best.alignment.request_depth
-        self.counters.stale_volatile_reuse += best.alignment.stale_tokens
+        self._count_hit(result, 1)
         return result
+
+    def unusable_hit(self, result: Lookup) -> None:
+        """The hit ``lookup`` chose served nothing (its KV could not be read back):
+        it counts as the miss the client saw, not as reuse it never got."""
+        self._count_hit(result, -1)
+        self.counters.misses += 1
+
+    def _count_hit(self, result: Lookup, sign: int) -> None:
+        assert result.hit is not None
+        entry, al = result.hit.entry, result.hit.alignment
+        c = self.counters
+        if entry.entry_id in result.retreated:
+            c.vlm_retreat += sign
+        c.hits += sign
+        if result.layer == "session":
+            c.session_hits += sign
+        if result.tier == "disk":
+            c.disk_hits += sign
+            c.disk_tokens_reused += sign * al.request_depth
+        c.tokens_reused += sign * al.request_depth
+        c.stale_volatile_reuse += sign * al.stale_tokens
 
     def _best(
         self,

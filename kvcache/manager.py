@@ -199,11 +199,13 @@ class TieredKVManager:
         except CorruptFile as exc:
             log.warning("%s: cached KV on disk discarded: %s", request_id, exc)
             self.index.release(entry.entry_id)
+            self.index.unusable_hit(result)
             self._damaged(entry, exc)
             return None, miss
         except Exception:  # noqa: BLE001 - an entry that cannot be read must not stay the best hit
             log.exception("%s: cached KV discarded: it could not be assembled", request_id)
             self.index.release(entry.entry_id)
+            self.index.unusable_hit(result)
             self._discard(entry)
             return None, miss
         log.info(

@@ -152,6 +152,10 @@ def test_a_flipped_token_in_a_stored_manifest_is_never_served(tmp_path, position
     prompt[position] = was - 1  # the text the altered manifest claims
     assert served(again, prompt + [1, 2]) is None
     assert again.index.entries() == []
+    # what the client saw is what /metrics says: a miss, no reuse, no disk hit
+    st = again.stats()
+    assert st.hits == st.tokens_reused == st.disk_hits == st.disk_tokens_reused == 0
+    assert st.misses == 1
     again.close()
 
 
@@ -194,6 +198,8 @@ def test_an_entry_that_cannot_be_assembled_is_dropped_not_leaked(tmp_path, monke
     monkeypatch.setattr(again, "_load", broken)
     assert served(again, tokens + [1]) is None  # raised KeyError before, holding a ref
     assert again.index.entries() == []
+    st = again.stats()
+    assert (st.hits, st.misses, st.tokens_reused, st.disk_hits) == (0, 1, 0, 0)
     monkeypatch.undo()
     store(again, tokens)
     assert served(again, tokens + [1]) == (tokens, "ram")
