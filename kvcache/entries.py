@@ -113,6 +113,9 @@ class Lookup:
     # candidates whose alignment was cut back to the start of an image
     retreated: set[int] = field(default_factory=set)
     tier: str = "none"  # where the hit's KV was when chosen: ram, disk, or none (a miss)
+    judged: set[int] = field(default_factory=set)  # entries aligned so far
+    # the deepest reuse an untrimmable entry would have given had it been cut back
+    uncut_depth: int = 0
 
 
 @dataclass

@@ -171,6 +171,7 @@ class PrefixIndex:
                 (0, e)
                 for e in session_candidates
                 if e in self._entries
+                and e not in result.judged
                 and self._entries[e].loadable
                 and self._entries[e].variant == variant
             ]
@@ -178,6 +179,10 @@ class PrefixIndex:
             if deeper is not None and deeper.alignment.request_depth > reused:
                 best = deeper
                 result.layer = "session"
+        if result.uncut_depth > (best.alignment.request_depth if best else 0):
+            # once per lookup, and only where cutting would have reused more: a new
+            # conversation sharing a system prompt with others is clean traffic
+            self.counters.hybrid_trim_miss += 1
         if best is None:
             self.counters.misses += 1
             return result
@@ -224,6 +229,7 @@ class PrefixIndex:
         for blocks, entry_id in candidates:
             entry = self._entries[entry_id]
             result.candidates += 1
+            result.judged.add(entry_id)
             al = align(entry.key, key, skip_volatile=skip)
             if skip and blocks:
                 self._check_key_agreement(entry, key, al, blocks, result)
@@ -234,7 +240,7 @@ class PrefixIndex:
             al = self._before_partial_image(key, al, entry_id, result)
             if not entry.trimmable and al.entry_depth != entry.length:
                 # recurrent / hybrid layers cannot be cut back: whole entries only
-                self.counters.hybrid_trim_miss += 1
+                result.uncut_depth = max(result.uncut_depth, al.request_depth)
                 result.rejected.append(f"entry {entry_id}: untrimmable, matches {al.entry_depth}")
                 continue
             if al.request_depth == 0:

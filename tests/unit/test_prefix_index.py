@@ -221,6 +221,30 @@ def test_untrimmable_entries_only_hit_whole_and_count_misses():
     assert index.counters.hybrid_trim_miss == 1
 
 
+def test_an_uncut_entry_is_judged_once_and_counted_once():
+    index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m")
+    tokens = list(range(100, 120))
+    eid = index.insert(_key(tokens), 20, trimmable=False, session="s")
+    # the session layer promises what the chain search already judged
+    res = index.lookup(_key(tokens[:12] + [9] * 5), session_candidates=[eid], promised=12)
+    assert res.hit is None and res.candidates == 1 and len(res.rejected) == 1
+    assert index.counters.hybrid_trim_miss == 1
+
+
+def test_agents_sharing_a_system_prompt_on_a_recurrent_model_are_clean_traffic():
+    index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m")
+    system = list(range(500, 532))
+    index.insert(_key(system), 32, trimmable=False, session="x")  # the checkpoint
+    for i, session in enumerate("abc"):
+        turn = system + [600 + 10 * i + k for k in range(20)]
+        index.insert(_key(turn), 52, trimmable=False, session=session)
+    # a new agent: the checkpoint serves all an ideal cache could; the others'
+    # turns cannot be cut back, but cutting would not have given more
+    res = index.lookup(_key(system + [900 + k for k in range(20)]))
+    assert res.hit is not None and res.hit.reused == 32
+    assert index.counters.hybrid_trim_miss == 0
+
+
 def test_eviction_prefers_short_cold_entries_and_ttl_expires():
     now = [0.0]
     index = PrefixIndex(max_bytes=100, block_size=4, namespace="m", ttl_s=100, clock=lambda: now[0])
