@@ -45,13 +45,22 @@ class RequestRecord:
 
     @property
     def reached_engine(self) -> bool:
-        """Prefilled (at least partly): it has engine timings or produced tokens."""
-        return self.stats is not None or self.completion_tokens > 0 or self.ttft_s is not None
+        """Looked up in the prefix cache, prefilled or decoded: the engine took it on
+        (a request cancelled mid-prefill has only its cache report)."""
+        return (
+            self.stats is not None
+            or self.cache is not None
+            or self.completion_tokens > 0
+            or self.ttft_s is not None
+        )
 
     @property
     def tokens_per_s(self) -> float:
-        decode = self.stats.decode_s if self.stats else self.e2e_s
-        return self.completion_tokens / decode if decode > 0 else 0.0
+        if self.stats is None:
+            return self.completion_tokens / self.e2e_s if self.e2e_s > 0 else 0.0
+        # decode time runs from the first token: it holds the gaps after it
+        decode = self.stats.decode_s
+        return (self.completion_tokens - 1) / decode if decode > 0 else 0.0
 
     def fields(self) -> dict[str, Any]:
         """The flat form for one-line logs."""

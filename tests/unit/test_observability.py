@@ -496,6 +496,22 @@ def test_an_accepted_request_that_fails_counts_once_and_admin_400s_not_at_all(mo
         assert _value(text, "kvwarm:requests_rejected_total", reason=reason) == 0
 
 
+def test_a_request_cancelled_mid_prefill_counts_its_prompt():
+    metrics = Metrics()
+    cancelled = record(
+        prompt_tokens=100_000, cached_tokens=0, completion_tokens=0, ttft_s=None, stats=None,
+        finish="abort", disconnected=True, cache=CacheReport(tier="none"),
+    )  # fmt: skip
+    metrics.observe_request(cancelled)
+    assert sample(metrics, "kvwarm:prompt_tokens_total", adapter="") == 100_000
+
+
+def test_the_decode_rate_counts_the_gaps_after_the_first_token():
+    two = record(completion_tokens=2, stats=RequestStats(0.0, 0.1, 0.1))
+    assert two.tokens_per_s == pytest.approx(10.0)  # one gap of 0.1 s
+    assert record(completion_tokens=1, stats=RequestStats(0.0, 0.1, 0.0)).tokens_per_s == 0
+
+
 def test_otel_counts_no_prompt_or_cache_query_for_a_request_never_prefilled():
     tracing = Tracing(env={})
     reader = InMemoryMetricReader()
