@@ -96,6 +96,7 @@ class Waiting:
     cache: list | None
     cached_tokens: list[int] | None
     waited: int = 0  # steps it was held back
+    started: bool = False  # its prefill began (a vision row's first image)
     vision_at: int | None = None  # prompt tokens its images' prefill reached so far
 
 

@@ -272,7 +272,12 @@ class BatchRunner:
     def cut_short(self, request_id: str) -> RequestOutput | None:
         """End a running request as if it hit max_tokens (the watchdog): what it
         generated is delivered, nothing of it is stored. Text the detokeniser still
-        held may complete a stop string: then it stopped, as it would have anyway."""
+        held may complete a stop string: then it stopped, as it would have anyway.
+        One the step budget never started is still queued to its client: 503."""
+        waiting = self._waiting.get(request_id)
+        if waiting is not None and not waiting.started:
+            self.remove(request_id)
+            return RequestOutput.queue_timeout(request_id)
         row = self.remove(request_id)
         if row is None:
             return None
@@ -362,6 +367,8 @@ class BatchRunner:
         vision_s = 0.0
         for request_id in plan.start:
             w = self._waiting.pop(request_id)
+            if not w.started:  # its time in the queue ends here, not at admission
+                w.started, w.row.joined_at = True, time.monotonic()
             try:
                 if w.row.request.images:
                     began = time.perf_counter()

@@ -44,7 +44,6 @@ from scheduler.scheduler import Scheduler
 from scheduler.streams import OutputRouter
 
 log = logging.getLogger("kvwarm.engine")
-QUEUE_TIMEOUT = "the request waited in the queue past --request-timeout; retry later"
 SHUTTING_DOWN = "the server is shutting down"
 NOT_ON_A_GROUP = (
     "saving and loading conversations' KV is not available on a distributed group "
@@ -428,7 +427,7 @@ class EngineThread(threading.Thread):
             outputs.append(out or RequestOutput(request_id, finish_reason=FinishReason.LENGTH))
         for request_id in plan.expired:
             log.warning("%s: expired in the queue (--request-timeout)", request_id)
-            outputs.append(RequestOutput.failure(request_id, QUEUE_TIMEOUT, "queue_timeout"))
+            outputs.append(RequestOutput.queue_timeout(request_id))
         for request_id in plan.shutdown:
             runner.remove(request_id)
             outputs.append(RequestOutput.failure(request_id, SHUTTING_DOWN, "server_shutdown"))

@@ -151,6 +151,9 @@ class CacheReport:
         return "none" if self.known_session else "fresh"
 
 
+QUEUE_TIMEOUT = "the request waited in the queue past --request-timeout; retry later"
+
+
 @dataclass(frozen=True)
 class RequestStats:
     """Where one request's time went, reported once, on its final output."""
@@ -197,6 +200,11 @@ class RequestOutput:
     def failure(cls, request_id: str, error: str, code: str = "engine_error") -> RequestOutput:
         """The final output of a request the engine could not finish."""
         return cls(request_id, finish_reason=FinishReason.ERROR, error=error, error_code=code)
+
+    @classmethod
+    def queue_timeout(cls, request_id: str) -> RequestOutput:
+        """The watchdog's end for a request that never started: 503, retry later."""
+        return cls.failure(request_id, QUEUE_TIMEOUT, "queue_timeout")
 
     @property
     def finished(self) -> bool:

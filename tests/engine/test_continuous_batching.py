@@ -180,7 +180,7 @@ def test_rows_waiting_for_the_budget_can_leave_and_the_rest_finish(byte_tokenize
     assert runner._waiting.keys() == {"b", "c"}  # one long prompt prefills at a time here
     runner.remove("b")
     cut = runner.cut_short("c")
-    assert cut.finish_reason is FinishReason.LENGTH and cut.completion_tokens == 0
+    assert cut.error_code == "queue_timeout" and cut.completion_tokens == 0  # still queued
     assert runner.active == 2 and not runner._waiting
     done = set()
     while "a" not in done:
@@ -237,3 +237,24 @@ def test_a_watchdog_cut_without_a_stop_string_says_length(byte_tokenizer):
     cut = runner.cut_short("s")
     assert cut.text == "xyA"
     assert cut.finish_reason is FinishReason.LENGTH and cut.stop_sequence is None
+
+
+def test_a_row_the_step_budget_never_started_times_out_as_queued(byte_tokenizer):
+    """Admitted but held back by the step budget behind another row's prefill: to
+    its client it is still queued, so the watchdog's end is 503 queue_timeout, not
+    an empty 200 "length"; a row whose prefill began ends as a running one."""
+    runner = _runner(byte_tokenizer, max_step_s=1e-9)
+    runner.add(Request([3] * 10, max_tokens=50, sampling=GREEDY, ignore_eos=True, request_id="a"))
+    while not runner.row("a").generated:
+        runner.step()
+    runner.add(Request([4] * 300, max_tokens=3, sampling=GREEDY, ignore_eos=True, request_id="b"))
+    runner.step()  # "b" prefills a thin slice per step while "a" decodes
+    runner.add(Request([5] * 300, max_tokens=3, sampling=GREEDY, ignore_eos=True, request_id="c"))
+    runner.step()
+    queued = runner.cut_short("c")
+    assert queued is not None and queued.finish_reason is FinishReason.ERROR
+    assert queued.error_code == "queue_timeout" and runner.row("c") is None
+    started = runner.cut_short("b")
+    assert started is not None and started.finish_reason is FinishReason.LENGTH
+    assert started.timed_out and started.stats is not None
+    runner.close()
