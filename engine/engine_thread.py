@@ -197,6 +197,10 @@ class EngineThread(threading.Thread):
         else:
             self._controls.put((op, future))
             self.scheduler.wake()
+            if not self.alive:
+                # it died or stopped after the check: its last drain may be over
+                # already, and nobody else would ever answer this future
+                self._fail_controls(self._failure or SHUTTING_DOWN)
         return future
 
     def adapters(self) -> tuple[AdapterInfo, ...]:
@@ -405,7 +409,8 @@ class EngineThread(threading.Thread):
             self.router.publish(started + failed)
             if runner.active == 0:
                 self._sample_memory()  # idle gauges still move (freed cache, clear_cache)
-                scheduler.wait_for_work(timeout=0.5)
+                if not failed:  # a failed start freed a slot the queue's next may take now
+                    scheduler.wait_for_work(timeout=0.5)
                 continue
             outputs = runner.step()
             self._steps += 1

@@ -281,3 +281,80 @@ def test_an_adapter_flag_under_the_base_models_id_stops_the_start(adapter_dir):
         assert not engine.ready and "the base model's id" in (engine.failure or "")
     finally:
         loop.close()
+
+
+def test_a_start_that_fails_leaves_no_idle_wait_while_requests_queue():
+    """The slot a failed start frees goes to the queue's next request at once: the
+    engine waited out its idle timeout first (a run of failing requests got 2 a second)."""
+    import asyncio
+
+    from scheduler.request import Request
+    from scheduler.scheduler import Scheduler
+    from scheduler.service import GenerationService
+    from scheduler.streams import OutputRouter
+    from tests.helpers.fake_engine import FakeEngine
+
+    async def run() -> list[int]:
+        scheduler = Scheduler(None, max_running=1, max_queue=8)
+        idle_with_queue: list[int] = []
+        wait = scheduler.wait_for_work
+
+        def recording_wait(timeout: float) -> None:
+            waiting = scheduler.stats().waiting  # then: no wake-up pending for them
+            idle_with_queue.append(0 if scheduler._wake.is_set() else waiting)  # noqa: SLF001
+            wait(timeout)
+
+        scheduler.wait_for_work = recording_wait  # type: ignore[method-assign]
+        router = OutputRouter(asyncio.get_running_loop())
+        engine = FakeEngine(scheduler, router, eos_after=2)
+        service = GenerationService(scheduler, router, engine)
+        engine.start()
+        engine.wait_ready(5)
+        try:
+            for _ in range(3):
+                failing = service.submit(Request([1, 2, 3], 4, adapter="not-mounted"))
+                fine = service.submit(Request([1, 2, 3], 4))
+                assert [o async for o in failing][-1].error_code == "adapter_not_found"
+                assert [o async for o in fine][-1].finish_reason is not None
+        finally:
+            engine.stop()
+            engine.join(5)
+        return idle_with_queue
+
+    assert not any(asyncio.run(run()))
+
+
+def test_a_control_sent_as_the_engine_dies_is_answered():
+    """An adapter mount (or a conversation save) checked the engine was up, then the
+    engine died and drained its controls before the op was queued: it waited for
+    ever, and so did its HTTP handler."""
+    import asyncio
+
+    from scheduler.admission import EngineUnavailable
+    from scheduler.scheduler import Scheduler
+    from scheduler.streams import OutputRouter
+    from tests.helpers.fake_engine import FakeEngine
+
+    loop = asyncio.new_event_loop()
+    engine = FakeEngine(Scheduler(None, max_running=1, max_queue=4), OutputRouter(loop))
+    engine.start()
+    assert engine.wait_ready(5)
+    controls = engine._controls  # noqa: SLF001
+
+    class LateQueue:  # the engine dies between control()'s check and its put
+        def put(self, item) -> None:
+            engine.inject_fault(RuntimeError("GPU fell over"))
+            engine.join(5)  # its last drain of the controls is over
+            controls.put(item)
+
+        def get_nowait(self):
+            return controls.get_nowait()
+
+    engine._controls = LateQueue()  # noqa: SLF001
+    try:
+        future = engine.control(lambda runner: "ran")
+        assert future.done()
+        with pytest.raises(EngineUnavailable):
+            future.result(0)
+    finally:
+        loop.close()
