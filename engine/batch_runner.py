@@ -154,27 +154,29 @@ class BatchRunner:
             self.vision.remember(request.images)
         cache, cached_tokens = None, None
         hints = request.cache if self.prefix_cache is not None else None
-        if hints is not None:
-            # KV positions the admission reservation (rounded up) has to spare
-            slack = round_up(request.reserved_tokens) - request.reserved_tokens
-            reuse, row.report = self.prefix_cache.lookup(
-                request.request_id, hints, max_growth=slack
-            )
-            row.kv_key = hints.key
-            if reuse is not None:
-                row.cached, row.kv_offset = reuse.request_depth, reuse.kv_depth
-                row.kv_key, row.entry_id = reuse.kv_key, reuse.entry_id
-                cache = reuse.caches
-                cached_tokens = self._model_ids(reuse.kv_key.model_tokens[: reuse.kv_depth])
-                if self.vision is not None:
-                    row.rope_delta = self.vision.rope_delta(
-                        reuse.kv_key.model_tokens[: reuse.kv_depth]
-                    )
-        rest = prompt[row.cached :]
-        if not rest or request.max_tokens - row.generated <= 0:
-            self._release(row)
-            raise ValueError("nothing to generate: an empty prompt or max_tokens <= 0")
-        segments = self._segments(row, rest, row.cached)
+        try:
+            if hints is not None:
+                # KV positions the admission reservation (rounded up) has to spare
+                slack = round_up(request.reserved_tokens) - request.reserved_tokens
+                reuse, row.report = self.prefix_cache.lookup(
+                    request.request_id, hints, max_growth=slack
+                )
+                row.kv_key = hints.key
+                if reuse is not None:
+                    row.cached, row.kv_offset = reuse.request_depth, reuse.kv_depth
+                    row.kv_key, row.entry_id = reuse.kv_key, reuse.entry_id
+                    cache = reuse.caches
+                    reused = reuse.kv_key.model_tokens[: reuse.kv_depth]
+                    cached_tokens = self._model_ids(reused)
+                    if self.vision is not None:
+                        row.rope_delta = self.vision.rope_delta(reused)
+            rest = prompt[row.cached :]
+            if not rest or request.max_tokens - row.generated <= 0:
+                raise ValueError("nothing to generate: an empty prompt or max_tokens <= 0")
+            segments = self._segments(row, rest, row.cached)
+        except Exception:
+            self._release(row)  # a hit's entry stayed held for ever: never evicted again
+            raise
         # prefill starts when the step budget has room for it (``step``)
         self._waiting[request.request_id] = Waiting(row, segments, cache, cached_tokens)
         if hints is None:

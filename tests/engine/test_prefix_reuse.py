@@ -192,6 +192,20 @@ def test_a_row_whose_cache_store_raises_fails_alone(tiny):
     assert h.runner.row_faults == 1
 
 
+def test_a_hit_whose_row_cannot_start_lets_go_of_its_entry(tiny, monkeypatch):
+    h = Harness(tiny, VolatilePolicy.STRICT)
+    h.run(h.request(conversation(turns=1)))
+    (entry,) = h.cache.index.entries()
+
+    def broken(tokens):
+        raise RuntimeError("an image identity the vision tower no longer knows")
+
+    monkeypatch.setattr(h.runner, "_model_ids", broken)
+    with pytest.raises(RuntimeError):
+        h.runner.add(h.request(conversation(turns=1) + [{"role": "user", "content": "more"}]))
+    assert entry.refs == 0  # an entry held for ever is never evicted
+
+
 def test_strict_policy_does_not_reuse_past_a_changed_timestamp(tiny):
     h = Harness(tiny, VolatilePolicy.STRICT)
     old = h.request(conversation("10:00"))
