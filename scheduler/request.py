@@ -102,7 +102,7 @@ class TokenLogprob:
     top: tuple[TokenChoice, ...] = ()
 
 
-@dataclass
+@dataclass(eq=False)  # one object per request: identity, not an O(prompt) field compare
 class Request:
     """One generation job. ``prompt_tokens`` are exactly what the model sees."""
 
