@@ -220,7 +220,7 @@ def cmd_fit(settings: Settings, models: list[str], as_json: bool, matrix: bool) 
 
 
 def cmd_serve(settings: Settings) -> int:
-    from app.lifecycle import GracefulServer, raise_open_files_limit, server_config
+    from app.lifecycle import GracefulServer, raise_open_files_limit, server_config, unbindable
     from app.server import create_app
     from engine.distributed_config import share_cpu_threads
     from engine.engine_thread import EngineConfig, EngineThread
@@ -277,6 +277,9 @@ def cmd_serve(settings: Settings) -> int:
                 log.error("rank %d could not start: %s", group.rank, exc)
                 code = 1
             return _leave_group(code)
+    problem = unbindable(settings.host, settings.port)  # the serving rank's, before loading
+    if problem is not None:
+        return _leave_group(_fail(problem)) if dist is not None else _fail(problem)
     server: GracefulServer | None = None
     load_failure: list[str] = []
 

@@ -11,8 +11,10 @@ way and the process exits 1, so a supervisor restarts it.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 import time
 from types import FrameType
 
@@ -26,6 +28,31 @@ log = logging.getLogger("kvwarm")
 
 FLUSH_S = 5.0  # how long ended streams get to write their last event
 POLL_S = 0.05
+
+
+def unbindable(host: str, port: int) -> str | None:
+    """Why the server could not listen on host:port, tried before the model loads
+    (uvicorn binds only after the application's start-up, which loads it: a port
+    in use was found minutes into a large model's load). None: it can."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"cannot resolve --host {host!r}: {exc.strerror}"
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio binds
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return (
+                        f"port {port} on {host} is already in use (another kvwarm?): "
+                        f"stop it or pick another --port"
+                    )
+                return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+    return None
 
 
 def server_config(app: FastAPI, settings: Settings) -> uvicorn.Config:

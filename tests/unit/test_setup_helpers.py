@@ -89,3 +89,23 @@ def test_unusable_model_path_is_a_clear_error(tmp_path, capsys, model, fragment)
     assert main(["prepare", "--model", path]) == 2
     err = capsys.readouterr().err
     assert path in err and fragment in err
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """uvicorn binds after the application's start-up, which loads the model: the
+    port was found taken minutes into a large model's load."""
+    import socket
+
+    from engine import engine_thread
+    from tests.helpers.tiny_models import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "tiny", seed=1)
+    loads: list[object] = []
+    monkeypatch.setattr(engine_thread.EngineThread, "start", lambda self: loads.append(self))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = main(["serve", "--model", str(model), "--port", str(port), "--no-log-json"])
+    assert code == 2 and not loads
+    assert f"port {port} on 127.0.0.1 is already in use" in capsys.readouterr().err
