@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from pydantic import ByteSize, ValidationError
@@ -226,6 +228,9 @@ def cmd_serve(settings: Settings) -> int:
     from engine.engine_thread import EngineConfig, EngineThread
     from engine.model_errors import UnsupportedModelError
 
+    problem = _unwritable(settings.cache_trace_dir)
+    if problem is not None:
+        return _fail(problem)
     dist = settings.distributed_config
     shared = share_cpu_threads(dist) if dist is not None else None  # before BLAS loads
     try:
@@ -322,6 +327,20 @@ def cmd_serve(settings: Settings) -> int:
     if server.exit_code:
         log.error("exiting with status %d: the engine died", server.exit_code)
     return _leave_group(server.exit_code) if dist is not None else server.exit_code
+
+
+def _unwritable(trace_dir: str | None) -> str | None:
+    """Why --cache-trace-dir cannot take traces (said at once, not as a start-up
+    traceback from inside the application)."""
+    if not trace_dir:
+        return None
+    try:
+        Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"--cache-trace-dir {trace_dir}: {exc.strerror or exc}"
+    if not os.access(trace_dir, os.W_OK | os.X_OK):
+        return f"--cache-trace-dir {trace_dir}: not writable"
+    return None
 
 
 def _leave_group(code: int) -> int:

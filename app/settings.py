@@ -335,6 +335,13 @@ class Settings(BaseSettings):
         "/health turns 503, open requests fail and the process exits non-zero",
     )
 
+    @field_validator("cache_trace_dir")
+    @classmethod
+    def _trace_dir(cls, value: str | None) -> str | None:
+        """``~/traces`` from a .env file or a unit file means the home folder, as
+        --kv-dir and --model-dir do (it made a folder named "~")."""
+        return str(Path(value).expanduser()) if value else value
+
     @field_validator("adapter", "model_dir", mode="before")
     @classmethod
     def _adapter_list(cls, value: object) -> object:

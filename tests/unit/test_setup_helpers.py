@@ -120,3 +120,15 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys, monke
         code = main(["serve", "--model", str(model), "--port", str(port), "--no-log-json"])
     assert code == 2 and not loads
     assert f"port {port} on 127.0.0.1 is already in use" in capsys.readouterr().err
+
+
+def test_an_unusable_trace_dir_is_one_line_and_home_is_expanded(tmp_path, capsys, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code = main(["serve", "--cache-trace-dir", str(blocker / "traces"), "--no-log-json"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvwarm: error: --cache-trace-dir") and "Traceback" not in err
+    monkeypatch.setenv("HOME", str(tmp_path))
+    settings = load_settings(build_parser().parse_args(["serve", "--cache-trace-dir", "~/t"]))
+    assert settings.cache_trace_dir == str(tmp_path / "t")
