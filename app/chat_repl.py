@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from dotenv import dotenv_values
+
 from app.chat_client import ChatClient, ChatError, Delta, Usage
 
 HELP = (
@@ -245,7 +247,13 @@ class ChatRepl:
 
 def run_chat(args: argparse.Namespace) -> int:
     """Entry point of `kvwarm chat` (flags defined in app/cli.py)."""
-    api_key = args.api_key or os.environ.get("KVWARM_API_KEY") or os.environ.get("OPENAI_API_KEY")
+    # the server's own .env holds the key it requires: read where the server reads it
+    api_key = (
+        args.api_key
+        or os.environ.get("KVWARM_API_KEY")
+        or dotenv_values(".env").get("KVWARM_API_KEY")
+        or os.environ.get("OPENAI_API_KEY")
+    )
     client = ChatClient(args.host, api_key)
     try:
         return ChatRepl(client, args.model, args.max_tokens, args.system).run()

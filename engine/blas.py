@@ -35,7 +35,7 @@ def preload_openblas(candidates: tuple[str, ...] = OPENBLAS_CANDIDATES) -> BlasC
     """Preload OpenBLAS when running on Linux; say which BLAS MLX will use."""
     if platform.system() != "Linux":
         return BlasChoice("platform default", None, "not Linux (Accelerate/CUDA path)")
-    if os.environ.get("KVWARM_NO_OPENBLAS"):
+    if os.environ.get("KVWARM_NO_OPENBLAS", "").strip().lower() in ("1", "true", "yes", "on"):
         return BlasChoice("reference BLAS", None, "KVWARM_NO_OPENBLAS is set")
     if "mlx.core" in sys.modules:
         return BlasChoice("unknown", None, "mlx was imported before the OpenBLAS preload could run")

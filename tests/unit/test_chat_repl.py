@@ -410,6 +410,23 @@ def test_model_from_the_server_and_api_key_from_the_environment(chat, fake) -> N
     assert fake.auth == ["Bearer sekrit"]
 
 
+def test_the_api_key_from_the_servers_dotenv_file(fake, tmp_path) -> None:
+    """`kvwarm serve` reads KVWARM_API_KEY from ./.env: `kvwarm chat` run beside
+    it got 401 for a key it was told it would find there."""
+    (tmp_path / ".env").write_text("KVWARM_API_KEY=from-dotenv\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "app.cli", "chat", "--host", fake.url, "--model", "m"],
+        input="hello\n/quit\n",
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=child_env(PYTHONPATH=str(ROOT)),
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert fake.auth == ["Bearer from-dotenv"]
+
+
 def test_an_unreachable_server_is_one_line_and_the_repl_stays(chat, fake) -> None:
     port = free_port()  # nothing listens there
     term = chat("--model", "m", host=f"127.0.0.1:{port}")

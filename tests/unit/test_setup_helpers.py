@@ -132,3 +132,17 @@ def test_an_unusable_trace_dir_is_one_line_and_home_is_expanded(tmp_path, capsys
     monkeypatch.setenv("HOME", str(tmp_path))
     settings = load_settings(build_parser().parse_args(["serve", "--cache-trace-dir", "~/t"]))
     assert settings.cache_trace_dir == str(tmp_path / "t")
+
+
+@pytest.mark.parametrize(
+    "value, reference", [("1", True), ("true", True), ("0", False), ("false", False)]
+)
+def test_no_openblas_is_a_switch_not_any_value(monkeypatch, value, reference):
+    """KVWARM_NO_OPENBLAS=0 picked the ~50x slower reference BLAS."""
+    import platform
+
+    from engine.blas import preload_openblas
+
+    monkeypatch.setattr(platform, "system", lambda: "Linux")
+    monkeypatch.setenv("KVWARM_NO_OPENBLAS", value)
+    assert (preload_openblas(()).name == "reference BLAS") is reference
