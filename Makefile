@@ -4,8 +4,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
-HOST ?= 127.0.0.1
-PORT ?= 8080
+# empty: kvwarm's own settings (.env, KVWARM_HOST/KVWARM_PORT, else 127.0.0.1:8080)
+HOST ?=
+PORT ?=
 
 UNAME := $(shell uname -s)
 ifeq ($(UNAME),Linux)
@@ -19,7 +20,7 @@ OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 .PHONY: install install-dev system-deps test-tools serve test test-fast bench bench-agents bench-dialects lint clean help
 
 help:
-	@echo "make serve   install, prepare the default model, serve on $(HOST):$(PORT)"
+	@echo "make serve   install, prepare the default model, serve (HOST=, PORT= override .env)"
 	@echo "make test    install dev tools and run the whole suite"
 	@echo "make bench   throughput/TTFT benchmark vs mlx_lm.server"
 	@echo "make bench-agents  prompt-cache reuse on simulated agent traffic vs mlx_lm.server"
@@ -93,7 +94,7 @@ install-dev: $(VENV)/.installed-dev
 
 serve: install
 	$(VENV)/bin/kvwarm prepare
-	$(VENV)/bin/kvwarm serve --host $(HOST) --port $(PORT)
+	$(VENV)/bin/kvwarm serve $(if $(HOST),--host $(HOST)) $(if $(PORT),--port $(PORT))
 
 test: install-dev test-tools
 	$(VENV)/bin/mypy
