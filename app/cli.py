@@ -173,10 +173,47 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# the settings each command besides serve reads: a bad value of any other one (a
+# server setting in .env) is the server's business, not a reason to refuse them
+READS = {
+    "prepare": frozenset({"model", "log_level", "log_json"}),
+    "fit": frozenset({"model_dir", "log_level", "log_json"}),
+}
+
+
 def load_settings(args: argparse.Namespace) -> Settings:
     local = {"command", "models", "json", "matrix"}  # the fit command's own arguments
     overrides = {k: v for k, v in vars(args).items() if k not in local and v is not None}
-    return Settings(**overrides)
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        reads = READS.get(args.command)
+        fields = {str(e["loc"][0]) if e["loc"] else "" for e in exc.errors()}
+        if reads is None or "" in fields or not fields.isdisjoint(reads):
+            raise
+        # what this command never reads keeps its default (a keyword beats .env)
+        defaults = {
+            f: Settings.model_fields[f].get_default(call_default_factory=True) for f in fields
+        }
+        return Settings(**defaults, **overrides)
+
+
+def describe_invalid(exc: ValidationError) -> str:
+    """Each bad setting under the names a user sets it by (flag and variable), once:
+    not pydantic's field paths and one line per branch of a union."""
+    said: dict[str, list[str]] = {}
+    for error in exc.errors():
+        message = str(error["msg"]).removeprefix("Value error, ")
+        name = ""
+        if error["loc"]:
+            field = str(error["loc"][0])
+            name = f"--{field.replace('_', '-')} (KVWARM_{field.upper()})"
+        if message not in said.setdefault(name, []):
+            said[name].append(message)
+    return "; ".join(
+        f"{name}: {' or '.join(messages)}" if name else " or ".join(messages)
+        for name, messages in said.items()
+    )
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -365,10 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings(args)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
-        )
-        return _fail(f"invalid settings: {problems}")
+        return _fail(f"invalid settings: {describe_invalid(exc)}")
     if args.command == "prepare":
         return cmd_prepare(settings)
     if args.command == "fit":

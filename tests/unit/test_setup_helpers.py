@@ -71,9 +71,26 @@ def test_a_blank_environment_value_is_unset_not_every_interface(tmp_path, monkey
         load_settings(build_parser().parse_args(["serve", "--host", ""]))
 
 
-def test_invalid_setting_exits_nonzero_with_message(capsys):
+def test_invalid_setting_exits_nonzero_naming_the_flag_and_variable(capsys):
     assert main(["serve", "--memory-budget", "lots"]) == 2
-    assert "memory_budget" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--memory-budget (KVWARM_MEMORY_BUDGET): could not parse" in err
+    assert "function-after" not in err and "literal[" not in err  # pydantic's paths
+    assert main(["serve", "--min-pixels", "900000", "--max-pixels", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid settings: --min-pixels 900000 is over" in err and "Value error" not in err
+
+
+def test_fit_and_prepare_ignore_a_bad_server_setting_in_dotenv(tmp_path, monkeypatch, capsys):
+    (tmp_path / ".env").write_text("KVWARM_BATCH=0\nKVWARM_MAX_QUEUE=lots\n")
+    monkeypatch.chdir(tmp_path)
+    settings = load_settings(build_parser().parse_args(["fit", "--json"]))
+    assert settings.batch >= 1  # the default: fit never reads it
+    with pytest.raises(ValueError, match="batch"):  # serve does
+        load_settings(build_parser().parse_args(["serve"]))
+    (tmp_path / ".env").write_text("KVWARM_LOG_LEVEL=loud\n")  # one fit reads
+    with pytest.raises(ValueError, match="log_level"):
+        load_settings(build_parser().parse_args(["fit"]))
 
 
 @pytest.mark.parametrize("flag, value", [("--max-step-ms", "nan"), ("--request-timeout", "inf")])
