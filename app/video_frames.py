@@ -32,6 +32,15 @@ SAFE_INPUT = [
 ]
 
 
+def decoder_cap(max_pixels: int) -> list[str]:
+    """ffmpeg's own per-picture limit, held by the decoder for every frame: the
+    probe sees only the stream's first size, and a stream may switch to a larger
+    one part-way (a new sequence header). Its scratch buffers are padded past the
+    picture (a 64x64 MPEG-2 picture asks for 192x280), so it gets slack: frames
+    past the cap are never decoded, only skipped."""
+    return ["-max_pixels", str(max_pixels + max_pixels // 4 + (1 << 20))]
+
+
 def ffmpeg_path() -> str | None:
     return shutil.which("ffmpeg")
 
@@ -65,7 +74,8 @@ def extract_frames(
         rate = f"{frames}/{probe.duration:.6f}" if probe.duration else "1"
         scale = f"scale='min({MAX_FRAME_SIDE},iw)':'min({MAX_FRAME_SIDE},ih)'"
         scale += ":force_original_aspect_ratio=decrease"
-        cmd = [ffmpeg, "-v", "error", "-nostdin", "-threads", "1", *SAFE_INPUT, "-i", str(video)]
+        cmd = [ffmpeg, "-v", "error", "-nostdin", "-threads", "1", *SAFE_INPUT]
+        cmd += [*(decoder_cap(max_pixels) if max_pixels is not None else []), "-i", str(video)]
         # the stream probed and held to the pixel limit, not the one ffmpeg would pick
         cmd += ["-map", "0:v:0", "-vf", f"fps={rate},{scale}", "-frames:v", str(frames)]
         cmd += [str(Path(tmp) / "frame%04d.png")]
@@ -111,6 +121,10 @@ def _run(cmd: list[str], deadline: float, where: str) -> str:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=left, check=False)
     except subprocess.TimeoutExpired as exc:
         raise APIError(400, f"{where}: reading the video took too long.") from exc
+    except OSError as exc:  # ffmpeg without its ffprobe (some static builds)
+        raise APIError(
+            400, f"{where}: video needs {Path(cmd[0]).name} on the server ({exc.strerror})."
+        ) from exc
     if done.returncode != 0:
         detail = (done.stderr or "").strip().splitlines()[-1:] or ["unknown error"]
         raise APIError(400, f"{where}: not a video ffmpeg can read ({detail[0][:200]}).")

@@ -47,6 +47,33 @@ def test_the_pixel_limit_holds_for_the_stream_decoded(tmp_path):
     assert frames and {Image.open(io.BytesIO(f)).size for f in frames} == {(64, 48)}
 
 
+def test_a_stream_that_grows_past_the_pixel_limit_midway_is_not_decoded_large(tmp_path):
+    """The probe reads the first picture's size: a stream switching to a larger one
+    later (a new sequence header) had its large frames decoded at full size."""
+    ffmpeg = require("ffmpeg", shutil.which("ffmpeg"))
+    parts = []
+    for colour, size in (("red", "160x160"), ("blue", "1280x1280")):
+        part = tmp_path / f"{colour}.ts"
+        source = f"color={colour}:s={size}:d=1:r=8"
+        cmd = [ffmpeg, "-v", "error", "-y", "-f", "lavfi", "-i", source, "-c:v", "mpeg2video"]
+        subprocess.run([*cmd, str(part)], check=True)
+        parts.append(part.read_bytes())
+    frames = extract_frames(b"".join(parts), 8, 30.0, max_pixels=200 * 200, where="video 1")
+    images = [Image.open(io.BytesIO(f)).convert("RGB") for f in frames]
+    assert images and {im.size for im in images} == {(160, 160)}
+    assert all(im.getpixel((0, 0))[0] > 200 for im in images)  # red: the small part only
+
+
+def test_ffmpeg_without_ffprobe_is_a_400_that_says_so(monkeypatch, tmp_path):
+    ffmpeg = tmp_path / "ffmpeg"
+    ffmpeg.write_text("#!/bin/sh\nexit 0\n")
+    ffmpeg.chmod(0o755)
+    monkeypatch.setattr(shutil, "which", lambda name: str(ffmpeg) if name == "ffmpeg" else None)
+    with pytest.raises(APIError) as err:
+        extract_frames(b"anything", 4, timeout=5)
+    assert err.value.status == 400 and "ffprobe" in str(err.value)
+
+
 def test_video_url_parts_name_their_source_as_a_video():
     part = {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}
     assert source_of(part, "messages.0.content.0") == ImageSource(
