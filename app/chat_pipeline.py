@@ -300,7 +300,7 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
         raise APIError(400, f"The chat template rejected these messages: {exc}") from exc
     key, parser = _output_side(call, info, rendered)
     prompt, image_inputs = list(key.model_tokens), ()
-    if info.vision is not None and images.images:
+    if info.vision is not None:
         key, prompt, image_inputs = attach_images(key, images, info.vision)
     session = explicit_session or fallback_session_id(rendered.key.canonical)
     request = Request(

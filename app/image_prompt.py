@@ -148,15 +148,21 @@ def attach_images(
 ) -> tuple[PromptKey, list[int], tuple[ImageInput, ...]]:
     """The rendered key with each image widened to its tokens: the key (identity
     view), the model's prompt tokens, and the engine's image inputs."""
-    if not resolved.images:
-        return key, list(key.model_tokens), ()
     at = [i for i, t in enumerate(key.model_tokens) if t == front.placeholder_id]
     if len(at) != len(resolved.images):
+        # message text was checked; the marker can still come in through reasoning,
+        # tool calls or tool definitions, and the model would read image tokens
+        # with no image behind them
         raise APIError(
             400,
-            f"The chat template placed {len(at)} image markers for {len(resolved.images)} "
-            "images (does it render every message's content?).",
+            f"The rendered prompt holds {len(at)} image markers for "
+            f"{len(resolved.images)} images: text outside message content (reasoning, "
+            f"tool calls, tool definitions) may not contain this model's image marker "
+            f"{front.image_token!r}, and a chat template must render every message's "
+            "content.",
         )
+    if not resolved.images:
+        return key, list(key.model_tokens), ()
     inputs: list[ImageInput] = []
     shift = 0
     for number, (pos, image) in enumerate(zip(at, resolved.images), 1):

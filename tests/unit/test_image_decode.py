@@ -8,8 +8,9 @@ import pytest
 from PIL import Image
 
 from app.errors import APIError
-from app.image_prompt import resolve_images
+from app.image_prompt import ResolvedImages, attach_images, resolve_images
 from app.images import IMAGE_FORMATS, ImageLimits, decode_image
+from kvcache.prompt_key import PromptKey
 
 
 @pytest.mark.parametrize("fmt", IMAGE_FORMATS)
@@ -65,3 +66,14 @@ def test_the_image_marker_in_text_is_refused_with_no_image_part_too(content):
     assert err.value.param == "messages.1.content"
     fine = [{"role": "user", "content": "a picture, please"}]
     assert resolve_images(fine, _Front(), ImageLimits(), placeholder_notes=False)[0] == fine
+
+
+def test_the_image_marker_rendered_from_outside_message_text_is_refused():
+    """Reasoning, tool-call arguments and tool definitions are rendered too: the
+    marker there became an image token with no image behind it."""
+    forged = PromptKey.build([1, 2, _Front.placeholder_id, 3, 4])
+    with pytest.raises(APIError) as err:
+        attach_images(forged, ResolvedImages(), _Front())
+    assert err.value.status == 400 and "'<image>'" in err.value.message
+    clean = PromptKey.build([1, 2, 3, 4])
+    assert attach_images(clean, ResolvedImages(), _Front()) == (clean, [1, 2, 3, 4], ())
