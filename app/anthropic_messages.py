@@ -250,7 +250,7 @@ async def messages(http: HTTPRequest):
     body, prepared = await state.preparer.body(
         http, lambda raw: _prepare(raw, state, headers, MessagesRequest)
     )
-    gen = Generation(state, prepared, "messages", headers)
+    gen = Generation(state, prepared, "messages", http)
     message = {
         "id": f"msg_{uuid.uuid4().hex[:24]}",
         "type": "message",

@@ -20,6 +20,7 @@ from fastapi import Request as HTTPRequest
 
 from app.chat_pipeline import Prepared
 from app.errors import APIError
+from app.middleware import BODY_RECEIVED
 from app.protocol.output_parser import Content, Event, Reasoning, merge
 from app.protocol.tool_formats import ToolCall
 from app.state import AppState
@@ -184,16 +185,19 @@ class Generation:
         state: AppState,
         prepared: Prepared,
         dialect: str,
-        headers: Mapping[str, str] | None = None,
+        http: HTTPRequest | None = None,
     ):
         self.state = state
         self.prepared = prepared
         self.dialect = dialect
-        self.headers = headers or {}  # traceparent
+        self.headers: Mapping[str, str] = dict(http.headers) if http else {}  # traceparent
         self.outcome = Outcome()
         self._strip = state.settings.strip_thinking
-        self._started = time.monotonic()
-        self._started_wall = time.time()
+        # the client's wait began when its body had arrived: parsing, rendering and
+        # tokenising (and waiting for a preparation thread) are part of its latency
+        prepared.request.received_at = http.scope.get(BODY_RECEIVED) if http else None
+        self._started = prepared.request.started_at
+        self._started_wall = time.time() - (time.monotonic() - self._started)
         self._last_token_at: float | None = None
         self._max_gap: float | None = None  # the longest wait between two engine outputs
         # admission errors raise here, before any byte of a response is sent
@@ -352,6 +356,7 @@ class Generation:
             finish=done.stop_kind,
             e2e_s=time.monotonic() - self._started,
             started_at=self._started_wall,
+            prepare_s=req.arrival_time - self._started,
             ttft_s=done.ttft,
             max_itl_s=self._max_gap,
             stats=done.stats,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import time
 
 from starlette._utils import parse_host_header
 from starlette.datastructures import Headers
@@ -167,6 +168,7 @@ class ApiKeyMiddleware:
 
 
 RELEASE_BODY = "kvwarm.release_body"  # scope key: a request's body is no longer held
+BODY_RECEIVED = "kvwarm.body_received"  # scope key: when its last body byte came (monotonic)
 MIN_BODY_RATE = 256 * 1024  # bytes a second a body must average (after --body-timeout)
 
 
@@ -240,6 +242,8 @@ class BodyLimitMiddleware:
             self.in_flight += chunk
             held += chunk
             complete = not message.get("more_body", False)
+            if complete:  # the client's wait starts here: parsing and rendering count
+                scope[BODY_RECEIVED] = time.monotonic()
             return message
 
         def release() -> None:

@@ -118,7 +118,7 @@ async def chat_completions(http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
     headers = dict(http.headers)
     body, prepared = await state.preparer.body(http, lambda raw: prepare(raw, state, headers))
-    gen = Generation(state, prepared, "chat", headers)
+    gen = Generation(state, prepared, "chat", http)
     meta = {
         "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
         "created": int(time.time()),

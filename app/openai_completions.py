@@ -107,7 +107,7 @@ async def completions(http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
     headers = dict(http.headers)
     body, prepared = await state.preparer.body(http, lambda raw: prepare(raw, state, headers))
-    gen = Generation(state, prepared, "completions", headers)
+    gen = Generation(state, prepared, "completions", http)
     meta = {
         "id": f"cmpl-{uuid.uuid4().hex[:24]}",
         "object": "text_completion",

@@ -299,7 +299,7 @@ async def create_response(http: HTTPRequest):
             body, _stored_history(stored, state) if stored else [], state, headers
         )
     )
-    gen = Generation(state, prepared, "responses", headers)
+    gen = Generation(state, prepared, "responses", http)
     response = _response(body, _new_id("resp"), int(time.time()), gen.model_name, "in_progress")
 
     async def store(items: _Items) -> None:

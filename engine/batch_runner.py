@@ -527,7 +527,7 @@ class BatchRunner:
             self._asked.append((out, Asked(resp.logprobs, token, top)))
         if row.first_token_at is None:
             row.first_token_at = now
-            out.ttft = now - row.request.arrival_time
+            out.ttft = now - row.request.started_at
             out.cache = row.report
         if row.text.stopped:
             out.finish_reason = FinishReason.STOP

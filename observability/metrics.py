@@ -357,8 +357,13 @@ class Metrics:
         self.e2e = histogram(
             "e2e_request_latency_seconds", "Arrival to last token.", LATENCY_BUCKETS
         )
+        self.prepare = histogram(
+            "request_prepare_time_seconds",
+            "Body received to queued: parsing, rendering and tokenising, off the event loop.",
+            LATENCY_BUCKETS,
+        )
         self.queue = histogram(
-            "request_queue_time_seconds", "Arrival to joining the batch.", LATENCY_BUCKETS
+            "request_queue_time_seconds", "Queued to joining the batch.", LATENCY_BUCKETS
         )
         self.prefill = histogram(
             "request_prefill_time_seconds", "Joining the batch to first token.", LATENCY_BUCKETS
@@ -432,6 +437,7 @@ class Metrics:
         if rec.max_itl_s is not None:
             self.max_itl.labels(m).observe(rec.max_itl_s)
         self.e2e.labels(m).observe(rec.e2e_s)
+        self.prepare.labels(m).observe(rec.prepare_s)
         if rec.stats is not None:
             self.queue.labels(m).observe(rec.stats.queued_s)
             self.prefill.labels(m).observe(rec.stats.prefill_s)

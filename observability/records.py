@@ -26,6 +26,7 @@ class RequestRecord:
     finish: str  # stop / length / tool_calls / abort / error
     e2e_s: float
     started_at: float  # wall clock (time.time()) at arrival
+    prepare_s: float = 0.0  # body received -> queued: parsing, rendering, tokenising
     ttft_s: float | None = None
     max_itl_s: float | None = None  # the longest gap between two tokens (None: < 2 tokens)
     stats: RequestStats | None = None  # queue / prefill / decode + cache report (engine-run)

@@ -201,6 +201,7 @@ class Tracing:
             inside = trace.set_span_in_context(root)
             at = start
             for name, seconds in (
+                ("prepare", rec.prepare_s),  # parsing, rendering, tokenising
                 ("queue", rec.stats.queued_s),
                 ("prefill", rec.stats.prefill_s),
                 ("decode", rec.stats.decode_s),

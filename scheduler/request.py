@@ -120,8 +120,16 @@ class Request:
     # None: no log probabilities; N: each token's, and its N likeliest alternatives
     logprobs: int | None = None
     request_id: str = field(default_factory=next_request_id)
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=time.monotonic)  # prepared: queue time runs
+    # when its HTTP body had arrived (monotonic), before parsing, rendering and
+    # tokenising; None: it did not come over HTTP
+    received_at: float | None = None
     state: RequestState = RequestState.WAITING
+
+    @property
+    def started_at(self) -> float:
+        """Where the client's wait began: TTFT and end-to-end latency count from here."""
+        return self.arrival_time if self.received_at is None else self.received_at
 
     @property
     def reserved_tokens(self) -> int:

@@ -258,3 +258,19 @@ def test_a_row_the_step_budget_never_started_times_out_as_queued(byte_tokenizer)
     assert started is not None and started.finish_reason is FinishReason.LENGTH
     assert started.timed_out and started.stats is not None
     runner.close()
+
+
+def test_time_to_first_token_counts_from_the_body_not_the_queue(byte_tokenizer):
+    """The HTTP side stamps when a request's body arrived; parsing, rendering and
+    tokenising come before it is queued, and the client waits through them."""
+    import time
+
+    runner = _runner(byte_tokenizer)
+    request = Request([3] * 10, max_tokens=2, sampling=GREEDY, ignore_eos=True, request_id="a")
+    request.received_at = request.arrival_time - 5.0  # five seconds of preparation
+    runner.add(request)
+    first = None
+    while first is None:
+        first = next((o.ttft for o in runner.step() if o.ttft is not None), None)
+    assert 5.0 <= first < 5.0 + (time.monotonic() - request.arrival_time) + 1e-6
+    runner.close()

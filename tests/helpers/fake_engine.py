@@ -172,6 +172,8 @@ class FakeRunner:
                     waited, self.step_delay, max(0.0, now - joined - self.step_delay), report
                 )
             out = RequestOutput(rid, text, (n,), finish, len(req.prompt_tokens), n, stats=stats)
+            if n == 1:  # as the real runner: from when the client's wait began
+                out.ttft = time.monotonic() - req.started_at
             if req.logprobs is not None:  # the chosen token first, then made-up alternatives
                 chosen = TokenChoice(n, -0.25, text.encode())
                 alts = [TokenChoice(10_000 + i, -1.0 - i, f"alt{i}".encode()) for i in range(20)]

@@ -390,6 +390,30 @@ def test_an_http_request_with_traceparent_joins_the_callers_trace(monkeypatch):
         receiver.close()
 
 
+def test_preparation_counts_in_ttft_and_latency_and_not_as_queueing(monkeypatch):
+    """Rendering and tokenising (and waiting for a preparation thread) are part of
+    what the client waits for: TTFT and e2e left them out, so a server busy
+    preparing long agent prompts showed fast first tokens."""
+    from tests.helpers import fake_engine
+
+    render = fake_engine.CharFormatter.render_chat
+
+    def slow_render(self, *args, **kwargs):
+        time.sleep(0.4)  # a long prompt's template and tokeniser
+        return render(self, *args, **kwargs)
+
+    monkeypatch.setattr(fake_engine.CharFormatter, "render_chat", slow_render)
+    app = create_app(Settings(_env_file=None), lambda s, r: FakeEngine(s, r, eos_after=2))
+    with serve_app(app) as url:
+        body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+        assert httpx.post(url + "/v1/chat/completions", json=body).status_code == 200
+        text = httpx.get(url + "/metrics").text
+    assert _value(text, "kvwarm:time_to_first_token_seconds_sum") >= 0.4
+    assert _value(text, "kvwarm:e2e_request_latency_seconds_sum") >= 0.4
+    assert _value(text, "kvwarm:request_prepare_time_seconds_sum") >= 0.4
+    assert _value(text, "kvwarm:request_queue_time_seconds_sum") < 0.4  # not queueing
+
+
 def test_log_lines_tell_an_aborted_request_from_a_miss():
     from observability.request_log import plain_line
     from scheduler.request import CacheReport
