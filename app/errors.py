@@ -206,6 +206,8 @@ def rejection_reason(status: int, code: str | None) -> str | None:
         return "unavailable"
     if status in (400, 413, 422):
         return "invalid"
+    if status == 408:
+        return "body_timeout"
     return None
 
 
@@ -215,13 +217,20 @@ GENERATION_PATHS = frozenset(
 )
 
 
-def _count_rejection(request: Request, status: int, code: str | None) -> None:
-    state = getattr(request.app.state, "kvwarm", None)
+def count_refusal(scope: Scope, status: int, code: str | None) -> None:
+    """Count a refused generation request in /metrics (also for the middleware's
+    refusals, which no exception handler sees)."""
+    app = scope.get("app")
+    state = getattr(app.state, "kvwarm", None) if app is not None else None
     reason = rejection_reason(status, code)
-    generation = request.method == "POST" and request.url.path in GENERATION_PATHS
+    generation = scope.get("method") == "POST" and scope.get("path") in GENERATION_PATHS
     if state is not None and reason and generation:
         info = state.engine.model_info
         state.obs.metrics.observe_rejection(reason, info.model_id if info else None)
+
+
+def _count_rejection(request: Request, status: int, code: str | None) -> None:
+    count_refusal(request.scope, status, code)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -263,6 +272,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         headers = dict(getattr(exc, "headers", None) or {})
+        _count_rejection(request, exc.status_code, None)  # a body too large or too slow
         if exc.status_code == 405:
             headers["Allow"] = ", ".join(allowed_methods(request.app, request.scope))
         return error_response(

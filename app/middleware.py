@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import APIError, error_payload
+from app.errors import APIError, count_refusal, error_payload
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # Prometheus scrapes without a key, as with vLLM
 
@@ -196,6 +196,7 @@ class BodyLimitMiddleware:
             return
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            count_refusal(scope, 413, "body_too_large")
             await _send_error(
                 scope, send, 413, self._message(), "invalid_request_error", "body_too_large"
             )

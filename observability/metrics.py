@@ -95,7 +95,14 @@ TOKEN_BUCKETS = (
 )
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 CORRECTNESS_KINDS = ("exact_key_rejected_by_model_lcp", "hybrid_trim_miss", "vlm_retreat")
-REJECT_REASONS = ("over_budget", "over_context", "queue_full", "invalid", "unavailable")
+REJECT_REASONS = (
+    "over_budget",
+    "over_context",
+    "queue_full",
+    "invalid",
+    "body_timeout",
+    "unavailable",
+)
 FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "error")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()  # *_created series double the output and no dashboard reads them

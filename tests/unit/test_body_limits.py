@@ -101,6 +101,23 @@ def test_a_body_trickled_a_byte_at_a_time_is_cut_too():
             conn.close()
         assert answer.startswith(b"HTTP/1.1 408") and b"slower than" in answer, answer
         assert took < 6
+        metrics = httpx.get(url + "/metrics").text
+    assert 'reason="body_timeout"} 1.0' in metrics  # a refused request, on the dashboard
+
+
+def test_a_body_over_the_limit_counts_as_refused_however_it_is_sent():
+    """The middleware answered a Content-Length over --max-body-bytes itself, and a
+    chunked body past it raised where no handler counted it: neither reached
+    requests_rejected_total."""
+    settings = Settings(_env_file=None, max_body_bytes="2KB")
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, eos_after=2))
+    big = json.dumps(chat(messages=[{"role": "user", "content": "x" * 5000}])).encode()
+    with serve_app(app) as url:
+        assert httpx.post(url + CHAT, content=big).status_code == 413
+        chunked = httpx.post(url + CHAT, content=iter([big[:1500], big[1500:]]))
+        assert chunked.status_code == 413
+        metrics = httpx.get(url + "/metrics").text
+    assert 'reason="invalid"} 2.0' in metrics
 
 
 def test_a_stored_conversation_larger_than_a_body_is_refused_not_parsed():
