@@ -70,6 +70,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "min_pixels": {"type": int, "metavar": "N"},
     "max_pixels": {"type": int, "metavar": "N"},
     "fetch_urls": {"action": argparse.BooleanOptionalAction},
+    "fetch_private_urls": {"action": argparse.BooleanOptionalAction},
     "fetch_timeout": {"type": float, "metavar": "SECONDS"},
     "allowed_media_domains": {"metavar": "DOMAINS"},
     "video_frames": {"type": int, "metavar": "N"},

@@ -39,6 +39,7 @@ class ImageLimits:
     fetch_urls: bool = True
     fetch_timeout: float = 10.0
     allowed_media_domains: tuple[str, ...] = ()  # hosts URLs may name; empty: any
+    fetch_private_urls: bool = False  # loopback and private addresses too
     video_frames: int = 8  # frames a video part becomes (0: videos refused)
     max_video_bytes: int = 50 * 10**6  # and within max_total_bytes with the images
     video_timeout: float = 30.0  # ffmpeg's time to read one video's frames
@@ -214,7 +215,9 @@ def _encoded(source: ImageSource, limits: ImageLimits, where: str) -> bytes:
                 f"{where}: this server does not fetch URLs (--no-fetch-urls); send "
                 "the data as a data URL or base64.",
             )
-        policy = FetchPolicy(limits.fetch_timeout, limits.allowed_media_domains)
+        policy = FetchPolicy(
+            limits.fetch_timeout, limits.allowed_media_domains, limits.fetch_private_urls
+        )
         raw = fetch(url, policy, cap.nbytes, where)
         if len(raw) > cap.nbytes:
             raise _too_big(len(raw), cap, where)

@@ -36,6 +36,7 @@ FETCH_CHUNK = 1 << 16  # bytes a read asks for: the deadline is checked between 
 class FetchPolicy:
     timeout: float = 10.0  # seconds for the whole download (--fetch-timeout)
     allowed_domains: tuple[str, ...] = ()  # empty: any host; "*.example.com": its subdomains
+    private: bool = False  # loopback and private networks too (--fetch-private-urls)
 
     def allows(self, host: str) -> bool:
         if not self.allowed_domains:
@@ -115,7 +116,7 @@ _METADATA = {ipaddress.ip_address("fd00:ec2::254"), ipaddress.ip_address("100.10
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 
-def _check_address(address: str, host: str, where: str) -> None:
+def _check_address(address: str, host: str, where: str, private: bool = False) -> None:
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone
     if isinstance(ip, ipaddress.IPv6Address):  # an IPv4 address carried in IPv6
         if ip.ipv4_mapped is not None:
@@ -140,6 +141,14 @@ def _check_address(address: str, host: str, where: str) -> None:
             400,
             f"{where}: {host[:200]!r} is at {ip}, a {kind} address; this server does not "
             "fetch from such addresses.",
+        )
+    if not ip.is_global and not private:
+        # a client may not make the server reach what only it can reach: this
+        # machine's services, the LAN behind it (and a port scan through the errors)
+        raise APIError(
+            400,
+            f"{where}: {host[:200]!r} is at {ip}, a loopback or private address; this "
+            "server fetches from those only with --fetch-private-urls.",
         )
 
 
@@ -198,7 +207,7 @@ class _Guard:
         _check_host(host, self.policy, self.where)
         error: OSError | None = None
         for family, kind, proto, _, sockaddr in _resolve(host, port, self.remaining()):
-            _check_address(str(sockaddr[0]), host, self.where)
+            _check_address(str(sockaddr[0]), host, self.where, self.policy.private)
             sock = socket.socket(family, kind, proto)
             self._watch(sock)
             try:

@@ -274,7 +274,14 @@ class Settings(BaseSettings):
         None,
         description="comma-separated hosts image and video URLs may name, redirects "
         "included (*.example.com: its subdomains); default: any host. Link-local, multicast "
-        "and unspecified addresses are never fetched",
+        "and unspecified addresses are never fetched, loopback and private ones only with "
+        "--fetch-private-urls",
+    )
+    fetch_private_urls: bool = Field(
+        False,
+        description="also fetch image and video URLs at loopback and private addresses "
+        "(127.0.0.1, 10/8, 192.168/16, fc00::/7, ...): off, a client cannot make the server "
+        "reach this machine's services or its network",
     )
     video_frames: int = Field(
         8,
@@ -511,6 +518,7 @@ class Settings(BaseSettings):
             fetch_urls=self.fetch_urls,
             fetch_timeout=self.fetch_timeout,
             allowed_media_domains=_comma_list(self.allowed_media_domains),
+            fetch_private_urls=self.fetch_private_urls,
             video_frames=self.video_frames,
             max_video_bytes=int(self.max_video_bytes),
         )

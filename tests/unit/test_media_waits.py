@@ -15,6 +15,7 @@ import pytest
 from PIL import Image
 
 from app.body import Preparer, io_wait
+from app.cli import build_parser, load_settings
 from app.errors import APIError
 from app.images import ImageLimits, ImageSource, load_images
 from app.media_fetch import FetchPolicy
@@ -84,13 +85,15 @@ def http_server(
 
 def test_a_url_is_read_in_chunks_into_the_same_image():
     with http_server(png()) as url:
-        ((image,),) = load_images([ImageSource(url=url)], ImageLimits())
+        ((image,),) = load_images([ImageSource(url=url)], ImageLimits(fetch_private_urls=True))
     assert image.image.size == (3, 2)
 
 
 def test_a_url_over_the_size_limit_is_refused_naming_it():
     with http_server(b"x" * 5000) as url, pytest.raises(APIError) as err:
-        load_images([ImageSource(url=url)], ImageLimits(max_image_bytes=1000))
+        load_images(
+            [ImageSource(url=url)], ImageLimits(max_image_bytes=1000, fetch_private_urls=True)
+        )
     assert err.value.status == 400 and "--max-image-bytes" in err.value.message
 
 
@@ -98,7 +101,7 @@ def test_a_trickling_server_cannot_hold_a_request_past_the_fetch_timeout():
     """urllib's timeout is per read: a byte every 0.1 s would have taken 200 s."""
     began = time.monotonic()
     with http_server(b"x" * 2000, pause=0.1) as url, pytest.raises(APIError) as err:
-        load_images([ImageSource(url=url)], ImageLimits(fetch_timeout=0.5))
+        load_images([ImageSource(url=url)], ImageLimits(fetch_timeout=0.5, fetch_private_urls=True))
     assert time.monotonic() - began < 3
     assert err.value.status == 400 and "--fetch-timeout" in err.value.message
 
@@ -106,7 +109,7 @@ def test_a_trickling_server_cannot_hold_a_request_past_the_fetch_timeout():
 def test_a_server_trickling_its_headers_is_cut_at_the_fetch_timeout_too():
     began = time.monotonic()
     with http_server(b"", slow_head=True) as url, pytest.raises(APIError) as err:
-        load_images([ImageSource(url=url)], ImageLimits(fetch_timeout=0.5))
+        load_images([ImageSource(url=url)], ImageLimits(fetch_timeout=0.5, fetch_private_urls=True))
     assert time.monotonic() - began < 3
     assert err.value.status == 400 and "--fetch-timeout" in err.value.message
 
@@ -114,7 +117,9 @@ def test_a_server_trickling_its_headers_is_cut_at_the_fetch_timeout_too():
 def test_https_goes_through_the_same_watched_handler():
     # a plain-HTTP server answering a TLS hello: a clear 400, at once
     with http_server(png()) as url, pytest.raises(APIError) as err:
-        load_images([ImageSource(url=url.replace("http:", "https:"))], ImageLimits())
+        load_images(
+            [ImageSource(url=url.replace("http:", "https:"))], ImageLimits(fetch_private_urls=True)
+        )
     assert err.value.status == 400 and "could not fetch" in err.value.message
 
 
@@ -164,12 +169,16 @@ def redirecting_server(location: str):
 
 def test_a_host_outside_the_allowed_media_domains_is_refused_naming_the_flag():
     with http_server(png()) as url, pytest.raises(APIError) as err:
-        load_images([ImageSource(url=url)], ImageLimits(allowed_media_domains=("example.com",)))
+        load_images(
+            [ImageSource(url=url)],
+            ImageLimits(allowed_media_domains=("example.com",), fetch_private_urls=True),
+        )
     assert err.value.status == 400 and "--allowed-media-domains" in err.value.message
     # the same URL with its host allowed is fetched
     with http_server(png()) as url:
         ((image,),) = load_images(
-            [ImageSource(url=url)], ImageLimits(allowed_media_domains=("127.0.0.1",))
+            [ImageSource(url=url)],
+            ImageLimits(allowed_media_domains=("127.0.0.1",), fetch_private_urls=True),
         )
     assert image.image.size == (3, 2)
 
@@ -180,10 +189,13 @@ def test_an_allowed_host_cannot_redirect_the_fetch_elsewhere():
         redirecting_server(target.replace("127.0.0.1", "localhost")) as url,
     ):
         # followed when any host may be fetched
-        ((image,),) = load_images([ImageSource(url=url)], ImageLimits())
+        ((image,),) = load_images([ImageSource(url=url)], ImageLimits(fetch_private_urls=True))
         assert image.image.size == (3, 2)
         with pytest.raises(APIError) as err:
-            load_images([ImageSource(url=url)], ImageLimits(allowed_media_domains=("127.0.0.1",)))
+            load_images(
+                [ImageSource(url=url)],
+                ImageLimits(allowed_media_domains=("127.0.0.1",), fetch_private_urls=True),
+            )
     assert err.value.status == 400 and "'localhost'" in err.value.message
     assert "--allowed-media-domains" in err.value.message
 
@@ -201,13 +213,15 @@ def test_a_redirects_own_body_is_not_read():
                 conn.sendall(b"x" * 65536)
 
         with serving(endless_redirect) as url:
-            ((image,),) = load_images([ImageSource(url=url)], ImageLimits(fetch_timeout=3))
+            ((image,),) = load_images(
+                [ImageSource(url=url)], ImageLimits(fetch_timeout=3, fetch_private_urls=True)
+            )
     assert image.image.size == (3, 2)
 
 
 def test_a_redirect_to_another_scheme_is_refused():
     with redirecting_server("ftp://127.0.0.1/cat.png") as url, pytest.raises(APIError) as err:
-        load_images([ImageSource(url=url)], ImageLimits())
+        load_images([ImageSource(url=url)], ImageLimits(fetch_private_urls=True))
     assert err.value.status == 400 and "not an http(s) URL" in err.value.message
 
 
@@ -237,9 +251,43 @@ def test_link_local_multicast_and_unspecified_addresses_are_never_fetched(monkey
     )
     monkeypatch.setattr("app.media_fetch.socket.socket.connect", connects.append)
     with pytest.raises(APIError) as err:
-        load_images([ImageSource(url="http://images.example.com/cat.png")], ImageLimits())
+        load_images(
+            [ImageSource(url="http://images.example.com/cat.png")],
+            ImageLimits(fetch_private_urls=True),
+        )
     assert err.value.status == 400 and "does not fetch from such addresses" in err.value.message
     assert connects == []
+
+
+@pytest.mark.parametrize(
+    "address", ["127.0.0.1", "::1", "10.0.0.5", "192.168.1.1", "172.17.0.1", "::ffff:127.0.0.1",
+                "fd12::1", "100.64.0.1"],
+)  # fmt: skip
+def test_loopback_and_private_addresses_are_fetched_only_when_allowed(monkeypatch, address):
+    """Any client could make the server GET this machine's services and its LAN,
+    and read which ports answer from the errors."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sockaddr = (address, 80, 0, 0) if family == socket.AF_INET6 else (address, 80)
+    connects: list[object] = []
+    monkeypatch.setattr(
+        "app.media_fetch.socket.getaddrinfo",
+        lambda *a, **k: [(family, socket.SOCK_STREAM, 6, "", sockaddr)],
+    )
+    monkeypatch.setattr("app.media_fetch.socket.socket.connect", connects.append)
+    with pytest.raises(APIError) as err:
+        load_images([ImageSource(url="http://images.example.com/cat.png")], ImageLimits())
+    assert err.value.status == 400 and "--fetch-private-urls" in err.value.message
+    assert connects == []
+
+
+def test_a_loopback_image_server_is_fetched_with_the_flag():
+    with http_server(png()) as url:
+        with pytest.raises(APIError):
+            load_images([ImageSource(url=url)], ImageLimits())
+        ((image,),) = load_images([ImageSource(url=url)], ImageLimits(fetch_private_urls=True))
+    assert image.image.size == (3, 2)
+    flag = build_parser().parse_args(["serve", "--fetch-private-urls"])
+    assert load_settings(flag).image_limits.fetch_private_urls
 
 
 def test_a_proxy_in_the_environment_is_not_used(monkeypatch):
@@ -250,7 +298,7 @@ def test_a_proxy_in_the_environment_is_not_used(monkeypatch):
     monkeypatch.delenv("NO_PROXY", raising=False)
     monkeypatch.delenv("no_proxy", raising=False)
     with http_server(png()) as url:
-        ((image,),) = load_images([ImageSource(url=url)], ImageLimits())
+        ((image,),) = load_images([ImageSource(url=url)], ImageLimits(fetch_private_urls=True))
     assert image.image.size == (3, 2)
 
 
@@ -258,7 +306,7 @@ def test_a_proxy_in_the_environment_is_not_used(monkeypatch):
 def test_a_malformed_url_or_host_name_is_a_400_at_once(url):
     began = time.monotonic()
     with pytest.raises(APIError) as err:
-        load_images([ImageSource(url=url)], ImageLimits(fetch_timeout=5))
+        load_images([ImageSource(url=url)], ImageLimits(fetch_timeout=5, fetch_private_urls=True))
     assert err.value.status == 400 and "--fetch-timeout" not in err.value.message
     assert time.monotonic() - began < 2.5
 
@@ -270,7 +318,9 @@ def test_a_body_that_stalls_after_the_headers_is_cut_at_the_deadline():
     with http_server(b"xxx", pause=1.8) as url:
         began = time.monotonic()
         with pytest.raises(APIError) as err:
-            load_images([ImageSource(url=url)], ImageLimits(fetch_timeout=2.0))
+            load_images(
+                [ImageSource(url=url)], ImageLimits(fetch_timeout=2.0, fetch_private_urls=True)
+            )
         took = time.monotonic() - began
     assert err.value.status == 400 and "--fetch-timeout" in err.value.message
     assert took < 3.0  # not 1.8 + 2
@@ -290,7 +340,7 @@ def test_a_name_lookup_that_hangs_is_cut_at_the_fetch_timeout(monkeypatch):
         with pytest.raises(APIError) as err:
             load_images(
                 [ImageSource(url="http://slow-dns.example.com/cat.png")],
-                ImageLimits(fetch_timeout=0.5),
+                ImageLimits(fetch_timeout=0.5, fetch_private_urls=True),
             )
     finally:
         release.set()
@@ -322,5 +372,7 @@ def test_an_anthropic_url_image_source_is_fetched():
     part = {"type": "image", "source": {"type": "url", "url": ""}}
     with http_server(png()) as url:
         part["source"]["url"] = url
-        ((image,),) = load_images([source_of(part, "messages.0.content.0")], ImageLimits())
+        ((image,),) = load_images(
+            [source_of(part, "messages.0.content.0")], ImageLimits(fetch_private_urls=True)
+        )
     assert image.image.size == (3, 2)
