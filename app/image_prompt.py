@@ -9,7 +9,7 @@ Runs in request preparation (a worker thread), in two halves around rendering:
    placeholder``; images inside tool results always do, so an agent whose
    history holds a screenshot can go on).
 2. ``attach_images`` widens each placeholder in the rendered key to the image's
-   tokens (the processor decides how many) under its identity id, and hands the
+   tokens (the processor decides how many) under its identity ids, and hands the
    engine each image's tokens and pixel inputs.
 
 Images are numbered by content within a request (which holds the whole
@@ -25,7 +25,7 @@ from typing import Any
 from app.content_parts import IMAGE_OMITTED
 from app.errors import APIError
 from app.images import ImageLimits, ImageSource, LoadedImage, load_images
-from kvcache.image_ids import expand_images
+from kvcache.image_ids import expand_images, image_run
 from kvcache.prompt_key import PromptKey
 from scheduler.contracts import ImageFront, ImageRejected
 from scheduler.request import ImageInput
@@ -172,7 +172,9 @@ def attach_images(
             raise APIError(400, f"Image {number} of the request: {exc}") from exc
         inputs.append(item)
         shift += len(item.tokens) - 1
-    wide = expand_images(key, [(p, len(i.tokens), i.identity) for p, i in zip(at, inputs)])
+    wide = expand_images(
+        key, [(p, image_run(i.run_key, len(i.tokens))) for p, i in zip(at, inputs)]
+    )
     prompt = list(wide.model_tokens)
     if inputs[-1].end >= len(prompt):
         raise APIError(400, "A prompt cannot end with an image: nothing follows it to read it.")

@@ -87,6 +87,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
                 loaded.model_dir,
                 loaded.layout,
                 cfg.kv_dir / ".weights-digests.json" if disk is not None else None,
+                images=loaded.vision is not None,
             ),
             make_prompt_cache(loaded.model),
             disk,

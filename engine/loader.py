@@ -27,6 +27,7 @@ from engine.gguf_convert import convert_gguf
 from engine.model_errors import UnsupportedModelError
 from engine.model_source import ModelSource
 from kvcache.disk import FORMAT_VERSION
+from kvcache.image_ids import IMAGE_KEY_SCHEME
 from kvcache.layout import KVLayout, LayerKind, LayerKV
 from kvcache.payloads import position_bytes
 
@@ -184,12 +185,18 @@ def weights_digest(model_dir: Path, memo: Path) -> str:
     return h.hexdigest()
 
 
-def kv_namespace(model_dir: Path, layout: KVLayout, memo: Path | None = None) -> str:
-    """Where stored KV of this model belongs: weights, cache layout, file format.
-    With ``memo`` (KV that outlives the process: the SSD tier) the weights are
-    named by their content, else by ``model_fingerprint``."""
+def kv_namespace(
+    model_dir: Path, layout: KVLayout, memo: Path | None = None, images: bool = False
+) -> str:
+    """Where stored KV of this model belongs: weights, cache layout, file format,
+    and for a model served with its images (``images``) how image tokens are
+    keyed (kvcache.image_ids): keys of another scheme would read as other images,
+    so its stored KV is never read back. With ``memo`` (KV that outlives the
+    process: the SSD tier) the weights are named by their content, else by
+    ``model_fingerprint``."""
     weights = weights_digest(model_dir, memo) if memo is not None else model_fingerprint(model_dir)
-    return f"{weights}-{layout.fingerprint()}-v{FORMAT_VERSION}"
+    scheme = f"-img{IMAGE_KEY_SCHEME}" if images else ""
+    return f"{weights}-{layout.fingerprint()}-v{FORMAT_VERSION}{scheme}"
 
 
 def _num_heads(model: Any, config: dict[str, Any]) -> int:

@@ -13,7 +13,7 @@ its last image, so rows with and without images prefill and decode together.
 - ``LanguageView`` is the language model as mlx-lm's generator and cache
   helpers expect a model: token ids in, logits out.
 - ``VisionPrefill`` (engine thread) runs the tower, keeps each image's merged
-  embeddings by identity (a re-sent image skips the tower), and fills caches.
+  embeddings by its key (a re-sent image skips the tower), and fills caches.
 
 Served: Idefics3 / SmolVLM, Gemma 3, LLaVA, Pixtral and Mistral 3 (image tokens at
 sequential positions), and the
@@ -45,7 +45,15 @@ from engine.mrope import (
     sequential_positions,
 )
 from engine.vision_families import GRID_ROPE_FAMILIES, SERVED_FAMILIES
-from kvcache.image_ids import image_identity, image_runs, real_tokens
+from kvcache.image_ids import (
+    MAX_IMAGE_TOKENS,
+    image_key,
+    image_run,
+    image_runs,
+    real_tokens,
+    run_digest,
+    run_key,
+)
 from scheduler.contracts import ImageRejected
 from scheduler.request import ImageInput
 
@@ -256,13 +264,21 @@ class VisionFront:
 
     def image_input(self, image: Any, digest: bytes, start: int) -> ImageInput:
         exp = self.expand(image)
+        if len(exp.tokens) > MAX_IMAGE_TOKENS:  # what the cache key's ids can number
+            width, height = image.size
+            raise ImageRejected(
+                f"A {width}x{height} image becomes {len(exp.tokens)} tokens, more than the "
+                f"{MAX_IMAGE_TOKENS} one image may take: send it smaller or lower --max-pixels"
+            )
         shift = 0
         if self._merge is not None:
             shift = position_span(grid_shape(exp.inputs, self._merge)) - len(exp.tokens)
+        key = image_key(digest, exp.tokens)
         return ImageInput(
             start=start,
             tokens=exp.tokens,
-            identity=image_identity(digest, exp.tokens),
+            key=key,
+            run_key=run_key(key, len(exp.tokens)),
             inputs=exp.inputs,
             rope_shift=shift,
         )
@@ -285,11 +301,16 @@ class VisionPrefill:
     feature_bytes: int = 256 * 2**20  # merged embeddings kept for re-sent images
     chunk: int = 512  # tokens per language-model call (the runner's prefill step size)
     counters: VisionCounters = field(default_factory=VisionCounters)
-    _features: OrderedDict[int, Any] = field(default_factory=OrderedDict)
+    # by the image's 32-byte keys (kvcache.image_ids), never by an id of its run:
+    # a hash short enough to collide would hand one image another's
+    _features: OrderedDict[bytes, Any] = field(default_factory=OrderedDict)  # by key
     _held: int = 0
-    # image identity id -> the image's tokens: maps cached keys back to model ids
-    _expansions: OrderedDict[int, tuple[int, ...]] = field(default_factory=OrderedDict)
-    _shifts: dict[int, int] = field(default_factory=dict)  # identity -> rope_shift
+    # by run_key: the image's tokens (maps cached keys back to model ids), its shift
+    _expansions: OrderedDict[bytes, tuple[int, ...]] = field(default_factory=OrderedDict)
+    _shifts: dict[bytes, int] = field(default_factory=dict)
+    # run_digest of an image's ids in a cached key -> its run_key, and back
+    _runs: dict[bytes, bytes] = field(default_factory=dict)
+    _run_of: dict[bytes, bytes] = field(default_factory=dict)
 
     @property
     def merge(self) -> int | None:
@@ -297,19 +318,39 @@ class VisionPrefill:
 
     def remember(self, images: Sequence[ImageInput]) -> None:
         """A row's images, before its lookup: a hit aligns only where they are, so
-        every identity a hit's tokens hold is known while the row needs it."""
+        every image a hit's tokens hold is known while the row needs it."""
         for image in images:
-            self._expansions[image.identity] = image.tokens
-            self._expansions.move_to_end(image.identity)
-            if image.rope_shift:
-                self._shifts[image.identity] = image.rope_shift
+            key = image.run_key
+            run = self._run_of.get(key)
+            if run is None:
+                run = run_digest(image_run(key, len(image.tokens)))
+                self._expansions[key], self._run_of[key] = image.tokens, run
+                if image.rope_shift:
+                    self._shifts[key] = image.rope_shift
+            else:
+                self._expansions.move_to_end(key)
+            self._runs[run] = key  # ids that are this row's image read as it
         while len(self._expansions) > 4096:
             old, _ = self._expansions.popitem(last=False)
             self._shifts.pop(old, None)
+            run = self._run_of.pop(old)
+            if self._runs.get(run) == old:
+                del self._runs[run]
+
+    def _image_of(self, run: Sequence[int]) -> bytes | None:
+        """The run_key of the image whose identity ids are ``run``, every one of
+        them compared (through run_digest); None: no image this server knows."""
+        return self._runs.get(run_digest(run))
 
     def model_ids(self, tokens: Sequence[int]) -> list[int]:
         """A cached key's tokens as the model's ids (image identities expanded)."""
-        return real_tokens(tokens, self._expansions)
+        return real_tokens(tokens, self._tokens_of)
+
+    def _tokens_of(self, run: Sequence[int]) -> tuple[int, ...]:
+        key = self._image_of(run)
+        if key is None:
+            raise KeyError("a cached key holds an image this server does not know")
+        return self._expansions[key]
 
     def rope_delta(self, tokens: Sequence[int]) -> int:
         """The position delta after a cached key's tokens (engine.mrope): the sum
@@ -317,10 +358,10 @@ class VisionPrefill:
         if not self._shifts:
             return 0
         delta = 0
-        for ident, start, end in image_runs(tokens):
-            if ident in self._shifts:  # the images in the run (it may repeat one)
-                per = len(self._expansions[ident])
-                delta += self._shifts[ident] * -(-(end - start) // per)
+        for start, end in image_runs(tokens):
+            key = self._image_of(tokens[start:end])
+            if key is not None:
+                delta += self._shifts.get(key, 0)
         return delta
 
     def run(
@@ -390,9 +431,9 @@ class VisionPrefill:
     def _embeddings(self, image: ImageInput) -> Any:
         import mlx.core as mx
 
-        hit = self._features.get(image.identity)
+        hit = self._features.get(image.key)
         if hit is not None:
-            self._features.move_to_end(image.identity)
+            self._features.move_to_end(image.key)
             self.counters.feature_hits += 1
             return hit
         started = time.perf_counter()
@@ -406,7 +447,7 @@ class VisionPrefill:
         mx.eval(embeds)
         self.counters.encoder_runs += 1
         self.counters.encoder_seconds += time.perf_counter() - started
-        self._features[image.identity] = embeds
+        self._features[image.key] = embeds
         self._held += embeds.nbytes
         while self._held > self.feature_bytes and len(self._features) > 1:
             _, old = self._features.popitem(last=False)

@@ -71,7 +71,12 @@ class ImageInput:
 
     start: int  # first prompt token of the image
     tokens: tuple[int, ...]  # the model's ids for it (placeholders and markers)
-    identity: int  # its id in the cache key's view (kvcache.image_ids)
+    # its 32-byte key (kvcache.image_ids.image_key: content digest and tokens): the
+    # engine keeps its tower features by it
+    key: bytes
+    # what its ids in the cache key's view derive from (kvcache.image_ids.run_key):
+    # ``key``, or a request's own for an image of too few tokens to be named safely
+    run_key: bytes
     inputs: dict[str, Any] = field(default_factory=dict, compare=False)
     # positions its tokens take minus their count: multimodal RoPE (Qwen2-VL) lays
     # an image on a grid, so the text after it sits this far from its index

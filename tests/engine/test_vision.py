@@ -27,6 +27,7 @@ from kvcache.index import PromptCacheConfig
 from kvcache.manager import TieredKVManager
 from kvcache.payloads import plain_kv_only
 from scheduler.request import CacheHints, Request, SamplingParams
+from tests.helpers.colliding_images import collide
 from tests.helpers.tiny_vlm import (
     make_video,
     png_bytes,
@@ -233,6 +234,62 @@ def test_identical_text_with_another_image_never_hits_past_the_image(vlm):
     assert runner.prefix_cache.stats().vlm_retreat == 0  # clean traffic: no retreat
 
 
+def test_images_whose_short_hashes_collide_never_share_kv(vlm, monkeypatch):
+    """An image's tokens once carried one 48-bit id, and a birthday search found
+    two images with one id: the second got a full hit on the first one's KV. Two
+    images whose ids agree at every token but the last: no hit past the start."""
+    collide(monkeypatch, keep=-1)
+    loaded = vlm[0]
+    runner = runner_for(loaded)
+    first = request(vlm, ASK, data_url(png_bytes(*SIZE, (90, 20, 140))))
+    second = request(vlm, ASK, data_url(png_bytes(*SIZE, (20, 140, 90))))
+    (image,) = second.images
+    one, two = first.cache.key.model_tokens, second.cache.key.model_tokens
+    assert one[: image.end - 1] == two[: image.end - 1]  # the collision as simulated
+    run(runner, first)
+    ((tokens, cached),) = run(runner, second)
+    assert cached <= image.start
+    assert tokens == run(runner_for(loaded, cache=False), second)[0][0]
+    assert one[image.end - 1] != two[image.end - 1]
+
+
+def test_images_whose_short_hashes_collide_never_share_tower_features(vlm, monkeypatch):
+    """With the prefix cache off, the tower's features kept for re-sent images
+    were found by that 48-bit id too: a colliding image read the first one's.
+    They are kept by the image's 256-bit key: ids that all collide change nothing."""
+    collide(monkeypatch)  # every id of every image the same
+    loaded = vlm[0]
+    counters = loaded.vision.counters
+    run(runner_for(loaded, cache=False), request(vlm, ASK, data_url(png_bytes(*SIZE, (5, 5, 5)))))
+    runs, hits = counters.encoder_runs, counters.feature_hits
+    other = request(vlm, ASK, data_url(png_bytes(*SIZE, (250, 250, 250))), max_tokens=10)
+    ((tokens, _),) = run(runner_for(loaded, cache=False), other)
+    assert (counters.encoder_runs, counters.feature_hits) == (runs + 1, hits)
+    assert tokens == reference(loaded, other)[: len(tokens)]
+
+
+def test_an_image_of_too_few_tokens_to_name_it_safely_is_never_reused_past(vlm):
+    """An icon is 1 token to Qwen2-VL (under its --min-pixels), 2 to Pixtral: its
+    ids carry under 128 bits, so a re-send reuses no KV past its start; the
+    tower's features, kept by the image's 256-bit key, are still reused."""
+    from kvcache.image_ids import MIN_RUN_TOKENS
+
+    loaded = vlm[0]
+    runner = runner_for(loaded)
+    png = png_bytes(12, 12, (70, 70, 200))
+    run(runner, request(vlm, ASK, data_url(png)))
+    runs = loaded.vision.counters.encoder_runs
+    again = request(vlm, ASK, data_url(png))
+    (image,) = again.images
+    ((tokens, cached),) = run(runner, again)
+    if len(image.tokens) < MIN_RUN_TOKENS:
+        assert cached <= image.start
+    else:
+        assert cached == ideal_reuse(loaded, again)
+    assert loaded.vision.counters.encoder_runs == runs
+    assert tokens == run(runner_for(loaded, cache=False), again)[0][0]
+
+
 def test_image_and_text_rows_in_one_batch_keep_their_own_tokens(vlm):
     loaded = vlm[0]
     make = [
@@ -361,3 +418,41 @@ def test_an_image_is_read_through_the_rows_adapter_route(vlm):
     runner.add(req)
     runner.step()  # the image's prefill; nothing else has run yet
     assert slots and all(s == [BASE] for s in slots)
+
+
+def test_a_vision_models_stored_kv_has_a_namespace_of_its_image_scheme(
+    tmp_path, tiny_llama_dir, monkeypatch
+):
+    """KV kept on disk before images had per-position ids was keyed by one id per
+    image: a vision model's SSD namespace names the scheme, so none of it is read
+    back as another image's. A text model's namespace is what it was: its stored
+    KV stays warm across the change."""
+    from engine import device_memory
+    from engine.boot import boot_mlx
+    from engine.engine_thread import EngineConfig
+    from engine.loader import weights_digest
+    from kvcache.disk import FORMAT_VERSION
+
+    monkeypatch.setattr(device_memory, "measure_bandwidth", lambda: 1e10)
+    names = {}
+    for name, path in (
+        ("text", tiny_llama_dir),
+        ("vision", write_tiny_smolvlm(tmp_path / "vlm", seed=SEEDS["smolvlm"])),
+    ):
+        booted = boot_mlx(
+            EngineConfig(
+                ModelSource("mlx", Path(path), name),
+                memory_budget_bytes=2**30,
+                prompt_cache=PromptCacheConfig(),
+                kv_dir=tmp_path / "kv",
+                kv_disk_bytes=2**26,
+            )
+        )
+        cache = booted.runner.prefix_cache
+        names[name] = cache.namespace
+        cache.close()
+        memo = tmp_path / "kv" / ".weights-digests.json"
+        weights, layout, version, *scheme = names[name].split("-")
+        assert (weights, version) == (weights_digest(Path(path), memo), f"v{FORMAT_VERSION}")
+        names[name] = scheme
+    assert names == {"text": [], "vision": ["img2"]}  # the text model's as before
