@@ -316,6 +316,8 @@ def cmd_serve(settings: Settings) -> int:
 
             try:
                 code = run_worker(config)
+            except KeyboardInterrupt:  # Ctrl-C through mlx.launch: leave as the others do
+                code = 130
             except Exception as exc:  # noqa: BLE001 - said once, then a non-zero exit
                 log.error("rank %d could not start: %s", group.rank, exc)
                 code = 1

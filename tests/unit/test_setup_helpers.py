@@ -163,3 +163,27 @@ def test_no_openblas_is_a_switch_not_any_value(monkeypatch, value, reference):
     monkeypatch.setattr(platform, "system", lambda: "Linux")
     monkeypatch.setenv("KVWARM_NO_OPENBLAS", value)
     assert ("KVWARM_NO_OPENBLAS" in preload_openblas(()).reason) is reference
+
+
+def test_a_worker_rank_interrupted_leaves_the_group_as_the_others_do(tmp_path, monkeypatch):
+    """Ctrl-C through mlx.launch raised KeyboardInterrupt out of the worker: a traceback
+    and the interpreter's teardown with the group's transport threads alive (now and
+    then std::terminate, SIGABRT), which a supervisor reads as a crash."""
+    from app import cli
+    from engine import distributed, rank_worker
+    from tests.helpers.tiny_models import write_tiny_llama
+
+    class WorkerGroup:
+        rank, serving = 1, False
+
+    def interrupted(config):
+        raise KeyboardInterrupt
+
+    left: list[int] = []
+    monkeypatch.setattr(distributed.RankGroup, "join", classmethod(lambda cls, c: WorkerGroup()))
+    monkeypatch.setattr(rank_worker, "run_worker", interrupted)
+    monkeypatch.setattr(cli, "_leave_group", lambda code: left.append(code) or code)
+    model = write_tiny_llama(tmp_path / "tiny", seed=1)
+    argv = ["serve", "--model", str(model), "--distributed", "--distributed-rank", "1"]
+    argv += ["--distributed-world-size", "2", "--distributed-hosts", "127.0.0.1", "--no-log-json"]
+    assert main(argv) == 130 and left == [130]
