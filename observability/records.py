@@ -27,6 +27,7 @@ class RequestRecord:
     e2e_s: float
     started_at: float  # wall clock (time.time()) at arrival
     prepare_s: float = 0.0  # body received -> queued: parsing, rendering, tokenising
+    waited_s: float | None = None  # queued -> left, for one that never joined the batch
     ttft_s: float | None = None
     max_itl_s: float | None = None  # the longest gap between two tokens (None: < 2 tokens)
     stats: RequestStats | None = None  # queue / prefill / decode + cache report (engine-run)

@@ -145,6 +145,8 @@ class Tracing:
         self._m_duration.record(rec.e2e_s, attrs)
         if rec.ttft_s is not None:
             self._m_ttft.record(rec.ttft_s, attrs)
+        if rec.waited_s is not None:
+            self._m_queue.record(rec.waited_s, attrs)
         if rec.stats is not None:
             self._m_queue.record(rec.stats.queued_s, attrs)
             self._m_prefill.record(rec.stats.prefill_s, attrs)

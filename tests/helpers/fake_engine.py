@@ -143,11 +143,14 @@ class FakeRunner:
         entry = self._active.pop(request_id, None)
         if entry is None:
             return None
+        req, _, _, joined, report = entry
+        now = time.monotonic()  # the real runner's cut carries its timings too
         return RequestOutput(
             request_id,
             finish_reason=FinishReason.LENGTH,
             completion_tokens=entry[1],
             timed_out=True,
+            stats=RequestStats(joined - req.arrival_time, 0.0, now - joined, report),
         )
 
     def step(self) -> list[RequestOutput]:

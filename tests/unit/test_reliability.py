@@ -436,7 +436,17 @@ def test_watchdog_cuts_running_requests_short_and_refuses_queued_ones():
         post("queued")
         first.join(30)
         stats = httpx.get(url + "/stats").json()["requests"]
+        metrics = httpx.get(url + "/metrics").text
     running, queued = results["running"], results["queued"]
+    # the queued one's wait is queue time too, the longest there was (it had no stats)
+    queue = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("kvwarm:request_queue_time_seconds_")
+        and not line.startswith("kvwarm:request_queue_time_seconds_bucket")
+    }
+    assert queue["kvwarm:request_queue_time_seconds_count"] == 2
+    assert queue["kvwarm:request_queue_time_seconds_sum"] >= 0.5
     assert running.status_code == 200, running.text
     assert running.json()["choices"][0]["finish_reason"] == "length"  # as the seed server
     assert queued.status_code == 503 and queued.headers["retry-after"]
