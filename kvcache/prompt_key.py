@@ -184,9 +184,11 @@ def align(
     Tokens outside volatile spans must be equal. With ``skip_volatile`` a span
     of the same rule at the same aligned place is stepped over in both (their
     lengths may differ: a new timestamp may tokenise differently), and a
-    droppable span present on one side only is stepped over on that side; the
-    model then keeps the entry's stale values there. Without it only an exact
-    model-token prefix counts. Never consumes the request's last token.
+    droppable span only the entry has is stepped over; the model then keeps the
+    entry's stale values there. A droppable span only the request has ends the
+    alignment: its text must be prefilled, or the model would never read it.
+    Without it only an exact model-token prefix counts. Never consumes the
+    request's last token.
     """
     a, b = entry.model_tokens, request.model_tokens
     n_a = len(a) if entry_len is None else min(entry_len, len(a))
@@ -231,11 +233,9 @@ def align(
             stale += sa[ia].end - sa[ia].start
             i = sa[ia].end
             ia += 1
-        elif at_b and sb[ib].droppable and sb[ib].end <= n_b:
-            stale += sb[ib].end - sb[ib].start  # the model never reads these
-            j = sb[ib].end
-            ib += 1
         else:
+            # a droppable block only the request has (a new reminder) is never
+            # stepped over: the model would never read it
             break
     return Alignment(*best)
 
