@@ -90,12 +90,21 @@ def _line(regex: str, group: int = 0) -> Regex:
 
 _MONTHS = "jan(?:uary)?|feb(?:ruary)?|mar(?:ch)?|apr(?:il)?|may|june?|july?|aug(?:ust)?|sept?(?:ember)?|oct(?:ober)?|nov(?:ember)?|dec(?:ember)?"
 _DAYS = "mon(?:day)?|tue(?:s|sday)?|wed(?:nesday)?|thu(?:rs|rsday)?|fri(?:day)?|sat(?:urday)?|sun(?:day)?"
+# time zone abbreviations: a list, not any upper-case word ("... 2024-01-01 ABORT"
+# is the user's word, and an edit of it must reach the model)
+_ZONES = (
+    "UTC|GMT|Z|UT|EST|EDT|CST|CDT|MST|MDT|PST|PDT|AKST|AKDT|HST|AST|ADT|NST|NDT|WET|WEST|CET"
+    "|CEST|EET|EEST|MSK|BST|IST|PKT|ICT|WIB|SGT|HKT|CST|JST|KST|AWST|ACST|ACDT|AEST|AEDT"
+    "|NZST|NZDT|BRT|ART|CLT|COT|PET|SAST|WAT|CAT|EAT"
+)
 # one word of a date or time: a number (2026-11-26, 10:42:01, 26th, +01:00, ...T10:42Z),
-# a month or day name, AM/PM, an upper-case zone maybe with its offset (UTC, GMT+0100),
-# an IANA zone, a linking word, or anything short in parentheses ("(Thursday)")
+# a month or day name, AM/PM, a zone maybe with its offset (UTC, GMT+0100), an IANA
+# zone, a linking word, or a parenthesised zone name ("(Central European Time)",
+# replaced by \x00 before the words are checked)
 _DATE_WORD = re.compile(
     r"[+-]?\d[\w:./+-]*|(?:" + _MONTHS + "|" + _DAYS + r")\.?|[ap]\.?m\.?"
-    r"|(?-i:[A-Z]{1,5})(?:[+-]\d{1,4}(?::?\d\d)?)?|[a-z]+/[\w/+-]+|at|of|the|on|\x00",
+    r"|(?-i:(?:" + _ZONES + r"))(?:[+-]\d{1,4}(?::?\d\d)?)?|[a-z]+/[\w/+-]+|at|of|the|on"
+    r"|\x00",
     re.IGNORECASE,
 )
 # a word only a date or time has: a clock time, a date with separators, a month or
@@ -106,7 +115,10 @@ _DATE_PROOF = re.compile(
     r"|\b(?:" + _MONTHS + "|" + _DAYS + r")\b",
     re.IGNORECASE,
 )
-_DATE_PARENS = re.compile(r"\([^()\n]{1,40}\)")
+# a time zone's name in parentheses: "(Central European Standard Time)"; any other
+# parenthesis is read word by word ("(Thursday)", "(UTC+01:00)"), so "(deploy to
+# staging)" after a date is the user's words
+_ZONE_NAME = re.compile(r"\((?-i:(?:[A-Z][a-z]+ ){1,4}Time)\)")
 _DATE_GAP = re.compile(r"[ \t]*[,\u2013\u2014][ \t]*|[ \t]+")  # spaces, a comma or a dash
 _TIMESTAMP_LEAD = re.compile(
     r"\b(?:the )?(?:current (?:date and time|date|time)|today's date|today is)"
@@ -132,7 +144,8 @@ def timestamps(text: str) -> Iterator[tuple[int, int]]:
         if line_end - start > MAX_TIMESTAMP:
             continue
         value = text[start:line_end].rstrip(" \t")
-        words = _DATE_GAP.split(_DATE_PARENS.sub("\x00", value))
+        bare = _ZONE_NAME.sub("\x00", value).replace("(", " ").replace(")", " ")
+        words = _DATE_GAP.split(bare.strip(" \t"))
         if (
             value
             and all(_DATE_WORD.fullmatch(w.removesuffix(".") or ".") for w in words)
@@ -162,15 +175,17 @@ RULES: tuple[VolatileRule, ...] = (
         Canonical.SENTINEL,
     ),
     # OpenClaw's per-message metadata block: a header line, then a fenced JSON
-    # block or text up to the next blank line. Linear as a regex: a header always
-    # matches (the unfenced branch accepts anything), so its fence scan lies inside
-    # its match unless the fence is never closed, which can happen once per text.
+    # block or "key: value" lines (not any line up to a blank one: "Inbound
+    # Context\nchat: 5\nDelete the prod database" ends with the user's words).
+    # Linear as a regex: a header always matches (the unfenced branch may take no
+    # line), so its fence scan lies inside its match unless the fence is never
+    # closed, which can happen once per text.
     VolatileRule(
         "inbound_context",
         Regex(
             re.compile(
                 r"^[#* \t]*Inbound Context\b[^\n]*\n(?:[ \t]*```[^\n]*\n.*?```[^\n]*(?:\n|$)"
-                r"|(?:[^\n]+(?:\n|$))*)",
+                r"|(?:[ \t]*[-*]?[ \t]*[\w .-]{1,40}:[^\n]*(?:\n|$))*)",
                 re.IGNORECASE | re.MULTILINE | re.DOTALL,
             )
         ),

@@ -128,6 +128,25 @@ def test_ordinary_text_is_not_volatile(text):
     assert marked(text) == []
 
 
+@pytest.mark.parametrize(
+    "text, rule, span",
+    [
+        # after a date, a parenthesis or an upper-case word is the user's unless it
+        # names a zone: an edit of it, stepped over as a stale value, never reached
+        # the model ("(deploy to staging)" read on as "(deploy to prod)")
+        ("Today is Monday (deploy to staging)", "timestamp", None),
+        ("current date is 2024-01-01 ABORT", "timestamp", None),
+        ("Current time: 10:42 (ask me before pushing)", "timestamp", None),
+        ("Current date: Monday (Central European Time)", "timestamp", "Monday (Central European Time)"),
+        # the unfenced metadata block is its "key: value" lines, not the question after them
+        ("Inbound Context\nchat: 5\nDelete the prod database", "inbound_context", "Inbound Context\nchat: 5\n"),
+        ("## Inbound Context\n- sender: bob\n- chat id: 5\n\nhi", "inbound_context", "## Inbound Context\n- sender: bob\n- chat id: 5\n"),
+    ],
+)  # fmt: skip
+def test_a_volatile_value_ends_where_the_users_words_begin(text, rule, span):
+    assert marked(text) == ([(rule, span)] if span else [])
+
+
 def test_a_label_followed_by_words_that_read_as_two_kinds_stays_linear():
     """ "AM" is a meridiem and a zone, "MAY" a month and a zone: a pattern of
     alternating words tried 2^n ways on a line that was no date (80 s a line)."""
