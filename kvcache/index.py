@@ -293,7 +293,7 @@ class PrefixIndex:
         entry = self._entries.get(entry_id)
         if entry is not None and entry.refs > 0:
             entry.refs -= 1
-            if entry.refs == 0 and entry.superseded:
+            if entry.refs == 0 and entry.superseded and not entry.pinned:
                 self.counters.superseded += 1
                 self.remove(entry_id)
 
@@ -529,6 +529,8 @@ class PrefixIndex:
         entry = self._entries.get(entry_id)
         if entry is not None:
             entry.pinned = pinned
+            if pinned:  # saved: a longer entry serving its tokens no longer retires it
+                entry.superseded = False
 
     def expire(self) -> int:
         if self.ttl_s <= 0:

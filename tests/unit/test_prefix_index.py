@@ -317,3 +317,18 @@ def test_a_lost_block_leaves_no_entry_held_in_ram_by_a_write_that_no_longer_coun
     assert index.lose_block(digest) == 1
     index.end_persist(entry_id, True)
     assert entry.in_ram and not entry.on_disk and not entry.holds_queue
+
+
+def test_a_saved_entry_is_kept_when_its_reader_lets_go_of_it_superseded():
+    """Read by a turn, superseded by a longer entry (a fork), then saved: the
+    reader's release deleted the saved conversation's KV, files and all."""
+    index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m", disk_bytes=10**6)
+    tokens = list(range(100, 140))
+    saved = index.insert(_key(tokens), 40, True, session="A")
+    assert index.lookup(_key(tokens + [1, 2])).hit.entry.entry_id == saved  # held by a turn
+    index.insert(_key(list(range(100, 160))), 60, True, session="B")  # serves its tokens
+    assert index.begin_persist(saved)
+    index.end_persist(saved, True)
+    index.set_pinned(saved, True)
+    index.release(saved)
+    assert saved in index and index.get(saved).pinned
