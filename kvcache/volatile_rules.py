@@ -239,15 +239,17 @@ def relocate_volatile_lines(
     contents: list[str | None], roles: list[str], fixed: str | None = None
 ) -> list[str | None]:
     """``--volatile-policy relocate``: move every line holding a volatile span out
-    of system/user messages to the end of the last message, so the prefix stays
-    stable and the model still reads every current value. Lines holding ``fixed``
+    of system/user messages to the end of the last of them, so the prefix stays
+    stable and the model still reads every current value. Not into a later tool
+    result or assistant prefill: a moved timestamp would corrupt a JSON prefill and
+    read as the tool's output. Lines holding ``fixed``
     (a vision model's image placeholder) stay: images are matched to placeholders
     in the order the client sent them, and a moved one would get another's pixels."""
     moved: list[str] = []
     out: list[str | None] = []
-    last = len(contents) - 1
+    last = max((i for i, role in enumerate(roles) if role in VOLATILE_ROLES), default=-1)
     for i, (content, role) in enumerate(zip(contents, roles)):
-        if not content or role not in VOLATILE_ROLES or i == last:  # the last one is the end
+        if not content or role not in VOLATILE_ROLES or i >= last:  # the last one is the end
             out.append(content)
             continue
         spans = find_in_text(content)
@@ -281,9 +283,9 @@ def relocate_volatile_lines(
             staying = False
         kept.append(content[keep_from:])
         out.append("".join(kept))
-    if moved and out:
-        final = out[-1] or ""
-        out[-1] = final + ("\n\n" if final else "") + "\n".join(m for m in moved if m)
+    if moved:
+        final = out[last] or ""
+        out[last] = final + ("\n\n" if final else "") + "\n".join(m for m in moved if m)
     return out
 
 

@@ -283,3 +283,11 @@ def test_relocate_moves_all_of_a_block_that_starts_on_a_moved_line():
     out = relocate_volatile_lines([first, "hi"], ["user", "user"])
     assert out[0] == "You are a helpful agent.\n"
     assert "The user opened foo.py" in (out[1] or "") and "</system-reminder>" in (out[1] or "")
+
+
+def test_relocated_lines_go_to_the_last_user_message_not_a_prefill_or_tool_result():
+    contents = ["You are X.\nCurrent time is 10:42:01", "hi", '{"answer": ']
+    out = relocate_volatile_lines(contents, ["system", "user", "assistant"])
+    assert out == ["You are X.\n", "hi\n\nCurrent time is 10:42:01", '{"answer": ']
+    tool = relocate_volatile_lines(contents[:2] + ["exit 0"], ["system", "user", "tool"])
+    assert tool[2] == "exit 0" and tool[1].endswith("Current time is 10:42:01")
