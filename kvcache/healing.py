@@ -198,6 +198,12 @@ class Original:
     tool_calls: tuple[dict[str, Any], ...] | None = None
 
 
+# two different originals echo the same way in the same place (two conversations
+# with no session id and the same history, or a regenerated reply): which one a
+# client kept cannot be told, and the other's reasoning must never be read back
+AMBIGUOUS = Original("")
+
+
 class HealingStore:
     """Thread-safe: requests are prepared in worker threads and remembered on the loop."""
 
@@ -246,6 +252,8 @@ class HealingStore:
             old = self._items.pop(key, None)
             if old is not None:
                 self.nbytes -= self._size(old)
+                if old != item:
+                    item, size = AMBIGUOUS, self._size(AMBIGUOUS)
             self._items[key] = item
             self.nbytes += size
             while len(self._items) > self.max_entries or self.nbytes > self.max_bytes:
@@ -282,7 +290,7 @@ class HealingStore:
         key = _key(content, message.get("tool_calls"), context)
         with self._lock:
             item = self._items.get(key)
-            if item is None:
+            if item is None or item is AMBIGUOUS:
                 return message
             self._items.move_to_end(key)
             same_calls = item.tool_calls is None or list(item.tool_calls) == message.get(

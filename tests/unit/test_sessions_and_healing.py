@@ -344,3 +344,25 @@ def test_a_resent_history_is_chained_from_remembered_places(monkeypatch):
     turn = [*history, {"role": "user", "content": "and now?"}]
     assert store.contexts(turn, "s") == history_contexts(turn, "s")[: len(turn) + 1]
     assert computed[0] == turn[-1] and len(computed) == 1 + len(turn)  # memo, then none
+
+
+def test_two_originals_that_echo_alike_in_one_place_are_not_healed():
+    """Two conversations with no session id and the same history, each a tool call
+    with its own reasoning: one's echo healed to the other's reasoning."""
+    store = HealingStore()
+    history = [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": "Fix it."},
+    ]
+    call = [{"id": "c1", "type": "function", "function": {"name": "read", "arguments": "{}"}}]
+    context = store.contexts(history)[-1]
+    for reasoning in ("conversation ONE: the fixture", "conversation TWO: an import"):
+        store.remember(f"<think>{reasoning}</think>", call, context=context, restore_calls=False)
+    echo = history + [{"role": "assistant", "content": "", "tool_calls": call}]
+    assert store.heal_all(echo, store.contexts(echo))[2]["content"] == ""  # as the client sent it
+    # the same original twice is no ambiguity
+    again = HealingStore()
+    for _ in range(2):
+        again.remember("<think>why</think>Done.", context=context)
+    reply = history + [{"role": "assistant", "content": "Done."}]
+    assert again.heal_all(reply, again.contexts(reply))[2]["content"] == "<think>why</think>Done."
