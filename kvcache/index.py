@@ -125,20 +125,38 @@ class PrefixIndex:
     def hashes(self, key: PromptKey) -> list[bytes]:
         return chain_hashes(key.canonical, self.block_size, self.namespace)
 
-    def _candidates(self, hashes: list[bytes], variant: str = "") -> list[tuple[int, int]]:
+    def _candidates(
+        self, key: PromptKey, result: Lookup, variant: str = ""
+    ) -> list[tuple[int, int]]:
         """(canonical blocks shared, entry id), deepest chain first, of entries
-        stored as ``variant`` (KV of another precision is never handed out)."""
+        stored as ``variant`` (KV of another precision is never handed out).
+
+        An untrimmable entry hits only whole: one whose tokens go on past the
+        shared blocks cannot, and is no candidate. Every conversation's turns share
+        the system prompt's blocks, and sixteen of them filled the candidates
+        ahead of the system prompt's own checkpoint, the one entry that could hit."""
+        hashes = self.hashes(key)
         depth = 0
         while depth < len(hashes) and hashes[depth] in self._by_hash:
             depth += 1
         seen: set[int] = set()
         out: list[tuple[int, int]] = []
         for d in range(depth, 0, -1):
+            whole_within = (d + 1) * self.block_size  # canonical tokens an entry may hold
             for entry_id in sorted(self._by_hash[hashes[d - 1]], reverse=True):
                 entry = self._entries[entry_id]
-                if entry_id not in seen and entry.loadable and entry.variant == variant:
-                    seen.add(entry_id)
-                    out.append((d, entry_id))
+                if entry_id in seen or not entry.loadable or entry.variant != variant:
+                    continue
+                seen.add(entry_id)
+                if not entry.trimmable and len(entry.key.canonical) >= whole_within:
+                    # cut back, it would have served what it shares (hybrid_trim_miss)
+                    ours, theirs = key.canonical, entry.key.canonical
+                    shared, end = d * self.block_size, min(len(ours), len(theirs))
+                    while shared < end and ours[shared] == theirs[shared]:
+                        shared += 1  # within one block: they differ by its end
+                    result.uncut_depth = max(result.uncut_depth, shared)
+                    continue
+                out.append((d, entry_id))
             if len(out) >= MAX_CANDIDATES:
                 break
         return out[:MAX_CANDIDATES]
@@ -164,7 +182,8 @@ class PrefixIndex:
         self.counters.lookups += 1
         self.counters.tokens_queried += len(key.model_tokens)
         result = Lookup()
-        best = self._best(self._candidates(self.hashes(key), variant), key, result, max_growth)
+        candidates = self._candidates(key, result, variant)
+        best = self._best(candidates, key, result, max_growth)
         reused = best.alignment.request_depth if best else 0
         if reused < min(promised, len(key.model_tokens) - 1):
             extra = [

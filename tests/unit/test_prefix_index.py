@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -231,12 +232,13 @@ def test_an_uncut_entry_is_judged_once_and_counted_once():
     assert index.counters.hybrid_trim_miss == 1
 
 
-def test_agents_sharing_a_system_prompt_on_a_recurrent_model_are_clean_traffic():
+@pytest.mark.parametrize("others", [3, 20])  # past the 16 candidates a lookup aligns
+def test_agents_sharing_a_system_prompt_on_a_recurrent_model_are_clean_traffic(others):
     index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m")
     system = list(range(500, 532))
     index.insert(_key(system), 32, trimmable=False, session="x")  # the checkpoint
-    for i, session in enumerate("abc"):
-        turn = system + [600 + 10 * i + k for k in range(20)]
+    for i, session in enumerate(f"s{n}" for n in range(others)):
+        turn = system + [1000 + 50 * i + k for k in range(20)]
         index.insert(_key(turn), 52, trimmable=False, session=session)
     # a new agent: the checkpoint serves all an ideal cache could; the others'
     # turns cannot be cut back, but cutting would not have given more
