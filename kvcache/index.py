@@ -122,8 +122,12 @@ class PrefixIndex:
     def get(self, entry_id: int) -> CacheEntry | None:
         return self._entries.get(entry_id)
 
-    def hashes(self, key: PromptKey) -> list[bytes]:
-        return chain_hashes(key.canonical, self.block_size, self.namespace)
+    def hashes(self, key: PromptKey, variant: str = "") -> list[bytes]:
+        """The key's block chain in ``variant``'s own namespace: entries of another
+        precision or adapter never share a chain with it, so a lookup never walks
+        past them."""
+        namespace = f"{self.namespace}|{variant}" if variant else self.namespace
+        return chain_hashes(key.canonical, self.block_size, namespace)
 
     def _candidates(
         self, key: PromptKey, result: Lookup, variant: str = ""
@@ -135,7 +139,7 @@ class PrefixIndex:
         shared blocks cannot, and is no candidate. Every conversation's turns share
         the system prompt's blocks, and sixteen of them filled the candidates
         ahead of the system prompt's own checkpoint, the one entry that could hit."""
-        hashes = self.hashes(key)
+        hashes = self.hashes(key, variant)
         depth = 0
         while depth < len(hashes) and hashes[depth] in self._by_hash:
             depth += 1
@@ -335,7 +339,11 @@ class PrefixIndex:
         held = nbytes if isinstance(nbytes, EntryBytes) else EntryBytes(private=nbytes)
         if len(key.model_tokens) < self.block_size or held.total > self.ram.max_bytes:
             return None
-        for entry in self._entries.values():
+        hashes = self.hashes(key, variant)
+        # one that holds every full block of this key is the only one that can equal
+        # it or serve it (not a scan of every entry's tokens, per store)
+        for entry_id in self._by_hash.get(hashes[-1], ()):
+            entry = self._entries[entry_id]
             if entry.variant != variant:
                 continue
             if entry.key.model_tokens == key.model_tokens or (
@@ -343,7 +351,6 @@ class PrefixIndex:
             ):
                 entry.last_used = self._clock()
                 return None  # already cached, or served by a longer entry
-        hashes = self.hashes(key)
         covered = self._prefixes_of(key, hashes, variant) if trimmable else []
         idle = [e for e in covered if not e.refs]
         if not self._make_room(held, spare=sum(1 for e in idle if e.in_ram), keep=idle):
@@ -405,7 +412,7 @@ class PrefixIndex:
             key,
             held,
             trimmable,
-            self.hashes(key),
+            self.hashes(key, variant),
             session,
             uid=uid,
             in_ram=False,
