@@ -414,15 +414,7 @@ def test_the_api_key_from_the_servers_dotenv_file(fake, tmp_path) -> None:
     """`kvwarm serve` reads KVWARM_API_KEY from ./.env: `kvwarm chat` run beside
     it got 401 for a key it was told it would find there."""
     (tmp_path / ".env").write_text("KVWARM_API_KEY=from-dotenv\n")
-    result = subprocess.run(
-        [sys.executable, "-m", "app.cli", "chat", "--host", fake.url, "--model", "m"],
-        input="hello\n/quit\n",
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=child_env(PYTHONPATH=str(ROOT)),
-        timeout=60,
-    )
+    result = piped_chat(fake, "hello\n/quit\n", cwd=tmp_path, PYTHONPATH=str(ROOT))
     assert result.returncode == 0, result.stderr
     assert fake.auth == ["Bearer from-dotenv"]
 
@@ -436,16 +428,21 @@ def test_an_unreachable_server_is_one_line_and_the_repl_stays(chat, fake) -> Non
     assert term.wait() == 0
 
 
-def test_without_a_terminal_the_blocks_are_labelled_and_uncoloured(fake) -> None:
-    result = subprocess.run(
+def piped_chat(fake: FakeOpenAI, typed: str, cwd: Path = ROOT, **env: str):
+    """`kvwarm chat` with its input from a pipe, not a terminal."""
+    return subprocess.run(
         [sys.executable, "-m", "app.cli", "chat", "--host", fake.url, "--model", "m"],
-        input="hello\nno usage please\n/quit\n",
+        input=typed,
         capture_output=True,
         text=True,
-        cwd=ROOT,
-        env=child_env(),
+        cwd=cwd,
+        env=child_env(**env),
         timeout=60,
     )
+
+
+def test_without_a_terminal_the_blocks_are_labelled_and_uncoloured(fake) -> None:
+    result = piped_chat(fake, "hello\nno usage please\n/quit\n")
     assert result.returncode == 0, result.stderr
     assert "thinking: pondering the question\n\nanswer: Hello, this is reply 1\n" in result.stdout
     assert STATS.search(result.stdout)

@@ -225,6 +225,19 @@ def test_a_redirect_to_another_scheme_is_refused():
     assert err.value.status == 400 and "not an http(s) URL" in err.value.message
 
 
+def resolving_to(monkeypatch, address: str) -> list[object]:
+    """Every name resolves to ``address``; returns the connects attempted (none happen)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sockaddr = (address, 80, 0, 0) if family == socket.AF_INET6 else (address, 80)
+    connects: list[object] = []
+    monkeypatch.setattr(
+        "app.media_fetch.socket.getaddrinfo",
+        lambda *a, **k: [(family, socket.SOCK_STREAM, 6, "", sockaddr)],
+    )
+    monkeypatch.setattr("app.media_fetch.socket.socket.connect", connects.append)
+    return connects
+
+
 @pytest.mark.parametrize(
     "address",
     [
@@ -242,14 +255,7 @@ def test_a_redirect_to_another_scheme_is_refused():
 def test_link_local_multicast_and_unspecified_addresses_are_never_fetched(monkeypatch, address):
     """Checked on the address connected to: a harmless-looking name resolving to
     the cloud metadata service is refused too."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sockaddr = (address, 80, 0, 0) if family == socket.AF_INET6 else (address, 80)
-    connects: list[object] = []
-    monkeypatch.setattr(
-        "app.media_fetch.socket.getaddrinfo",
-        lambda *a, **k: [(family, socket.SOCK_STREAM, 6, "", sockaddr)],
-    )
-    monkeypatch.setattr("app.media_fetch.socket.socket.connect", connects.append)
+    connects = resolving_to(monkeypatch, address)
     with pytest.raises(APIError) as err:
         load_images(
             [ImageSource(url="http://images.example.com/cat.png")],
@@ -266,14 +272,7 @@ def test_link_local_multicast_and_unspecified_addresses_are_never_fetched(monkey
 def test_loopback_and_private_addresses_are_fetched_only_when_allowed(monkeypatch, address):
     """Any client could make the server GET this machine's services and its LAN,
     and read which ports answer from the errors."""
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    sockaddr = (address, 80, 0, 0) if family == socket.AF_INET6 else (address, 80)
-    connects: list[object] = []
-    monkeypatch.setattr(
-        "app.media_fetch.socket.getaddrinfo",
-        lambda *a, **k: [(family, socket.SOCK_STREAM, 6, "", sockaddr)],
-    )
-    monkeypatch.setattr("app.media_fetch.socket.socket.connect", connects.append)
+    connects = resolving_to(monkeypatch, address)
     with pytest.raises(APIError) as err:
         load_images([ImageSource(url="http://images.example.com/cat.png")], ImageLimits())
     assert err.value.status == 400 and "--fetch-private-urls" in err.value.message
