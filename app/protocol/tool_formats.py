@@ -131,7 +131,21 @@ def _qwen3_coder(inner: str) -> list[dict[str, Any]]:
     writes several in one, and mlx-lm's parser reads a block as one function (from
     the first opening to the last closing: the first name, all the parameters)."""
     parse = _mlx_parser("qwen3_coder")
-    return [parse(piece) for piece in _functions(inner)]
+    pieces = _functions(inner)
+    for piece in pieces:
+        _all_parameters_closed(piece)
+    return [parse(piece) for piece in pieces]
+
+
+def _all_parameters_closed(piece: str) -> None:
+    """Raise if a ``<parameter=...>`` is never closed: mlx-lm's parser then drops
+    it, and the call would run with an argument missing. One pass."""
+    pos = 0
+    while (opened := piece.find("<parameter=", pos)) >= 0:
+        closed = piece.find("</parameter>", opened)
+        if closed < 0:
+            raise ValueError("a parameter is never closed")
+        pos = closed + len("</parameter>")
 
 
 def _functions(inner: str) -> list[str]:
@@ -201,7 +215,22 @@ def _plausible(parser: str, call: dict[str, Any], schemas: Mapping[str, Any]) ->
     if any(c.isspace() or c in "<>" for c in name):
         return False
     args = call["arguments"]
+    if parser == "qwen3_coder" and _swallowed(args, schemas.get(name, {})):
+        return False
     return not (parser == "glm47" and "raw" in args and "raw" not in schemas.get(name, {}))
+
+
+def _swallowed(args: Mapping[str, Any], schema: Mapping[str, Any]) -> bool:
+    """A value holding another of the function's own parameters, not given on its
+    own: the model left a ``</parameter>`` out, and the next parameter ran into this
+    one (the call would write a file named "a.py\\n<parameter=content>..." and lose
+    its content). A file holding Qwen markup keeps its parameters given."""
+    missing = [key for key in schema if key not in args]
+    return any(
+        isinstance(value, str) and f"<parameter={key}>" in value
+        for value in args.values()
+        for key in missing
+    )
 
 
 def _llama3_json(inner: str) -> list[dict[str, Any]]:

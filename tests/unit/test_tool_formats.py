@@ -207,6 +207,30 @@ def test_a_parameter_value_holding_qwen_markup_is_not_cut_into_calls():
     ]
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        # no </parameter> after the path: the command ran into it
+        "<parameter=path>\nnotes.txt\n<parameter=limit>\n5\n</parameter>\n",
+        # a parameter never closed at all: mlx-lm's parser dropped it
+        "<parameter=path>\nnotes.txt\n",
+    ],
+)
+def test_a_qwen3_coder_call_missing_a_parameter_close_stays_text(body):
+    """Run as decoded, it read a file named "notes.txt\\n<parameter=limit>..." (or
+    none): an agent acting on corrupted arguments. Left as text, the client sees it."""
+    text = f"<tool_call>\n<function=read_file>\n{body}</function>\n</tool_call>"
+    assert parse(text, "qwen3_coder") == [Content(text)]
+    # a value holding another function's parameter markup, its own all given, is fine
+    quoted = (
+        "<tool_call>\n<function=run>\n<parameter=command>\necho '<parameter=path>'\n"
+        "</parameter>\n</function>\n</tool_call>"
+    )
+    assert parse(quoted, "qwen3_coder") == [
+        ToolCall("run", json.dumps({"command": "echo '<parameter=path>'"}))
+    ]
+
+
 def test_text_valued_markup_of_a_familys_own_parser_decodes_untyped_json():
     """MiniMax-M2 writes every value as text: a $ref parameter's JSON is the object."""
     tools = function_tools(
