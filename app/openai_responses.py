@@ -57,6 +57,16 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
     reasoning: list[str] = []
     for i, item in enumerate(items):
         where = f"input.{i}"
+        turn_over = (isinstance(item, MessageItem) and item.role != "assistant") or isinstance(
+            item, FunctionCallOutputItem
+        )
+        if reasoning and turn_over:
+            # a turn whose output was reasoning alone: it stays that turn's, never
+            # the next assistant message's (which the model would then read)
+            out.append(
+                {"role": "assistant", "content": "", "reasoning_content": "\n".join(reasoning)}
+            )
+            reasoning = []
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
             message = {"role": role, "content": parts_content(_parts(item.content), where)}

@@ -186,3 +186,24 @@ def test_reasoning_before_a_call_stays_on_the_calls_turn(server):
     seen = server.formatter.last_messages
     assert seen[1]["reasoning_content"] == "R2" and seen[1]["tool_calls"]
     assert "reasoning_content" not in seen[3]
+
+
+def test_a_turn_that_was_reasoning_alone_keeps_it(server):
+    """Thinking, then EOS: its reasoning waited for the next assistant message and
+    the model read one turn's thought on another's answer."""
+    items = [
+        {"role": "user", "content": "q1"},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "T1"}]},
+        {"role": "user", "content": "q2"},
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "a2"}],
+        },
+        {"role": "user", "content": "q3"},
+    ]
+    server.openai().responses.create(model="m", input=items, store=False)
+    seen = server.formatter.last_messages
+    assert [m["role"] for m in seen] == ["user", "assistant", "user", "assistant", "user"]
+    assert seen[1]["reasoning_content"] == "T1" and seen[1]["content"] == ""
+    assert "reasoning_content" not in seen[3]
