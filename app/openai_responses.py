@@ -231,6 +231,14 @@ def _message_status(done: Outcome, last: bool) -> str:
     return "incomplete" if last and done.stop_kind == "length" else "completed"
 
 
+# kvwarm's failure codes as the Responses schema names them (ResponseError.code)
+_RESPONSE_ERROR_CODES = {
+    "queue_timeout": "rate_limit_exceeded",  # overloaded: worth retrying later
+    "context_over_budget": "invalid_prompt",
+    "context_length_exceeded": "invalid_prompt",
+}
+
+
 def _finalise(response: dict[str, Any], done: Outcome, items: _Items) -> dict[str, Any]:
     items.close()
     for i, item in enumerate(items.items):
@@ -240,7 +248,9 @@ def _finalise(response: dict[str, Any], done: Outcome, items: _Items) -> dict[st
     if done.failed:
         response["status"] = "failed"
         err = done.failure()
-        response["error"] = {"code": err.code or "server_error", "message": err.message}
+        code = _RESPONSE_ERROR_CODES.get(err.code or "", "server_error")
+        # the Responses schema's codes only: a strict client reads no others
+        response["error"] = {"code": code, "message": f"{err.message} ({err.code})"}
     elif done.stop_kind == "length":
         response["status"] = "incomplete"
         response["incomplete_details"] = {"reason": "max_output_tokens"}

@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from openai.types.responses import ResponseFailedEvent
 
 import app.generation as generation
 from app.server import create_app
@@ -36,6 +37,8 @@ def _ends_in_error(path: str, lines: list[str]) -> bool:
     if path == "/v1/messages":
         return "event: error" in lines and data[-1]["error"]["type"] == "api_error"
     if path == "/v1/responses":
+        # in the schema's own terms: its error codes are a closed list
+        ResponseFailedEvent.model_validate(data[-1])
         return data[-1]["type"] == "response.failed"
     return lines[-1] == "data: [DONE]" and data[-1]["error"]["code"] == "engine_error"
 
