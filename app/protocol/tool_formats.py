@@ -249,6 +249,22 @@ def _llama3_json(inner: str) -> list[dict[str, Any]]:
         calls.append({"name": obj["name"], "arguments": args})
 
 
+def _json_values(inner: str) -> list[Any]:
+    """The JSON values of one ``<tool_call>`` block, lists flattened: Qwen2.5-style
+    models now and then write two call objects in one block, which a single
+    ``json.loads`` (mlx-lm's parser) refused, sending both calls out as text."""
+    decoder = json.JSONDecoder()
+    values: list[Any] = []
+    pos = 0
+    while True:
+        while pos < len(inner) and inner[pos] in " \t\r\n,":
+            pos += 1
+        if pos == len(inner):
+            return values
+        value, pos = decoder.raw_decode(inner, pos)
+        values.extend(value if isinstance(value, list) else [value])
+
+
 def _as_calls(parsed: Any) -> list[dict[str, Any]]:
     items = parsed if isinstance(parsed, list) else [parsed]
     calls = []
@@ -315,6 +331,8 @@ class ToolCallDecoder:
                     n,
                     _qwen3_coder
                     if n == "qwen3_coder"
+                    else _json_values
+                    if n == "json_tools"
                     else (lambda text: _mlx_parser("glm47")(_glm_pairs(text), self.tools))
                     if n == "glm47"
                     else _mlx_parser(n),

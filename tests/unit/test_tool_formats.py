@@ -94,6 +94,19 @@ def test_hermes_qwen25_json():
     ]
 
 
+def test_two_json_calls_in_one_tool_call_block_are_two_calls():
+    """Qwen2.5-style models now and then write both calls in one block: one
+    json.loads refused it and both calls went out as text."""
+    one = '{"name": "read_file", "arguments": {"path": "a"}}'
+    two = '{"name": "run", "arguments": {"command": "ls"}}'
+    assert parse(f"<tool_call>\n{one}\n{two}\n</tool_call>", "json_tools") == [
+        ToolCall("read_file", '{"path": "a"}'),
+        ToolCall("run", '{"command": "ls"}'),
+    ]
+    broken = f"<tool_call>\n{one}\n{two[:-3]}\n</tool_call>"
+    assert parse(broken, "json_tools") == [Content(broken)]  # not half of it
+
+
 def test_glm47_key_values_keep_string_params_strings():
     text = (
         "<think>Check it.</think>"
