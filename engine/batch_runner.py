@@ -96,6 +96,7 @@ class BatchRunner:
         self.adapters = AdapterSet(model)
         self._samplers = SamplerFactory(vocab_size=len(tokenizer), ledger=self.faults)
         self._eos = [[t] for t in sorted(tokenizer.eos_token_ids)]
+        self._eos_ids = frozenset(tokenizer.eos_token_ids)
         self._generator = self._new_generator(max_batch, self._prefill_rows)
         self._no_stop = StopSequences()
         self._rows: dict[int, Row] = {}
@@ -519,7 +520,9 @@ class BatchRunner:
         row.generated += 1
         row.tokens.append(token)
         self.generated_tokens += 1
-        eos = resp.finish_reason == "stop"  # only EOS tokens are token-level stops
+        # only EOS tokens are token-level stops; with ignore_eos one is generated
+        # past, and its text ("<|im_end|>") is no part of the reply either
+        eos = resp.finish_reason == "stop" or token in self._eos_ids
         text = "" if eos else row.text.add_token(token)
         out = row.output(text, (token,), at=now)
         top = row.request.logprobs

@@ -274,3 +274,25 @@ def test_time_to_first_token_counts_from_the_body_not_the_queue(byte_tokenizer):
         first = next((o.ttft for o in runner.step() if o.ttft is not None), None)
     assert 5.0 <= first < 5.0 + (time.monotonic() - request.arrival_time) + 1e-6
     runner.close()
+
+
+def test_an_eos_generated_past_with_ignore_eos_adds_no_text(byte_tokenizer):
+    """ignore_eos generates past an EOS, and its text ("<|im_end|>") reached the reply."""
+    from tests.helpers.tiny_models import ScriptModel
+
+    prompt = byte_tokenizer.encode("PROMPT", add_special_tokens=False)
+    (eos,) = byte_tokenizer.eos_token_ids
+    words = [byte_tokenizer.encode(w, add_special_tokens=False) for w in ("hi", "yo")]
+    runner = BatchRunner(
+        ScriptModel([0] * len(prompt) + words[0] + [eos] + words[1]),
+        byte_tokenizer,
+        max_batch=1,
+        prefill_step_size=16,
+        prefill_batch=1,
+    )
+    runner.add(Request(prompt, max_tokens=5, sampling=GREEDY, ignore_eos=True, request_id="a"))
+    text, tokens = "", []
+    while runner.active:
+        for out in runner.step():
+            text, tokens = text + out.text, tokens + list(out.token_ids)
+    assert eos in tokens and text == "hiyo"

@@ -110,8 +110,24 @@ class KVSumModel(nn.Module):
         row = values.reshape(B, 1, 1, S)
         total = mx.sum(mx.where(mask, row, 0.0), axis=-1).reshape(B, L)
         count = mx.sum(mask.astype(mx.float32), axis=-1).reshape(B, L)
-        nxt = (total * 7 + count * 3).astype(mx.int32) % BYTE_VOCAB
+        nxt = self._next(total, count)
         return mx.where(mx.arange(self.vocab_size) == nxt[..., None], 10.0, -10.0)
+
+    def _next(self, total: mx.array, count: mx.array) -> mx.array:
+        return (total * 7 + count * 3).astype(mx.int32) % BYTE_VOCAB
+
+
+class ScriptModel(KVSumModel):
+    """Writes ``script``: a row's next token is ``script[tokens it has seen]``
+    (prompt included), whatever they were: special tokens exactly where a test
+    wants them."""
+
+    def __init__(self, script: list[int]):
+        super().__init__()
+        self.script = mx.array([*script, *[0] * 4096], dtype=mx.int32)
+
+    def _next(self, total: mx.array, count: mx.array) -> mx.array:
+        return self.script[count.astype(mx.int32)]
 
 
 class RecurrentSumModel(nn.Module):
