@@ -327,8 +327,10 @@ class _Blocks:
 
 async def _stream(gen: Generation, message: dict[str, Any]) -> AsyncIterator[str]:
     done = gen.outcome
-    prompt = len(gen.prepared.request.prompt_tokens)
-    start_usage = {"input_tokens": prompt, "output_tokens": 0}
+    prompt = done.prompt_tokens or len(gen.prepared.request.prompt_tokens)
+    # the cache's answer is known once the engine took the request (gen.start waits
+    # for it): a client reading message_start alone sees its cache reads too
+    start_usage = {"input_tokens": prompt - done.cached_tokens, "output_tokens": 0}
     yield sse_event(
         "message_start",
         {
@@ -340,7 +342,7 @@ async def _stream(gen: Generation, message: dict[str, Any]) -> AsyncIterator[str
                 "stop_sequence": None,
                 "usage": {
                     **start_usage,
-                    "cache_read_input_tokens": 0,
+                    "cache_read_input_tokens": done.cached_tokens,
                     "cache_creation_input_tokens": 0,
                 },
             },

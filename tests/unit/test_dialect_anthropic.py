@@ -303,3 +303,26 @@ def test_anthropic_system_turns_and_validation_messages_name_the_value(server):
         json={"model": "c", "max_tokens": 2, "messages": [{"role": "robot", "content": "x"}]},
     )
     assert r.status_code == 400 and "(got 'robot')" in r.json()["error"]["message"]
+
+
+def test_message_start_reports_the_cache_read_already_known(monkeypatch):
+    """It said no cache read however much was reused; only message_delta had it, so a
+    client reading message_start alone never saw a hit."""
+    from tests.helpers.fake_engine import FakeRunner
+
+    add = FakeRunner.add
+
+    def reusing(self, request):
+        out = add(self, request)
+        out.cached_tokens = 3
+        return out
+
+    monkeypatch.setattr(FakeRunner, "add", reusing)
+    app = create_app(Settings(_env_file=None), lambda s, r: FakeEngine(s, r, eos_after=2))
+    body = {"model": "m", "max_tokens": 4, "stream": True}
+    body["messages"] = [{"role": "user", "content": "hello there"}]
+    with serve_app(app) as url, httpx.stream("POST", url + "/v1/messages", json=body) as r:
+        first = next(json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: "))
+    usage = first["message"]["usage"]
+    assert first["type"] == "message_start" and usage["cache_read_input_tokens"] == 3
+    assert usage["input_tokens"] > 0
