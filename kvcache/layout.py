@@ -23,6 +23,10 @@ def round_up(n: int, step: int = KV_ALLOCATION_STEP) -> int:
     return -(-n // step) * step
 
 
+# what an mlx-lm cache's buffer may hold past its positions (see ``allocated``)
+GROWTH_SLACK = 2 * (KV_ALLOCATION_STEP - 1)
+
+
 def allocated(positions: int) -> int:
     """Positions an mlx-lm cache holding ``positions`` may have allocated.
 
@@ -30,10 +34,12 @@ def allocated(positions: int) -> int:
     cache rebuilt from stored KV, merged into a batch or grown by a prefill chunk
     after a prefix hit stands off the 256 grid: 300 reused positions plus one
     decoded token allocate 556, and the next growth from 556 gives 812 where
-    ``round_up(557)`` says 768. Whatever the path, a growth adds under one step
-    past what it holds.
+    ``round_up(557)`` says 768. A growth from a position on the grid keeps the old
+    buffer's unused tail too (mlx-lm trims it only off the grid): 154 reused, 102
+    more, then a 300-token chunk hold 922 for 556. A search over every chunk size
+    up to 4096 from every start finds at most 510 past the positions held.
     """
-    return positions + KV_ALLOCATION_STEP - 1 if positions > 0 else 0
+    return positions + GROWTH_SLACK if positions > 0 else 0
 
 
 class LayerKind(str, enum.Enum):

@@ -9,6 +9,7 @@ import pytest
 
 from engine.engine_thread import EngineConfig, EngineThread
 from engine.model_source import ModelSource
+from kvcache.layout import GROWTH_SLACK
 from scheduler.admission import EngineUnavailable
 from scheduler.request import FinishReason, Request, SamplingParams
 from scheduler.scheduler import Scheduler
@@ -146,7 +147,9 @@ async def test_memory_budget_holds_back_requests_that_do_not_fit_together(tiny_l
         per_token = budget.kv_bytes_per_token
         # shrink the KV budget to exactly one 512-position row (and its growth slack)
         h.scheduler.admission.budget = type(budget)(
-            total_bytes=budget.weights_bytes + budget.reserve_bytes + (512 + 255) * per_token,
+            total_bytes=budget.weights_bytes
+            + budget.reserve_bytes
+            + (512 + GROWTH_SLACK) * per_token,
             weights_bytes=budget.weights_bytes,
             reserve_bytes=budget.reserve_bytes,
             kv_bytes_per_token=per_token,

@@ -38,10 +38,24 @@ def test_a_cache_grown_after_a_hit_holds_more_than_whole_steps():
     assert cache.keys.shape[2] <= ATTN.sequence_bytes(557)
 
 
-@settings(max_examples=60, deadline=None)
+def test_a_growth_from_the_grid_keeps_the_old_buffers_tail():
+    """mlx-lm trims the buffer to its positions only off the 256 grid: grown from a
+    position on it, the unused tail stays and a whole step more comes on top."""
+    cache = _rebuilt(154)
+    for n in (1, 1, 100, 300):
+        cache.update_and_fetch(_kv(n), _kv(n))
+    assert (cache.offset, cache.keys.shape[2]) == (556, 922)  # 366 past: over one step
+    assert cache.keys.shape[2] <= ATTN.sequence_bytes(cache.offset)
+
+
+@settings(max_examples=200, deadline=None)
 @given(
     st.integers(0, 700),
-    st.lists(st.sampled_from([1, 1, 1, 7, 100, 256, 300, 512]), min_size=1, max_size=12),
+    st.lists(
+        st.sampled_from([1, 1, 1, 7, 100, 255, 256, 257, 300, 512, 1000, 2048]),
+        min_size=1,
+        max_size=16,
+    ),
 )
 def test_a_row_never_allocates_past_its_count(reused, appends):
     cache = _rebuilt(reused) if reused else KVCache()

@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.engine_thread import Booted, EngineConfig, EngineThread
+from kvcache.layout import GROWTH_SLACK
 from kvcache.prompt_key import PromptKey, RenderedPrompt
-from scheduler.admission import KV_ALLOCATION_STEP, AdmissionController, MemoryBudget
+from scheduler.admission import AdmissionController, MemoryBudget
 from scheduler.contracts import (
     AdapterExists,
     AdapterFiles,
@@ -214,7 +215,7 @@ class FakeEngine(EngineThread):
         budget = MemoryBudget(
             # one request of kv_budget_tokens (a 256 multiple) fits, with the part of a
             # step a cache grown off the 256 grid may hold past it
-            total_bytes=1000 + 500 + (kv_budget_tokens + KV_ALLOCATION_STEP - 1) * 10,
+            total_bytes=1000 + 500 + (kv_budget_tokens + GROWTH_SLACK) * 10,
             weights_bytes=1000,
             reserve_bytes=500,
             kv_bytes_per_token=10,

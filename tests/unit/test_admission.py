@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from app.settings import Settings
+from kvcache.layout import GROWTH_SLACK
 from scheduler.admission import (
     AdmissionController,
     ContextLengthExceeded,
@@ -55,13 +56,13 @@ def budget(kv_tokens: int, per_token: int = 100) -> MemoryBudget:
 def test_budget_split_and_ceiling():
     b = budget(1000)
     assert b.kv_budget_bytes == 100_000
-    # whole 256-position steps, each with the 255 positions a buffer grown off the
-    # 256 grid may hold past it: 512 + 255 fits 1000, 768 + 255 does not
-    assert b.ceiling_tokens == 512
+    # whole 256-position steps, each with what a grown buffer may hold past them:
+    # 256 + 510 fits 1000, 512 + 510 does not
+    assert b.ceiling_tokens == 256
 
 
 def test_never_fits_is_over_budget_and_names_the_ceiling():
-    ctl = AdmissionController(budget(1024 + 255), context_length=100_000)
+    ctl = AdmissionController(budget(1024 + GROWTH_SLACK), context_length=100_000)
     ctl.check_ever_fits(24, 1000)
     with pytest.raises(OverBudget) as exc:
         ctl.check_ever_fits(24, 1001)
@@ -79,7 +80,7 @@ def test_context_limit_checked_before_memory():
 
 
 def test_footprint_is_the_padded_rectangle():
-    row = 1024 + 255  # 1000 positions: 4 steps, and what growth may add past them
+    row = 1024 + GROWTH_SLACK  # 1000 positions: 4 steps, and what growth may add past them
     ctl = AdmissionController(budget(4 * row, per_token=1), context_length=10**6)
     # a long row makes every row as wide as it is
     assert ctl.footprint([1000, 10, 10]) == 3 * row

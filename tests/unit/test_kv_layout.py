@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvcache.disk_budget import AUTO_CAP, resolve_disk_bytes
-from kvcache.layout import KVLayout, LayerKind, LayerKV
+from kvcache.layout import GROWTH_SLACK, KVLayout, LayerKind, LayerKV
 from scheduler.admission import AdmissionController, MemoryBudget
 
 ATTN = LayerKV(LayerKind.ATTENTION, bytes_per_token=100)
@@ -23,10 +23,11 @@ def budget(layout: KVLayout, kv_bytes: int, chunk: int = 512) -> MemoryBudget:
 
 
 def test_each_kind_grows_as_its_cache_does():
-    # a buffer grows by 256-position steps from wherever it stands: up to 255 past
-    assert ATTN.sequence_bytes(1000, 512) == 100 * (1000 + 255)
+    # a buffer grows by 256-position steps from wherever it stands, keeping an
+    # unused tail when it grows from the grid: up to GROWTH_SLACK past
+    assert ATTN.sequence_bytes(1000, 512) == 100 * (1000 + GROWTH_SLACK)
     assert ATTN.sequence_bytes(0, 512) == 0
-    assert WINDOW.sequence_bytes(300, 512) == 100 * (300 + 255)
+    assert WINDOW.sequence_bytes(300, 512) == 100 * (300 + GROWTH_SLACK)
     assert WINDOW.sequence_bytes(100_000, 512) == 100 * (1024 + 512)  # window + one chunk
     assert STATE.sequence_bytes(10, 512) == STATE.sequence_bytes(100_000, 512) == 50_000
 
@@ -35,9 +36,9 @@ def test_the_ceiling_of_a_hybrid_model_counts_only_what_grows():
     hybrid = KVLayout((ATTN, STATE, STATE, WINDOW))
     b = budget(hybrid, kv_bytes=10_000_000)
     fixed = 2 * 50_000 + 100 * (1024 + 512)
-    assert b.ceiling_tokens == ((10_000_000 - fixed) // 100 - 255) // 256 * 256
+    assert b.ceiling_tokens == ((10_000_000 - fixed) // 100 - GROWTH_SLACK) // 256 * 256
     plain = budget(KVLayout.attention_only(400), kv_bytes=10_000_000)
-    assert plain.ceiling_tokens == (10_000_000 // 400 - 255) // 256 * 256
+    assert plain.ceiling_tokens == (10_000_000 // 400 - GROWTH_SLACK) // 256 * 256
     assert not hybrid.trimmable and KVLayout((ATTN,)).trimmable
     assert hybrid.fingerprint() != KVLayout((ATTN, STATE, WINDOW, STATE)).fingerprint()
 

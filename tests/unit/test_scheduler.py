@@ -4,6 +4,7 @@ import threading
 
 import pytest
 
+from kvcache.layout import GROWTH_SLACK
 from scheduler.admission import (
     AdmissionController,
     EngineUnavailable,
@@ -51,14 +52,14 @@ def test_batch_one_serialises():
 
 
 def test_head_waits_for_memory_and_nobody_overtakes():
-    s = make(max_running=8, kv_tokens=1024 + 255)
+    s = make(max_running=8, kv_tokens=1024 + GROWTH_SLACK)
     s.add(req("big", prompt=500, max_tokens=500))  # 1024 + growth slack: the whole budget
     s.add(req("next", prompt=500, max_tokens=200))
     s.add(req("tiny", prompt=1, max_tokens=1))
     assert [r.request_id for r in s.schedule().admit] == ["big"]
     assert s.schedule().admit == []  # "tiny" would fit nowhere either: FIFO holds
     s.finish("big")
-    # "tiny" joining "next" would be a 2 x (768 + 255) rectangle > 1279: it waits its turn
+    # "tiny" joining "next" would be a 2 x (768 + slack) rectangle: over, it waits its turn
     assert [r.request_id for r in s.schedule().admit] == ["next"]
     s.finish("next")
     assert [r.request_id for r in s.schedule().admit] == ["tiny"]
@@ -75,7 +76,7 @@ def test_a_queued_request_the_budget_shrinks_below_is_refused_not_waited_on():
     """The budget can shrink after a request was checked at the door (an adapter
     mounted meanwhile); a head that no longer fits even alone held the FIFO queue,
     and everyone behind it, forever."""
-    s = make(max_running=4, kv_tokens=4096 + 255)
+    s = make(max_running=4, kv_tokens=4096 + GROWTH_SLACK)
     s.add(req("big", prompt=3000, max_tokens=1000))
     s.add(req("small"))
     admission = s.admission
