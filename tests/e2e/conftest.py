@@ -67,8 +67,8 @@ def server(model_cache, tmp_path_factory) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def small_server(model_cache, tmp_path_factory) -> Iterator[str]:
-    """--batch 1, one queue slot, a 1 GB budget (a KV ceiling of a few hundred tokens: no prompt cache
-    carved out of it), an API key."""
+    """--batch 1, one queue slot, a 1 GB budget (a KV ceiling of a few hundred
+    tokens: no prompt cache carved out of it), an API key."""
     log = tmp_path_factory.mktemp("serve-batch1") / "kvwarm.log"
     args = ("--batch", "1", "--max-queue", "1", "--memory-budget", "1GB", "--api-key", "sekrit")
     args += ("--prompt-cache-bytes", "0")
