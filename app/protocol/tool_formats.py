@@ -15,7 +15,7 @@ import importlib
 import json
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -233,36 +233,38 @@ def _swallowed(args: Mapping[str, Any], schema: Mapping[str, Any]) -> bool:
     )
 
 
-def _llama3_json(inner: str) -> list[dict[str, Any]]:
-    """One or more ``{"name": ..., "parameters": {...}}`` objects, ``;``-separated."""
+def _json_run(inner: str, separators: str) -> Iterator[Any]:
+    """Successive JSON values, whitespace or ``separators`` between them (one pass)."""
     decoder = json.JSONDecoder()
-    calls, pos = [], 0
+    pos, skip = 0, " \t\r\n" + separators
     while True:
-        while pos < len(inner) and inner[pos] in " \t\r\n;":
+        while pos < len(inner) and inner[pos] in skip:
             pos += 1
         if pos == len(inner):
-            return calls
-        obj, pos = decoder.raw_decode(inner, pos)
+            return
+        value, pos = decoder.raw_decode(inner, pos)
+        yield value
+
+
+def _llama3_json(inner: str) -> list[dict[str, Any]]:
+    """One or more ``{"name": ..., "parameters": {...}}`` objects, ``;``-separated."""
+    calls = []
+    for obj in _json_run(inner, ";"):
         if not isinstance(obj, dict) or "name" not in obj:
             raise ValueError("not a tool call")
         args = obj.get("parameters", obj.get("arguments", {}))
         calls.append({"name": obj["name"], "arguments": args})
+    return calls
 
 
 def _json_values(inner: str) -> list[Any]:
     """The JSON values of one ``<tool_call>`` block, lists flattened: Qwen2.5-style
     models now and then write two call objects in one block, which a single
     ``json.loads`` (mlx-lm's parser) refused, sending both calls out as text."""
-    decoder = json.JSONDecoder()
     values: list[Any] = []
-    pos = 0
-    while True:
-        while pos < len(inner) and inner[pos] in " \t\r\n,":
-            pos += 1
-        if pos == len(inner):
-            return values
-        value, pos = decoder.raw_decode(inner, pos)
+    for value in _json_run(inner, ","):
         values.extend(value if isinstance(value, list) else [value])
+    return values
 
 
 def _as_calls(parsed: Any) -> list[dict[str, Any]]:
