@@ -95,6 +95,8 @@ TYPED_VALUES = frozenset(
 )
 # where one Qwen function ends and the next begins inside one <tool_call> block
 _FUNCTION_SEAM = re.compile(r"</function>\s*(?=<function=)")
+# a Qwen parameter's opening exactly as written: "<parameter=NAME>"
+_QWEN_OPENING = re.compile(r"<parameter=([^<>]*)>")
 _XML_PARAMETER = re.compile(
     r"<parameter=\s*([^\s<>]+)>?|<param\s+name\s*=\s*(\"[^\"]*\"|'[^']*'|[^\s\"'<>]+)\s*>"
 )
@@ -224,12 +226,14 @@ def _swallowed(args: Mapping[str, Any], schema: Mapping[str, Any]) -> bool:
     """A value holding another of the function's own parameters, not given on its
     own: the model left a ``</parameter>`` out, and the next parameter ran into this
     one (the call would write a file named "a.py\\n<parameter=content>..." and lose
-    its content). A file holding Qwen markup keeps its parameters given."""
-    missing = [key for key in schema if key not in args]
-    return any(
-        isinstance(value, str) and f"<parameter={key}>" in value
+    its content). A file holding Qwen markup keeps its parameters given. One scan
+    of each value for parameter openings, whatever the schema's size."""
+    missing = schema.keys() - args.keys()
+    return bool(missing) and any(
+        found.group(1) in missing
         for value in args.values()
-        for key in missing
+        if isinstance(value, str)
+        for found in _QWEN_OPENING.finditer(value)
     )
 
 
