@@ -445,10 +445,9 @@ class Metrics:
             self.max_itl.labels(m).observe(rec.max_itl_s)
         self.e2e.labels(m).observe(rec.e2e_s)
         self.prepare.labels(m).observe(rec.prepare_s)
-        if rec.waited_s is not None:
-            self.queue.labels(m).observe(rec.waited_s)
+        if rec.queued_s is not None:
+            self.queue.labels(m).observe(rec.queued_s)
         if rec.stats is not None:
-            self.queue.labels(m).observe(rec.stats.queued_s)
             self.prefill.labels(m).observe(rec.stats.prefill_s)
             self.decode.labels(m).observe(rec.stats.decode_s)
         self.req_prompt.labels(m).observe(rec.prompt_tokens)

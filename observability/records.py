@@ -46,6 +46,13 @@ class RequestRecord:
         return self.stats.cache if self.stats else self.cache
 
     @property
+    def queued_s(self) -> float | None:
+        """Its time in the queue: until it joined the batch, or all of its time there
+        when it never did (expired or given up). None: it joined and left with no
+        timings (aborted)."""
+        return self.stats.queued_s if self.stats is not None else self.waited_s
+
+    @property
     def reached_engine(self) -> bool:
         """Looked up in the prefix cache, prefilled or decoded: the engine took it on
         (a request cancelled mid-prefill has only its cache report)."""

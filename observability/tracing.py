@@ -145,10 +145,9 @@ class Tracing:
         self._m_duration.record(rec.e2e_s, attrs)
         if rec.ttft_s is not None:
             self._m_ttft.record(rec.ttft_s, attrs)
-        if rec.waited_s is not None:
-            self._m_queue.record(rec.waited_s, attrs)
+        if rec.queued_s is not None:
+            self._m_queue.record(rec.queued_s, attrs)
         if rec.stats is not None:
-            self._m_queue.record(rec.stats.queued_s, attrs)
             self._m_prefill.record(rec.stats.prefill_s, attrs)
             if rec.completion_tokens > 1:
                 self._m_tpot.record(rec.stats.decode_s / (rec.completion_tokens - 1), attrs)
