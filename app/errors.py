@@ -229,15 +229,11 @@ def count_refusal(scope: Scope, status: int, code: str | None) -> None:
         state.obs.metrics.observe_rejection(reason, info.model_id if info else None)
 
 
-def _count_rejection(request: Request, status: int, code: str | None) -> None:
-    count_refusal(request.scope, status, code)
-
-
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         if not exc.recorded:
-            _count_rejection(request, exc.status, exc.code)
+            count_refusal(request.scope, exc.status, exc.code)
         return error_response(
             exc.status,
             exc.message,
@@ -251,7 +247,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(AdmissionError)
     async def _admission(request: Request, exc: AdmissionError) -> JSONResponse:
         err = from_admission(exc)
-        _count_rejection(request, err.status, err.code)
+        count_refusal(request.scope, err.status, err.code)
         return error_response(
             err.status,
             err.message,
@@ -264,7 +260,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = describe_errors(exc.errors())
-        _count_rejection(request, 400, "invalid_request")
+        count_refusal(request.scope, 400, "invalid_request")
         return error_response(
             400, message, "invalid_request_error", "invalid_request", param, path=request.url.path
         )
@@ -272,7 +268,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         headers = dict(getattr(exc, "headers", None) or {})
-        _count_rejection(request, exc.status_code, None)  # a body too large or too slow
+        count_refusal(request.scope, exc.status_code, None)  # a body too large or too slow
         if exc.status_code == 405:
             headers["Allow"] = ", ".join(allowed_methods(request.app, request.scope))
         return error_response(

@@ -94,7 +94,7 @@ _DAYS = "mon(?:day)?|tue(?:s|sday)?|wed(?:nesday)?|thu(?:rs|rsday)?|fri(?:day)?|
 # is the user's word, and an edit of it must reach the model)
 _ZONES = (
     "UTC|GMT|Z|UT|EST|EDT|CST|CDT|MST|MDT|PST|PDT|AKST|AKDT|HST|AST|ADT|NST|NDT|WET|WEST|CET"
-    "|CEST|EET|EEST|MSK|BST|IST|PKT|ICT|WIB|SGT|HKT|CST|JST|KST|AWST|ACST|ACDT|AEST|AEDT"
+    "|CEST|EET|EEST|MSK|BST|IST|PKT|ICT|WIB|SGT|HKT|JST|KST|AWST|ACST|ACDT|AEST|AEDT"
     "|NZST|NZDT|BRT|ART|CLT|COT|PET|SAST|WAT|CAT|EAT"
 )
 # one word of a date or time: a number (2026-11-26, 10:42:01, 26th, +01:00, ...T10:42Z),

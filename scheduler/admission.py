@@ -7,9 +7,9 @@ The engine decodes admitted sequences in one left-padded batch cache (mlx-lm's
     |S| * layout.sequence_bytes(round_up(max over S of (prompt + max_tokens), 256))
 
 where the layout counts each cache type as it grows: attention layers per
-position plus the part of a 256-position step a buffer grown off the 256 grid
-may hold past it, sliding windows up to their window, recurrent layers a
-constant state.
+position plus what a grown buffer may hold past its positions (up to 510:
+kvcache.layout.allocated), sliding windows up to their window, recurrent layers
+a constant state.
 
 Admitting only sets whose bound fits the KV budget makes an out-of-memory in the
 KV cache impossible by construction; transients (attention scores of a prefill
