@@ -25,8 +25,9 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 
+from engine import row_kv
 from engine.adapters import AdapterSet
-from engine.batch_rows import Row, Waiting, kv_only
+from engine.batch_rows import Row, Waiting
 from engine.fast_detok import detokenizer_factory
 from engine.lora import AdapterTag
 from engine.mrope import positioned
@@ -37,7 +38,6 @@ from engine.token_logprobs import Asked, token_logprobs, token_pieces
 from engine.vision import VisionPrefill
 from kvcache.manager import TieredKVManager
 from kvcache.payloads import plain_kv_only
-from scheduler.admission import round_up
 from scheduler.contracts import AdapterFiles, AdapterInfo, AdapterInUse
 from scheduler.cost_model import StepShape
 from scheduler.request import CacheReport, FinishReason, Request, RequestOutput
@@ -157,20 +157,13 @@ class BatchRunner:
         hints = request.cache if self.prefix_cache is not None else None
         try:
             if hints is not None:
-                # KV positions the admission reservation (rounded up) has to spare
-                slack = round_up(request.reserved_tokens) - request.reserved_tokens
-                reuse, row.report = self.prefix_cache.lookup(
-                    request.request_id, hints, max_growth=slack
+                cache, cached_tokens = row_kv.start_from_cache(
+                    self.prefix_cache, row, self._model_ids
                 )
-                row.kv_key = hints.key
-                if reuse is not None:
-                    row.cached, row.kv_offset = reuse.request_depth, reuse.kv_depth
-                    row.kv_key, row.entry_id = reuse.kv_key, reuse.entry_id
-                    cache = reuse.caches
-                    reused = reuse.kv_key.model_tokens[: reuse.kv_depth]
-                    cached_tokens = self._model_ids(reused)
-                    if self.vision is not None:
-                        row.rope_delta = self.vision.rope_delta(reused)
+                if cache is not None and self.vision is not None:
+                    row.rope_delta = self.vision.rope_delta(
+                        row.kv_key.model_tokens[: row.kv_offset]
+                    )
             rest = prompt[row.cached :]
             if not rest or request.max_tokens - row.generated <= 0:
                 raise ValueError("nothing to generate: an empty prompt or max_tokens <= 0")
@@ -307,48 +300,15 @@ class BatchRunner:
         """The prompt after ``start`` as the generator prefills it: cut at the
         checkpoints where its KV is stored on the way."""
         hints = row.request.cache if self.prefix_cache is not None else None
-        row.checkpoints = self._checkpoints(hints, start, len(rest)) if hints else []
+        row.checkpoints = (
+            row_kv.checkpoints(self.prefix_cache, hints, self._trimmable, start, len(rest))
+            if hints
+            else []
+        )
         bounds = [0, *row.checkpoints, len(rest)]
         row.prefill_len = len(rest)
         row.stops = tuple(bounds[1:-1]) + (len(rest) - 1,)
         return [rest[a:b] for a, b in zip(bounds, bounds[1:])]
-
-    def _checkpoints(self, hints, cached: int, remaining: int) -> list[int]:
-        """Where prefill pauses to store KV (as progress after ``cached``).
-
-        Always the end of the system prompt + tools: an agent arriving while
-        this one still generates (a sub-agent) reuses it at once. For caches
-        that cannot be cut back (recurrent layers) also the end of the last
-        message, which the next turn shares even if the reply re-tokenises
-        differently, since such an entry only ever hits whole."""
-        points = {hints.key.stable_prefix_end}
-        if not self._trimmable and hints.key.message_ends:
-            points.add(hints.key.message_ends[-1])
-        min_gain = self.prefix_cache.config.block_size
-        return sorted(p - cached for p in points if min_gain <= p - cached < remaining)
-
-    def _checkpoint(self, uid: int, row: Row) -> None:
-        """Store the KV of the prompt so far, the moment prefill reaches a checkpoint."""
-        ((caches, _tokens),) = self._generator.extract_cache([uid]).values()
-        key = row.kv_key.truncated(row.kv_offset + row.checkpoints.pop(0))
-        hints = row.request.cache
-        self.prefix_cache.store(
-            key, kv_only(caches), hints.session_id, hints.kv_bits, hints.adapter
-        )
-
-    def _store_final(self, row: Row, caches, all_tokens) -> None:
-        """Keep prompt + reply KV: the next turn of this conversation starts with it."""
-        if row.kv_key is None or not caches:
-            return
-        base = row.kv_key.model_tokens
-        if list(all_tokens[: len(base)]) != self._model_ids(base):
-            return  # should not happen; never store KV under the wrong tokens
-        key = row.kv_key.extended(all_tokens[len(base) :])
-        hints = row.request.cache
-        entry_id = self.prefix_cache.store(
-            key, kv_only(caches), hints.session_id, hints.kv_bits, hints.adapter
-        )
-        self.prefix_cache.record_turn(hints, entry_id)
 
     def _plan(self) -> SlicePlan:
         """This step's prefill slice, and which waiting rows start prefilling."""
@@ -408,7 +368,8 @@ class BatchRunner:
             self._prefilled[resp.uid] = done
             try:
                 if row.checkpoints and done == row.checkpoints[0] and resp.end_of_segment:
-                    self._checkpoint(resp.uid, row)
+                    ((caches, _),) = self._generator.extract_cache([resp.uid]).values()
+                    row_kv.store_checkpoint(self.prefix_cache, row, caches)
             except Exception as exc:  # noqa: BLE001 - the row's own cache
                 failed.setdefault(resp.uid, f"{type(exc).__name__}: {exc}")
             if resp.end_of_prompt:
@@ -564,7 +525,7 @@ class BatchRunner:
         if self.prefix_cache is None:
             return
         try:
-            self._store_final(row, caches, all_tokens)
+            row_kv.store_final(self.prefix_cache, row, caches, all_tokens, self._model_ids)
         except Exception:  # noqa: BLE001
             log.exception("%s: prompt KV not stored", row.request.request_id)
 
