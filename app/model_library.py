@@ -26,7 +26,13 @@ from engine.vision_families import SERVED_FAMILIES as VISION_FAMILIES
 from scheduler.fit import ModelFacts
 
 CACHE_S = 30.0
-_FLOAT_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+_FLOAT_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
+# FP8 checkpoints: mlx-lm dequantises them to bfloat16 as it loads them (the models'
+# ``sanitize``), so each value costs 2 bytes loaded and the KV is bfloat16 too
+_FP8 = frozenset({"F8_E4M3", "F8_E5M2"})
+# multi-head latent attention whose mlx-lm module caches every head's keys and values
+# (the latent expanded), not the compressed latent its config describes
+_MLA_FULL_HEADS = frozenset({"deepseek_v2", "minicpm3", "youtu_llm"})
 _EXPERT_MARKERS = (".experts.", ".switch_mlp.", ".block_sparse_moe.experts")
 
 
@@ -103,8 +109,14 @@ def dir_facts(
     for file in files:
         for tname, info in _safetensors_header(file).items():
             start, end = info["data_offsets"]
-            weights += end - start
             numel = _numel(info["shape"])
+            if info["dtype"] in _FP8:
+                weights += numel * 2
+                float_numel[2] = float_numel.get(2, 0) + numel
+            elif tname.endswith("_scale_inv"):
+                continue  # an FP8 block's scale: gone once dequantised
+            else:
+                weights += end - start
             if info["dtype"] == "U32" and bits and tname.endswith(".weight"):
                 numel = numel * 32 // int(bits)  # packed quantized weights
             elif tname.endswith((".scales", ".biases")) and bits:
@@ -148,7 +160,7 @@ def dir_facts(
         weights_bytes=weights,
         params=params,
         active_params=active,
-        kv_bytes_per_token=_kv_per_layer(text, kv_heads, head_dim)
+        kv_bytes_per_token=_kv_per_layer(model_type, text, kv_heads, head_dim)
         * _attention_layers(text, layers)
         * act_bytes,
         context_length=_int(text, "max_position_embeddings", "max_seq_len", default=4096),
@@ -160,13 +172,18 @@ def dir_facts(
     )
 
 
-def _kv_per_layer(text: dict[str, Any], kv_heads: int, head_dim: int) -> int:
+def _kv_per_layer(model_type: str, text: dict[str, Any], kv_heads: int, head_dim: int) -> int:
     """KV values one attention layer caches per token: multi-head latent attention
     (DeepSeek V3, Kimi K2) caches one compressed latent and its rotary part, not
-    every head's keys and values."""
+    every head's keys and values, except where mlx-lm's module expands it first."""
     latent = _int(text, "kv_lora_rank")
+    rope = _int(text, "qk_rope_head_dim")
+    if latent and model_type in _MLA_FULL_HEADS:
+        heads = _int(text, "num_attention_heads", default=1)
+        key = _int(text, "qk_nope_head_dim") + rope
+        return heads * (key + _int(text, "v_head_dim", default=key))
     if latent:
-        return latent + _int(text, "qk_rope_head_dim")
+        return latent + rope
     return kv_heads * head_dim * 2
 
 
@@ -375,20 +392,30 @@ def hub_roots() -> list[Path]:
     return [Path(home) / "hub"]
 
 
+def _model_dir(path: Path) -> bool:
+    """A folder with a config.json; one this user may not look into counts (it
+    is then listed as unreadable, not fatal to the scan: Python 3.11 raises)."""
+    try:
+        return path.is_dir() and (path / "config.json").is_file()
+    except OSError:
+        return True
+
+
 def _candidates(hub: list[Path], folders: list[Path]) -> Iterable[tuple[str, Path]]:
     for root in hub:  # models--org--name/snapshots/<rev>/
         for snap in sorted(root.glob("models--*/snapshots/*")):
             name = snap.parent.parent.name.removeprefix("models--").replace("--", "/")
-            if (snap / "config.json").is_file():
+            if _model_dir(snap):
                 yield name, snap
             yield from ((f"{name}/{g.name}", g) for g in sorted(snap.glob("*.gguf")))
     for folder in folders:
-        if not folder.is_dir():
+        try:
+            children = sorted(folder.iterdir()) if folder.is_dir() else []
+        except OSError:  # one this user may not list: shown as unreadable, not skipped
+            yield folder.name, folder
             continue
-        for child in sorted(folder.iterdir()):
-            if child.is_dir() and (child / "config.json").is_file():
-                yield child.name, child
-            elif child.suffix == ".gguf":
+        for child in children:
+            if child.suffix == ".gguf" or _model_dir(child):
                 yield child.name, child
 
 

@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models import deepseek_v3, llama, qwen3_next
+from mlx_lm.models import deepseek_v2, deepseek_v3, llama, qwen3_next
 from mlx_lm.models.cache import make_prompt_cache
 
 from app.model_library import dir_facts
@@ -24,6 +24,14 @@ DEEPSEEK_V3 = dict(
     topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True, n_group=1, topk_group=1,
     num_experts_per_tok=2, moe_layer_freq=1, first_k_dense_replace=1,
     max_position_embeddings=8192, rms_norm_eps=1e-6, rope_theta=10000.0,
+)  # fmt: skip
+DEEPSEEK_V2 = dict(
+    model_type="deepseek_v2", vocab_size=256, hidden_size=128, intermediate_size=256,
+    moe_intermediate_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+    n_shared_experts=1, n_routed_experts=4, kv_lora_rank=64, q_lora_rank=96,
+    qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=64, num_experts_per_tok=2,
+    max_position_embeddings=8192, rope_scaling={"type": "yarn", "factor": 1.0, "mscale": 1,
+    "mscale_all_dim": 1, "original_max_position_embeddings": 8192},
 )  # fmt: skip
 QWEN3_NEXT = dict(
     model_type="qwen3_next", vocab_size=256, hidden_size=128, intermediate_size=256,
@@ -79,10 +87,12 @@ def cached_bytes_per_token(model: nn.Module, tokens: int = 48) -> float:
     "module, config, quantize, f32",
     [
         (deepseek_v3, DEEPSEEK_V3, True, ""),  # one latent per layer, not every head's K and V
+        # latent attention in its config, yet mlx-lm caches every head's K and V
+        (deepseek_v2, DEEPSEEK_V2, True, ""),
         (qwen3_next, QWEN3_NEXT, True, ""),  # KV in one layer of four
         (llama, LLAMA, False, "model.norm.weight"),  # bf16 KV beside one float32 tensor
     ],
-    ids=["mla", "hybrid", "bf16-with-a-float32-tensor"],
+    ids=["mla", "mla-expanded", "hybrid", "bf16-with-a-float32-tensor"],
 )
 def test_the_kv_estimate_is_what_mlx_lm_caches(tmp_path, module, config, quantize, f32):
     mx.random.seed(0)

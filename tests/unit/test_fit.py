@@ -101,7 +101,7 @@ def test_a_gguf_on_the_cpu_is_costed_as_the_float32_it_becomes():
 # -- model facts from headers ---------------------------------------------------
 def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
     """A safetensors file by hand: header + zero bytes (the reader never reads them)."""
-    sizes = {"F32": 4, "BF16": 2, "F16": 2, "U32": 4}
+    sizes = {"F32": 4, "BF16": 2, "F16": 2, "U32": 4, "F8_E4M3": 1}
     header, offset = {}, 0
     for name, (dtype, shape) in tensors.items():
         n = sizes[dtype]
@@ -217,6 +217,51 @@ def test_the_library_finds_hub_snapshots_and_folders_and_caches_30s(tmp_path):
     assert len(lib.scan()) == len(found) + 1
     with pytest.raises(ValueError):
         model_facts(tmp_path / "nothing-here")
+
+
+def test_a_model_folder_this_user_may_not_read_is_listed_as_unreadable(tmp_path, monkeypatch):
+    """Python 3.11's is_file raises PermissionError: one private model folder
+    (another user's, mode 0700) raised out of the scan and hid every model."""
+    folder = tmp_path / "models"
+    write_model(folder / "local", LLAMA, {"w": ("F16", [8])})
+    write_model(folder / "private", LLAMA, {"w": ("F16", [8])})
+    is_file, iterdir = Path.is_file, Path.iterdir
+
+    def guarded_is_file(self):
+        if "private" in self.parts:
+            raise PermissionError(13, "Permission denied", str(self))
+        return is_file(self)
+
+    def guarded_iterdir(self):
+        if self.name == "locked":
+            raise PermissionError(13, "Permission denied", str(self))
+        return iterdir(self)
+
+    monkeypatch.setattr(Path, "is_file", guarded_is_file)
+    monkeypatch.setattr(Path, "iterdir", guarded_iterdir)
+    (tmp_path / "locked").mkdir()
+    found = ModelLibrary([folder, tmp_path / "locked"], hub=[]).scan()
+    readable = [f.name for f in found if isinstance(f, ModelFacts)]
+    unreadable = {f[0] for f in found if isinstance(f, tuple)}
+    assert readable == ["local"] and unreadable == {"private", "locked"}
+
+
+def test_an_fp8_checkpoint_is_costed_as_the_bfloat16_mlx_lm_loads(tmp_path):
+    """mlx-lm dequantises FP8 weights to bfloat16 as it loads them: weights cost
+    2 bytes a value and the KV is bfloat16 (it was priced at the FP8 file size)."""
+    config = {**LLAMA, "quantization_config": {"quant_method": "fp8"}}
+    fp8 = write_model(
+        tmp_path / "fp8",
+        config,
+        {
+            "layers.0.q.weight": ("F8_E4M3", [64, 64]),
+            "layers.0.q.weight_scale_inv": ("F32", [1, 1]),
+            "norm.weight": ("BF16", [64]),
+        },
+    )
+    f = dir_facts(fp8)
+    assert f.params == 64 * 64 + 64 and f.weights_bytes == 2 * f.params
+    assert f.kv_bytes_per_token == 2 * 2 * 16 * 2 * 2  # bfloat16, as the dense model's
 
 
 @functools.cache
