@@ -63,16 +63,13 @@ def measured_decode(report: StepReport | None, context: int) -> float | None:
 
 def _stream_rate(state: AppState, model: str) -> float | None:
     """Generated tokens per second of decode, per stream, over this server's requests."""
-    metrics = state.obs.metrics
-    r = metrics.registry
-    seconds = r.get_sample_value("kvwarm:request_decode_time_seconds_sum", {"model_name": model})
-    count = r.get_sample_value("kvwarm:request_decode_time_seconds_count", {"model_name": model})
-    tokens = sum(  # every adapter's series of this one counter
-        s.value
-        for family in metrics.generation_tokens.collect()
-        for s in family.samples
-        if s.name.endswith("_total") and s.labels.get("model_name") == model
-    )
+    r = state.obs.metrics.registry
+    labels = {"model_name": model}
+    seconds = r.get_sample_value("kvwarm:request_decode_time_seconds_sum", labels)
+    count = r.get_sample_value("kvwarm:request_decode_time_seconds_count", labels)
+    # the per-request histogram, not the per-adapter counter: an unmounted
+    # adapter's counter series goes, while its decode time stays in the sum
+    tokens = r.get_sample_value("kvwarm:request_generation_tokens_sum", labels) or 0.0
     if not seconds or not count or tokens <= count:
         return None
     return (tokens - count) / seconds  # a request's first token is not decode time

@@ -16,8 +16,8 @@ import psutil
 
 from scheduler.fit import MachineFacts
 
-# Apple's published unified-memory bandwidth (GB/s); the first match wins, so
-# longer names come before their prefixes. Binned variants share the larger figure.
+# Apple's published unified-memory bandwidth (GB/s), by exact chip name. Binned
+# variants share the larger figure.
 APPLE_BANDWIDTH_GB_S: tuple[tuple[str, float], ...] = (
     ("M1 Ultra", 800),
     ("M1 Max", 400),
@@ -63,10 +63,11 @@ def chip_name() -> str:
 
 def known_bandwidth(chip: str) -> float | None:
     """Bytes/s Apple publishes for ``chip``; None for anything else."""
-    if "Apple" not in chip:
+    if not chip.startswith("Apple "):
         return None
+    model = chip.removeprefix("Apple ").split(" (")[0].strip()  # "M1 (Virtual)"
     for name, gb_s in APPLE_BANDWIDTH_GB_S:
-        if f"{name} " in f"{chip} " or chip.endswith(name):
+        if model == name:  # an unlisted "M5 Max" is measured, not given the M5's figure
             return gb_s * 1e9
     return None
 

@@ -375,3 +375,20 @@ def test_scores_are_reserved_for_the_context_memory_reaches_not_the_models_whole
         admission.check_ever_fits(cap, 1)
     roomy = budget_for(model, 128 * GB)  # the whole context fits: nothing capped
     assert roomy.context_cap is None and roomy.ceiling_tokens >= 131_072
+
+
+@pytest.mark.parametrize(
+    "chip, gb_s",
+    [
+        ("Apple M2 Pro", 200),
+        ("Apple M2", 100),
+        ("Apple M1 (Virtual)", 68),
+        ("Apple M5 Max", None),  # unlisted: measured, not the base M5's 153 GB/s
+        ("Apple M4 Ultra", None),
+        ("Intel(R) Xeon(R) CPU @ 2.20GHz", None),
+    ],
+)
+def test_published_bandwidth_is_only_the_exact_chips(chip, gb_s):
+    from app.machine import known_bandwidth
+
+    assert known_bandwidth(chip) == (gb_s * 1e9 if gb_s else None)

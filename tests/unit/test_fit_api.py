@@ -27,6 +27,20 @@ def test_fit_reports_machine_admission_decode_and_matrix():
     assert fit["decode"]["per_stream_tok_s"] is not None  # from this server's own metrics
 
 
+def test_the_measured_decode_rate_survives_an_adapters_series_going():
+    """An unmounted adapter's counter series are removed; its requests' decode
+    time stays in the histogram: the rate read from both dropped (or vanished)."""
+    app = make_app(eos_after=5)
+    with serve_app(app) as base:
+        httpx.post(
+            base + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}
+        )
+        before = httpx.get(base + "/fit").json()["decode"]["per_stream_tok_s"]
+        app.state.kvwarm.obs.metrics.forget_adapter("")  # as an unmount forgets its id
+        after = httpx.get(base + "/fit").json()["decode"]["per_stream_tok_s"]
+    assert before is not None and after == before
+
+
 def test_library_lists_models_with_an_assessment(tmp_path, monkeypatch):
     hub = tmp_path / "hub"
     write_model(hub / "models--org--tiny" / "snapshots" / "r1", LLAMA, {"w": ("F16", [64, 64])})
