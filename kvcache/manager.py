@@ -475,15 +475,24 @@ class TieredKVManager:
         return self.config.block_size
 
     # -- conversations (save/load for people who resume work later) -----------
-    def _entry_of(self, conversation_id: str) -> CacheEntry:
-        """The conversation's latest cached turn: the saved one, else the longest of
-        its entries (the session record's among them; after a restart, on disk)."""
+    def _saved_entry(self, conversation_id: str) -> CacheEntry | None:
         pin = self._pins.get(conversation_id)
         if pin is not None:
             for e in self.index.entries():
                 if e.uid == pin["uid"]:
                     return e
+        return None
+
+    def _entry_of(self, conversation_id: str, latest: bool = False) -> CacheEntry:
+        """The conversation's cached turn: the saved one (unless ``latest``: a save
+        pins the turn it has reached since), else the longest of its entries (the
+        session record's among them; after a restart, on disk)."""
+        saved = self._saved_entry(conversation_id)
+        if saved is not None and not latest:
+            return saved
         own = [e for e in self.index.entries() if e.session == conversation_id]
+        if saved is not None:
+            own.append(saved)
         for record in self.sessions.branches(conversation_id):
             recorded = self.index.get(record.entry_id) if record.entry_id is not None else None
             if recorded is not None:
@@ -513,9 +522,12 @@ class TieredKVManager:
         if disk is None or not disk.usable:
             why = disk.degraded if disk is not None else "--kv-disk-bytes 0 or no usable --kv-dir"
             raise StorageFull(f"the SSD tier is off ({why}): nothing can be saved")
-        entry = self._entry_of(conversation_id)
+        entry = self._entry_of(conversation_id, latest=True)
+        earlier = self._saved_entry(conversation_id)
         pinned = sum(
-            e.held.total for e in self.index.entries() if e.pinned and e.entry_id != entry.entry_id
+            e.held.total
+            for e in self.index.entries()
+            if e.pinned and e is not entry and e is not earlier  # the earlier turn is let go
         )
         limit = self.index.disk.max_bytes
         if pinned + entry.held.total > limit:
@@ -542,9 +554,18 @@ class TieredKVManager:
                     f"(limit {limit / 2**20:.1f} MiB, --kv-disk-bytes)"
                 )
         self.index.set_pinned(entry.entry_id, True)
+        if (
+            earlier is not None
+            and earlier is not entry
+            and not self._pinned_elsewhere(earlier, conversation_id)
+        ):
+            self.index.set_pinned(earlier.entry_id, False)  # an ordinary entry again
         self._pins[conversation_id] = {"uid": entry.uid, "title": title, "saved_at": time.time()}
         disk.write_pins(self._pins)
         return self._describe(conversation_id, entry)
+
+    def _pinned_elsewhere(self, entry: CacheEntry, conversation_id: str) -> bool:
+        return any(p["uid"] == entry.uid for c, p in self._pins.items() if c != conversation_id)
 
     def load_conversation(self, conversation_id: str) -> SavedConversation:
         """Bring the conversation's KV into RAM ahead of its next turn."""

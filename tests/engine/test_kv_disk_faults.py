@@ -359,6 +359,23 @@ def test_saving_a_conversation_pins_its_latest_turn_not_a_side_requests(tmp_path
         m.close()
 
 
+def test_saving_again_pins_the_turn_reached_since_and_lets_the_old_one_go(tmp_path):
+    """A second save after more turns pinned the first save's turn again: the
+    conversation's latest KV stayed evictable and a restart loaded the old turn."""
+    m = manager(tmp_path)
+    try:
+        first_turn = list(range(500, 600))
+        old = store(m, first_turn, session="S")
+        assert m.save_conversation("S", "work").tokens == 100
+        latest = store(m, first_turn + list(range(600, 900)), session="S")
+        again = m.save_conversation("S", "work")
+        assert again.tokens == 400 and m.load_conversation("S").tokens == 400
+        assert m.index.get(latest).pinned and not m.index.get(old).pinned
+        assert [c.tokens for c in m.saved_conversations()] == [400]
+    finally:
+        m.close()
+
+
 def test_a_second_server_on_the_same_kv_dir_leaves_the_first_ones_files_alone(tmp_path, caplog):
     """Its start-up sweep deleted the first server's temp files and its blocks not
     yet named by a manifest (writes in flight), turning the first one's tier off;
