@@ -140,7 +140,7 @@ async def stats(http: HTTPRequest) -> dict[str, Any]:
     return {"object": "list", "data": [_view(s) for s in saved]}
 
 
-@router.delete("/v1/conv_kv/{conversation_id}", responses=_responses(SAVED, (400, 404, 503)))
+@router.delete("/v1/conv_kv/{conversation_id:path}", responses=_responses(SAVED, (400, 404, 503)))
 async def delete(conversation_id: str, http: HTTPRequest) -> dict[str, Any]:
     deleted = await _on_engine(http, lambda kv: kv.delete_conversation(conversation_id))
     return {**_view(deleted), "deleted": True}

@@ -549,3 +549,30 @@ def test_placeholder_images_keep_their_number_by_content_wherever_they_are_sent(
     with serve_app(default) as base:
         r = httpx.post(base + CHAT, json={"messages": messages[:1], "max_tokens": 2})
     assert r.status_code == 400 and "--images" in r.text
+
+
+def test_a_conversation_id_with_a_slash_can_be_deleted():
+    """Session ids come from headers and body fields with any characters; save and
+    load take them in the body, delete in the path, where "team/alice" was a 404."""
+    from concurrent.futures import Future
+
+    from kvcache.interface import SavedConversation
+
+    deleted: list[str] = []
+
+    class Store:
+        def delete_conversation(self, conversation_id: str) -> SavedConversation:
+            deleted.append(conversation_id)
+            return SavedConversation(conversation_id, None, 10, 100, "ram", None)
+
+    def kv(op):
+        future: Future = Future()
+        future.set_result(op(Store()))
+        return future
+
+    app = make_app()
+    with serve_app(app) as base:
+        app.state.kvwarm.engine.kv = kv
+        r = httpx.delete(base + "/v1/conv_kv/team/alice")
+    assert r.status_code == 200 and r.json()["conversation_id"] == "team/alice"
+    assert deleted == ["team/alice"]
