@@ -34,6 +34,7 @@ from app.responses_schemas import (
     ReasoningItem,
     ResponsesRequest,
     ResponsesTool,
+    client_metadata,
 )
 from app.sse import SSE_HEADERS, framed, sse_event
 from app.state import AppState
@@ -191,6 +192,17 @@ class _Items:
         return self._open(item, text=False)
 
 
+def _echoed_tool(tool: ResponsesTool) -> dict[str, Any]:
+    """A tool as the model saw it: a function's declared fields; of a built-in
+    tool (ignored) its type. Extra keys, never rendered nor counted against the
+    context, would otherwise be copied into every response event on the loop."""
+    if tool.type != "function":
+        return {"type": tool.type}
+    return tool.model_dump(
+        include={"type", "name", "description", "parameters", "strict"}, exclude_none=True
+    )
+
+
 def _response(
     body: ResponsesRequest, rid: str, created: int, model: str, status: str
 ) -> dict[str, Any]:
@@ -207,7 +219,7 @@ def _response(
         "max_output_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
-        "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
+        "tools": [_echoed_tool(t) for t in body.tools or ()],
         "tool_choice": (
             body.tool_choice.model_dump(exclude_none=True)
             if hasattr(body.tool_choice, "model_dump")
@@ -221,7 +233,7 @@ def _response(
         "store": body.store,
         "text": {"format": {"type": "text"}},
         "truncation": "disabled",
-        "metadata": body.metadata.model_dump(exclude_none=True) if body.metadata else {},
+        "metadata": client_metadata(body.metadata),
         "usage": None,
     }
 

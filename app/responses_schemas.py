@@ -123,6 +123,16 @@ class ReasoningConfig(BaseModel):
     summary: str | None = None
 
 
+# OpenAI's limits on a response's metadata: its own key/value record, echoed back
+METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
+
+
+def client_metadata(metadata: Envelope | None) -> dict[str, str]:
+    """The client's own record in ``metadata`` (kvwarm's cache and sampling fields,
+    read from it, are not part of it): what a response echoes."""
+    return dict(metadata.model_extra or {}) if metadata is not None else {}
+
+
 class ResponsesRequest(EnvelopedSampling):
     model_config = STRICT
 
@@ -138,6 +148,22 @@ class ResponsesRequest(EnvelopedSampling):
     store: Annotated[bool, null_is(True)] = True
     previous_response_id: str | None = None
     metadata: Envelope | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _openai_metadata(cls, value: Envelope | None) -> Envelope | None:
+        """Held to OpenAI's limits: every response echoes it, on the event loop."""
+        record = client_metadata(value)
+        if len(record) > METADATA_PAIRS:
+            raise ValueError(f"at most {METADATA_PAIRS} key/value pairs")
+        for key, item in record.items():
+            if len(key) > METADATA_KEY:
+                raise ValueError(f"key {key[:METADATA_KEY]!r}... is over {METADATA_KEY} characters")
+            if not isinstance(item, str) or len(item) > METADATA_VALUE:
+                raise ValueError(
+                    f"{key!r}: a value is a string of at most {METADATA_VALUE} characters"
+                )
+        return value
 
     @field_validator("input", mode="before")
     @classmethod

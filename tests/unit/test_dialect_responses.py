@@ -207,3 +207,35 @@ def test_a_turn_that_was_reasoning_alone_keeps_it(server):
     assert [m["role"] for m in seen] == ["user", "assistant", "user", "assistant", "user"]
     assert seen[1]["reasoning_content"] == "T1" and seen[1]["content"] == ""
     assert "reasoning_content" not in seen[3]
+
+
+def test_a_response_echoes_tools_as_the_model_saw_them_and_metadata_as_openai_limits_it(server):
+    """Built-in tools and extra keys are never rendered nor counted against the
+    context, yet were copied into every response event on the event loop (a
+    16 MiB body made each streamed event a 0.4 s stall for every client)."""
+    import httpx
+
+    bulky = "x" * 100_000
+    tools = [
+        {"type": "web_search_preview", "user_location": {"city": bulky}},
+        {**RESPONSES_TOOLS[0], "x_vendor": bulky},
+    ]
+    body = {
+        "model": "m",
+        "input": "hello",
+        "tools": tools,
+        "metadata": {"ticket": "T-1", "use_kv_cache": False},
+    }
+    r = httpx.post(server.url + "/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    echoed = r.json()
+    assert echoed["tools"] == [{"type": "web_search_preview"}, RESPONSES_TOOLS[0]]
+    assert echoed["metadata"] == {"ticket": "T-1"}  # kvwarm's own switches are not echoed
+    for metadata in (
+        {f"k{i}": "v" for i in range(17)},
+        {"k" * 65: "v"},
+        {"k": "v" * 513},
+        {"k": 5},
+    ):
+        r = httpx.post(server.url + "/v1/responses", json={**body, "metadata": metadata})
+        assert r.status_code == 400 and "metadata" in r.text, (metadata, r.text)
