@@ -18,6 +18,15 @@ from mlx_lm.generate import generation_stream
 from engine.distributed_config import DistributedConfig, launched, write_hostfile
 
 
+def _as_the_model() -> Any:
+    """Collectives built as the model's own are (mlx-lm runs it in this context and
+    its layers name no stream): the backend then puts them on the one stream the
+    model's use, and the ranks meet every collective in the order they submit them.
+    Naming the generation stream itself put them on the GPU on a Mac, where Metal
+    has no collectives: every group failed at its first gather."""
+    return mx.stream(generation_stream)
+
+
 class RankGroup:
     """This process's place in the group, and byte collectives over it (engine thread)."""
 
@@ -46,9 +55,8 @@ class RankGroup:
         return self.rank == self.server_rank
 
     def _sum(self, x: mx.array, wait: bool = True) -> np.ndarray | None:
-        # on the stream the model's own collectives run on: the ranks then meet
-        # every collective in the one order they submit them
-        out = mx.distributed.all_sum(x, group=self.group, stream=generation_stream)
+        with _as_the_model():
+            out = mx.distributed.all_sum(x, group=self.group)
         if not wait:
             mx.async_eval(out)
             self._pending.append(out)
@@ -75,17 +83,17 @@ class RankGroup:
 
     def gather(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order, on every rank."""
-        sizes = mx.distributed.all_gather(
-            mx.array([len(data)], dtype=mx.int64), group=self.group, stream=generation_stream
-        )
+        with _as_the_model():
+            sizes = mx.distributed.all_gather(
+                mx.array([len(data)], dtype=mx.int64), group=self.group
+            )
         mx.eval(sizes)
         lengths = np.array(sizes).tolist()
         width = max(lengths) or 1
         padded = np.zeros((width,), dtype=np.uint8)
         padded[: len(data)] = np.frombuffer(data, dtype=np.uint8)
-        out = mx.distributed.all_gather(
-            mx.array(padded), group=self.group, stream=generation_stream
-        )
+        with _as_the_model():
+            out = mx.distributed.all_gather(mx.array(padded), group=self.group)
         mx.eval(out)
         flat = np.array(out).tobytes()
         return [flat[r * width : r * width + n] for r, n in enumerate(lengths)]
