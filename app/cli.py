@@ -315,7 +315,7 @@ def cmd_serve(settings: Settings) -> int:
             from engine.rank_worker import run_worker
 
             try:
-                code = run_worker(config)
+                code = run_worker(config, settings.shutdown_timeout)
             except KeyboardInterrupt:  # Ctrl-C through mlx.launch: leave as the others do
                 code = 130
             except Exception as exc:  # noqa: BLE001 - said once, then a non-zero exit

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 
 from engine.distributed_config import server_host
@@ -15,9 +16,37 @@ log = logging.getLogger("kvwarm.distributed")
 STOP_GRACE_S = 3.0
 
 
-def run_worker(config: EngineConfig) -> int:
+def follow_through_stop_signals(limit_s: float, stopped: threading.Event) -> None:
+    """SIGTERM / SIGINT reach every rank when a supervisor or mlx.launch stops the
+    group: a worker that left at once broke the serving rank's drain (every running
+    stream failed as a lost rank). It follows on until the serving rank's stop, at
+    most ``limit_s``; a second signal ends it at once."""
+    received: list[int] = []
+
+    def give_up(signum: int) -> None:
+        if not stopped.wait(limit_s):
+            log.error("the serving rank did not stop within %.0f s; exiting", limit_s)
+            exit_now(128 + signum)
+
+    def on_signal(signum: int, _frame) -> None:
+        if received:
+            exit_now(128 + signum)
+        received.append(signum)
+        log.warning(
+            "%s: following the serving rank while it drains (at most %.0f s; again to quit now)",
+            signal.Signals(signum).name,
+            limit_s,
+        )
+        threading.Thread(target=give_up, args=(signum,), name="kvwarm-stop", daemon=True).start()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
+
+
+def run_worker(config: EngineConfig, drain_s: float) -> int:
     """Boot this rank (the same collectives as the serving rank, in the same order),
-    then replay the serving rank's ops until it says stop. Non-zero: the group broke."""
+    then replay the serving rank's ops until it says stop (``drain_s``: how long a
+    stop signal waits for that). Non-zero: the group broke."""
     from engine.boot import boot_mlx  # mlx: this thread owns it in a worker process
     from engine.rank_health import Heartbeat
 
@@ -46,6 +75,7 @@ def run_worker(config: EngineConfig) -> int:
     )
     heartbeat.start()
     log.info("rank %d ready: following rank %d", group.rank, group.server_rank)
+    follow_through_stop_signals(drain_s + STOP_GRACE_S + dist.rank_timeout_s, done)
     follower = Follower(booted.runner, lambda: group.broadcast(None), ranks.clock)
     try:
         follower.run()

@@ -268,6 +268,32 @@ def test_sigterm_on_the_serving_rank_stops_every_rank_cleanly(serving, model_cac
     assert "stopped with the serving rank" in (tmp_path / f"rank{1 - serving}.log").read_text()
 
 
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_to_every_rank_drains_open_requests(signum, model_cache, tiny, tmp_path):
+    """systemctl stop on an mlx.launch unit, or Ctrl-C under mlx.launch, signals
+    every rank: the worker left at once and the serving rank's drain failed every
+    open stream as a lost rank. The worker now follows on until the serving rank's
+    stop: the stream finishes, every rank exits 0."""
+    args = (*TINY, "--shutdown-timeout", "60")
+    with flag_group(model_cache, (tiny, tiny), *args, log_dir=tmp_path) as (base, procs):
+        wait_for_process(procs[0], base + "/health", tmp_path / "rank0.log", "rank 0", 240)
+        body = {
+            "messages": [{"role": "user", "content": "go"}],
+            "max_tokens": 120,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        with httpx.stream("POST", base + CHAT, json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            next(ln for ln in lines if TOKEN.search(ln))
+            for p in procs:
+                p.send_signal(signum)
+            events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
+        assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
+        assert [p.wait(60) for p in procs] == [0, 0]
+    assert "following the serving rank while it drains" in (tmp_path / "rank1.log").read_text()
+
+
 def test_ranks_started_with_different_rank_timeouts_refuse_to_start(model_cache, tiny, tmp_path):
     """A worker waiting less than the serving rank's beat interval declared it
     lost about 10 s into every start: the group never stayed up."""

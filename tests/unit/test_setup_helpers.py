@@ -176,7 +176,7 @@ def test_a_worker_rank_interrupted_leaves_the_group_as_the_others_do(tmp_path, m
     class WorkerGroup:
         rank, serving = 1, False
 
-    def interrupted(config):
+    def interrupted(config, drain_s):
         raise KeyboardInterrupt
 
     left: list[int] = []
@@ -187,3 +187,37 @@ def test_a_worker_rank_interrupted_leaves_the_group_as_the_others_do(tmp_path, m
     argv = ["serve", "--model", str(model), "--distributed", "--distributed-rank", "1"]
     argv += ["--distributed-world-size", "2", "--distributed-hosts", "127.0.0.1", "--no-log-json"]
     assert main(argv) == 130 and left == [130]
+
+
+def test_kvwarms_collectives_are_built_as_the_models_own(monkeypatch):
+    """The model's layers call all_sum naming no stream, inside mlx-lm's generation
+    stream context; kvwarm's broadcast and gather named that stream itself, which on
+    a Mac is the GPU's, where Metal has no collectives (every group failed at its
+    first gather), and which is not where the backend puts the model's."""
+    import mlx.core as mx
+    from mlx_lm.generate import generation_stream
+
+    from engine import distributed
+
+    with mx.stream(generation_stream):
+        models = str(mx.default_stream(mx.cpu))
+    calls: list[tuple[dict, str]] = []
+
+    def collective(x, **kwargs):
+        calls.append((kwargs, str(mx.default_stream(mx.cpu))))
+        return x
+
+    class Group:
+        def rank(self):
+            return 0
+
+        def size(self):
+            return 2
+
+    monkeypatch.setattr(mx.distributed, "all_sum", collective)
+    monkeypatch.setattr(mx.distributed, "all_gather", collective)
+    ranks = distributed.RankGroup(Group())
+    ranks.broadcast(b"op")
+    ranks.gather(b"facts")
+    assert len(calls) == 4
+    assert all(set(kwargs) == {"group"} and stream == models for kwargs, stream in calls)
