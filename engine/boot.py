@@ -61,7 +61,8 @@ def boot_mlx(config: EngineConfig) -> Booted:
         loaded.weights_bytes,
         loaded.layout.bytes_per_token,
         loaded.context_length,
-        loaded.num_heads,
+        # its attention scores are what the transient reserve holds
+        ranks.heads_per_rank(loaded.num_heads) if ranks is not None else loaded.num_heads,
         # the runner never prefills more than this per step (16-token floor per row)
         prefill_chunk=max(cfg.prefill_step_size, 16 * prefill_rows),
         source="--memory-budget" if measured is None else measured.source,

@@ -47,6 +47,12 @@ class GroupBoot:
             "serves HTTP" if self.group.serving else "follows the serving rank",
         )
 
+    def heads_per_rank(self, heads: int) -> int:
+        """Attention heads this rank computes: tensor parallel splits every layer's
+        heads over the ranks (mlx-lm's shard leaves ``args`` whole); pipeline
+        parallel runs all heads of its layers."""
+        return heads // self.group.size if self.used == "tensor" else heads
+
     def tightest(self, budget: MemoryBudget) -> tuple[MemoryBudget, int]:
         """The budget admission enforces (the rank with the least room for KV decides:
         every rank holds every row's shard) and the prompt cache's size in tokens,

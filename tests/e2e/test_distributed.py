@@ -163,10 +163,12 @@ def tiny(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def alone(model_cache, tiny, tmp_path_factory) -> Iterator[list[list[dict]]]:
-    """What one rank answers: two rounds of the prompts (the second warm) plus greedy."""
+    """What one rank answers: two rounds of the prompts (the second warm) plus
+    greedy, and its /stats."""
     log = tmp_path_factory.mktemp("alone") / "kvwarm.log"
     with kvwarm_server(model_cache, "--model", str(tiny), *TINY, log=log) as base:
-        yield [ask_together(base), ask_together(base), [ask(base, PROMPTS[0], temperature=0)]]
+        rounds = [ask_together(base), ask_together(base), [ask(base, PROMPTS[0], temperature=0)]]
+        yield [*rounds, [httpx.get(base + "/stats").json()]]
 
 
 @pytest.mark.parametrize("mode", ["tensor", "pipeline"])
@@ -186,6 +188,10 @@ def test_two_ranks_answer_as_one_does_with_prefix_hits(mode, model_cache, tiny, 
     assert all(r["cached"] > 0 for r in second)
     assert [r["cached"] for r in second] == [r["cached"] for r in alone[1]]
     assert stats["prompt_cache"]["hits"] >= len(PROMPTS)
+    # a tensor-parallel rank computes half the heads: half their attention scores
+    # (the transient reserve) fit beside the KV; a pipeline rank all of its layers'
+    reserve, reserve_alone = (s["admission"]["reserve_bytes"] for s in (stats, alone[3][0]))
+    assert reserve < reserve_alone if mode == "tensor" else reserve == reserve_alone
 
 
 def test_smollm2_runs_pipeline_parallel_and_answers_as_one_rank_does(model_cache, server, tmp_path):
