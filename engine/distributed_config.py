@@ -7,6 +7,7 @@ import json
 import os
 import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 MODES = ("auto", "tensor", "pipeline")
 _LAUNCHER_RANK_VARS = ("MLX_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
@@ -50,11 +51,19 @@ def write_hostfile(config: DistributedConfig) -> None:
     if len(hosts) != size:
         raise ValueError(f"--distributed-hosts names {len(hosts)} hosts for {size} ranks")
     entries = [[f"{h}:{config.port + r}"] for r, h in enumerate(hosts)]
-    fd, path = tempfile.mkstemp(prefix="kvwarm-hosts-", suffix=".json")
+    # one file per group port and rank, replaced at each start: a rank restarted by
+    # its supervisor (waiting for a peer) left a new temp file every time
+    path = hostfile_path(config.port, config.rank)
+    fd, tmp = tempfile.mkstemp(prefix=path.name, dir=path.parent)
     with os.fdopen(fd, "w") as f:
         json.dump(entries, f)
-    os.environ["MLX_HOSTFILE"] = path
+    os.replace(tmp, path)
+    os.environ["MLX_HOSTFILE"] = str(path)
     os.environ["MLX_RANK"] = str(config.rank)
+
+
+def hostfile_path(port: int, rank: int) -> Path:
+    return Path(tempfile.gettempdir()) / f"kvwarm-hosts-{os.getuid()}-{port}-r{rank}.json"
 
 
 def _rank_hosts(hosts: tuple[str, ...], size: int) -> list[str]:

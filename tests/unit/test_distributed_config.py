@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
@@ -55,6 +57,18 @@ def test_flags_write_the_hostfile_mlx_launch_would(clean_env, tmp_path):
     clean_env.setenv("MLX_JACCL_COORDINATOR", "10.0.0.9:5000")  # mlx.launch --backend jaccl
     assert server_host(0) == "10.0.0.9"
     assert server_host(1, ("a", "b")) == "b"  # --distributed-hosts says it outright
+
+
+def test_restarting_a_rank_reuses_its_hostfile(clean_env, tmp_path):
+    """A rank restarted by its supervisor while it waits for a peer (every ~35 s)
+    left one more /tmp/kvwarm-hosts-*.json each time."""
+    import tempfile
+
+    clean_env.setattr(tempfile, "tempdir", str(tmp_path))
+    config = DistributedConfig(rank=0, world_size=2, port=41000)
+    for _ in range(3):
+        write_hostfile(config)
+    assert [p.name for p in tmp_path.iterdir()] == [Path(os.environ["MLX_HOSTFILE"]).name]
 
 
 def test_plain_rank_and_world_size_env_vars_work(clean_env):
