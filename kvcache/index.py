@@ -173,6 +173,7 @@ class PrefixIndex:
         acquire: bool = True,
         max_growth: int | None = None,
         variant: str = "",
+        count_hit: bool = True,
     ) -> Lookup:
         """The deepest reusable entry for ``key``. The block-hash chain is searched
         first; when it reuses less than ``promised`` tokens (what the session
@@ -181,7 +182,10 @@ class PrefixIndex:
         tokens a hit may hold (stale volatile values longer than the current
         ones): the request's admitted KV reservation must still cover it. An
         acquired hit must be ``release``d; a hit on disk is ``promote``d by the
-        caller once its KV is loaded."""
+        caller once its KV is loaded. ``count_hit=False``: the caller reads the KV
+        first, then counts the hit (``served``) or the miss (``unusable_hit``), so
+        the hit counters never count one they must take back (a scrape between saw
+        a Prometheus counter go down: a reset, and a spike in every rate)."""
         self.expire()
         self.counters.lookups += 1
         self.counters.tokens_queried += len(key.model_tokens)
@@ -216,29 +220,30 @@ class PrefixIndex:
         entry.last_used = self._clock()
         if acquire:
             entry.refs += 1
-        self._count_hit(result, 1)
+        if count_hit:
+            self.served(result)
         return result
 
     def unusable_hit(self, result: Lookup) -> None:
-        """The hit ``lookup`` chose served nothing (its KV could not be read back):
-        it counts as the miss the client saw, not as reuse it never got."""
-        self._count_hit(result, -1)
+        """The hit a ``count_hit=False`` lookup chose served nothing (its KV could
+        not be read back): it counts as the miss the client saw."""
         self.counters.misses += 1
 
-    def _count_hit(self, result: Lookup, sign: int) -> None:
+    def served(self, result: Lookup) -> None:
+        """Count the hit ``lookup`` chose: its KV reached the request."""
         assert result.hit is not None
         entry, al = result.hit.entry, result.hit.alignment
         c = self.counters
         if entry.entry_id in result.retreated:
-            c.vlm_retreat += sign
-        c.hits += sign
+            c.vlm_retreat += 1
+        c.hits += 1
         if result.layer == "session":
-            c.session_hits += sign
+            c.session_hits += 1
         if result.tier == "disk":
-            c.disk_hits += sign
-            c.disk_tokens_reused += sign * al.request_depth
-        c.tokens_reused += sign * al.request_depth
-        c.stale_volatile_reuse += sign * al.stale_tokens
+            c.disk_hits += 1
+            c.disk_tokens_reused += al.request_depth
+        c.tokens_reused += al.request_depth
+        c.stale_volatile_reuse += al.stale_tokens
 
     def _best(
         self,

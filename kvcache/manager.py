@@ -177,6 +177,7 @@ class TieredKVManager:
             promised,
             max_growth=max_growth,
             variant=self._variant(self._quant_for(hints.kv_bits), hints.adapter),
+            count_hit=False,
         )
         for reason in result.rejected:
             log.info("%s: prefix cache rejected %s", request_id, reason)
@@ -208,6 +209,7 @@ class TieredKVManager:
             self.index.unusable_hit(result)
             self._discard(entry)
             return None, miss
+        self.index.served(result)
         log.info(
             "%s: prefix cache hit (%s layer, %s): %d of %d prompt tokens from entry %d "
             "(%d tokens), %d stale volatile tokens, session %s",

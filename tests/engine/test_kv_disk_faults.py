@@ -518,3 +518,30 @@ def test_a_namespace_pruned_while_its_server_starts_comes_up_fresh(tmp_path, mon
     finally:
         tier.close()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".deleting-")]
+
+
+def test_a_hit_whose_disk_read_fails_is_never_counted_then_taken_back(tmp_path):
+    """The hit was counted before its KV was read from disk and subtracted when
+    the read failed: a /metrics scrape during the read saw prefix_cache_hits_total
+    go up, the next one down (a counter reset to Prometheus: a spike in every rate)."""
+    from kvcache.disk import CorruptFile
+
+    tokens = list(range(1000, 1050))
+    first = manager(tmp_path)
+    store(first, tokens)
+    first.close()
+    m = manager(tmp_path)
+    during: list[tuple[int, int]] = []
+
+    def torn(entry):
+        stats = m.stats()
+        during.append((stats.hits, stats.disk_hits))
+        raise CorruptFile("torn file")
+
+    m._load = torn
+    try:
+        assert served(m, tokens + [1]) is None
+        after = m.stats()
+        assert during == [(0, 0)] and (after.hits, after.disk_hits, after.misses) == (0, 0, 1)
+    finally:
+        m.close()
