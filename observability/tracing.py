@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from opentelemetry import trace
-from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.metrics import CallbackOptions, Histogram, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from observability.metrics import ITL_BUCKETS, LATENCY_BUCKETS
 from observability.records import RequestRecord, ServerSnapshot
 
 log = logging.getLogger("kvwarm.otel")
@@ -114,11 +115,19 @@ class Tracing:
         self._m_queries = meter.create_counter("kvwarm.prefix_cache.queries", "{token}")
         self._m_hits = meter.create_counter("kvwarm.prefix_cache.hits", "{token}")
         self._m_requests = meter.create_counter("kvwarm.requests", "{request}")
-        self._m_ttft = meter.create_histogram("gen_ai.server.time_to_first_token", "s")
-        self._m_duration = meter.create_histogram("gen_ai.server.request.duration", "s")
-        self._m_tpot = meter.create_histogram("gen_ai.server.time_per_output_token", "s")
-        self._m_queue = meter.create_histogram("kvwarm.request.queue_time", "s")
-        self._m_prefill = meter.create_histogram("kvwarm.request.prefill_time", "s")
+        # in seconds, so second-sized buckets: the SDK's defaults (0, 5, 10, ... 10000)
+        # are for milliseconds and put every latency under 5 s in one bucket
+
+        def seconds(name: str, buckets: Sequence[float] = LATENCY_BUCKETS) -> Histogram:
+            return meter.create_histogram(
+                name, "s", explicit_bucket_boundaries_advisory=list(buckets)
+            )
+
+        self._m_ttft = seconds("gen_ai.server.time_to_first_token")
+        self._m_duration = seconds("gen_ai.server.request.duration")
+        self._m_tpot = seconds("gen_ai.server.time_per_output_token", ITL_BUCKETS)
+        self._m_queue = seconds("kvwarm.request.queue_time")
+        self._m_prefill = seconds("kvwarm.request.prefill_time")
 
         def gauge(field: str) -> Callable[[CallbackOptions], list[Observation]]:
             def read(_: CallbackOptions) -> list[Observation]:

@@ -556,3 +556,25 @@ def test_otel_counts_no_prompt_or_cache_query_for_a_request_never_prefilled():
     assert sums.get("kvwarm.prompt_tokens", 0) == 0
     assert sums.get("kvwarm.prefix_cache.queries", 0) == 0
     assert sums["kvwarm.requests"] == 1  # the request itself is still counted
+
+
+def test_otel_latency_histograms_have_second_sized_buckets():
+    """Recorded in seconds, they took the SDK's millisecond-sized default buckets
+    (0, 5, 10, ... 10000): every latency under 5 s fell in one bucket."""
+    tracing = Tracing(env={})
+    reader = InMemoryMetricReader()
+    tracing._meter_provider = MeterProvider(metric_readers=[reader])  # noqa: SLF001
+    tracing._instruments()  # noqa: SLF001
+    for ttft in (0.05, 0.2, 0.8, 2.0, 4.5):
+        tracing.request_done(
+            record(ttft_s=ttft, stats=RequestStats(0.01, ttft, 2.0, CacheReport())), {}
+        )
+    occupied: dict[str, int] = {}
+    for resource in reader.get_metrics_data().resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                if metric.unit == "s":
+                    (point,) = metric.data.data_points
+                    occupied[metric.name] = sum(1 for c in point.bucket_counts if c)
+    assert occupied["gen_ai.server.time_to_first_token"] == 5
+    assert occupied["kvwarm.request.prefill_time"] == 5
