@@ -61,20 +61,6 @@ def measured_decode(report: StepReport | None, context: int) -> float | None:
     return 1000.0 / ms if ms > 0 else None
 
 
-def _stream_rate(state: AppState, model: str) -> float | None:
-    """Generated tokens per second of decode, per stream, over this server's requests."""
-    r = state.obs.metrics.registry
-    labels = {"model_name": model}
-    seconds = r.get_sample_value("kvwarm:request_decode_time_seconds_sum", labels)
-    count = r.get_sample_value("kvwarm:request_decode_time_seconds_count", labels)
-    # the per-request histogram, not the per-adapter counter: an unmounted
-    # adapter's counter series goes, while its decode time stays in the sum
-    tokens = r.get_sample_value("kvwarm:request_generation_tokens_sum", labels) or 0.0
-    if not seconds or not count or tokens <= count:
-        return None
-    return (tokens - count) / seconds  # a request's first token is not decode time
-
-
 def fit_view(state: AppState) -> dict[str, Any]:
     info = state.model_info()
     machine = _machine(info)
@@ -114,7 +100,7 @@ def fit_view(state: AppState) -> dict[str, Any]:
             "measured_over_predicted": round(measured / predicted, 2)
             if measured and predicted
             else None,
-            "per_stream_tok_s": _round(_stream_rate(state, info.model_id)),
+            "per_stream_tok_s": _round(state.obs.metrics.decode_rate()),
         },
         "apple_matrix": apple_matrix(_as_shipped(info.source_path) or facts) if facts else [],
     }

@@ -322,6 +322,10 @@ class Metrics:
     def __init__(self, snapshot: Callable[[], ServerSnapshot | None] = lambda: None):
         self.registry = CollectorRegistry()
         r = self.registry
+        # decode of the requests that finished in the engine (/fit's measured rate):
+        # tokens after each one's first, and the seconds from first to last token
+        self.decoded_tokens = 0
+        self.decode_seconds = 0.0
         ProcessCollector(registry=r)
         r.register(_StateCollector(snapshot))
         label = ["model_name"]
@@ -450,9 +454,18 @@ class Metrics:
         if rec.stats is not None:
             self.prefill.labels(m).observe(rec.stats.prefill_s)
             self.decode.labels(m).observe(rec.stats.decode_s)
+            self.decoded_tokens += max(0, rec.completion_tokens - 1)
+            self.decode_seconds += rec.stats.decode_s
         self.req_prompt.labels(m).observe(rec.prompt_tokens)
         self.req_cached.labels(m, a).observe(rec.cached_tokens)
         self.req_generated.labels(m).observe(rec.completion_tokens)
+
+    def decode_rate(self) -> float | None:
+        """Tokens per second of decode, per stream. Only requests the engine finished
+        count: one its client left has tokens but no decode time (it inflated the rate)."""
+        if self.decode_seconds <= 0 or self.decoded_tokens <= 0:
+            return None
+        return self.decoded_tokens / self.decode_seconds
 
     def observe_itl(self, seconds: float, tokens: int = 1) -> None:
         """``tokens`` arrived ``seconds`` after the previous ones (one engine step)."""

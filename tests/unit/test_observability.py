@@ -578,3 +578,16 @@ def test_otel_latency_histograms_have_second_sized_buckets():
                     occupied[metric.name] = sum(1 for c in point.bucket_counts if c)
     assert occupied["gen_ai.server.time_to_first_token"] == 5
     assert occupied["kvwarm.request.prefill_time"] == 5
+
+
+def test_the_measured_decode_rate_counts_only_requests_the_engine_finished():
+    """A client that leaves mid-stream has tokens but no decode time: they were
+    added to /fit's per-stream rate all the same (10 tok/s read as 20)."""
+    metrics = Metrics()
+    metrics.observe_request(
+        record(completion_tokens=101, stats=RequestStats(0.0, 0.1, 10.0, CacheReport()))
+    )
+    metrics.observe_request(
+        record(completion_tokens=101, stats=None, finish="abort", disconnected=True)
+    )
+    assert metrics.decode_rate() == pytest.approx(10.0)
