@@ -29,6 +29,7 @@ from kvcache.healing import decoded_arguments
 from kvcache.index import VolatilePolicy
 from kvcache.prompt_key import PromptKey, RenderedPrompt
 from kvcache.sessions import fallback_session_id
+from observability.escape import ascii_escaped
 from scheduler.admission import AdmissionError
 from scheduler.contracts import ImageFront, ModelInfo, TextSyntax
 from scheduler.request import CacheHints, Request, SamplingParams
@@ -85,7 +86,7 @@ class Prepared:
 def shown_names(names: tuple[str, ...]) -> str:
     """Client-chosen field names for a header or a log line: escaped to ASCII (a
     header is latin-1; a newline would forge a log line) and bounded."""
-    shown = [n.encode("unicode_escape").decode("ascii")[:64] for n in names[:16]]
+    shown = [ascii_escaped(n, 64) for n in names[:16]]
     more = f", and {len(names) - 16} more" if len(names) > 16 else ""
     return ", ".join(shown) + more
 

@@ -24,6 +24,7 @@ from app.middleware import BODY_RECEIVED
 from app.protocol.output_parser import Content, Event, Reasoning, merge
 from app.protocol.tool_formats import ToolCall
 from app.state import AppState
+from observability.escape import ascii_escaped
 from observability.records import RequestRecord
 from scheduler.admission import RETRY_AFTER_S
 from scheduler.request import (
@@ -169,7 +170,7 @@ class Outcome:
 
 def _header_safe(value: str) -> str:
     """A client-chosen id as a header value: ASCII, bounded."""
-    return value.encode("unicode_escape").decode("ascii")[:256]
+    return ascii_escaped(value, 256)
 
 
 def openai_tool_calls(calls: list[ToolCall], ids: list[str]) -> list[dict[str, Any]]:

@@ -33,6 +33,7 @@ from kvcache.safetensors_io import CorruptFile
 from kvcache.sessions import SessionStore
 from kvcache.stats import KVCacheStats, TierStats
 from kvcache.tiers import PERSISTENT_TIERS, PersistentTier
+from observability.escape import ascii_escaped
 from scheduler.request import CacheHints, CacheReport
 
 log = logging.getLogger("kvwarm.kvcache")
@@ -189,7 +190,7 @@ class TieredKVManager:
                 "%s: prefix cache miss (%d candidates, session %s)",
                 request_id,
                 result.candidates,
-                hints.session_id,
+                ascii_escaped(hints.session_id),  # a client's: no forged log lines
             )
             self._return_memory()
             return None, miss
@@ -221,7 +222,7 @@ class TieredKVManager:
             entry.entry_id,
             entry.length,
             al.stale_tokens,
-            hints.session_id,
+            ascii_escaped(hints.session_id),
         )
         reuse = Reuse(
             entry.entry_id,

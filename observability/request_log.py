@@ -16,6 +16,7 @@ import re
 import threading
 from pathlib import Path
 
+from observability.escape import ascii_escaped
 from observability.records import RequestRecord
 
 log = logging.getLogger("kvwarm.request")
@@ -42,7 +43,7 @@ def plain_line(rec: RequestRecord) -> str:
         f"decode={secs('decode_s')} ttft={secs('ttft_s')} total={rec.e2e_s:.2f}s "
         f"({f['tokens_per_s']:.1f} tok/s) finish={rec.finish} tool_calls={rec.tool_calls} "
         # a client-chosen id: escaped, so a newline in it cannot forge a log line
-        f"cache={cache} session={(rec.session or '-').encode('unicode_escape').decode('ascii')}"
+        f"cache={cache} session={ascii_escaped(rec.session or '-')}"
         + (f" adapter={rec.adapter}" if rec.adapter else "")
     )
 

@@ -545,3 +545,26 @@ def test_a_hit_whose_disk_read_fails_is_never_counted_then_taken_back(tmp_path):
         assert during == [(0, 0)] and (after.hits, after.disk_hits, after.misses) == (0, 0, 1)
     finally:
         m.close()
+
+
+def test_a_session_id_cannot_forge_a_prefix_cache_log_line(tmp_path, caplog):
+    """The cache's hit and miss lines logged the client's session id raw: a newline
+    in it wrote a line of the client's choosing into the plain-text log."""
+    import logging
+
+    forged = "s1\n2026-01-01 00:00:00 WARNING kvwarm.http: forged"
+    m = manager(tmp_path)
+    try:
+        tokens = list(range(300, 364))
+        with caplog.at_level(logging.INFO, logger="kvwarm"):
+            for _ in range(2):  # a miss, then a hit
+                reuse, _ = m.lookup("r", CacheHints(PromptKey.build(tokens), forged), 0)
+                if reuse is not None:
+                    m.release(reuse.entry_id)
+                else:
+                    store(m, tokens, session=forged)
+        lines = [r.getMessage() for r in caplog.records if "prefix cache" in r.getMessage()]
+        assert any("miss" in ln for ln in lines) and any("hit" in ln for ln in lines)
+        assert all("\n" not in ln and "s1\\n2026" in ln for ln in lines)
+    finally:
+        m.close()
