@@ -160,6 +160,16 @@ def _context_length(app: FastAPI) -> int | None:
     return info.context_length if info is not None else None
 
 
+def _status(state: AppState) -> str:
+    """ok / loading / draining / error: what /health answers and /stats says."""
+    engine = state.engine
+    if not engine.alive:
+        return "error"
+    if not engine.ready:
+        return "loading"
+    return "draining" if state.service.scheduler.draining else "ok"
+
+
 def _add_admin_routes(app: FastAPI) -> None:
     @app.get(
         "/health",
@@ -174,14 +184,12 @@ def _add_admin_routes(app: FastAPI) -> None:
     )
     async def health(request: Request) -> JSONResponse:
         state: AppState = request.app.state.kvwarm
-        engine = state.engine
-        if not engine.alive:
-            return JSONResponse({"status": "error", "error": engine.failure}, 503)
-        if not engine.ready:
-            return JSONResponse({"status": "loading"}, 503, headers=RETRY_LATER)
-        if state.service.scheduler.draining:
-            return JSONResponse({"status": "draining"}, 503, headers=RETRY_LATER)
-        return JSONResponse({"status": "ok"})
+        status = _status(state)
+        if status == "error":
+            return JSONResponse({"status": status, "error": state.engine.failure}, 503)
+        if status != "ok":
+            return JSONResponse({"status": status}, 503, headers=RETRY_LATER)
+        return JSONResponse({"status": status})
 
     @app.get(
         "/metrics",
@@ -240,7 +248,7 @@ def _add_admin_routes(app: FastAPI) -> None:
         eng = engine.engine_stats()
         budget = info.budget if info else None
         return {
-            "status": "ok" if engine.ready else ("error" if not engine.alive else "loading"),
+            "status": _status(state),
             "model": info.model_id if info else None,
             "model_path": info.path if info else None,
             "device": info.device if info else None,

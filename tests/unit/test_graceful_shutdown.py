@@ -99,6 +99,7 @@ def test_sigterm_lets_running_streams_finish_and_exits_zero(tmp_path):
         assert refused.json()["error"]["code"] == "server_shutdown"
         health = httpx.get(url + "/health")
         assert health.status_code == 503 and health.json()["status"] == "draining"
+        assert httpx.get(url + "/stats").json()["status"] == "draining"  # it said "ok"
         for t in threads:
             t.join(30)
         assert proc.wait(30) == 0, log.read_text()[-2000:]
