@@ -15,6 +15,9 @@ else
 MLX_EXTRA ?=
 endif
 MLX_EXTRA := $(strip $(MLX_EXTRA))
+# the stamp names the MLX build installed: `make install MLX_EXTRA=cuda` after a CPU
+# install reinstalls (one stamp for all said "Nothing to be done")
+STAMP := $(VENV)/.installed-$(or $(MLX_EXTRA),default)
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 
 .PHONY: install install-dev system-deps test-tools serve test test-fast bench bench-agents bench-dialects lint clean help
@@ -73,9 +76,11 @@ test-tools:
 	  $(PYTHON) -m venv $(LITELLM_VENV) && $(LITELLM_VENV)/bin/pip install -q --disable-pip-version-check 'litellm[proxy]' || \
 	  echo "warning: could not install litellm[proxy]; the LiteLLM test will not run"; }
 
-$(VENV)/.installed: pyproject.toml deploy/pip_requirements.py Makefile
+$(STAMP): pyproject.toml deploy/pip_requirements.py Makefile
 	@$(MAKE) --no-print-directory system-deps
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# a venv without pip (python3-venv missing the first time) is made again
+	$(PY) -m pip --version >/dev/null 2>&1 || $(PYTHON) -m venv $(VENV)
+	rm -f $(VENV)/.installed-*
 	$(PIP) install -q --upgrade pip setuptools
 	$(PIP) install -q --no-deps -e .
 	$(PY) deploy/pip_requirements.py $(MLX_EXTRA) vision > $(VENV)/requirements.txt
@@ -83,14 +88,14 @@ $(VENV)/.installed: pyproject.toml deploy/pip_requirements.py Makefile
 	$(PIP) install -q --no-deps $$($(PY) deploy/pip_requirements.py --no-deps-only vision)
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed
+$(VENV)/.dev-installed: $(STAMP)
 	$(PY) deploy/pip_requirements.py $(MLX_EXTRA) dev > $(VENV)/requirements-dev.txt
 	$(PIP) install -q -r $(VENV)/requirements-dev.txt
 	touch $@
 
-install: $(VENV)/.installed
+install: $(STAMP)
 
-install-dev: $(VENV)/.installed-dev
+install-dev: $(VENV)/.dev-installed
 
 serve: install
 	$(VENV)/bin/kvwarm prepare
