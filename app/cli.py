@@ -45,6 +45,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "prompt_cache_ttl": {"type": float, "metavar": "SECONDS"},
     "cache_block_size": {"type": int, "metavar": "N"},
     "volatile_policy": {"choices": ["reuse", "strict", "relocate"]},
+    "cache_dir": {"metavar": "DIR"},
     "kv_dir": {"metavar": "DIR"},
     "kv_disk_bytes": {"metavar": "SIZE"},
     "kv_tier": {"metavar": "KIND"},
@@ -122,9 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = sub.add_parser(
         "prepare",
         help="convert/load-check the model once and exit (used by `make serve`)",
-        description="Convert a GGUF model (the default one included) into the MLX cache dir.",
+        description="Convert a GGUF model (the default one included) into the MLX cache dir, "
+        "or check an MLX model directory's config and weight headers, and print its path.",
     )
-    _add_settings_flags(prepare, ["model", "log_level"])
+    _add_settings_flags(prepare, ["model", "cache_dir", "log_level"])
     fit = sub.add_parser(
         "fit",
         help="will a model fit this machine, how much context, how fast (no server)",
@@ -138,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     fit.add_argument(
         "--matrix", action="store_true", help="also show which Apple memory sizes run each"
     )
-    _add_settings_flags(fit, ["model_dir", "log_level"])
+    _add_settings_flags(fit, ["model_dir", "cache_dir", "log_level"])
     chat = sub.add_parser(
         "chat",
         help="chat with kvwarm or any OpenAI-compatible server from the terminal",
@@ -177,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
 # the settings each command besides serve reads: a bad value of any other one (a
 # server setting in .env) is the server's business, not a reason to refuse them
 READS = {
-    "prepare": frozenset({"model", "log_level", "log_json"}),
-    "fit": frozenset({"model_dir", "log_level", "log_json"}),
+    "prepare": frozenset({"model", "cache_dir", "log_level", "log_json"}),
+    "fit": frozenset({"model_dir", "cache_dir", "log_level", "log_json"}),
 }
 
 
@@ -187,16 +189,19 @@ def load_settings(args: argparse.Namespace) -> Settings:
     overrides = {k: v for k, v in vars(args).items() if k not in local and v is not None}
     try:
         return Settings(**overrides)
-    except ValidationError as exc:
+    except ValidationError:
         reads = READS.get(args.command)
-        fields = {str(e["loc"][0]) if e["loc"] else "" for e in exc.errors()}
-        if reads is None or "" in fields or not fields.isdisjoint(reads):
+        if reads is None:
             raise
-        # what this command never reads keeps its default (a keyword beats .env)
+        # what this command never reads keeps its default (a keyword beats .env): a
+        # bad server setting, alone or against another one, is not its business; a
+        # bad one it reads is still refused
         defaults = {
-            f: Settings.model_fields[f].get_default(call_default_factory=True) for f in fields
+            f: info.get_default(call_default_factory=True)
+            for f, info in Settings.model_fields.items()
+            if f not in reads
         }
-        return Settings(**defaults, **overrides)
+        return Settings(**{**defaults, **overrides})
 
 
 def describe_invalid(exc: ValidationError) -> str:
@@ -244,8 +249,24 @@ def cmd_prepare(settings: Settings) -> int:
         path = prepare_model_dir(source)
     except UnsupportedModelError as exc:
         return _fail(str(exc))
+    problem = _unloadable(path)
+    if problem:
+        return _fail(problem)
     print(path)
     return 0
+
+
+def _unloadable(path: Path) -> str | None:
+    """Why serve would refuse the model, as far as its config and weight headers
+    tell (no weights are read): prepare is `make serve`'s check step."""
+    from app.model_library import read_entry
+
+    found = read_entry(path)
+    if isinstance(found, tuple):
+        return found[2]
+    if not found.vision and not found.supported:  # a vision model's text half may still serve
+        return f"{path}: {found.why_unsupported}"
+    return None
 
 
 def cmd_fit(settings: Settings, models: list[str], as_json: bool, matrix: bool) -> int:
@@ -406,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings(args)
     except ValidationError as exc:
         return _fail(f"invalid settings: {describe_invalid(exc)}")
+    if settings.cache_dir:  # from a flag or .env: where engine.gguf_convert.cache_root looks
+        os.environ["KVWARM_CACHE_DIR"] = settings.cache_dir
     if args.command == "prepare":
         return cmd_prepare(settings)
     if args.command == "fit":

@@ -161,11 +161,16 @@ class Settings(BaseSettings):
         "prompt's end so the prefix stays stable and the model reads current values",
     )
 
+    cache_dir: str | None = Field(
+        None,
+        description="kvwarm's cache folder: models converted from GGUF (models/) and the "
+        "SSD tier's default kv/; default: $XDG_CACHE_HOME/kvwarm or ~/.cache/kvwarm",
+    )
     kv_dir: str | None = Field(
         None,
         description="SSD tier of the prefix cache: cached KV is written here (one folder "
         "per model fingerprint, cache layout and format) and found again after a restart; "
-        "default: kv/ in the cache dir ($KVWARM_CACHE_DIR or ~/.cache/kvwarm)",
+        "default: kv/ in the cache dir (--cache-dir)",
     )
     kv_disk_bytes: ByteSize | Literal["auto"] = Field(
         "auto",
@@ -342,7 +347,7 @@ class Settings(BaseSettings):
         "/health turns 503, open requests fail and the process exits non-zero",
     )
 
-    @field_validator("cache_trace_dir")
+    @field_validator("cache_trace_dir", "cache_dir")
     @classmethod
     def _trace_dir(cls, value: str | None) -> str | None:
         """``~/traces`` from a .env file or a unit file means the home folder, as
@@ -376,9 +381,16 @@ class Settings(BaseSettings):
     @property
     def model_dirs(self) -> list[Path]:
         """Folders /library scans: --model-dir ones, then kvwarm's model cache."""
-        from engine.gguf_convert import cache_root  # the one place the cache dir is decided
+        return [Path(d).expanduser() for d in self.model_dir] + [self.cache_root / "models"]
 
-        return [Path(d).expanduser() for d in self.model_dir] + [cache_root() / "models"]
+    @property
+    def cache_root(self) -> Path:
+        """--cache-dir, else where engine.gguf_convert.cache_root looks by default."""
+        if self.cache_dir:
+            return Path(self.cache_dir)
+        from engine.gguf_convert import cache_root  # the one place the default is decided
+
+        return cache_root()
 
     @property
     def adapters(self) -> tuple[tuple[str, Path], ...]:
@@ -499,9 +511,7 @@ class Settings(BaseSettings):
     def kv_disk_path(self) -> Path:
         if self.kv_dir:
             return Path(self.kv_dir).expanduser()
-        from engine.gguf_convert import cache_root  # the one place the cache dir is decided
-
-        return cache_root() / "kv"
+        return self.cache_root / "kv"
 
     @property
     def kv_disk_limit(self) -> int | None:

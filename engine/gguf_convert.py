@@ -216,7 +216,7 @@ def _convert_weights(
 
 def cache_root() -> Path:
     if env := os.environ.get("KVWARM_CACHE_DIR"):
-        return Path(env)
+        return Path(env).expanduser()  # "~/kvc" from a unit file's Environment=
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "kvwarm"
 

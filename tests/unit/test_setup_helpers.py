@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from app.cli import build_parser, load_settings, main
@@ -91,6 +93,53 @@ def test_fit_and_prepare_ignore_a_bad_server_setting_in_dotenv(tmp_path, monkeyp
     (tmp_path / ".env").write_text("KVWARM_LOG_LEVEL=loud\n")  # one fit reads
     with pytest.raises(ValueError, match="log_level"):
         load_settings(build_parser().parse_args(["fit"]))
+
+
+def test_fit_and_prepare_ignore_server_settings_that_disagree_with_each_other(
+    tmp_path, monkeypatch
+):
+    """Each value fine alone, the pair refused: a check across settings has no one
+    field to excuse, and `kvwarm fit` exited 2 over two vision settings."""
+    (tmp_path / ".env").write_text("KVWARM_MIN_PIXELS=100\nKVWARM_MAX_PIXELS=10\n")
+    monkeypatch.chdir(tmp_path)
+    fit = load_settings(build_parser().parse_args(["fit"]))
+    assert (fit.min_pixels, fit.max_pixels) == (None, None)  # the defaults: fit reads neither
+    with pytest.raises(ValueError, match="min-pixels"):
+        load_settings(build_parser().parse_args(["serve"]))
+
+
+def test_the_cache_dir_comes_from_dotenv_or_a_flag_with_the_home_folder_expanded(
+    tmp_path, monkeypatch
+):
+    """KVWARM_CACHE_DIR was read from the process environment only (a .env line was
+    ignored) and "~/kvc" from a unit file made a folder named "~"."""
+    from engine.gguf_convert import cache_root
+
+    monkeypatch.delenv("KVWARM_CACHE_DIR", raising=False)
+    (tmp_path / ".env").write_text(f"KVWARM_CACHE_DIR={tmp_path}/cache\n")
+    monkeypatch.chdir(tmp_path)
+    settings = load_settings(build_parser().parse_args(["serve"]))
+    assert settings.cache_dir == f"{tmp_path}/cache"
+    assert settings.kv_disk_path == tmp_path / "cache" / "kv"  # before main sets the env
+    monkeypatch.setenv("KVWARM_CACHE_DIR", "~/kvc")
+    assert cache_root() == Path.home() / "kvc"
+    flag = load_settings(build_parser().parse_args(["prepare", "--cache-dir", "~/other"]))
+    assert flag.cache_dir == str(Path.home() / "other")
+
+
+@pytest.mark.parametrize(
+    "config, fragment",
+    [('{"model_type": "no_such_arch"}', "no 'no_such_arch' model class"), ("{bad", "config.json")],
+)
+def test_prepare_refuses_a_model_dir_serve_would_refuse(tmp_path, capsys, config, fragment):
+    """prepare (make serve's check step) only looked for config.json and weights:
+    a config mlx-lm cannot load passed it, and serve failed after."""
+    from tests.unit.test_fit import write_safetensors
+
+    (tmp_path / "config.json").write_text(config)
+    write_safetensors(tmp_path / "model.safetensors", {"w": ("F16", [4])})
+    assert main(["prepare", "--model", str(tmp_path)]) == 2
+    assert fragment in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag, value", [("--max-step-ms", "nan"), ("--request-timeout", "inf")])
