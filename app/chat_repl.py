@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+import httpx
 from dotenv import dotenv_values
 
 from app.chat_client import ChatClient, ChatError, Delta, Usage
@@ -245,16 +246,29 @@ class ChatRepl:
         print(style(f"error: {message}", ERROR_STYLE, colour), file=sys.stderr, flush=True)
 
 
+def _dotenv_key() -> str | None:
+    """KVWARM_API_KEY from ./.env; a .env this user may not read (the server's,
+    mode 600) is passed over: the key can still come from --api-key."""
+    try:
+        return dotenv_values(".env").get("KVWARM_API_KEY")
+    except OSError:
+        return None
+
+
 def run_chat(args: argparse.Namespace) -> int:
     """Entry point of `kvwarm chat` (flags defined in app/cli.py)."""
     # the server's own .env holds the key it requires: read where the server reads it
     api_key = (
         args.api_key
         or os.environ.get("KVWARM_API_KEY")
-        or dotenv_values(".env").get("KVWARM_API_KEY")
+        or _dotenv_key()
         or os.environ.get("OPENAI_API_KEY")
     )
-    client = ChatClient(args.host, api_key)
+    try:
+        client = ChatClient(args.host, api_key)
+    except (httpx.InvalidURL, ValueError) as exc:  # "localhost:80a": a usage error
+        print(f"kvwarm: error: --host {args.host!r}: {exc}", file=sys.stderr)
+        return 2
     try:
         return ChatRepl(client, args.model, args.max_tokens, args.system).run()
     except KeyboardInterrupt:  # e.g. while the start-up model lookup waits

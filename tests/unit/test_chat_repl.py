@@ -462,3 +462,30 @@ def test_without_a_terminal_the_blocks_are_labelled_and_uncoloured(fake) -> None
 )
 def test_host_forms(host: str, url: str) -> None:
     assert base_url(host) == url
+
+
+def test_a_dotenv_it_may_not_read_is_passed_over(monkeypatch) -> None:
+    """The server's .env (mode 600, another user's) made `kvwarm chat` a traceback:
+    the key can still come from --api-key or the environment."""
+    from app import chat_repl
+
+    def unreadable(path):
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr(chat_repl, "dotenv_values", unreadable)
+    assert chat_repl._dotenv_key() is None
+
+
+@pytest.mark.parametrize("host", ["localhost:80a", "http://[::1"])
+def test_a_malformed_host_is_a_usage_error_not_a_traceback(host: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "app.cli", "chat", "--host", host],
+        input="/quit\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=child_env(),
+        timeout=60,
+    )
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("kvwarm: error: --host")

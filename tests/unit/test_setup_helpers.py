@@ -142,6 +142,21 @@ def test_prepare_refuses_a_model_dir_serve_would_refuse(tmp_path, capsys, config
     assert fragment in capsys.readouterr().err
 
 
+def test_a_settings_file_it_may_not_read_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """The server's .env (mode 600) read by another user: every command raised
+    PermissionError out of main."""
+    from pydantic_settings.sources.providers import dotenv
+
+    def unreadable(path, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    (tmp_path / ".env").write_text("KVWARM_BATCH=4\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(dotenv, "dotenv_values", unreadable)
+    assert main(["fit"]) == 2
+    assert "cannot read the settings: [Errno 13] Permission denied" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag, value", [("--max-step-ms", "nan"), ("--request-timeout", "inf")])
 def test_a_nan_or_infinite_setting_is_refused(flag, value):
     """NaN passed every "< 0" check: --max-step-ms nan fit no prefill slice at all."""
