@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -137,11 +138,11 @@ def main() -> None:
                 for series in r["data"]["result"]:
                     xs = [float(t) - t0 for t, _ in series["values"]]
                     ys = [float(v) for _, v in series["values"]]
-                    label = (
-                        target["legendFormat"]
-                        .replace("{{kind}}", series["metric"].get("kind", ""))
-                        .replace("{{reason}}", series["metric"].get("reason", ""))
-                        .replace("{{finished_reason}}", series["metric"].get("finished_reason", ""))
+                    # Grafana's {{label}} placeholders, every one the dashboard uses
+                    label = re.sub(
+                        r"\{\{(\w+)\}\}",
+                        lambda m, labels=series["metric"]: labels.get(m.group(1), ""),
+                        target["legendFormat"],
                     )
                     if panel["type"] == "stat":
                         ax.text(
