@@ -222,7 +222,12 @@ def describe_invalid(exc: ValidationError) -> str:
     )
 
 
-def _fail(message: str, code: int = 2) -> int:
+# exit 2: the settings are wrong (a supervisor retrying gains nothing); exit 1: this
+# start failed for now (a peer not up, the port still held, the engine died): retry
+USAGE, NOT_NOW = 2, 1
+
+
+def _fail(message: str, code: int = USAGE) -> int:
     print(f"kvwarm: error: {message}", file=sys.stderr)
     return code
 
@@ -330,7 +335,7 @@ def cmd_serve(settings: Settings) -> int:
         try:
             group = RankGroup.join(dist)
         except (ValueError, RuntimeError) as exc:
-            return _fail(f"cannot join the distributed group: {exc}")
+            return _fail(f"cannot join the distributed group: {exc}", NOT_NOW)
         config = replace(config, distributed=dist, group=group)
         if not group.serving:
             from engine.rank_worker import run_worker
@@ -345,7 +350,8 @@ def cmd_serve(settings: Settings) -> int:
             return _leave_group(code)
     problem = unbindable(settings.host, settings.port)  # the serving rank's, before loading
     if problem is not None:
-        return _leave_group(_fail(problem)) if dist is not None else _fail(problem)
+        code = _fail(problem, NOT_NOW)  # the port may be free on the next start
+        return _leave_group(code) if dist is not None else code
     server: GracefulServer | None = None
     load_failure: list[str] = []
 
@@ -384,7 +390,7 @@ def cmd_serve(settings: Settings) -> int:
     )
     server.run()
     if load_failure:
-        return _fail(load_failure[0], code=1)
+        return _fail(load_failure[0], NOT_NOW)
     if server.exit_code:
         log.error("exiting with status %d: the engine died", server.exit_code)
     return _leave_group(server.exit_code) if dist is not None else server.exit_code

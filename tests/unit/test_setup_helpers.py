@@ -199,7 +199,8 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys, monke
         taken.listen()
         port = taken.getsockname()[1]
         code = main(["serve", "--model", str(model), "--port", str(port), "--no-log-json"])
-    assert code == 2 and not loads
+    # exit 1, not the settings error's 2: a supervisor retries, the port may be free then
+    assert code == 1 and not loads
     assert f"port {port} on 127.0.0.1 is already in use" in capsys.readouterr().err
 
 
@@ -285,3 +286,23 @@ def test_kvwarms_collectives_are_built_as_the_models_own(monkeypatch):
     ranks.gather(b"facts")
     assert len(calls) == 4
     assert all(set(kwargs) == {"group"} and stream == models for kwargs, stream in calls)
+
+
+def test_a_rank_whose_peers_are_not_up_exits_1_for_its_supervisor_to_retry(
+    tmp_path, monkeypatch, capsys
+):
+    """The ring gives up after ~31 s with no peer listening: that exited 2, the
+    settings error's code, which the units do not restart: a worker whose serving
+    rank was rebooting stayed down for good."""
+    from engine import distributed
+    from tests.helpers.tiny_models import write_tiny_llama
+
+    def no_peer(cls, config):
+        raise RuntimeError("[ring] Couldn't connect (error: 111)")
+
+    monkeypatch.setattr(distributed.RankGroup, "join", classmethod(no_peer))
+    model = write_tiny_llama(tmp_path / "tiny", seed=1)
+    argv = ["serve", "--model", str(model), "--distributed", "--distributed-rank", "1"]
+    argv += ["--distributed-world-size", "2", "--distributed-hosts", "127.0.0.1", "--no-log-json"]
+    assert main(argv) == 1
+    assert "cannot join the distributed group" in capsys.readouterr().err
