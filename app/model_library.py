@@ -10,6 +10,7 @@ quantized weights unpacked), the KV cost per token and the context.
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import os
@@ -58,8 +59,26 @@ def _mlx_lm_types() -> frozenset[str]:
     spec = importlib.util.find_spec("mlx_lm")
     if spec is None or not spec.submodule_search_locations:
         return frozenset()
-    models = Path(next(iter(spec.submodule_search_locations))) / "models"
-    return frozenset(p.stem for p in models.glob("*.py") if not p.stem.startswith("_"))
+    root = Path(next(iter(spec.submodule_search_locations)))
+    modules = {p.stem for p in (root / "models").glob("*.py") if not p.stem.startswith("_")}
+    return frozenset(modules | _remapped(root / "utils.py"))
+
+
+def _remapped(utils: Path) -> set[str]:
+    """Model types mlx-lm loads through another's module (its MODEL_REMAPPING:
+    mistral -> llama, kimi_k2 -> deepseek_v3, ...), read from its source."""
+    try:
+        tree = ast.parse(utils.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return set()
+    for node in tree.body:
+        if (
+            isinstance(node, ast.Assign)
+            and any(isinstance(t, ast.Name) and t.id == "MODEL_REMAPPING" for t in node.targets)
+            and isinstance(node.value, ast.Dict)
+        ):
+            return {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+    return set()
 
 
 def _safetensors_header(path: Path) -> dict[str, Any]:

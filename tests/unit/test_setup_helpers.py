@@ -142,6 +142,17 @@ def test_prepare_refuses_a_model_dir_serve_would_refuse(tmp_path, capsys, config
     assert fragment in capsys.readouterr().err
 
 
+def test_prepare_accepts_a_model_type_mlx_lm_loads_through_another_module(tmp_path, capsys):
+    """mlx-lm serves "mistral" with its llama module (MODEL_REMAPPING): prepare,
+    /library and fit called every Mistral, Devstral and MiniMax-M2 unsupported."""
+    from tests.unit.test_fit import write_safetensors
+
+    (tmp_path / "config.json").write_text('{"model_type": "mistral"}')
+    write_safetensors(tmp_path / "model.safetensors", {"w": ("F16", [4])})
+    assert main(["prepare", "--model", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path)
+
+
 def test_a_settings_file_it_may_not_read_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
     """The server's .env (mode 600) read by another user: every command raised
     PermissionError out of main."""
