@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 
@@ -20,27 +21,41 @@ def follow_through_stop_signals(limit_s: float, stopped: threading.Event) -> Non
     """SIGTERM / SIGINT reach every rank when a supervisor or mlx.launch stops the
     group: a worker that left at once broke the serving rank's drain (every running
     stream failed as a lost rank). It follows on until the serving rank's stop, at
-    most ``limit_s``; a second signal ends it at once."""
-    received: list[int] = []
+    most ``limit_s``; a second signal ends it at once.
+
+    Watched from a thread through the wakeup fd, not a Python handler: those run on
+    the main thread only, which an idle group keeps blocked in a collective for as
+    long as nothing is sent (a stop then waited for the supervisor's SIGKILL)."""
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    watched = {int(signal.SIGINT), int(signal.SIGTERM)}
+    for signum in watched:
+        signal.signal(signum, lambda *_: None)  # the watcher acts; no KeyboardInterrupt
 
     def give_up(signum: int) -> None:
         if not stopped.wait(limit_s):
             log.error("the serving rank did not stop within %.0f s; exiting", limit_s)
             exit_now(128 + signum)
 
-    def on_signal(signum: int, _frame) -> None:
-        if received:
-            exit_now(128 + signum)
-        received.append(signum)
-        log.warning(
-            "%s: following the serving rank while it drains (at most %.0f s; again to quit now)",
-            signal.Signals(signum).name,
-            limit_s,
-        )
-        threading.Thread(target=give_up, args=(signum,), name="kvwarm-stop", daemon=True).start()
+    def watch() -> None:
+        received = 0
+        while True:
+            for signum in os.read(read_end, 64):
+                if signum not in watched:
+                    continue
+                received += 1
+                if received > 1:
+                    exit_now(128 + signum)
+                log.warning(
+                    "%s: following the serving rank while it drains "
+                    "(at most %.0f s; again to quit now)",
+                    signal.Signals(signum).name,
+                    limit_s,
+                )
+                threading.Thread(target=give_up, args=(signum,), daemon=True).start()
 
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, on_signal)
+    threading.Thread(target=watch, name="kvwarm-stop-signals", daemon=True).start()
 
 
 def run_worker(config: EngineConfig, drain_s: float) -> int:

@@ -300,6 +300,23 @@ def test_a_stop_signal_to_every_rank_drains_open_requests(signum, model_cache, t
     assert "following the serving rank while it drains" in (tmp_path / "rank1.log").read_text()
 
 
+def test_an_idle_worker_hears_a_stop_signal_and_a_second_one_ends_it(model_cache, tiny, tmp_path):
+    """An idle group keeps the worker's main thread blocked in a collective, where
+    no Python signal handler runs: SIGTERM waited for the supervisor's SIGKILL."""
+    with flag_group(model_cache, (tiny, tiny), *TINY, log_dir=tmp_path) as (base, procs):
+        leader, worker = procs
+        wait_for_process(leader, base + "/health", tmp_path / "rank0.log", "rank 0", 240)
+        worker.send_signal(signal.SIGTERM)
+        log = tmp_path / "rank1.log"
+        deadline = time.monotonic() + 5
+        while "following the serving rank" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.1)
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(5) == 128 + signal.SIGTERM
+        assert leader.wait(30) == 1  # its rank is lost: the group restarts whole
+
+
 def test_ranks_started_with_different_rank_timeouts_refuse_to_start(model_cache, tiny, tmp_path):
     """A worker waiting less than the serving rank's beat interval declared it
     lost about 10 s into every start: the group never stayed up."""
