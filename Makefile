@@ -9,7 +9,12 @@ HOST ?=
 PORT ?=
 
 UNAME := $(shell uname -s)
-ifeq ($(UNAME),Linux)
+# the MLX build installed last (.installed-cpu / -cuda / -default): a later plain
+# `make serve` keeps it, `make install MLX_EXTRA=...` switches
+INSTALLED := $(patsubst .installed-%,%,$(notdir $(firstword $(wildcard $(VENV)/.installed-*))))
+ifneq ($(INSTALLED),)
+MLX_EXTRA ?= $(subst default,,$(INSTALLED))
+else ifeq ($(UNAME),Linux)
 MLX_EXTRA ?= cpu        # override with MLX_EXTRA=cuda on NVIDIA machines
 else
 MLX_EXTRA ?=

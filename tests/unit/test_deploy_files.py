@@ -52,3 +52,13 @@ def test_a_settings_error_is_not_restarted_for_ever(tmp_path):
     assert r.returncode == 2
     for unit in ("kvwarm.service", "kvwarm-rank.service"):
         assert "\nRestartPreventExitStatus=2\n" in (ROOT / "deploy" / unit).read_text()
+
+
+def test_a_plain_make_keeps_the_mlx_build_installed_last(tmp_path):
+    """After `make install MLX_EXTRA=cuda`, a plain `make serve` reinstalled the
+    CPU build over it (the default extra named another stamp)."""
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed-cuda").touch()
+    assert up_to_date(venv)
+    assert not up_to_date(venv, "MLX_EXTRA=cpu")
