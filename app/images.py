@@ -25,6 +25,10 @@ from app.media_fetch import FetchPolicy, fetch
 # the formats a client's bytes may be decoded as: what browsers and agents send
 # (never EPS/PDF, which Pillow hands to Ghostscript, or other exotic decoders)
 IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")
+# a progressive JPEG's decoder passes over the whole image once a scan: encoders
+# write about ten, a crafted file thousands in a few KB (minutes of a preparation
+# slot every request shares). Markers inside an EXIF thumbnail count too: still few.
+MAX_JPEG_SCANS = 100
 _DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?((?:;[\w.+-]+=[^;,]*)*)(;base64)?,", re.I)
 
 
@@ -148,7 +152,9 @@ def decode_image(raw: bytes, limits: ImageLimits, where: str = "image") -> Loade
     try:
         image = Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)
         width, height = image.size  # the header only: nothing decoded yet
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+    except MemoryError:
+        raise
+    except (UnidentifiedImageError, Exception) as exc:  # noqa: BLE001 - whatever a crafted header raises
         raise APIError(400, f"{where}: not an image this server can read ({exc}).") from exc
     if width * height > limits.max_pixels:
         raise APIError(
@@ -156,9 +162,17 @@ def decode_image(raw: bytes, limits: ImageLimits, where: str = "image") -> Loade
             f"{where}: {width}x{height} = {width * height} pixels; the limit is "
             f"{limits.max_pixels} (--max-image-pixels).",
         )
+    if image.format == "JPEG" and (scans := raw.count(b"\xff\xda")) > MAX_JPEG_SCANS:
+        raise APIError(
+            400,
+            f"{where}: a JPEG of {scans} scans; at most {MAX_JPEG_SCANS} are read "
+            "(each one is a pass over the whole image).",
+        )
     try:
         rgb = image.convert("RGB")  # decodes: corrupt data fails here
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+    except MemoryError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a crafted file raises what its decoder does
         raise APIError(400, f"{where}: the image data is corrupt ({exc}).") from exc
     digest = hashlib.blake2b(f"{width}x{height}".encode(), digest_size=16)
     digest.update(rgb.tobytes())

@@ -77,3 +77,38 @@ def test_the_image_marker_rendered_from_outside_message_text_is_refused():
     assert err.value.status == 400 and "'<image>'" in err.value.message
     clean = PromptKey.build([1, 2, 3, 4])
     assert attach_images(clean, ResolvedImages(), _Front()) == (clean, [1, 2, 3, 4], ())
+
+
+def _progressive_jpeg(extra_scans: int) -> bytes:
+    """A progressive JPEG with its last scan written ``extra_scans`` more times
+    (each a pass over the whole image for the decoder, a few bytes in the file)."""
+    out = io.BytesIO()
+    Image.new("L", (256, 256), 128).save(out, "JPEG", progressive=True)
+    data = out.getvalue()
+    last = data.rindex(b"\xff\xda")
+    eoi = data.rindex(b"\xff\xd9")
+    return data[:eoi] + data[last:eoi] * extra_scans + data[eoi:]
+
+
+def test_a_jpeg_of_thousands_of_scans_is_refused_before_it_is_decoded():
+    """5000 repeated scans in 86 KB took a preparation slot (one of two, shared by
+    every request) 1.6 s at 2000x2000, minutes at the byte limit."""
+    assert decode_image(_progressive_jpeg(0), ImageLimits()).image.size == (256, 256)
+    with pytest.raises(APIError, match="a JPEG of 5.* scans") as refused:
+        decode_image(_progressive_jpeg(5000), ImageLimits())
+    assert refused.value.status == 400
+
+
+# Pillow's TIFF of a 9x9 16-bit image with its StripOffsets tag typed RATIONAL:
+# the decoder raises TypeError, which was a 500
+BAD_TIFF = bytes.fromhex(
+    "49492a00080000000900000104000100000009000000010104000100000009000000020103000100"
+    "00001000000003010300010000000100000006010300010000000100000011010500010000007a00"
+    "00001601040001000000090000001701040001000000a20000001c010300010000000100000000"
+) + bytes(140)
+
+
+def test_a_corrupt_image_whose_decoder_raises_anything_is_a_400():
+    with pytest.raises(APIError, match="corrupt|cannot read") as refused:
+        decode_image(BAD_TIFF, ImageLimits())
+    assert refused.value.status == 400
