@@ -113,18 +113,30 @@ def _check_host(host: str, policy: FetchPolicy, where: str) -> None:
 
 # metadata services outside link-local: AWS over IPv6 (Nitro), Alibaba Cloud
 _METADATA = {ipaddress.ip_address("fd00:ec2::254"), ipaddress.ip_address("100.100.100.200")}
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# IPv6 forms whose last 32 bits are an IPv4 address a network may translate to:
+# NAT64 (RFC 6052), SIIT (::ffff:0:a.b.c.d) and IPv4-compatible (::a.b.c.d)
+_LAST_32_BITS = tuple(ipaddress.ip_network(n) for n in ("64:ff9b::/96", "::ffff:0:0:0/96", "::/96"))
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")  # RFC 8215: RFC 6052's /48 layout
+
+
+def _carried_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 one carries, in any form a network translates."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if any(ip in net for net in _LAST_32_BITS) and int(ip) > 1:  # not :: or ::1
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    if ip in _NAT64_LOCAL:  # bits 48-63 and 72-87 (bits 64-71 are zero)
+        packed = ip.packed
+        return ipaddress.IPv4Address(packed[6:8] + packed[9:11])
+    return None
 
 
 def _check_address(address: str, host: str, where: str, private: bool = False) -> None:
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone
     if isinstance(ip, ipaddress.IPv6Address):  # an IPv4 address carried in IPv6
-        if ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
-        elif ip.sixtofour is not None:
-            ip = ip.sixtofour
-        elif ip in _NAT64:
-            ip = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        ip = _carried_ipv4(ip) or ip
     kind = (
         "link-local"
         if ip.is_link_local

@@ -246,6 +246,9 @@ def resolving_to(monkeypatch, address: str) -> list[object]:
         "::ffff:169.254.169.254",
         "2002:a9fe:a9fe::",  # 6to4 of 169.254.169.254
         "64:ff9b::a9fe:a9fe",  # NAT64 of it
+        "64:ff9b:1:a9fe:a9:fe00::",  # local-use NAT64 (RFC 8215, the /48 layout)
+        "::ffff:0:a9fe:a9fe",  # SIIT
+        "::a9fe:a9fe",  # IPv4-compatible
         "fd00:ec2::254",  # AWS's metadata service over IPv6
         "100.100.100.200",  # Alibaba Cloud's
         "224.0.0.1",
