@@ -187,18 +187,21 @@ class BatchRunner:
         """A cached key's tokens as the model's ids (image identities expanded)."""
         return self.vision.model_ids(tokens) if self.vision is not None else list(tokens)
 
-    def _vision_prefill(self, w: Waiting) -> bool:
+    def _vision_prefill(self, w: Waiting, budget: int) -> bool:
         """Run the row's prompt through its next uncached image (engine.vision), one
-        image a step so that a many-image prompt does not stall the running rows;
-        True once past its last image: it then joins the batch like a prefix hit,
-        with the text after the image."""
+        image a step, and at most ``budget`` tokens of the text before it (this
+        step's prefill slice), so that neither many images nor a long history before
+        one stall the running rows; True once past its last image: it then joins the
+        batch like a prefix hit, with the text after the image."""
         row, request = w.row, w.row.request
         start = w.vision_at if w.vision_at is not None else row.cached
         if self.vision is None or all(i.end <= start for i in request.images):
             return True
         cache = list(w.cache) if w.cache is not None else make_prompt_cache(self.model)
         skew = row.kv_offset - start  # KV positions stepped over (volatile spans)
-        done, delta = self._read_images(row, cache, start, row.rope_delta + skew, max_images=1)
+        done, delta = self._read_images(
+            row, cache, start, row.rope_delta + skew, max_images=1, max_text=budget
+        )
         row.rope_delta = delta - skew
         gained = done - start
         rest = request.prompt_tokens[done:]
@@ -211,7 +214,13 @@ class BatchRunner:
         return all(i.end <= done for i in request.images)
 
     def _read_images(
-        self, row: Row, cache: list, start: int, delta: int, max_images: int | None = None
+        self,
+        row: Row,
+        cache: list,
+        start: int,
+        delta: int,
+        max_images: int | None = None,
+        max_text: int | None = None,
     ) -> tuple[int, int]:
         """The row's prompt from ``start`` through its images into ``cache``
         (engine.vision), through the routed model with the row's adapter tag, as
@@ -227,6 +236,7 @@ class BatchRunner:
             max_images=max_images,
             model=self.adapters.routed,
             tag=AdapterTag(row.slot),
+            max_text=max_text,
         )
 
     def _insert(self, row: Row, segments, cache, cached_tokens, generator=None) -> int:
@@ -335,7 +345,7 @@ class BatchRunner:
             try:
                 if w.row.request.images:
                     began = time.perf_counter()
-                    past_images = self._vision_prefill(w)
+                    past_images = self._vision_prefill(w, plan.slice_tokens)
                     vision_s += time.perf_counter() - began
                     if not past_images:
                         self._waiting[request_id] = w  # its next image next step

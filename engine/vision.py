@@ -374,13 +374,16 @@ class VisionPrefill:
         max_images: int | None = None,
         model: Any = None,
         tag: Any = None,
+        max_text: int | None = None,
     ) -> tuple[int, int]:
         """Prefill ``prompt[start:]`` up to the end of its last image (or of its
         ``max_images``-th uncached one) into ``cache``, whose positions run ``delta``
         from its depth; returns the depth reached (``start`` when every image is
         already cached) and the delta there. ``model`` and ``tag``: the routed
         model and the row's adapter tag (engine.lora), so a LoRA row reads its
-        images with its adapter, as it reads the rest of its prompt."""
+        images with its adapter, as it reads the rest of its prompt. ``max_text``:
+        at most that much text before an image (an engine step's prefill budget):
+        the depth reached is then inside the text, the image for a later call."""
         import mlx.core as mx
 
         merge = self.merge
@@ -398,6 +401,14 @@ class VisionPrefill:
             if merge is not None:
                 text_pos = sequential_positions(pos + delta, image.start - pos)
                 image_pos = image_positions(grid_shape(image.inputs, merge), image.start + delta)
+            if max_text is not None and image.start - pos > max_text:
+                take = max(1, max_text)  # this step's share of the text; no image yet
+                if text_pos is not None:
+                    text_pos = text_pos[..., :take]
+                self._feed(
+                    mx.array([list(prompt[pos : pos + take])]), cache, None, text_pos, model, tag
+                )
+                return pos + take, delta
             if image.start > pos:
                 ids = mx.array([list(prompt[pos : image.start])])
                 self._feed(ids, cache, None, text_pos, model, tag)

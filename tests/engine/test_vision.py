@@ -456,3 +456,45 @@ def test_a_vision_models_stored_kv_has_a_namespace_of_its_image_scheme(
         assert (weights, version) == (weights_digest(Path(path), memo), f"v{FORMAT_VERSION}")
         names[name] = scheme
     assert names == {"text": [], "vision": ["img2"]}  # the text model's as before
+
+
+def test_text_before_an_image_is_prefilled_within_the_step_budget(vlm, monkeypatch):
+    """A long history before a screenshot was prefilled in one engine step, whatever
+    --prefill-step-size or --max-step-ms said: every running row's next token waited
+    for all of it. It is now sliced as text is, with the same tokens at the end."""
+    loaded, front, fmt = vlm
+    step = 64
+
+    def screenshot_request() -> Request:
+        history = " ".join(str(i) for i in range(400))
+        parts = [
+            {"type": "text", "text": history},
+            {"type": "image", "source": ImageSource(url=data_url(png_bytes(*SIZE, GREEN)))},
+            {"type": "text", "text": "what is this?"},
+        ]
+        messages, images = resolve_images(
+            [{"role": "user", "content": parts}], front, ImageLimits(), False
+        )
+        key, prompt, inputs = attach_images(fmt.render_chat(messages).key, images, front)
+        return Request(prompt, 6, SamplingParams(temperature=0.0), images=inputs)
+
+    req = screenshot_request()
+    (image,) = req.images
+    assert image.start > 3 * step  # the text before it spans several steps
+    fed: list[int] = []
+    feed = loaded.vision._feed
+    monkeypatch.setattr(
+        loaded.vision, "_feed", lambda ids, *a, **k: (fed.append(ids.shape[1]), feed(ids, *a, **k))
+    )
+    runner = BatchRunner(loaded.model, loaded.tokenizer, 4, step, 4, vision=loaded.vision)
+    runner.add(req)
+    per_step, tokens = [], []
+    while runner.active:
+        fed.clear()
+        for out in runner.step():
+            assert out.error is None, out.error
+            tokens += out.token_ids
+        per_step.append(sum(fed))
+    assert max(per_step) <= step + len(image.tokens)
+    monkeypatch.undo()
+    assert (tuple(tokens), 0) == run(runner_for(loaded, cache=False), screenshot_request())[0]
