@@ -257,9 +257,16 @@ def test_good_requests_still_pass_through_every_envelope(base):
     "path, template, field",
     [
         (
-            RESPONSES,
-            '{"input": "hi", "max_output_tokens": 2, "metadata": {"foo": %s}}',
+            CHAT,
+            '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
+            '"metadata": {"foo": %s}}',
             "metadata.foo",
+        ),
+        (
+            RESPONSES,
+            '{"input": "hi", "max_output_tokens": 2, "tools": '
+            '[{"type": "function", "name": "f", "parameters": {"default": [%s]}}]}',
+            "tools.0.parameters.default.0",
         ),
         (
             RESPONSES,
