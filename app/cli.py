@@ -67,6 +67,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "max_images": {"type": int, "metavar": "N"},
     "max_image_bytes": {"metavar": "SIZE"},
     "max_images_bytes": {"metavar": "SIZE"},
+    "max_image_inputs_bytes": {"metavar": "SIZE"},
     "max_image_pixels": {"type": int, "metavar": "N"},
     "min_pixels": {"type": int, "metavar": "N"},
     "max_pixels": {"type": int, "metavar": "N"},

@@ -78,6 +78,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
             max_running=settings.batch,
             max_queue=settings.max_queue,
             request_timeout_s=settings.request_timeout,
+            max_image_bytes=int(settings.max_image_inputs_bytes),
         )
         engine = engine_factory(scheduler, router)
         state = AppState(settings, engine, GenerationService(scheduler, router, engine))

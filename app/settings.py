@@ -255,6 +255,13 @@ class Settings(BaseSettings):
         "20MB", description="largest encoded image (after base64 decoding or download)"
     )
     max_images_bytes: ByteSize = Field("50MB", description="all of one request's images")
+    max_image_inputs_bytes: ByteSize = Field(
+        ByteSize(2 * 2**30),
+        gt=0,
+        description="the vision processor's arrays queued and running requests may hold "
+        "at once (host memory no KV budget counts: a 2048 px image is ~85 MiB for "
+        "SmolVLM); a request beyond it is refused with 429, one over it alone with 400",
+    )
     max_image_pixels: int = Field(
         40_000_000,
         ge=1,

@@ -41,6 +41,7 @@ class Scheduler:
         max_running: int,
         max_queue: int,
         request_timeout_s: float | None = None,
+        max_image_bytes: int | None = None,
     ):
         if max_running < 1:
             raise ValueError("max_running must be >= 1")
@@ -49,6 +50,9 @@ class Scheduler:
         self.admission = admission
         self.max_running = max_running
         self.max_queue = max_queue
+        # processed image inputs queued and running requests may hold at once: made
+        # before a request queues, they are host memory no KV budget counts
+        self.max_image_bytes = max_image_bytes
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._waiting: deque[Request] = deque()
@@ -84,9 +88,32 @@ class Scheduler:
                     f"waiting (--max-queue {self.max_queue}). Retry later.",
                     retry_after=1 + len(self._waiting) // self.max_running,
                 )
+            self._check_image_bytes(request)
             request.state = RequestState.WAITING
             self._waiting.append(request)
         self._wake.set()
+
+    def _check_image_bytes(self, request: Request) -> None:
+        """Under the lock: refuse what would hold more image inputs than allowed."""
+        cap, mine = self.max_image_bytes, request.image_bytes
+        if cap is None or not mine:
+            return
+        if mine > cap:
+            self._rejected += 1
+            raise AdmissionError(
+                f"This request's images make {mine / 2**20:.0f} MiB of model inputs; the "
+                f"server holds at most {cap / 2**20:.0f} MiB (--max-image-inputs-bytes). "
+                "Send fewer or smaller images."
+            )
+        held = sum(r.image_bytes for r in (*self._waiting, *self._running.values()))
+        if held + mine > cap:
+            self._rejected += 1
+            raise QueueFull(
+                f"The server is busy: queued and running requests hold "
+                f"{held / 2**20:.0f} MiB of image inputs, this one needs {mine / 2**20:.0f} "
+                f"MiB more (--max-image-inputs-bytes {cap / 2**20:.0f} MiB). Retry later.",
+                retry_after=1 + len(self._waiting) // self.max_running,
+            )
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; a running one leaves the batch at the next step."""

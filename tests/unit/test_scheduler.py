@@ -170,3 +170,33 @@ def test_concurrent_adds_never_exceed_the_queue():
     for t in threads:
         t.join()
     assert s.stats().waiting == 50 and len(errors) == 160 - 50
+
+
+def test_image_inputs_held_by_queued_and_running_requests_are_bounded():
+    """The processor's arrays are made before a request queues and held until it
+    ends, outside every KV budget: 64 queued requests of five 2048 px images held
+    27 GiB. Beyond the cap a request is a 429 to retry, one over it alone a 400."""
+    import numpy as np
+
+    from scheduler.admission import AdmissionError
+    from scheduler.request import ImageInput
+
+    def with_images(name: str, mib: int) -> Request:
+        pixels = np.zeros(mib * 2**20, dtype=np.uint8)
+        image = ImageInput(1, (7, 7), b"k", b"k", inputs={"pixel_values": pixels})
+        return Request(list(range(10)), 10, images=(image,), request_id=name)
+
+    s = make(max_running=1)
+    s.max_image_bytes = 100 * 2**20
+    s.add(with_images("a", 60))
+    s.schedule()  # a runs: its arrays are still held (a batch recovery re-reads them)
+    s.add(req("text"))  # no images: never refused for them
+    with pytest.raises(QueueFull) as busy:
+        s.add(with_images("b", 60))
+    assert busy.value.status == 429 and "--max-image-inputs-bytes" in busy.value.message
+    with pytest.raises(AdmissionError) as never:
+        s.add(with_images("huge", 101))
+    assert never.value.status == 400
+    s.finish("a")
+    s.add(with_images("b", 60))  # a's arrays are gone
+    assert s.stats().rejected_total == 2
