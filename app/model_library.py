@@ -196,13 +196,20 @@ def _kv_per_layer(model_type: str, text: dict[str, Any], kv_heads: int, head_dim
     (DeepSeek V3, Kimi K2) caches one compressed latent and its rotary part, not
     every head's keys and values, except where mlx-lm's module expands it first."""
     latent = _int(text, "kv_lora_rank")
-    rope = _int(text, "qk_rope_head_dim")
     if latent and model_type in _MLA_FULL_HEADS:
+        # each module's own defaults; MiniCPM3's value heads are always hidden / heads
         heads = _int(text, "num_attention_heads", default=1)
-        key = _int(text, "qk_nope_head_dim") + rope
-        return heads * (key + _int(text, "v_head_dim", default=key))
+        key = _int(text, "qk_nope_head_dim", default=128) + _int(
+            text, "qk_rope_head_dim", default=64
+        )
+        value = (
+            _int(text, "hidden_size") // heads
+            if model_type == "minicpm3"
+            else _int(text, "v_head_dim", default=128)
+        )
+        return heads * (key + value)
     if latent:
-        return latent + rope
+        return latent + _int(text, "qk_rope_head_dim")
     return kv_heads * head_dim * 2
 
 

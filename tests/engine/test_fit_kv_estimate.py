@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models import deepseek_v2, deepseek_v3, llama, qwen3_next
+from mlx_lm.models import deepseek_v2, deepseek_v3, llama, minicpm3, qwen3_next
 from mlx_lm.models.cache import make_prompt_cache
 
 from app.model_library import dir_facts
@@ -32,6 +32,13 @@ DEEPSEEK_V2 = dict(
     qk_rope_head_dim=32, v_head_dim=64, qk_nope_head_dim=64, num_experts_per_tok=2,
     max_position_embeddings=8192, rope_scaling={"type": "yarn", "factor": 1.0, "mscale": 1,
     "mscale_all_dim": 1, "original_max_position_embeddings": 8192},
+)  # fmt: skip
+MINICPM3 = dict(
+    model_type="minicpm3", hidden_size=128, dim_model_base=128, num_hidden_layers=2,
+    intermediate_size=128, num_attention_heads=4, rms_norm_eps=1e-5, vocab_size=256,
+    num_key_value_heads=4, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8,
+    kv_lora_rank=32, scale_depth=1.4, scale_emb=12, max_position_embeddings=4096,
+    rope_scaling={"original_max_position_embeddings": 4096},
 )  # fmt: skip
 QWEN3_NEXT = dict(
     model_type="qwen3_next", vocab_size=256, hidden_size=128, intermediate_size=256,
@@ -89,10 +96,11 @@ def cached_bytes_per_token(model: nn.Module, tokens: int = 48) -> float:
         (deepseek_v3, DEEPSEEK_V3, True, ""),  # one latent per layer, not every head's K and V
         # latent attention in its config, yet mlx-lm caches every head's K and V
         (deepseek_v2, DEEPSEEK_V2, True, ""),
+        (minicpm3, MINICPM3, False, ""),  # value heads of hidden / heads, not in its config
         (qwen3_next, QWEN3_NEXT, True, ""),  # KV in one layer of four
         (llama, LLAMA, False, "model.norm.weight"),  # bf16 KV beside one float32 tensor
     ],
-    ids=["mla", "mla-expanded", "hybrid", "bf16-with-a-float32-tensor"],
+    ids=["mla", "mla-expanded", "mla-expanded-minicpm3", "hybrid", "bf16-with-a-float32-tensor"],
 )
 def test_the_kv_estimate_is_what_mlx_lm_caches(tmp_path, module, config, quantize, f32):
     mx.random.seed(0)
