@@ -193,11 +193,12 @@ class _Items:
 
 
 def _echoed_tool(tool: ResponsesTool) -> dict[str, Any]:
-    """A tool as the model saw it: a function's declared fields; of a built-in
-    tool (ignored) its type. Extra keys, never rendered nor counted against the
-    context, would otherwise be copied into every response event on the loop."""
+    """A tool as the client sent it: a function's declared fields (extra keys,
+    never rendered nor counted against the context, would be copied into every
+    response event on the loop); a built-in tool (ignored) whole, its size bounded
+    at the boundary, so the SDK's models of them still validate."""
     if tool.type != "function":
-        return {"type": tool.type}
+        return tool.model_dump(exclude_none=True)
     return tool.model_dump(
         include={"type", "name", "description", "parameters", "strict"}, exclude_none=True
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -125,6 +126,9 @@ class ReasoningConfig(BaseModel):
 
 # OpenAI's limits on a response's metadata: its own key/value record, echoed back
 METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
+# built-in tools (web_search, file_search, ...) are ignored yet echoed as sent: their
+# configurations are small, and nothing else bounds them (the context counts no part)
+MAX_BUILT_IN_TOOLS_BYTES = 64 * 2**10
 
 
 def client_metadata(metadata: Envelope | None) -> dict[str, str]:
@@ -148,6 +152,18 @@ class ResponsesRequest(EnvelopedSampling):
     store: Annotated[bool, null_is(True)] = True
     previous_response_id: str | None = None
     metadata: Envelope | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _small_built_in_tools(cls, value: list[ResponsesTool] | None) -> Any:
+        built_in = [t.model_dump(exclude_none=True) for t in value or () if t.type != "function"]
+        size = len(json.dumps(built_in, ensure_ascii=False)) if built_in else 0
+        if size > MAX_BUILT_IN_TOOLS_BYTES:
+            raise ValueError(
+                f"built-in tools (ignored, echoed back) of {size} bytes; at most "
+                f"{MAX_BUILT_IN_TOOLS_BYTES} are accepted"
+            )
+        return value
 
     @field_validator("metadata")
     @classmethod

@@ -209,28 +209,33 @@ def test_a_turn_that_was_reasoning_alone_keeps_it(server):
     assert "reasoning_content" not in seen[3]
 
 
-def test_a_response_echoes_tools_as_the_model_saw_them_and_metadata_as_openai_limits_it(server):
+def test_a_response_echoes_tools_and_metadata_within_bounds_the_sdk_validates(server):
     """Built-in tools and extra keys are never rendered nor counted against the
     context, yet were copied into every response event on the event loop (a
-    16 MiB body made each streamed event a 0.4 s stall for every client)."""
+    16 MiB body made each streamed event a 0.4 s stall for every client): extra
+    keys are dropped, built-in tools bounded and echoed whole, metadata held to
+    OpenAI's limits."""
     import httpx
 
-    bulky = "x" * 100_000
-    tools = [
-        {"type": "web_search_preview", "user_location": {"city": bulky}},
-        {**RESPONSES_TOOLS[0], "x_vendor": bulky},
+    built_in = [
+        {"type": "file_search", "vector_store_ids": ["vs_1"]},
+        {"type": "web_search_preview", "user_location": {"type": "approximate", "city": "Oslo"}},
     ]
     body = {
         "model": "m",
         "input": "hello",
-        "tools": tools,
+        "tools": [*built_in, {**RESPONSES_TOOLS[0], "x_vendor": "x" * 100_000}],
         "metadata": {"ticket": "T-1", "use_kv_cache": False},
     }
     r = httpx.post(server.url + "/v1/responses", json=body)
     assert r.status_code == 200, r.text
     echoed = r.json()
-    assert echoed["tools"] == [{"type": "web_search_preview"}, RESPONSES_TOOLS[0]]
+    assert echoed["tools"] == [*built_in, RESPONSES_TOOLS[0]]
     assert echoed["metadata"] == {"ticket": "T-1"}  # kvwarm's own switches are not echoed
+    Response.model_validate(echoed)  # strictly, as a client validating its replies does
+    bulky = {**body, "tools": [{"type": "web_search_preview", "x": "x" * 100_000}]}
+    r = httpx.post(server.url + "/v1/responses", json=bulky)
+    assert r.status_code == 400 and "built-in tools" in r.text
     for metadata in (
         {f"k{i}": "v" for i in range(17)},
         {"k" * 65: "v"},
