@@ -116,27 +116,45 @@ _METADATA = {ipaddress.ip_address("fd00:ec2::254"), ipaddress.ip_address("100.10
 # IPv6 forms whose last 32 bits are an IPv4 address a network may translate to:
 # NAT64 (RFC 6052), SIIT (::ffff:0:a.b.c.d) and IPv4-compatible (::a.b.c.d)
 _LAST_32_BITS = tuple(ipaddress.ip_network(n) for n in ("64:ff9b::/96", "::ffff:0:0:0/96", "::/96"))
-_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")  # RFC 8215: RFC 6052's /48 layout
+# RFC 8215 local-use NAT64, not globally reachable (IANA): an operator's prefix of
+# /48 to /96 inside it, each length with its own RFC 6052 layout (octet 8 is zero)
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
+_RFC6052_OCTETS = ((6, 7, 9, 10), (7, 9, 10, 11), (9, 10, 11, 12), (12, 13, 14, 15))
+_THIS_NETWORK = ipaddress.ip_network("0.0.0.0/8")
 
 
-def _carried_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
-    """The IPv4 address an IPv6 one carries, in any form a network translates."""
+def _carried(ip: ipaddress.IPv6Address) -> list[ipaddress.IPv4Address]:
+    """Every IPv4 address ``ip`` may carry in a form a network translates (a
+    local-use NAT64 address reads differently under each prefix length)."""
     if ip.ipv4_mapped is not None:
-        return ip.ipv4_mapped
+        return [ip.ipv4_mapped]
     if ip.sixtofour is not None:
-        return ip.sixtofour
+        return [ip.sixtofour]
     if any(ip in net for net in _LAST_32_BITS) and int(ip) > 1:  # not :: or ::1
-        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-    if ip in _NAT64_LOCAL:  # bits 48-63 and 72-87 (bits 64-71 are zero)
+        return [ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)]
+    if ip in _NAT64_LOCAL:
         packed = ip.packed
-        return ipaddress.IPv4Address(packed[6:8] + packed[9:11])
-    return None
+        return [ipaddress.IPv4Address(bytes(packed[i] for i in o)) for o in _RFC6052_OCTETS]
+    return []
 
 
 def _check_address(address: str, host: str, where: str, private: bool = False) -> None:
     ip = ipaddress.ip_address(address.split("%", 1)[0])  # drop an IPv6 zone
-    if isinstance(ip, ipaddress.IPv6Address):  # an IPv4 address carried in IPv6
-        ip = _carried_ipv4(ip) or ip
+    carried = _carried(ip) if isinstance(ip, ipaddress.IPv6Address) else []
+    if isinstance(ip, ipaddress.IPv6Address) and ip in _NAT64_LOCAL:
+        # the IPv4 address behind it depends on a prefix length only the network knows
+        for v4 in carried:
+            if v4 not in _THIS_NETWORK:  # a shorter layout's reading of a longer prefix
+                _refuse_special(v4, host, where)
+        _refuse_private(ip, host, where, private, reachable=False)
+        return
+    if carried:
+        (ip,) = carried
+    _refuse_special(ip, host, where)
+    _refuse_private(ip, host, where, private, reachable=ip.is_global)
+
+
+def _refuse_special(ip: Any, host: str, where: str) -> None:
     kind = (
         "link-local"
         if ip.is_link_local
@@ -154,7 +172,10 @@ def _check_address(address: str, host: str, where: str, private: bool = False) -
             f"{where}: {host[:200]!r} is at {ip}, a {kind} address; this server does not "
             "fetch from such addresses.",
         )
-    if not ip.is_global and not private:
+
+
+def _refuse_private(ip: Any, host: str, where: str, private: bool, reachable: bool) -> None:
+    if not reachable and not private:
         # a client may not make the server reach what only it can reach: this
         # machine's services, the LAN behind it (and a port scan through the errors)
         raise APIError(

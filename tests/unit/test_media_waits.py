@@ -246,7 +246,9 @@ def resolving_to(monkeypatch, address: str) -> list[object]:
         "::ffff:169.254.169.254",
         "2002:a9fe:a9fe::",  # 6to4 of 169.254.169.254
         "64:ff9b::a9fe:a9fe",  # NAT64 of it
-        "64:ff9b:1:a9fe:a9:fe00::",  # local-use NAT64 (RFC 8215, the /48 layout)
+        "64:ff9b:1:a9fe:a9:fe00::",  # local-use NAT64 (RFC 8215): a /48 prefix's layout
+        "64:ff9b:1:101:a9:fea9:fe00:0",  # a /64 prefix's
+        "64:ff9b:1:101::a9fe:a9fe",  # a /96 prefix's
         "::ffff:0:a9fe:a9fe",  # SIIT
         "::a9fe:a9fe",  # IPv4-compatible
         "fd00:ec2::254",  # AWS's metadata service over IPv6
@@ -270,7 +272,7 @@ def test_link_local_multicast_and_unspecified_addresses_are_never_fetched(monkey
 
 @pytest.mark.parametrize(
     "address", ["127.0.0.1", "::1", "10.0.0.5", "192.168.1.1", "172.17.0.1", "::ffff:127.0.0.1",
-                "fd12::1", "100.64.0.1"],
+                "fd12::1", "100.64.0.1", "64:ff9b:1::5db8:d822"],
 )  # fmt: skip
 def test_loopback_and_private_addresses_are_fetched_only_when_allowed(monkeypatch, address):
     """Any client could make the server GET this machine's services and its LAN,
@@ -378,3 +380,17 @@ def test_an_anthropic_url_image_source_is_fetched():
             [source_of(part, "messages.0.content.0")], ImageLimits(fetch_private_urls=True)
         )
     assert image.image.size == (3, 2)
+
+
+def test_a_local_use_nat64_address_of_a_public_ipv4_one_is_fetched_with_the_flag(monkeypatch):
+    """RFC 8215's prefix is not globally reachable, and which IPv4 address it stands
+    for depends on the operator's prefix length: only with --fetch-private-urls,
+    and then not refused for what a shorter layout misreads (0.0.0.0)."""
+    connects = resolving_to(monkeypatch, "64:ff9b:1::5db8:d822")  # 93.184.216.34 in a /96
+    with pytest.raises(APIError) as err:  # the connection goes nowhere in this test
+        load_images(
+            [ImageSource(url="http://images.example.com/cat.png")],
+            ImageLimits(fetch_private_urls=True),
+        )
+    assert "does not fetch from such addresses" not in err.value.message
+    assert len(connects) == 1
