@@ -162,10 +162,11 @@ def decode_image(raw: bytes, limits: ImageLimits, where: str = "image") -> Loade
             f"{where}: {width}x{height} = {width * height} pixels; the limit is "
             f"{limits.max_pixels} (--max-image-pixels).",
         )
-    if image.format == "JPEG" and (scans := raw.count(b"\xff\xda")) > MAX_JPEG_SCANS:
+    # an MPO (a phone's multi-picture JPEG) decodes its first picture as a JPEG
+    if image.format in ("JPEG", "MPO") and jpeg_scans(raw) > MAX_JPEG_SCANS:
         raise APIError(
             400,
-            f"{where}: a JPEG of {scans} scans; at most {MAX_JPEG_SCANS} are read "
+            f"{where}: a JPEG of more than {MAX_JPEG_SCANS} scans; no more are read "
             "(each one is a pass over the whole image).",
         )
     try:
@@ -177,6 +178,40 @@ def decode_image(raw: bytes, limits: ImageLimits, where: str = "image") -> Loade
     digest = hashlib.blake2b(f"{width}x{height}".encode(), digest_size=16)
     digest.update(rgb.tobytes())
     return LoadedImage(rgb, digest.digest())
+
+
+def jpeg_scans(raw: bytes) -> int:
+    """The scans of a JPEG's first picture, walked marker by marker to its end
+    (EOI): what an APP segment holds (an EXIF thumbnail) and what follows the
+    picture (a motion photo's video) is not counted. Stops once past the limit."""
+    scans, pos, n = 0, 2, len(raw)  # after SOI
+    while pos + 1 < n and scans <= MAX_JPEG_SCANS:
+        if raw[pos] != 0xFF:
+            break  # not a marker: the decoder says what is wrong
+        marker = raw[pos + 1]
+        if marker == 0xFF:  # fill byte
+            pos += 1
+            continue
+        if marker == 0xD9:  # EOI
+            break
+        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # no length
+            pos += 2
+            continue
+        pos += 2 + int.from_bytes(raw[pos + 2 : pos + 4], "big")
+        if marker != 0xDA:
+            continue
+        scans += 1
+        while (pos := raw.find(b"\xff", pos)) >= 0 and pos + 1 < n:  # its entropy-coded data
+            follower = raw[pos + 1]
+            if follower == 0 or 0xD0 <= follower <= 0xD7:  # a stuffed 0xFF or a restart
+                pos += 2
+            elif follower == 0xFF:
+                pos += 1
+            else:
+                break  # the next marker
+        if pos < 0:
+            break
+    return scans
 
 
 @dataclass(frozen=True)

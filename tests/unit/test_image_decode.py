@@ -94,9 +94,35 @@ def test_a_jpeg_of_thousands_of_scans_is_refused_before_it_is_decoded():
     """5000 repeated scans in 86 KB took a preparation slot (one of two, shared by
     every request) 1.6 s at 2000x2000, minutes at the byte limit."""
     assert decode_image(_progressive_jpeg(0), ImageLimits()).image.size == (256, 256)
-    with pytest.raises(APIError, match="a JPEG of 5.* scans") as refused:
+    with pytest.raises(APIError, match="a JPEG of more than 100 scans") as refused:
         decode_image(_progressive_jpeg(5000), ImageLimits())
     assert refused.value.status == 400
+
+
+def test_an_mpo_of_thousands_of_scans_is_refused_too():
+    """A phone's multi-picture JPEG opens as MPO and decodes its first picture:
+    the JPEG-only check let the same scans through in a few more header bytes."""
+    first = Image.new("L", (256, 256), 128)
+    out = io.BytesIO()
+    first.save(out, "MPO", save_all=True, append_images=[first], progressive=True)
+    data = out.getvalue()
+    eoi = data.index(b"\xff\xd9")  # the first picture's end
+    last = data.rindex(b"\xff\xda", 0, eoi)
+    crafted = data[:eoi] + data[last:eoi] * 5000 + data[eoi:]
+    assert Image.open(io.BytesIO(crafted)).format == "MPO"
+    with pytest.raises(APIError, match="scans"):
+        decode_image(crafted, ImageLimits())
+
+
+def test_what_follows_a_jpeg_or_sits_in_its_app_segments_is_no_scan():
+    """A raw byte count read a motion photo's trailing video (0xFF 0xDA every ~64
+    KiB of it) as scans and refused ordinary phone photos."""
+    exif = Image.Exif()
+    exif[0x010E] = "\xff\xda" * 200  # ImageDescription: the marker bytes in an APP1 segment
+    out = io.BytesIO()
+    Image.new("RGB", (64, 48), (1, 2, 3)).save(out, "JPEG", exif=exif)
+    video = b"\x00\x00\x00\x18ftypmp42" + b"\xff\xda\x12\x34" * 500
+    assert decode_image(out.getvalue() + video, ImageLimits()).image.size == (64, 48)
 
 
 # Pillow's TIFF of a 9x9 16-bit image with its StripOffsets tag typed RATIONAL:
