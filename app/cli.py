@@ -335,7 +335,9 @@ def cmd_serve(settings: Settings) -> int:
         )
         try:
             group = RankGroup.join(dist)
-        except (ValueError, RuntimeError) as exc:
+        except ValueError as exc:  # its rank, world size or hosts: the settings
+            return _fail(f"cannot join the distributed group: {exc}")
+        except RuntimeError as exc:  # the transport: its peers are not up yet
             return _fail(f"cannot join the distributed group: {exc}", NOT_NOW)
         config = replace(config, distributed=dist, group=group)
         if not group.serving:

@@ -317,3 +317,11 @@ def test_a_rank_whose_peers_are_not_up_exits_1_for_its_supervisor_to_retry(
     argv += ["--distributed-world-size", "2", "--distributed-hosts", "127.0.0.1", "--no-log-json"]
     assert main(argv) == 1
     assert "cannot join the distributed group" in capsys.readouterr().err
+
+
+def test_a_rank_whose_group_settings_are_wrong_exits_2_and_is_not_restarted(capsys):
+    """A rank outside the world size, or hosts that do not match it, is a settings
+    error: exit 1 made the rank unit restart it every 5 s for ever."""
+    argv = ["serve", "--distributed", "--distributed-rank", "2", "--distributed-world-size", "2"]
+    assert main([*argv, "--distributed-hosts", "127.0.0.1", "--no-log-json"]) == 2
+    assert "outside 0..1" in capsys.readouterr().err
