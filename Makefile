@@ -11,7 +11,9 @@ PORT ?=
 UNAME := $(shell uname -s)
 # the MLX build installed last (.installed-cpu / -cuda / -default): a later plain
 # `make serve` keeps it, `make install MLX_EXTRA=...` switches
-INSTALLED := $(patsubst .installed-%,%,$(notdir $(firstword $(wildcard $(VENV)/.installed-*))))
+# (only those names: an older Makefile's .installed-dev is no MLX build)
+INSTALLED := $(patsubst .installed-%,%,$(notdir $(firstword $(wildcard \
+  $(VENV)/.installed-cpu $(VENV)/.installed-cuda $(VENV)/.installed-default))))
 ifneq ($(INSTALLED),)
 MLX_EXTRA ?= $(subst default,,$(INSTALLED))
 else ifeq ($(UNAME),Linux)

@@ -62,3 +62,17 @@ def test_a_plain_make_keeps_the_mlx_build_installed_last(tmp_path):
     (venv / ".installed-cuda").touch()
     assert up_to_date(venv)
     assert not up_to_date(venv, "MLX_EXTRA=cpu")
+
+
+def test_an_older_makefiles_dev_stamp_is_no_mlx_build(tmp_path):
+    """Before the stamps named their MLX build, the dev tools' stamp was
+    .installed-dev: read as the build installed last, it made MLX_EXTRA=dev."""
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed").touch()
+    (venv / ".installed-dev").touch()
+    r = subprocess.run(
+        ["make", "-n", "-C", str(ROOT), f"VENV={venv}", "install"], capture_output=True, text=True
+    )
+    assert "pip_requirements.py dev vision" not in r.stdout
+    assert "pip_requirements.py" in r.stdout  # it does install: the build is not known
