@@ -507,7 +507,8 @@ class BatchRunner:
             out.finish_reason = FinishReason.STOP
         elif resp.finish_reason is not None:
             out.text += row.text.finish()  # held text may complete a stop string here
-            stopped = eos or row.text.stopped
+            # with ignore_eos an EOS is just a token: only a stop string stops it
+            stopped = (eos and not row.request.ignore_eos) or row.text.stopped
             out.finish_reason = FinishReason.STOP if stopped else FinishReason.LENGTH
         if out.finish_reason is not None:
             out.stop_sequence = row.text.matched_stop

@@ -296,3 +296,26 @@ def test_an_eos_generated_past_with_ignore_eos_adds_no_text(byte_tokenizer):
         for out in runner.step():
             text, tokens = text + out.text, tokens + list(out.token_ids)
     assert eos in tokens and text == "hiyo"
+
+
+def test_an_eos_as_the_last_token_with_ignore_eos_finishes_by_length(byte_tokenizer):
+    """ignore_eos makes an EOS just a token: one drawn as the max_tokens-th was
+    reported as "stop" (benchmark clients check for "length")."""
+    from tests.helpers.tiny_models import ScriptModel
+
+    prompt = byte_tokenizer.encode("PROMPT", add_special_tokens=False)
+    (eos,) = byte_tokenizer.eos_token_ids
+    hi = byte_tokenizer.encode("hi", add_special_tokens=False)
+    runner = BatchRunner(
+        ScriptModel([0] * len(prompt) + hi + [eos, eos]),
+        byte_tokenizer,
+        max_batch=1,
+        prefill_step_size=16,
+        prefill_batch=1,
+    )
+    runner.add(Request(prompt, max_tokens=len(hi) + 1, sampling=GREEDY, ignore_eos=True))
+    finals = []
+    while runner.active:
+        finals += [o for o in runner.step() if o.finish_reason is not None]
+    (final,) = finals
+    assert final.finish_reason is FinishReason.LENGTH and final.token_ids[-1] == eos
