@@ -358,9 +358,12 @@ class Generation:
             e2e_s=time.monotonic() - self._started,
             started_at=self._started_wall,
             prepare_s=req.arrival_time - self._started,
-            # never joined the batch (expired or given up in the queue): all of its
-            # time there was queueing, which the queue histogram must show
-            waited_s=time.monotonic() - req.arrival_time if done.cache is None else None,
+            # never joined the batch (expired or given up in the queue, or admitted
+            # but never started by the step budget): all of its time there was
+            # queueing, which the queue histogram must show
+            waited_s=time.monotonic() - req.arrival_time
+            if done.cache is None or done.error_code == "queue_timeout"
+            else None,
             ttft_s=done.ttft,
             max_itl_s=self._max_gap,
             stats=done.stats,

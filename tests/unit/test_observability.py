@@ -591,3 +591,22 @@ def test_the_measured_decode_rate_counts_only_requests_the_engine_finished():
         record(completion_tokens=101, stats=None, finish="abort", disconnected=True)
     )
     assert metrics.decode_rate() == pytest.approx(10.0)
+
+
+def test_a_request_the_step_budget_never_started_counts_its_wait_as_queueing(monkeypatch):
+    """Admitted, its cache report sent, never started, then ended by the watchdog
+    (503 queue_timeout): the longest waits were missing from the queue histogram."""
+    from dataclasses import replace
+
+    def admitted_then_expired(self, req):
+        expired = RequestOutput.failure(req.request_id, "waited too long", "queue_timeout")
+        return replace(expired, cache=CacheReport(tier="none"))
+
+    monkeypatch.setattr(FakeRunner, "add", admitted_then_expired)
+    app = create_app(Settings(_env_file=None), lambda s, r: FakeEngine(s, r))
+    with serve_app(app) as url:
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}
+        r = httpx.post(url + "/v1/chat/completions", json=body)
+        assert r.status_code == 503
+        text = httpx.get(url + "/metrics").text
+    assert _value(text, "kvwarm:request_queue_time_seconds_count") == 1
