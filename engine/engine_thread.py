@@ -422,8 +422,28 @@ class EngineThread(threading.Thread):
 
     def _apply_plan_exits(self, plan: StepPlan) -> list[RequestOutput]:
         """Rows leaving the batch before this step, and the outputs that end them."""
-        runner = self._runner
         outputs: list[RequestOutput] = []
+        try:
+            self._exits(plan, outputs)
+        except Exception:
+            # the scheduler has let go of these already: the engine's death would
+            # fail only what it still holds, and these would never hear an end
+            ended = {o.request_id for o in outputs}
+            leaving = [*plan.timed_out, *plan.expired, *plan.shutdown]
+            leaving += [request_id for request_id, _ in plan.over_budget]
+            self.router.publish(
+                outputs
+                + [
+                    RequestOutput.failure(r, "the engine failed ending this request")
+                    for r in leaving
+                    if r not in ended
+                ]
+            )
+            raise
+        return outputs
+
+    def _exits(self, plan: StepPlan, outputs: list[RequestOutput]) -> None:
+        runner = self._runner
         for request_id in plan.abort:
             runner.remove(request_id)
         for request_id in plan.timed_out:
@@ -439,7 +459,6 @@ class EngineThread(threading.Thread):
         for request_id, why in plan.over_budget:
             log.warning("%s: refused in the queue: %s", request_id, why)
             outputs.append(RequestOutput.failure(request_id, why, "context_over_budget"))
-        return outputs
 
     def _sample_memory(self) -> None:
         now = time.monotonic()

@@ -586,3 +586,46 @@ def test_a_reply_whose_output_cannot_be_parsed_fails_alone_with_an_error(
     monkeypatch.undo()
     assert httpx.get(base + "/health").status_code == 200
     assert httpx.post(base + path, json=body).status_code == 200
+
+
+def test_a_fault_ending_requests_the_scheduler_let_go_still_ends_their_streams():
+    """The watchdog's plan drops a late running request and a late queued one from
+    the scheduler before their final outputs exist: a fault while cutting one
+    short killed the engine, whose death fails only what the scheduler still
+    holds, and both streams waited for ever."""
+    import asyncio
+
+    from scheduler.request import Request
+    from scheduler.scheduler import Scheduler
+    from scheduler.service import GenerationService
+    from scheduler.streams import OutputRouter
+    from tests.helpers.fake_engine import FakeEngine
+
+    async def run() -> list:
+        scheduler = Scheduler(None, max_running=1, max_queue=8, request_timeout_s=0.3)
+        router = OutputRouter(asyncio.get_running_loop())
+        engine = FakeEngine(scheduler, router, step_delay=0.5)  # both late at one schedule()
+
+        def broken_cut_short(request_id: str):
+            raise RuntimeError("cut_short failed")
+
+        engine.fake.cut_short = broken_cut_short
+        service = GenerationService(scheduler, router, engine)
+        engine.start()
+        assert engine.wait_ready(5)
+        try:
+            running = service.submit(Request([1, 2, 3], 1000))
+            await asyncio.sleep(0.05)
+            queued = service.submit(Request([1, 2, 3], 1000))
+
+            async def last(stream):
+                outputs = [out async for out in stream]
+                return outputs[-1] if outputs else None
+
+            return await asyncio.wait_for(asyncio.gather(last(running), last(queued)), 3)
+        finally:
+            engine.stop()
+            engine.join(5)
+
+    finals = asyncio.run(run())
+    assert all(f is not None and f.finished and f.error for f in finals)
