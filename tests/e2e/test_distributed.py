@@ -211,16 +211,16 @@ def test_smollm2_runs_pipeline_parallel_and_answers_as_one_rank_does(model_cache
     assert again["text"] == together[0]["text"] and again["cached"] > 0
 
 
-def stream_until(base: str, act) -> tuple[dict, float]:
-    """Open an endless stream, ``act()`` once it flows; its last event and the
-    seconds from ``act`` to the stream's end."""
+def stream_until(base: str, act, max_tokens: int = 4000) -> tuple[dict, float]:
+    """Open a stream (endless by default), ``act()`` once it flows; its last event
+    and the seconds from ``act`` to the stream's end."""
     body = {
         "messages": [{"role": "user", "content": "go"}],
-        "max_tokens": 4000,
+        "max_tokens": max_tokens,
         "stream": True,
         "ignore_eos": True,
     }
-    with httpx.stream("POST", base + CHAT, json=body, timeout=60) as r:
+    with httpx.stream("POST", base + CHAT, json=body, timeout=120) as r:
         lines = r.iter_lines()
         next(ln for ln in lines if TOKEN.search(ln))  # a generated token, not the role chunk
         act()
@@ -283,19 +283,8 @@ def test_a_stop_signal_to_every_rank_drains_open_requests(signum, model_cache, t
     args = (*TINY, "--shutdown-timeout", "60")
     with flag_group(model_cache, (tiny, tiny), *args, log_dir=tmp_path) as (base, procs):
         wait_for_process(procs[0], base + "/health", tmp_path / "rank0.log", "rank 0", 240)
-        body = {
-            "messages": [{"role": "user", "content": "go"}],
-            "max_tokens": 120,
-            "stream": True,
-            "ignore_eos": True,
-        }
-        with httpx.stream("POST", base + CHAT, json=body, timeout=120) as r:
-            lines = r.iter_lines()
-            next(ln for ln in lines if TOKEN.search(ln))
-            for p in procs:
-                p.send_signal(signum)
-            events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
-        assert events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
+        last, _ = stream_until(base, lambda: [p.send_signal(signum) for p in procs], 120)
+        assert last["choices"][0]["finish_reason"] == "length", last
         assert [p.wait(60) for p in procs] == [0, 0]
     assert "following the serving rank while it drains" in (tmp_path / "rank1.log").read_text()
 
