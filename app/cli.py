@@ -352,8 +352,8 @@ def cmd_serve(settings: Settings) -> int:
                 code = 1
             return _leave_group(code)
     problem = unbindable(settings.host, settings.port)  # the serving rank's, before loading
-    if problem is not None:
-        code = _fail(problem, NOT_NOW)  # the port may be free on the next start
+    if problem is not None:  # the port may be free on the next start; a permission not
+        code = _fail(problem.message, USAGE if problem.lasting else NOT_NOW)
         return _leave_group(code) if dist is not None else code
     server: GracefulServer | None = None
     load_failure: list[str] = []

@@ -17,6 +17,7 @@ import signal
 import socket
 import time
 from types import FrameType
+from typing import NamedTuple
 
 import uvicorn
 from fastapi import FastAPI
@@ -30,14 +31,19 @@ FLUSH_S = 5.0  # how long ended streams get to write their last event
 POLL_S = 0.05
 
 
-def unbindable(host: str, port: int) -> str | None:
+class Unbindable(NamedTuple):
+    message: str
+    lasting: bool  # a retry cannot help (no permission): a settings error, not a bad moment
+
+
+def unbindable(host: str, port: int) -> Unbindable | None:
     """Why the server could not listen on host:port, tried before the model loads
     (uvicorn binds only after the application's start-up, which loads it: a port
     in use was found minutes into a large model's load). None: it can."""
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        return f"cannot resolve --host {host!r}: {exc.strerror}"
+    except socket.gaierror as exc:  # the network may not be up yet at boot
+        return Unbindable(f"cannot resolve --host {host!r}: {exc.strerror}", lasting=False)
     for family, kind, proto, _, address in addresses:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio binds
@@ -47,11 +53,15 @@ def unbindable(host: str, port: int) -> str | None:
                 probe.bind(address)
             except OSError as exc:
                 if exc.errno == errno.EADDRINUSE:
-                    return (
+                    return Unbindable(
                         f"port {port} on {host} is already in use (another kvwarm?): "
-                        f"stop it or pick another --port"
+                        f"stop it or pick another --port",
+                        lasting=False,
                     )
-                return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
+                return Unbindable(
+                    f"cannot listen on {host}:{port}: {exc.strerror or exc}",
+                    lasting=exc.errno == errno.EACCES,  # a port < 1024 without the right
+                )
     return None
 
 

@@ -215,6 +215,20 @@ def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys, monke
     assert f"port {port} on 127.0.0.1 is already in use" in capsys.readouterr().err
 
 
+def test_a_port_it_may_not_bind_is_a_settings_error_not_retried(tmp_path, capsys, monkeypatch):
+    """EACCES (a port under 1024 for a non-root user) never heals: exit 1 made the
+    units retry it; a port in use (exit 1) may be free on the next start."""
+    import errno
+    import socket
+
+    def denied(self, address):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(socket.socket, "bind", denied)
+    assert main(["serve", "--port", "80", "--no-log-json"]) == 2
+    assert "cannot listen on 127.0.0.1:80: Permission denied" in capsys.readouterr().err
+
+
 def test_an_unusable_trace_dir_is_one_line_and_home_is_expanded(tmp_path, capsys, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
