@@ -11,6 +11,7 @@ quantized weights unpacked), the KV cost per token and the context.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import json
 import os
@@ -54,6 +55,7 @@ def _int(config: dict[str, Any], *keys: str, default: int = 0) -> int:
     return default
 
 
+@functools.cache  # the installed mlx-lm does not change under a running process
 def _mlx_lm_types() -> frozenset[str]:
     """Model types mlx-lm has a module for (found without importing mlx)."""
     spec = importlib.util.find_spec("mlx_lm")
