@@ -157,13 +157,11 @@ class BatchRunner:
         hints = request.cache if self.prefix_cache is not None else None
         try:
             if hints is not None:
-                cache, cached_tokens = row_kv.start_from_cache(
-                    self.prefix_cache, row, self._model_ids
-                )
-                if cache is not None and self.vision is not None:
-                    row.rope_delta = self.vision.rope_delta(
-                        row.kv_key.model_tokens[: row.kv_offset]
-                    )
+                cache, reused = row_kv.start_from_cache(self.prefix_cache, row)
+                if reused is not None:
+                    cached_tokens = self._model_ids(reused)
+                    if self.vision is not None:
+                        row.rope_delta = self.vision.rope_delta(reused)
             rest = prompt[row.cached :]
             if not rest or request.max_tokens - row.generated <= 0:
                 raise ValueError("nothing to generate: an empty prompt or max_tokens <= 0")

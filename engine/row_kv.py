@@ -15,11 +15,10 @@ from scheduler.request import CacheHints
 ModelIds = Callable[[Sequence[int]], list[int]]  # a key's tokens as the model's ids
 
 
-def start_from_cache(
-    cache: TieredKVManager, row: Row, model_ids: ModelIds
-) -> tuple[list | None, list[int] | None]:
+def start_from_cache(cache: TieredKVManager, row: Row) -> tuple[list | None, Sequence[int] | None]:
     """Look the row's prompt up; on a hit the row holds the entry (``row.entry_id``,
-    released once prefilled) and starts from its caches and the tokens they hold."""
+    released once prefilled) and starts from its caches, which hold the returned
+    cache-key tokens."""
     request, hints = row.request, row.request.cache
     assert hints is not None
     # KV positions the admission reservation (rounded up) has to spare
@@ -30,7 +29,7 @@ def start_from_cache(
         return None, None
     row.cached, row.kv_offset = reuse.request_depth, reuse.kv_depth
     row.kv_key, row.entry_id = reuse.kv_key, reuse.entry_id
-    return reuse.caches, model_ids(reuse.kv_key.model_tokens[: reuse.kv_depth])
+    return reuse.caches, reuse.kv_key.model_tokens[: reuse.kv_depth]
 
 
 def checkpoints(
