@@ -486,13 +486,15 @@ class TieredKVManager:
                     return e
         return None
 
-    def _entry_of(self, conversation_id: str, latest: bool = False) -> CacheEntry:
-        """The conversation's cached turn: the saved one (unless ``latest``: a save
-        pins the turn it has reached since), else the longest of its entries (the
-        session record's among them; after a restart, on disk)."""
+    def _entry_of(self, conversation_id: str) -> CacheEntry:
+        """The conversation's cached turn: the saved one, else its latest."""
         saved = self._saved_entry(conversation_id)
-        if saved is not None and not latest:
-            return saved
+        return saved if saved is not None else self._latest_entry(conversation_id, None)
+
+    def _latest_entry(self, conversation_id: str, saved: CacheEntry | None) -> CacheEntry:
+        """The longest of the conversation's entries (the session record's and the
+        ``saved`` one among them; after a restart, on disk): a save pins the turn
+        it has reached since its last."""
         own = [e for e in self.index.entries() if e.session == conversation_id]
         if saved is not None:
             own.append(saved)
@@ -525,8 +527,8 @@ class TieredKVManager:
         if disk is None or not disk.usable:
             why = disk.degraded if disk is not None else "--kv-disk-bytes 0 or no usable --kv-dir"
             raise StorageFull(f"the SSD tier is off ({why}): nothing can be saved")
-        entry = self._entry_of(conversation_id, latest=True)
         earlier = self._saved_entry(conversation_id)
+        entry = self._latest_entry(conversation_id, earlier)
         pinned = sum(
             e.held.total
             for e in self.index.entries()
