@@ -20,10 +20,11 @@ from typing import Any
 import mlx.core as mx
 
 from kvcache.blocks import Digest, EntryBytes, TierLedger, block_digests
+from kvcache.conversations import SavedConversations
 from kvcache.disk import FORMAT_VERSION, CorruptBlock, WriteEntry
 from kvcache.entry_files import key_from, key_manifest, mlx_arrays, numpy_arrays
 from kvcache.index import CacheEntry, PrefixIndex, PromptCacheConfig
-from kvcache.interface import ConversationNotFound, SavedConversation, StorageFull
+from kvcache.interface import SavedConversation
 from kvcache.layout import KVQuant
 from kvcache.namespaces import prune_other_namespaces
 from kvcache.os_memory import MemoryReturner
@@ -88,7 +89,7 @@ class TieredKVManager:
         self._freed = False
         self._give_back = MemoryReturner()
         self.restored = 0
-        self._pins: dict[str, dict[str, Any]] = {}  # saved conversations -> entry uid, title
+        self.conversations = SavedConversations(self)
         self.disk: PersistentTier | None = None
         disk_bytes = 0
         ram_bytes = max_bytes
@@ -202,7 +203,7 @@ class TieredKVManager:
             log.warning("%s: cached KV on disk discarded: %s", request_id, exc)
             self.index.release(entry.entry_id)
             self.index.unusable_hit(result)
-            self._damaged(entry, exc)
+            self.damaged(entry, exc)
             return None, miss
         except Exception:  # noqa: BLE001 - an entry that cannot be read must not stay the best hit
             log.exception("%s: cached KV discarded: it could not be assembled", request_id)
@@ -256,14 +257,14 @@ class TieredKVManager:
             blocks = [self._blocks[d] for d, _ in entry.held.blocks]
             private = self._private[entry.entry_id]
         else:
-            blocks, private = self._load(entry)
+            blocks, private = self.read_back(entry)
         bs = self.ops.block_size
         used = blocks if keep >= len(blocks) * bs else blocks[: -(-keep // bs)]
         if len(used) < len(blocks):  # a trimmable hit short of the stored tail
             return self.ops.assemble(used, _empty_tail(private), keep)
         return self.ops.assemble(blocks, private, keep)
 
-    def _load(self, entry: CacheEntry) -> tuple[list[BlockArrays], PrivatePart]:
+    def read_back(self, entry: CacheEntry) -> tuple[list[BlockArrays], PrivatePart]:
         """Read a disk entry's files (verified), then count it back into RAM."""
         assert self.disk is not None
         started = time.monotonic()
@@ -293,7 +294,7 @@ class TieredKVManager:
             self._private[entry.entry_id] = private
         return blocks, private
 
-    def _damaged(self, entry: CacheEntry, exc: CorruptFile) -> None:
+    def damaged(self, entry: CacheEntry, exc: CorruptFile) -> None:
         """``entry`` could not be read back; a damaged shared block takes every
         disk copy naming it along (kvcache.index.lose_block)."""
         self._discard(entry)
@@ -358,7 +359,7 @@ class TieredKVManager:
         refs = self.index.disk.refs
         return held.private + sum(n for d, n in held.blocks if d not in refs)
 
-    def _persist(self, entry_id: int) -> bool:
+    def persist(self, entry_id: int) -> bool:
         """Reserve disk room for a RAM entry and queue its write (save_conversation)."""
         disk = self.disk
         entry = self.index.get(entry_id)
@@ -409,8 +410,8 @@ class TieredKVManager:
         """Index every complete entry on disk: the first turn after a restart is warm."""
         assert self.disk is not None
         scan = self.disk.scan()
-        self._pins = self.disk.read_pins()
-        pinned_uids = {pin["uid"] for pin in self._pins.values()}
+        pins = self.disk.read_pins()
+        pinned_uids = {pin["uid"] for pin in pins.values()}
         # saved conversations first, then the newest: what a smaller budget keeps
         order = sorted(
             scan.entries, key=lambda e: (e.uid not in pinned_uids, -_created(e.manifest))
@@ -450,8 +451,7 @@ class TieredKVManager:
             gone.update(freed)
             self.disk.delete_entry(uid, freed)
             self.disk.counters.files_discarded += 1
-        known = {e.uid for e in self.index.entries()}
-        self._pins = {c: p for c, p in self._pins.items() if p["uid"] in known}
+        self.conversations.adopt(pins, {e.uid for e in self.index.entries()})
         if scan.entries or scan.discarded:
             log.info(
                 "KV disk tier %s: %d entries restored (%.0f MiB), %d files discarded",
@@ -478,140 +478,17 @@ class TieredKVManager:
         return self.config.block_size
 
     # -- conversations (save/load for people who resume work later) -----------
-    def _saved_entry(self, conversation_id: str) -> CacheEntry | None:
-        pin = self._pins.get(conversation_id)
-        if pin is not None:
-            for e in self.index.entries():
-                if e.uid == pin["uid"]:
-                    return e
-        return None
-
-    def _entry_of(self, conversation_id: str) -> CacheEntry:
-        """The conversation's cached turn: the saved one, else its latest."""
-        saved = self._saved_entry(conversation_id)
-        return saved if saved is not None else self._latest_entry(conversation_id, None)
-
-    def _latest_entry(self, conversation_id: str, saved: CacheEntry | None) -> CacheEntry:
-        """The longest of the conversation's entries (the session record's and the
-        ``saved`` one among them; after a restart, on disk): a save pins the turn
-        it has reached since its last."""
-        own = [e for e in self.index.entries() if e.session == conversation_id]
-        if saved is not None:
-            own.append(saved)
-        for record in self.sessions.branches(conversation_id):
-            recorded = self.index.get(record.entry_id) if record.entry_id is not None else None
-            if recorded is not None:
-                own.append(recorded)
-        if not own:
-            raise ConversationNotFound(f"no cached KV for conversation {conversation_id!r}")
-        # the longest turn: a session's latest write may be a side request's (a
-        # client's title request), and a save must pin the conversation itself
-        return max(own, key=lambda e: (e.length, e.created))
-
-    def _describe(self, conversation_id: str, entry: CacheEntry) -> SavedConversation:
-        pin = self._pins.get(conversation_id)
-        tier = "+".join(t for t, here in (("ram", entry.in_ram), ("disk", entry.on_disk)) if here)
-        return SavedConversation(
-            conversation_id,
-            pin.get("title") if pin else None,
-            entry.length,
-            entry.held.total,
-            tier or "writing",
-            pin.get("saved_at") if pin else None,
-        )
-
     def save_conversation(self, conversation_id: str, title: str | None) -> SavedConversation:
-        """Pin the conversation's KV on disk beyond eviction."""
-        self.poll()
-        disk = self.disk
-        if disk is None or not disk.usable:
-            why = disk.degraded if disk is not None else "--kv-disk-bytes 0 or no usable --kv-dir"
-            raise StorageFull(f"the SSD tier is off ({why}): nothing can be saved")
-        earlier = self._saved_entry(conversation_id)
-        entry = self._latest_entry(conversation_id, earlier)
-        pinned = sum(
-            e.held.total
-            for e in self.index.entries()
-            if e.pinned and e is not entry and e is not earlier  # the earlier turn is let go
-        )
-        limit = self.index.disk.max_bytes
-        if pinned + entry.held.total > limit:
-            raise StorageFull(
-                f"saving {entry.held.total / 2**20:.1f} MiB would put saved conversations at "
-                f"{(pinned + entry.held.total) / 2**20:.1f} MiB, over the SSD tier's limit of "
-                f"{limit / 2**20:.1f} MiB (--kv-disk-bytes)"
-            )
-        if not (entry.on_disk or entry.persisting):
-            if disk.disk_nearly_full():
-                raise StorageFull(
-                    f"the file system holding {disk.dir} is over "
-                    f"{disk.max_occupancy:.0%} full: nothing more is written"
-                )
-            if not self._persist(entry.entry_id):
-                queued = disk.pending_bytes()  # once: the writer thread moves it
-                if queued:
-                    raise StorageFull(
-                        f"the SSD tier's write queue is full "
-                        f"({queued / 2**20:.1f} MiB not yet written): retry shortly"
-                    )
-                raise StorageFull(
-                    f"no room for {entry.held.total / 2**20:.1f} MiB in the SSD tier "
-                    f"(limit {limit / 2**20:.1f} MiB, --kv-disk-bytes)"
-                )
-        self.index.set_pinned(entry.entry_id, True)
-        if (
-            earlier is not None
-            and earlier is not entry
-            and not self._pinned_elsewhere(earlier, conversation_id)
-        ):
-            self.index.set_pinned(earlier.entry_id, False)  # an ordinary entry again
-        self._pins[conversation_id] = {"uid": entry.uid, "title": title, "saved_at": time.time()}
-        disk.write_pins(self._pins)
-        return self._describe(conversation_id, entry)
-
-    def _pinned_elsewhere(self, entry: CacheEntry, conversation_id: str) -> bool:
-        return any(p["uid"] == entry.uid for c, p in self._pins.items() if c != conversation_id)
+        return self.conversations.save(conversation_id, title)
 
     def load_conversation(self, conversation_id: str) -> SavedConversation:
-        """Bring the conversation's KV into RAM ahead of its next turn."""
-        self.poll()
-        entry = self._entry_of(conversation_id)
-        if not entry.in_ram:
-            try:
-                self._load(entry)
-            except CorruptFile as exc:
-                self._damaged(entry, exc)
-                raise ConversationNotFound(
-                    f"the saved KV of {conversation_id!r} was damaged and is discarded ({exc})"
-                ) from exc
-        return self._describe(conversation_id, entry)
+        return self.conversations.load(conversation_id)
 
     def saved_conversations(self) -> list[SavedConversation]:
-        self.poll()
-        out = []
-        for conversation_id in sorted(self._pins):
-            try:
-                out.append(self._describe(conversation_id, self._entry_of(conversation_id)))
-            except ConversationNotFound:
-                continue
-        return out
+        return self.conversations.listing()
 
     def delete_conversation(self, conversation_id: str) -> SavedConversation:
-        """Forget a conversation's cached KV, saved or not, in every tier (a turn
-        running now keeps its own copy)."""
-        entry = self._entry_of(conversation_id)
-        described = self._describe(conversation_id, entry)
-        if self._pins.pop(conversation_id, None) is not None and self.disk is not None:
-            self.disk.write_pins(self._pins)
-        own = [e for e in self.index.entries() if e.session == conversation_id]
-        for e in {entry.entry_id: entry, **{x.entry_id: x for x in own}}.values():
-            self.index.set_pinned(e.entry_id, False)
-            if e.refs == 0:
-                self.index.remove(e.entry_id)
-            else:
-                e.superseded = True  # goes when its reader lets go
-        self.sessions.forget(conversation_id)
-        return described
+        return self.conversations.delete(conversation_id)
 
     def record_turn(self, hints: CacheHints, entry_id: int | None) -> None:
         self.sessions.record_turn(

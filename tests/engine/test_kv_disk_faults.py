@@ -195,7 +195,7 @@ def test_an_entry_that_cannot_be_assembled_is_dropped_not_leaked(tmp_path, monke
     def broken(entry):
         raise KeyError("tail.0.k")
 
-    monkeypatch.setattr(again, "_load", broken)
+    monkeypatch.setattr(again, "read_back", broken)
     assert served(again, tokens + [1]) is None  # raised KeyError before, holding a ref
     assert again.index.entries() == []
     st = again.stats()
@@ -538,7 +538,7 @@ def test_a_hit_whose_disk_read_fails_is_never_counted_then_taken_back(tmp_path):
         during.append((stats.hits, stats.disk_hits))
         raise CorruptFile("torn file")
 
-    m._load = torn
+    m.read_back = torn
     try:
         assert served(m, tokens + [1]) is None
         after = m.stats()

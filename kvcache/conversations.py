@@ -1,0 +1,190 @@
+"""Saved conversations: the KV a person pins on disk to resume their work later.
+
+A pin names the entry (by its on-disk uid) that holds a conversation's latest
+turn; pinned entries outlive eviction and restarts. This module decides which
+entry a save pins and keeps the pin list on disk; the KV manager moves the bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from kvcache.index import CacheEntry, PrefixIndex
+from kvcache.interface import ConversationNotFound, SavedConversation, StorageFull
+from kvcache.safetensors_io import CorruptFile
+from kvcache.sessions import SessionStore
+from kvcache.tiers import PersistentTier
+
+Pins = dict[str, dict[str, Any]]  # conversation id -> {"uid", "title", "saved_at"}
+
+
+class ConversationStore(Protocol):
+    """What saving a conversation needs of the KV manager."""
+
+    index: PrefixIndex
+    sessions: SessionStore
+    disk: PersistentTier | None
+
+    def poll(self) -> None: ...
+
+    def persist(self, entry_id: int) -> bool: ...
+
+    def read_back(self, entry: CacheEntry) -> object: ...
+
+    def damaged(self, entry: CacheEntry, exc: CorruptFile) -> None: ...
+
+
+class SavedConversations:
+    """The pins over a KV store's entries."""
+
+    def __init__(self, store: ConversationStore):
+        self._store = store
+        self.pins: Pins = {}
+
+    def adopt(self, pins: Pins, known_uids: set[str]) -> None:
+        """Take the pin list read at start-up, less pins of entries that did not survive."""
+        self.pins = {c: p for c, p in pins.items() if p["uid"] in known_uids}
+
+    # -- which entry -----------------------------------------------------------
+    def _saved_entry(self, conversation_id: str) -> CacheEntry | None:
+        pin = self.pins.get(conversation_id)
+        if pin is not None:
+            for e in self._store.index.entries():
+                if e.uid == pin["uid"]:
+                    return e
+        return None
+
+    def _entry_of(self, conversation_id: str) -> CacheEntry:
+        """The conversation's cached turn: the saved one, else its latest."""
+        saved = self._saved_entry(conversation_id)
+        return saved if saved is not None else self._latest_entry(conversation_id, None)
+
+    def _latest_entry(self, conversation_id: str, saved: CacheEntry | None) -> CacheEntry:
+        """The longest of the conversation's entries (the session record's and the
+        ``saved`` one among them; after a restart, on disk): a save pins the turn
+        it has reached since its last."""
+        index = self._store.index
+        own = [e for e in index.entries() if e.session == conversation_id]
+        if saved is not None:
+            own.append(saved)
+        for record in self._store.sessions.branches(conversation_id):
+            recorded = index.get(record.entry_id) if record.entry_id is not None else None
+            if recorded is not None:
+                own.append(recorded)
+        if not own:
+            raise ConversationNotFound(f"no cached KV for conversation {conversation_id!r}")
+        # the longest turn: a session's latest write may be a side request's (a
+        # client's title request), and a save must pin the conversation itself
+        return max(own, key=lambda e: (e.length, e.created))
+
+    def _describe(self, conversation_id: str, entry: CacheEntry) -> SavedConversation:
+        pin = self.pins.get(conversation_id)
+        tier = "+".join(t for t, here in (("ram", entry.in_ram), ("disk", entry.on_disk)) if here)
+        return SavedConversation(
+            conversation_id,
+            pin.get("title") if pin else None,
+            entry.length,
+            entry.held.total,
+            tier or "writing",
+            pin.get("saved_at") if pin else None,
+        )
+
+    def _pinned_elsewhere(self, entry: CacheEntry, conversation_id: str) -> bool:
+        return any(p["uid"] == entry.uid for c, p in self.pins.items() if c != conversation_id)
+
+    # -- the four operations ---------------------------------------------------
+    def save(self, conversation_id: str, title: str | None) -> SavedConversation:
+        """Pin the conversation's KV on disk beyond eviction."""
+        store = self._store
+        store.poll()
+        disk = store.disk
+        if disk is None or not disk.usable:
+            why = disk.degraded if disk is not None else "--kv-disk-bytes 0 or no usable --kv-dir"
+            raise StorageFull(f"the SSD tier is off ({why}): nothing can be saved")
+        index = store.index
+        earlier = self._saved_entry(conversation_id)
+        entry = self._latest_entry(conversation_id, earlier)
+        pinned = sum(
+            e.held.total
+            for e in index.entries()
+            if e.pinned and e is not entry and e is not earlier  # the earlier turn is let go
+        )
+        limit = index.disk.max_bytes
+        if pinned + entry.held.total > limit:
+            raise StorageFull(
+                f"saving {entry.held.total / 2**20:.1f} MiB would put saved conversations at "
+                f"{(pinned + entry.held.total) / 2**20:.1f} MiB, over the SSD tier's limit of "
+                f"{limit / 2**20:.1f} MiB (--kv-disk-bytes)"
+            )
+        if not (entry.on_disk or entry.persisting):
+            if disk.disk_nearly_full():
+                raise StorageFull(
+                    f"the file system holding {disk.dir} is over "
+                    f"{disk.max_occupancy:.0%} full: nothing more is written"
+                )
+            if not store.persist(entry.entry_id):
+                queued = disk.pending_bytes()  # once: the writer thread moves it
+                if queued:
+                    raise StorageFull(
+                        f"the SSD tier's write queue is full "
+                        f"({queued / 2**20:.1f} MiB not yet written): retry shortly"
+                    )
+                raise StorageFull(
+                    f"no room for {entry.held.total / 2**20:.1f} MiB in the SSD tier "
+                    f"(limit {limit / 2**20:.1f} MiB, --kv-disk-bytes)"
+                )
+        index.set_pinned(entry.entry_id, True)
+        if (
+            earlier is not None
+            and earlier is not entry
+            and not self._pinned_elsewhere(earlier, conversation_id)
+        ):
+            index.set_pinned(earlier.entry_id, False)  # an ordinary entry again
+        self.pins[conversation_id] = {"uid": entry.uid, "title": title, "saved_at": time.time()}
+        disk.write_pins(self.pins)
+        return self._describe(conversation_id, entry)
+
+    def load(self, conversation_id: str) -> SavedConversation:
+        """Bring the conversation's KV into RAM ahead of its next turn."""
+        store = self._store
+        store.poll()
+        entry = self._entry_of(conversation_id)
+        if not entry.in_ram:
+            try:
+                store.read_back(entry)
+            except CorruptFile as exc:
+                store.damaged(entry, exc)
+                raise ConversationNotFound(
+                    f"the saved KV of {conversation_id!r} was damaged and is discarded ({exc})"
+                ) from exc
+        return self._describe(conversation_id, entry)
+
+    def listing(self) -> list[SavedConversation]:
+        self._store.poll()
+        out = []
+        for conversation_id in sorted(self.pins):
+            try:
+                out.append(self._describe(conversation_id, self._entry_of(conversation_id)))
+            except ConversationNotFound:
+                continue
+        return out
+
+    def delete(self, conversation_id: str) -> SavedConversation:
+        """Forget a conversation's cached KV, saved or not, in every tier (a turn
+        running now keeps its own copy)."""
+        store = self._store
+        index = store.index
+        entry = self._entry_of(conversation_id)
+        described = self._describe(conversation_id, entry)
+        if self.pins.pop(conversation_id, None) is not None and store.disk is not None:
+            store.disk.write_pins(self.pins)
+        own = [e for e in index.entries() if e.session == conversation_id]
+        for e in {entry.entry_id: entry, **{x.entry_id: x for x in own}}.values():
+            index.set_pinned(e.entry_id, False)
+            if e.refs == 0:
+                index.remove(e.entry_id)
+            else:
+                e.superseded = True  # goes when its reader lets go
+        store.sessions.forget(conversation_id)
+        return described
