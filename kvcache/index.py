@@ -342,7 +342,9 @@ class PrefixIndex:
         written again."""
         self.expire()
         held = nbytes if isinstance(nbytes, EntryBytes) else EntryBytes(private=nbytes)
-        if len(key.model_tokens) < self.block_size or held.total > self.ram.max_bytes:
+        # a key of less than one block has no block hash to be found by (dropped
+        # spans can leave that of many model tokens)
+        if len(key.canonical) < self.block_size or held.total > self.ram.max_bytes:
             return None
         hashes = self.hashes(key, variant)
         # one that holds every full block of this key is the only one that can equal
@@ -351,11 +353,14 @@ class PrefixIndex:
             entry = self._entries[entry_id]
             if entry.variant != variant:
                 continue
-            if entry.key.model_tokens == key.model_tokens or (
-                trimmable and entry.trimmable and _strict_prefix(key, entry.key)
-            ):
+            if entry.key.model_tokens == key.model_tokens:
                 entry.last_used = self._clock()
-                return None  # already cached, or served by a longer entry
+                # wanted again: the longer entry that superseded it may be gone
+                entry.superseded = False
+                return None  # already cached
+            if trimmable and entry.trimmable and _strict_prefix(key, entry.key):
+                entry.last_used = self._clock()
+                return None  # served by a longer entry
         covered = self._prefixes_of(key, hashes, variant) if trimmable else []
         idle = [e for e in covered if not e.refs]
         if not self._make_room(held, spare=sum(1 for e in idle if e.in_ram), keep=idle):

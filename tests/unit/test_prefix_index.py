@@ -321,6 +321,35 @@ def test_a_lost_block_leaves_no_entry_held_in_ram_by_a_write_that_no_longer_coun
     assert entry.in_ram and not entry.on_disk and not entry.holds_queue
 
 
+def test_a_key_dropped_below_one_block_is_not_kept_and_raises_nothing():
+    """Droppable spans can leave a key of many model tokens less than one block of
+    cache-key tokens: its insert raised IndexError (and failed the request)."""
+    index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m")
+    key = PromptKey.build(
+        [1, *range(100, 140), 2], [TokenSpan(1, 41, RULE_INDEX["system_reminder"])]
+    )
+    assert len(key.canonical) == 2
+    assert index.insert(key, 40, True) is None
+    assert len(index) == 0
+
+
+def test_a_superseded_entry_stored_again_outlives_its_reader():
+    """A read by a turn, superseded by a longer B, B evicted, A's tokens stored
+    again ("already cached"): A's reader then let go and A went, its prefix lost."""
+    index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m", max_entries=2)
+    tokens = list(range(100, 132))
+    a = index.insert(_key(tokens), 32, True)
+    assert index.lookup(_key(tokens + [1, 2])).hit.entry.entry_id == a  # a turn reads it
+    b = index.insert(_key(tokens + list(range(200, 216))), 48, True)
+    assert index.get(a).superseded
+    index.insert(_key([7] * 32), 32, True)  # over max_entries: B, the idle one, goes
+    assert b not in index
+    assert index.insert(_key(tokens), 32, True) is None  # already cached: A
+    index.release(a)
+    assert a in index
+    assert index.lookup(_key(tokens + [1, 2])).hit.entry.entry_id == a
+
+
 def test_a_saved_entry_is_kept_when_its_reader_lets_go_of_it_superseded():
     """Read by a turn, superseded by a longer entry (a fork), then saved: the
     reader's release deleted the saved conversation's KV, files and all."""
