@@ -32,6 +32,10 @@ class TokenSpan:
     def droppable(self) -> bool:
         return RULES[self.rule].canonical is Canonical.DROP
 
+    @property
+    def stale_ok(self) -> bool:
+        return RULES[self.rule].stale_ok
+
 
 def token_spans(offsets: Sequence[tuple[int, int]], spans: Sequence[CharSpan]) -> list[TokenSpan]:
     """Tokens whose characters overlap a volatile character span (a token that
@@ -183,7 +187,8 @@ def align(
 
     Tokens outside volatile spans must be equal. With ``skip_volatile`` a span
     of the same rule at the same aligned place is stepped over in both (their
-    lengths may differ: a new timestamp may tokenise differently), and a
+    lengths may differ: a new timestamp may tokenise differently) unless its
+    rule is not ``stale_ok`` and the two differ, and a
     droppable span only the entry has is stepped over; the model then keeps the
     entry's stale values there. A droppable span only the request has ends the
     alignment: its text must be prefilled, or the model would never read it.
@@ -222,6 +227,8 @@ def align(
             if span_b.end > n_b:  # the request's span runs into its last token
                 break
             same = a[span_a.start : span_a.end] == b[span_b.start : span_b.end]
+            if not same and not span_a.stale_ok:
+                break  # a changed reminder: the model must read the new one
             if not same:
                 stale += span_a.end - span_a.start
             i, j = span_a.end, span_b.end

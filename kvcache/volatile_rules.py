@@ -16,7 +16,8 @@ message once per unclosed opening marker.
 
 A rule's ``canonical`` form says what the cache key holds in the span's place:
 ``SENTINEL`` (one placeholder token: present-with-any-value vs absent differ) or
-``DROP`` (nothing: present and absent canonicalise the same).
+``DROP`` (nothing: present and absent canonicalise the same); its ``stale_ok``
+whether KV of an older value may stand for a new one (``kvcache.prompt_key.align``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,10 @@ class VolatileRule:
     name: str
     find: Finder
     canonical: Canonical
+    # whether a changed value may be stepped over, the model keeping the old one
+    # (a timestamp, a nonce, an envelope's ids): False where the text is something
+    # to read (a reminder's instructions), whose new version must be prefilled
+    stale_ok: bool = True
 
 
 @dataclass(frozen=True)
@@ -97,13 +102,22 @@ _ZONES = (
     "|CEST|EET|EEST|MSK|BST|IST|PKT|ICT|WIB|SGT|HKT|JST|KST|AWST|ACST|ACDT|AEST|AEDT"
     "|NZST|NZDT|BRT|ART|CLT|COT|PET|SAST|WAT|CAT|EAT"
 )
-# one word of a date or time: a number (2026-11-26, 10:42:01, 26th, +01:00, ...T10:42Z),
+# an IANA zone by its region (Europe/Paris, America/Argentina/Salta): not any
+# "word/word" ("release/v2" after a date is the user's branch, an edit of it must
+# reach the model)
+_IANA_ZONE = (
+    r"(?:africa|america|antarctica|arctic|asia|atlantic|australia|europe|indian|pacific|etc)"
+    r"/[\w/+-]+"
+)
+# one word of a date or time: a number (2026-11-26, 10:42:01, 26th, +01:00, ...T10:42Z,
+# 10h42, 10am; not "500mg"),
 # a month or day name, AM/PM, a zone maybe with its offset (UTC, GMT+0100), an IANA
 # zone, a linking word, or a parenthesised zone name ("(Central European Time)",
 # replaced by \x00 before the words are checked)
 _DATE_WORD = re.compile(
-    r"[+-]?\d[\w:./+-]*|(?:" + _MONTHS + "|" + _DAYS + r")\.?|[ap]\.?m\.?"
-    r"|(?-i:(?:" + _ZONES + r"))(?:[+-]\d{1,4}(?::?\d\d)?)?|[a-z]+/[\w/+-]+|at|of|the|on"
+    r"[+-]?\d[\d:./-]*(?:t\d[\d:.]*)?(?:z|[+-]\d[\d:]*|st|nd|rd|th|h\d\d|[ap]\.?m\.?)?"
+    r"|(?:" + _MONTHS + "|" + _DAYS + r")\.?|[ap]\.?m\.?"
+    r"|(?-i:(?:" + _ZONES + r"))(?:[+-]\d{1,4}(?::?\d\d)?)?|" + _IANA_ZONE + "|at|of|the|on"
     r"|\x00",
     re.IGNORECASE,
 )
@@ -154,6 +168,14 @@ def timestamps(text: str) -> Iterator[tuple[int, int]]:
             yield start, start + len(value)
 
 
+# the keys of a channel envelope's "key: value" lines (Inbound Context)
+_ENVELOPE_KEY = (
+    r"(?:(?:chat|message|thread|user|account|group|conversation|session|sender|channel)"
+    r"(?:[ _-]?(?:id|type|name))?|from|to|provider|surface|platform|username"
+    r"|timestamp|time|date|received(?:[ _-]?at)?|reply[ _-]?to(?:[ _-]?id)?|id)"
+)
+
+
 RULES: tuple[VolatileRule, ...] = (
     # Claude Code's first system line: carries a per-request cch nonce
     VolatileRule(
@@ -162,30 +184,33 @@ RULES: tuple[VolatileRule, ...] = (
     VolatileRule("cch_nonce", _line(r"\bcch=[0-9a-f]+;"), Canonical.SENTINEL),
     # "Current time is 10:42", "Current date: 2026-11-26", "Today's date is ..."
     VolatileRule("timestamp", timestamps, Canonical.SENTINEL),
-    # Channel envelopes: "[message_id: 8812]", "message_id=abc" opening a line or a
-    # field or right against its separator ("chat_id=5 message_id=77"), "\"message_id\":
-    # \"x\"": not "WHERE message_id = 4411" in the user's SQL
+    # Channel envelopes: "message_id = abc" opening a line; "[message_id: 8812]",
+    # "| message_id: m-7", "\"message_id\": \"x\"" opening a field, and "chat_id=5
+    # message_id=77", right against their separator: not "WHERE message_id = 4411"
+    # or "SET done=1, message_id = 4411" in the user's SQL
     VolatileRule(
         "message_id",
         _line(
-            r"(?:^[ \t#*>-]*|(?<=[\[{(\"',;|])[ \t]*|(?<=[ \t])(?=message_id[:=]))"
-            r"message[_ ]id[\"']?[ \t]*[:=][ \t]*[\"']?([\w.:-]+)[\"']?",
+            r"(?:^[ \t#*>-]*message[_ ]id[\"']?[ \t]*[:=]"
+            r"|(?<=[\[{(\"',;|])[ \t]*message[_ ]id[\"']?[:=]|(?<=[ \t])message_id[:=])"
+            r"[ \t]*[\"']?([\w.:-]+)[\"']?",
             group=1,
         ),
         Canonical.SENTINEL,
     ),
     # OpenClaw's per-message metadata block: a header line, then a fenced JSON
-    # block or "key: value" lines (not any line up to a blank one: "Inbound
-    # Context\nchat: 5\nDelete the prod database" ends with the user's words).
-    # Linear as a regex: a header always matches (the unfenced branch may take no
-    # line), so its fence scan lies inside its match unless the fence is never
-    # closed, which can happen once per text.
+    # block or "key: value" lines of envelope keys (not any line up to a blank one,
+    # nor any "word: text" line: in "Inbound Context\nchat: 5\nTask: delete the prod
+    # database" the task is the user's words). Linear as a regex: a header always
+    # matches (the unfenced branch may take no line), so its fence scan lies inside
+    # its match unless the fence is never closed, which can happen once per text;
+    # a key line's leading blanks are read by one quantifier, then a fixed word.
     VolatileRule(
         "inbound_context",
         Regex(
             re.compile(
                 r"^[#* \t]*Inbound Context\b[^\n]*\n(?:[ \t]*```[^\n]*\n.*?```[^\n]*(?:\n|$)"
-                r"|(?:[ \t]*[-*]?[ \t]*[\w .-]{1,40}:[^\n]*(?:\n|$))*)",
+                r"|(?:[ \t]*(?:[-*][ \t]*)?" + _ENVELOPE_KEY + r"[ \t]*:[^\n]*(?:\n|$))*)",
                 re.IGNORECASE | re.MULTILINE | re.DOTALL,
             )
         ),
@@ -193,8 +218,13 @@ RULES: tuple[VolatileRule, ...] = (
     ),
     # sub-agent completion announcements: "Stats: runtime 42s • tokens 1.2k ..."
     VolatileRule("subagent_stats", _line(r"^[ \t]*Stats: runtime\b[^\n]*(?:\n|$)"), Canonical.DROP),
+    # an agent's reminders: dropped from the key (a turn without one still finds
+    # the KV of a turn with one), but a changed reminder is read, never stepped over
     VolatileRule(
-        "system_reminder", Block("<system-reminder>", "</system-reminder>", "\n"), Canonical.DROP
+        "system_reminder",
+        Block("<system-reminder>", "</system-reminder>", "\n"),
+        Canonical.DROP,
+        stale_ok=False,
     ),
 )
 

@@ -125,6 +125,23 @@ def test_droppable_block_present_on_one_side_only():
     assert (al.entry_depth, al.request_depth) == (2, 2)
 
 
+def test_a_changed_reminder_is_prefilled_but_a_changed_envelope_is_stepped_over():
+    """A reminder at the same place with other words (another project's
+    instructions in another agent's first message) was stepped over like a stale
+    timestamp: the model read the old reminder and never the new one."""
+    old = PromptKey.build([1, 2, 70, 71, 3, 4, 5], [TokenSpan(2, 4, SR)])
+    new = PromptKey.build([1, 2, 80, 81, 82, 3, 4, 9], [TokenSpan(2, 5, SR)])
+    al = align(old, new, skip_volatile=True)
+    assert (al.entry_depth, al.request_depth, al.stale_tokens) == (2, 2, 0)
+    # the same reminder is reused; an envelope's changed ids stay stale values
+    assert align(old, old, skip_volatile=True).request_depth == 6
+    ic = RULE_INDEX["inbound_context"]
+    old = PromptKey.build([1, 2, 70, 71, 3, 4, 5], [TokenSpan(2, 4, ic)])
+    new = PromptKey.build([1, 2, 80, 81, 82, 3, 4, 9], [TokenSpan(2, 5, ic)])
+    al = align(old, new, skip_volatile=True)
+    assert (al.entry_depth, al.request_depth, al.stale_tokens) == (6, 7, 2)
+
+
 def test_token_spans_cover_tokens_that_straddle_a_span_edge():
     offsets = [(0, 3), (3, 6), (6, 9), (9, 12)]
     assert token_spans(offsets, [CharSpan(4, 7, TS)]) == [TokenSpan(1, 3, TS)]

@@ -121,6 +121,11 @@ def test_rule_marks_exactly_its_span(text, rule, span):
         "the limit today is 5 USD",
         # a message id in the user's own text is no channel envelope
         "DELETE FROM inbox WHERE message_id = 4411",
+        "UPDATE t SET done=1, message_id = 4411 WHERE x=1;",
+        "UPDATE t SET done=1,message_id = 4411 WHERE x=1;",
+        # after a date: a branch is no IANA zone, a dose no part of a time
+        "Today is 2026-01-05 on release/v1",
+        "Current time: 10:42 500mg",
         "look up the row whose message id: 12 failed",
     ],
 )
@@ -141,10 +146,27 @@ def test_ordinary_text_is_not_volatile(text):
         # the unfenced metadata block is its "key: value" lines, not the question after them
         ("Inbound Context\nchat: 5\nDelete the prod database", "inbound_context", "Inbound Context\nchat: 5\n"),
         ("## Inbound Context\n- sender: bob\n- chat id: 5\n\nhi", "inbound_context", "## Inbound Context\n- sender: bob\n- chat id: 5\n"),
+        # a "word: text" line is the user's unless its word is an envelope's key
+        ("Inbound Context\nchat: 5\nTask: delete the staging database\n", "inbound_context", "Inbound Context\nchat: 5\n"),
+        ("Inbound Context\nMessage ID: 7\nReply-To: 12\nNote: hi", "inbound_context", "Inbound Context\nMessage ID: 7\nReply-To: 12\n"),
+        ("Current date: 2026-11-27 at 10:42 (America/Argentina/Salta)", "timestamp", "2026-11-27 at 10:42 (America/Argentina/Salta)"),
     ],
 )  # fmt: skip
 def test_a_volatile_value_ends_where_the_users_words_begin(text, rule, span):
     assert marked(text) == ([(rule, span)] if span else [])
+
+
+def test_blank_lines_after_an_envelope_header_stay_linear():
+    """Three quantifiers could each take a key line's leading blanks: 8k spaces
+    after "Inbound Context" took 2.4 s, growing with the square of the line."""
+    import time
+
+    began = time.perf_counter()
+    for blank in (" ", " \t"):
+        assert marked("Inbound Context\n" + blank * 20_000 + "x") == [
+            ("inbound_context", "Inbound Context\n")
+        ]
+    assert time.perf_counter() - began < 5  # milliseconds now; a minute before
 
 
 def test_a_label_followed_by_words_that_read_as_two_kinds_stays_linear():
