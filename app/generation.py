@@ -295,7 +295,10 @@ class Generation:
                 try:
                     events = parser.feed(out.text) if out.text else []
                     if out.finished:
-                        events += parser.finish(truncated=out.finish_reason == FinishReason.LENGTH)
+                        events += parser.finish(
+                            truncated=out.finish_reason == FinishReason.LENGTH,
+                            stopped_at=out.stop_sequence,
+                        )
                 except Exception as exc:  # noqa: BLE001 - this reply fails alone, with an error event
                     log.exception("%s: the reply could not be parsed", self.request_id)
                     if not out.finished:

@@ -78,7 +78,10 @@ class OutputParser:
         )
         self._think = reasoning and self._mode is _Mode.BOUNDARY  # may <think> still open?
         self._keep_ws = True  # leading whitespace is content unless a block/call follows
-        self._ws = ""
+        # whitespace held at a block boundary, in pieces: one string grown per delta
+        # was copied whole each time (a model looping on blank lines: quadratic)
+        self._ws: list[str] = []
+        self._ws_len = 0
         self._buf = ""
         self._markups: tuple[Markup, ...] = self.tools.markups if self.tools else ()
         self._tool: Markup | None = None
@@ -89,6 +92,7 @@ class OutputParser:
         self._tail = ""
         self._out: list[Event] = []
         self._truncated = False
+        self._stopped_at: str | None = None
         self._calls = 0
         # the raw text minus tool-call markup that decoded: what the model wrote
         # besides its calls, for healing the echoed turn
@@ -107,11 +111,14 @@ class OutputParser:
         self._drain(final=False)
         return self._flush()
 
-    def finish(self, truncated: bool = False) -> list[Event]:
+    def finish(self, truncated: bool = False, stopped_at: str | None = None) -> list[Event]:
         """The end of the reply. ``truncated``: max_tokens cut it, so a call whose
         markup is still open is incomplete and goes out as the text it is (the same
-        for every markup: an agent must never run a call with cut-off arguments)."""
+        for every markup: an agent must never run a call with cut-off arguments).
+        ``stopped_at``: the client's stop string that ended it, which cuts an open
+        call the same unless it is the call's closing tag (``stop: ["</tool_call>"]``)."""
         self._truncated = truncated
+        self._stopped_at = stopped_at
         self._drain(final=True)
         return self._flush()
 
@@ -135,7 +142,7 @@ class OutputParser:
     @property
     def held(self) -> int:
         """Characters received but not yet classified (tool buffers excluded)."""
-        return len(self._buf) + len(self._ws)
+        return len(self._buf) + self._ws_len
 
     # -- state machine ---------------------------------------------------------
     def _drain(self, final: bool) -> None:
@@ -154,7 +161,9 @@ class OutputParser:
 
     def _boundary(self, final: bool) -> bool:
         stripped = self._buf.lstrip()
-        self._ws += self._buf[: len(self._buf) - len(stripped)]
+        if len(stripped) < len(self._buf):
+            self._ws.append(self._buf[: len(self._buf) - len(stripped)])
+            self._ws_len += len(self._buf) - len(stripped)
         self._buf = stripped
         if not stripped:
             if final:
@@ -187,14 +196,18 @@ class OutputParser:
     def _release_ws(self) -> None:
         """Held whitespace before content: content at the very start, dropped after a block."""
         if self._keep_ws:
-            self._emit(Content, self._ws)
-            self._ws = ""
+            self._emit(Content, self._take_ws())
         else:
             self._drop_ws()
 
     def _drop_ws(self) -> None:
-        self._kept.append(self._ws)
-        self._ws = ""
+        self._kept.append(self._take_ws())
+
+    def _take_ws(self) -> str:
+        held = "".join(self._ws)
+        self._ws.clear()
+        self._ws_len = 0
+        return held
 
     def _content(self, final: bool) -> bool:
         found = [(i, m) for m in self._markups if (i := self._buf.find(m.start)) >= 0]
@@ -228,6 +241,13 @@ class OutputParser:
         self._think = False
         self._keep_ws = False
 
+    def _cut_by_stop(self, markup: Markup) -> bool:
+        """Whether a stop string ended the reply inside ``markup``'s call: not at
+        its closing tag, and a closing tag it has (a JSON call without one is
+        whole or fails to parse; markup of named arguments can lose the last)."""
+        stop = self._stopped_at
+        return stop is not None and bool(markup.end) and not stop.lstrip().startswith(markup.end)
+
     def _start_tool(self, markup: Markup) -> None:
         self._mode = _Mode.TOOL
         self._tool = markup
@@ -251,7 +271,7 @@ class OutputParser:
             self._tail = window[max(0, len(window) - len(markup.end) + 1) :]
         self._tool_parts.append(new)
         self._tool_len += len(new)
-        if final and self._truncated:
+        if final and (self._truncated or self._cut_by_stop(markup)):
             self._tool = None
             self._emit(Content, markup.start + "".join(self._tool_parts))
             self._mode = _Mode.CONTENT

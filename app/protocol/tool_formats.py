@@ -135,19 +135,24 @@ def _qwen3_coder(inner: str) -> list[dict[str, Any]]:
     parse = _mlx_parser("qwen3_coder")
     pieces = _functions(inner)
     for piece in pieces:
-        _all_parameters_closed(piece)
+        _all_closed(piece, "<parameter=", "</parameter>")
     return [parse(piece) for piece in pieces]
 
 
-def _all_parameters_closed(piece: str) -> None:
-    """Raise if a ``<parameter=...>`` is never closed: mlx-lm's parser then drops
-    it, and the call would run with an argument missing. One pass."""
+def _all_closed(piece: str, opening: str, closing: str) -> None:
+    """Raise if an argument's ``opening`` is never closed: mlx-lm's XML parsers
+    then drop it, and the call would run with an argument missing. One pass."""
     pos = 0
-    while (opened := piece.find("<parameter=", pos)) >= 0:
-        closed = piece.find("</parameter>", opened)
+    while (opened := piece.find(opening, pos)) >= 0:
+        closed = piece.find(closing, opened)
         if closed < 0:
-            raise ValueError("a parameter is never closed")
-        pos = closed + len("</parameter>")
+            raise ValueError("an argument is never closed")
+        pos = closed + len(closing)
+
+
+def _minicpm(text: str) -> Any:
+    _all_closed(text, "<param", "</param>")
+    return _mlx_parser("minicpm5")(text.rstrip(), None)
 
 
 def _functions(inner: str) -> list[str]:
@@ -180,7 +185,7 @@ def _glm_pairs(inner: str) -> str:
     open (a model looping on them), backtracks over the whole tail for each one,
     cubic in the reply's length (32 KB: 4 s on the event loop; 64 KB: minutes).
     On well-formed markup it reads what the regex reads; a pair left open, or a
-    key with no value after it, is dropped rather than glued into its neighbour."""
+    key with no value after it, makes it no call (its argument would be missing)."""
     first = inner.find("<arg_key>")
     if first < 0:
         return inner  # a bare name, JSON, or key=value text: no pair regex runs
@@ -188,7 +193,7 @@ def _glm_pairs(inner: str) -> str:
     while (key := inner.find("<arg_key>", pos)) >= 0:
         key_end = inner.find("</arg_key>", key + 9)
         if key_end < 0:
-            break  # no later key is closed either
+            raise ValueError("an argument's name is never closed")
         value = key_end + 10
         while True:  # what the regex allows between key and value: spaces, "\\n"
             if value < len(inner) and inner[value].isspace():
@@ -197,12 +202,11 @@ def _glm_pairs(inner: str) -> str:
                 value += 2
             else:
                 break
-        pos = value
         if not inner.startswith("<arg_value>", value):
-            continue
+            raise ValueError("an argument has no value")
         value_end = inner.find("</arg_value>", value + 11)
         if value_end < 0:
-            break  # no later value is closed either
+            raise ValueError("an argument's value is never closed")
         pairs.append(inner[key : value + 11])
         pairs.append(inner[value + 11 : value_end] + "</arg_value>")
         pos = value_end + 12
@@ -277,7 +281,9 @@ def _as_calls(parsed: Any) -> list[dict[str, Any]]:
     for item in items:
         if not isinstance(item, Mapping):
             raise ValueError("not a tool call")
-        name, args = item.get("name"), item.get("arguments", {})
+        # Llama-style "parameters" inside a <tool_call> tag is the same call's arguments
+        name = item.get("name")
+        args = item["arguments"] if "arguments" in item else item.get("parameters", {})
         if isinstance(args, str):
             args = json.loads(args) if args.strip() else {}
         if not isinstance(name, str) or not name.strip() or not isinstance(args, Mapping):
@@ -346,7 +352,7 @@ class ToolCallDecoder:
                 for n in names
             ]
         if markup is MINICPM:
-            return [("minicpm5", lambda text: _mlx_parser("minicpm5")(text.rstrip(), None))]
+            return [("minicpm5", _minicpm)]
         if markup not in MARKED:  # the family's own markup and parser
             return [(markup.kind, lambda text: _mlx_parser(markup.kind)(text, self.tools))]
         return [(markup.kind, _mlx_parser(markup.kind))]

@@ -31,7 +31,12 @@ TWO_CALLS = [
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n',
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
 ]
+GLM_CALL = [
+    "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n",
+    "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
+]
 SCRIPTS = {
+    "GLM_CALL": GLM_CALL,
     "CALL_TOOL": QWEN_CALL,
     "TWO_CALLS": TWO_CALLS,
     "THINK": THINK_ANSWER,

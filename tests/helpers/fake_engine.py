@@ -168,6 +168,11 @@ class FakeRunner:
                 finish = FinishReason.LENGTH
             word = f"{req.adapter}-w{n - 1} " if req.adapter else f"w{n - 1} "
             text = pieces[n - 1] if pieces else word
+            # a stop string inside this step's text ends the reply before it
+            hit = min(((text.find(s), s) for s in req.stop if s in text), default=None)
+            stop_sequence = None
+            if hit is not None:
+                text, finish, stop_sequence = text[: hit[0]], FinishReason.STOP, hit[1]
             stats = None
             if finish is not None:
                 now = time.monotonic()
@@ -175,7 +180,16 @@ class FakeRunner:
                 stats = RequestStats(
                     waited, self.step_delay, max(0.0, now - joined - self.step_delay), report
                 )
-            out = RequestOutput(rid, text, (n,), finish, len(req.prompt_tokens), n, stats=stats)
+            out = RequestOutput(
+                rid,
+                text,
+                (n,),
+                finish,
+                len(req.prompt_tokens),
+                n,
+                stats=stats,
+                stop_sequence=stop_sequence,
+            )
             if n == 1:  # as the real runner: from when the client's wait began
                 out.ttft = time.monotonic() - req.started_at
             if req.logprobs is not None:  # the chosen token first, then made-up alternatives

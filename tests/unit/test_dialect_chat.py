@@ -38,6 +38,46 @@ def test_chat_tool_call_non_streaming(server):
 
 
 @pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(
+    "stop, call",
+    [
+        # cut inside the call: its later arguments are lost, so it is text
+        ("<arg_key>days", None),
+        # cut at its closing tag (clients that stop on it): the whole call
+        ("</tool_call>", {"city": "Paris", "days": 3}),
+    ],
+)
+def test_a_call_cut_by_a_stop_string_is_text_not_a_call_missing_arguments(
+    server, stream, stop, call
+):
+    """A client's stop string ended the reply inside a call whose arguments so far
+    were closed: the call ran with its later arguments missing (days)."""
+    kw = dict(
+        model="m",
+        messages=[{"role": "user", "content": "GLM_CALL please"}],
+        tools=TOOLS,
+        stop=[stop],
+    )
+    oa = server.openai()
+    if stream:
+        chunks = list(oa.chat.completions.create(stream=True, **kw))
+        deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+        args = "".join(d.function.arguments or "" for d in deltas)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        finish = chunks[-1].choices[0].finish_reason
+    else:
+        choice = oa.chat.completions.create(**kw).choices[0]
+        calls = choice.message.tool_calls or []
+        args = calls[0].function.arguments if calls else ""
+        text, finish = choice.message.content or "", choice.finish_reason
+    if call is None:
+        assert args == "" and finish == "stop"
+        assert text.endswith("<arg_value>Paris</arg_value>\n")
+    else:
+        assert json.loads(args) == call and finish == "tool_calls" and text == ""
+
+
+@pytest.mark.parametrize("stream", [False, True])
 def test_parallel_tool_calls_off_keeps_the_first_call_in_every_dialect(server, stream):
     """parallel_tool_calls: false (OpenAI) and disable_parallel_tool_use (Anthropic)
     were accepted and not enforced: a reply with two calls returned both."""

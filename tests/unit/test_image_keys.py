@@ -112,11 +112,11 @@ def test_identity_ids_are_never_vocabulary_ids_and_depend_on_the_split():
         image_run(image_key(b"x", [PLACEHOLDER]), MAX_IMAGE_TOKENS + 1)
 
 
-def _reminder_with_image(image: bytes, note: int) -> PromptKey:
-    """STEM, then a user's <system-reminder> block (volatile, dropped from the cache
-    key) holding ``note`` and a screenshot, then the question."""
+def _reminder_with_image(image: bytes, note: int, rule_name: str = "inbound_context") -> PromptKey:
+    """STEM, then a volatile block of the user's (dropped from the cache key)
+    holding ``note`` and a screenshot, then the question."""
     span = 6
-    rule = RULE_INDEX["system_reminder"]
+    rule = RULE_INDEX[rule_name]
     tokens = STEM + [100, note, PLACEHOLDER, 101] + [102, 103, 104]
     at = len(STEM) + 2
     key = PromptKey.build(tokens, [TokenSpan(len(STEM), len(STEM) + 4, rule)])
@@ -136,6 +136,12 @@ def test_an_image_inside_a_volatile_block_is_compared_not_stepped_over():
     # the same image beside a changed note still reuses past both (a stale note)
     same = index.lookup(_reminder_with_image(b"red", note=111).extended([1])).hit
     assert same is not None and same.reused == len(stored.model_tokens)
+    # but a changed reminder is read, not stepped over, image and all
+    reminder = _reminder_with_image(b"red", note=110, rule_name="system_reminder")
+    index.insert(reminder, len(reminder.model_tokens), True)
+    changed = _reminder_with_image(b"red", note=111, rule_name="system_reminder")
+    hit = index.lookup(changed.extended([1])).hit
+    assert (hit.reused if hit else 0) <= len(STEM)
 
 
 # -- the same key's tokens through the server's own path: the model's processor

@@ -135,5 +135,8 @@ def test_glm_pairs_examine_each_character_at_most_twice(unit: str) -> None:
     from app.protocol.tool_formats import _glm_pairs
 
     text = adversarial(unit)
-    _glm_pairs(text)
+    try:
+        _glm_pairs(text)
+    except ValueError:  # an argument left open: no call (stops at the first)
+        assert unit != "<arg_key>a</arg_key> \n<arg_value>x</arg_value>"
     assert text.examined <= 2 * len(text)

@@ -330,3 +330,17 @@ def test_a_prefill_that_closes_the_prompts_think_block_is_answered_as_content(pr
     rendered = RenderedPrompt(PromptKey.build(encode(tail)), tail=tail)
     _, parser = _output_side(call, info, rendered)
     assert parser.parse(" 42.") == expected
+
+
+def test_whitespace_a_model_loops_on_is_held_in_linear_time():
+    """Whitespace held at a block boundary grew one string per delta, copied whole
+    each time: 1M characters of blank lines took 28 s on the event loop."""
+    import time
+
+    parser = OutputParser(Syntax(), None)
+    began = time.perf_counter()
+    for _ in range(500_000):
+        assert parser.feed("\n\n") == []
+    assert parser.held == 1_000_000
+    assert merge(parser.finish()) == [Content("\n" * 1_000_000)]
+    assert time.perf_counter() - began < 5  # a quarter of a second now

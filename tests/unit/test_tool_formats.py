@@ -94,6 +94,35 @@ def test_hermes_qwen25_json():
     ]
 
 
+def test_llama_style_parameters_in_a_tool_call_tag_are_the_arguments():
+    """A call object naming its arguments "parameters" (Llama's JSON) inside a
+    <tool_call> tag ran with no arguments at all."""
+    text = '<tool_call>\n{"name": "read_file", "parameters": {"path": "a.py"}}\n</tool_call>'
+    assert parse(text, "json_tools") == [ToolCall("read_file", '{"path": "a.py"}')]
+    assert parse(text) == [ToolCall("read_file", '{"path": "a.py"}')]
+
+
+@pytest.mark.parametrize(
+    "family, text",
+    [
+        (
+            "glm47",
+            "<tool_call>run\n<arg_key>command</arg_key>\n<arg_value>ls</arg_value>\n"
+            "<arg_key>env</arg_key>\n<arg_value>A=1\n</tool_call>",
+        ),
+        ("glm47", "<tool_call>run\n<arg_key>command</arg_key>\n<arg_key>env</arg_key></tool_call>"),
+        (
+            "minicpm5",
+            '<function name="run"><param name="command">ls</param><param name="env">A=1</function>',
+        ),
+    ],
+)
+def test_a_call_with_an_argument_left_open_is_text_in_every_xml_markup(family, text):
+    """GLM and MiniCPM dropped a parameter never closed and ran the call without
+    it (Qwen3-Coder's markup already went out as text)."""
+    assert parse(text, family) == [Content(text)]
+
+
 def test_two_json_calls_in_one_tool_call_block_are_two_calls():
     """Qwen2.5-style models now and then write both calls in one block: one
     json.loads refused it and both calls went out as text."""
@@ -454,8 +483,8 @@ def test_glm_markup_a_model_loops_on_reaches_mlx_lms_parser_without_its_open_pai
     monkeypatch,
 ):
     """Pairs left open made mlx-lm's regex backtrack over the tail for each one:
-    64 KB of them held the event loop for minutes. The parser now sees only the
-    closed pairs."""
+    64 KB of them held the event loop for minutes. Found open in one pass, they
+    make the markup no call (an argument would be missing): the regex never runs."""
     import app.protocol.tool_formats as tf
 
     seen = []
@@ -466,5 +495,5 @@ def test_glm_markup_a_model_loops_on_reaches_mlx_lms_parser_without_its_open_pai
     )
     loop = "<arg_key>command</arg_key><arg_value>ls" * 2000
     inner = "run\n<arg_key>path</arg_key>\n<arg_value>a.txt</arg_value>" + loop
-    ToolCallDecoder(TOOLS, "glm47").decode(tf.TOOL_CALL_TAG, inner)
-    assert seen == ["run\n<arg_key>path</arg_key>\n<arg_value>a.txt</arg_value>"]
+    assert not ToolCallDecoder(TOOLS, "glm47").decode(tf.TOOL_CALL_TAG, inner)
+    assert seen == []
