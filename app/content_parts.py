@@ -54,7 +54,10 @@ def parts_text(content: Any, where: str, in_tool_result: bool = False) -> str:
             raise APIError(400, "content parts must be objects.", param=where)
         kind = part.get("type")
         if kind in TEXT_PARTS:
-            out.append(str(part.get("text", "")))
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise APIError(400, f"a {kind} part needs a text string.", param=where)
+            out.append(text)
         elif kind == "refusal":
             out.append(str(part.get("refusal", "")))
         elif kind in IMAGE_PARTS and in_tool_result:

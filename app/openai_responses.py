@@ -55,7 +55,16 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict[str, Any]] = []
+    # each assistant message's reasoning, joined once at the end: re-joined at
+    # each call that followed a thought, it was copied again per call (quadratic)
+    thoughts: dict[int, list[str]] = {}
     reasoning: list[str] = []
+
+    def give_reasoning(message: int) -> None:
+        if reasoning:
+            thoughts.setdefault(message, []).extend(reasoning)
+            reasoning.clear()
+
     for i, item in enumerate(items):
         where = f"input.{i}"
         turn_over = (isinstance(item, MessageItem) and item.role != "assistant") or isinstance(
@@ -64,16 +73,16 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
         if reasoning and turn_over:
             # a turn whose output was reasoning alone: it stays that turn's, never
             # the next assistant message's (which the model would then read)
-            out.append(
-                {"role": "assistant", "content": "", "reasoning_content": "\n".join(reasoning)}
-            )
-            reasoning = []
+            out.append({"role": "assistant", "content": ""})
+            give_reasoning(len(out) - 1)
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            message = {"role": role, "content": parts_content(_parts(item.content), where)}
-            if role == "assistant" and reasoning:
-                message["reasoning_content"], reasoning = "\n".join(reasoning), []
-            out.append(message)
+            parts = _parts(item.content)
+            # images only in a user's message, as in chat and Messages
+            content = parts_content(parts, where) if role == "user" else parts_text(parts, where)
+            out.append({"role": role, "content": content})
+            if role == "assistant":
+                give_reasoning(len(out) - 1)
         elif isinstance(item, ReasoningItem):
             reasoning.append(parts_text(_parts(item.content or item.summary or []), where))
         elif isinstance(item, FunctionCallItem):
@@ -81,23 +90,15 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
             (call,) = template_tool_calls(
                 [{"id": item.call_id, "type": "function", "function": fn}]
             )
-            last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-                if reasoning:  # thought before this call: its turn's, not the next turn's
-                    before = last.get("reasoning_content")
-                    last["reasoning_content"] = "\n".join(
-                        [before, *reasoning] if before else reasoning
-                    )
-                    reasoning = []
-            else:
-                message = {"role": "assistant", "content": "", "tool_calls": [call]}
-                if reasoning:
-                    message["reasoning_content"], reasoning = "\n".join(reasoning), []
-                out.append(message)
+            if not out or out[-1]["role"] != "assistant":
+                out.append({"role": "assistant", "content": ""})
+            out[-1].setdefault("tool_calls", []).append(call)
+            give_reasoning(len(out) - 1)  # thought before this call: its turn's
         elif isinstance(item, FunctionCallOutputItem):
             text = parts_content(_parts(item.output), where, in_tool_result=True)
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": text})
+    for message, pieces in thoughts.items():
+        out[message]["reasoning_content"] = "\n".join(pieces)
     return out
 
 
@@ -221,14 +222,16 @@ def _response(
         "temperature": body.temperature,
         "top_p": body.top_p,
         "tools": [_echoed_tool(t) for t in body.tools or ()],
+        # the declared fields only: a client's extra keys are accepted, not echoed
+        # (every response would carry them back, serialised on the event loop)
         "tool_choice": (
-            body.tool_choice.model_dump(exclude_none=True)
+            body.tool_choice.model_dump(include={"type", "name"}, exclude_none=True)
             if hasattr(body.tool_choice, "model_dump")
             else body.tool_choice or "auto"
         ),
         "parallel_tool_calls": body.parallel_tool_calls,
         "previous_response_id": body.previous_response_id,
-        "reasoning": body.reasoning.model_dump()
+        "reasoning": body.reasoning.model_dump(include={"effort", "summary"})
         if body.reasoning
         else {"effort": None, "summary": None},
         "store": body.store,

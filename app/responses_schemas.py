@@ -112,16 +112,20 @@ class ResponsesTool(BaseModel):
         return self
 
 
+# a short word a response echoes back ("auto", "concise", a tool type)
+EchoedWord = Annotated[str, Field(max_length=64)]
+
+
 class ResponsesToolChoice(BaseModel):
     model_config = STRICT
-    type: str
+    type: EchoedWord
     name: ToolName | None = None
 
 
 class ReasoningConfig(BaseModel):
     model_config = STRICT
     effort: Effort | None = None
-    summary: str | None = None
+    summary: EchoedWord | None = None
 
 
 # OpenAI's limits on a response's metadata: its own key/value record, echoed back
@@ -150,7 +154,8 @@ class ResponsesRequest(EnvelopedSampling):
     reasoning: ReasoningConfig | None = None
     stream: Annotated[bool, null_is(False)] = False
     store: Annotated[bool, null_is(True)] = True
-    previous_response_id: str | None = None
+    # ids are "resp_" and 24 hex digits; echoed, and named in a 404
+    previous_response_id: Annotated[str, Field(max_length=256)] | None = None
     metadata: Envelope | None = None
 
     @field_validator("tools")

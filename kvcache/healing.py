@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -32,10 +33,23 @@ def decoded_arguments(text: str) -> Any:
     """A tool call's arguments string as the JSON value it holds, or the string
     itself when it is not JSON or nests deeper than ``MAX_ARGUMENT_DEPTH``."""
     try:
-        value = json.loads(text)
+        # NaN, Infinity and 1e999 are no JSON: kept they broke every later dump
+        # (a stored response no follow-up could find)
+        value = json.loads(text, parse_constant=_not_json, parse_float=_finite)
     except (ValueError, RecursionError):
         return text
     return value if _nests_within(value, MAX_ARGUMENT_DEPTH) else text
+
+
+def _not_json(word: str) -> Any:
+    raise ValueError(f"{word} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text:.20} is out of range")
+    return value
 
 
 def _nests_within(value: Any, limit: int) -> bool:

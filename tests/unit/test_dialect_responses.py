@@ -244,3 +244,119 @@ def test_a_response_echoes_tools_and_metadata_within_bounds_the_sdk_validates(se
     ):
         r = httpx.post(server.url + "/v1/responses", json={**body, "metadata": metadata})
         assert r.status_code == 400 and "metadata" in r.text, (metadata, r.text)
+
+
+def test_tool_choice_and_reasoning_echo_their_own_fields_only(server):
+    """Extra keys of tool_choice and reasoning, and an unbounded summary, were
+    echoed whole: 25 MiB sent once came back in every event of the stream."""
+    import httpx
+
+    body = {
+        "model": "m",
+        "input": "hello",
+        "tools": RESPONSES_TOOLS,
+        "tool_choice": {"type": "function", "name": "get_weather", "pad": "x" * 100_000},
+        "reasoning": {"summary": "auto", "pad": "x" * 100_000},
+    }
+    r = httpx.post(server.url + "/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    echoed = r.json()
+    assert echoed["tool_choice"] == {"type": "function", "name": "get_weather"}
+    assert echoed["reasoning"] == {"effort": None, "summary": "auto"}
+    assert len(r.content) < 10_000
+    for field, value in (
+        ("reasoning", {"summary": "x" * 100_000}),
+        ("tool_choice", {"type": "x" * 100_000}),
+        ("previous_response_id", "resp_" + "x" * 100_000),
+        ("reasoning", {"effort": "x" * 100_000}),  # refused, quoting a little of it
+    ):
+        r = httpx.post(server.url + "/v1/responses", json={**body, field: value})
+        assert r.status_code == 400 and len(r.content) < 2_000, (field, len(r.content))
+        assert r.json()["error"]["param"].startswith(field)
+
+
+@pytest.mark.parametrize("role", ["assistant", "system", "developer"])
+def test_an_image_outside_a_users_message_is_refused_as_in_chat(server, role):
+    """Responses read images in any role's message (chat and Messages refuse them
+    outside a user's): a system message's screenshot reached the prompt."""
+    import httpx
+
+    kind = "output_text" if role == "assistant" else "input_text"
+    items = [
+        {"role": "user", "content": "q"},
+        {
+            "type": "message",
+            "role": role,
+            "content": [
+                {"type": kind, "text": "see"},
+                {"type": "input_image", "image_url": "data:image/png;base64,AA=="},
+            ],
+        },
+        {"role": "user", "content": "q2"},
+    ]
+    r = httpx.post(server.url + "/v1/responses", json={"model": "m", "input": items})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input.1", r.text
+
+
+def test_a_text_part_without_its_text_is_refused_not_read_as_empty(server):
+    import httpx
+
+    items = [{"role": "user", "content": [{"type": "input_text"}]}]
+    r = httpx.post(server.url + "/v1/responses", json={"model": "m", "input": items})
+    assert r.status_code == 400 and "text" in r.json()["error"]["message"], r.text
+
+
+def test_non_json_numbers_in_call_arguments_stay_text_and_the_response_is_stored(server):
+    """json.loads reads NaN and Infinity: kept as numbers, they failed the stored
+    conversation's dump, and the response a 200 had named was never found."""
+    import httpx
+
+    items = [
+        {"role": "user", "content": "q"},
+        {
+            "type": "function_call",
+            "call_id": "c1",
+            "name": "get_weather",
+            "arguments": '{"x": NaN}',
+        },
+        {"type": "function_call_output", "call_id": "c1", "output": "ok"},
+    ]
+    body = {"model": "m", "input": items, "tools": RESPONSES_TOOLS}
+    r = httpx.post(server.url + "/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    call = server.formatter.last_messages[1]["tool_calls"][0]["function"]
+    assert call["arguments"] == '{"x": NaN}'  # the client's text, as sent
+    stored = httpx.get(server.url + f"/v1/responses/{r.json()['id']}")
+    assert stored.status_code == 200, stored.text
+    follow = {"model": "m", "input": "more", "previous_response_id": r.json()["id"]}
+    assert httpx.post(server.url + "/v1/responses", json=follow).status_code == 200
+
+
+def test_reasoning_before_many_calls_is_gathered_in_linear_time():
+    """Each call after a thought re-joined its turn's reasoning so far: 16 MB of
+    thoughts and calls took 24 s of a preparation slot."""
+    import time
+
+    from app.openai_responses import input_messages
+    from app.responses_schemas import ResponsesRequest
+
+    pairs = 4_000
+    thought = "t" * 4_000
+    items = [
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a"}]}
+    ]
+    for i in range(pairs):
+        items.append(
+            {
+                "type": "reasoning",
+                "id": f"rs_{i}",
+                "summary": [{"type": "summary_text", "text": thought}],
+            }
+        )
+        items.append({"type": "function_call", "call_id": f"c{i}", "name": "f", "arguments": "{}"})
+    parsed = ResponsesRequest.model_validate({"input": items}).input
+    began = time.perf_counter()
+    (message,) = input_messages(parsed)
+    assert time.perf_counter() - began < 5  # a tenth of a second now
+    assert len(message["tool_calls"]) == pairs
+    assert message["reasoning_content"] == "\n".join([thought] * pairs)
