@@ -149,6 +149,9 @@ def _is_tag(node: dict[str, Any], part: str, following: Any) -> bool:
     return following in node and not (isinstance(inner, dict) and following in inner)
 
 
+MAX_DETAIL = 300  # characters of one validation message: never a client's megabytes back
+
+
 def describe_errors(errors: Sequence[Any], body: bytes | None = None) -> tuple[str, str | None]:
     """A validation failure as one message naming the field, and that field.
     Given the JSON ``body``, the error named is the one deepest in it: of a
@@ -183,7 +186,10 @@ def describe_errors(errors: Sequence[Any], body: bytes | None = None) -> tuple[s
     more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
     value = chosen.get("input")
     got = f" (got {value!r:.60})" if isinstance(value, (str, int, float, bool)) else ""
-    return f"Invalid request{where}: {chosen.get('msg', 'invalid value')}{got}{more}", param
+    msg = str(chosen.get("msg", "invalid value"))
+    if len(msg) > MAX_DETAIL:  # a validator's message quoting what the client sent
+        msg = msg[:MAX_DETAIL] + "..."
+    return f"Invalid request{where}: {msg}{got}{more}", param
 
 
 _STATUS_TYPES = {

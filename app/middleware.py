@@ -229,8 +229,8 @@ class BodyLimitMiddleware:
             chunk = len(message.get("body", b""))
             received += chunk
             if received > self.max_bytes:
-                # surfaces through the app's HTTPException handler as a 413
-                raise HTTPException(413, self._message())
+                # the same 413 as a Content-Length over the limit, code and all
+                raise APIError(413, self._message(), code="body_too_large")
             if self.in_flight + chunk > self.max_in_flight:
                 raise APIError(
                     503,

@@ -91,7 +91,9 @@ class SamplingFields(BaseModel):
         None, ge=-1, le=2**31 - 1, description="0 or -1 (vLLM's spelling) = disabled"
     )
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="1 = off")
+    # under 0.01 the penalty's division overflows logits to inf, and the sampler
+    # then draws from NaN
+    repetition_penalty: float | None = Field(None, ge=0.01, le=10.0, description="1 = off")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
@@ -145,8 +147,10 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "return_dict",
         "return_assistant_tokens_mask",
         "tokenizer_kwargs",
-        "relocate_volatile",  # kvwarm's own render arguments
+        "self",  # kvwarm's own render arguments (engine.prompt_format.render_chat)
+        "relocate_volatile",
         "count_only",
+        "image_placeholder",
     }
 )
 
@@ -159,8 +163,13 @@ def _template_kwargs(value: dict[str, Any]) -> dict[str, Any]:
             "a chat template sent with a request is not accepted (it is code the server "
             "would run); the model's own template is used"
         )
-    if "enable_thinking" in value:  # read as the thinking switch: must say on or off
-        readable_switch(value["enable_thinking"])
+    # read as the thinking switch: as at the top level, null is unset, and any
+    # other value a bool, a number or a word saying on or off
+    switch = value.get("enable_thinking")
+    if switch is not None:
+        if not isinstance(switch, (bool, int, str)):
+            raise ValueError("enable_thinking must be a boolean, an integer or a string")
+        readable_switch(switch)
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(value))
     if reserved:
         raise ValueError(

@@ -36,7 +36,7 @@ def readable_switch(value: Any) -> Any:
     """A pydantic validator: a thinking switch a client sends must say on or off."""
     if thinking_flag(value) is None:
         raise ValueError(
-            f"{value!r} says neither on nor off; use true/false or one of "
+            f"{value!r:.40} says neither on nor off; use true/false or one of "
             f"{', '.join(sorted(_ON | _OFF))}"
         )
     return value

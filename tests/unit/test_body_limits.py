@@ -113,9 +113,13 @@ def test_a_body_over_the_limit_counts_as_refused_however_it_is_sent():
     app = create_app(settings, lambda s, r: FakeEngine(s, r, eos_after=2))
     big = json.dumps(chat(messages=[{"role": "user", "content": "x" * 5000}])).encode()
     with serve_app(app) as url:
-        assert httpx.post(url + CHAT, content=big).status_code == 413
+        announced = httpx.post(url + CHAT, content=big)
+        assert announced.status_code == 413
         chunked = httpx.post(url + CHAT, content=iter([big[:1500], big[1500:]]))
         assert chunked.status_code == 413
+        # one refusal, one error code, however the body came (chunked had none)
+        codes = {r.json()["error"]["code"] for r in (announced, chunked)}
+        assert codes == {"body_too_large"}
         metrics = httpx.get(url + "/metrics").text
     assert 'reason="invalid"} 2.0' in metrics
 

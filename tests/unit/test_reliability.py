@@ -155,6 +155,18 @@ BAD = [
     (CHAT, chat(chat_template_kwargs="x"), "chat_template_kwargs"),  # was ignored
     (CHAT, chat(chat_template_kwargs={"relocate_volatile": True}), "chat_template_kwargs"),
     (CHAT, chat(chat_template_kwargs={"enable_thinking": "turbo"}), "chat_template_kwargs"),
+    # render_chat's own arguments: a late "multiple values" 400 naming internals
+    (CHAT, chat(chat_template_kwargs={"image_placeholder": "x"}), "chat_template_kwargs"),
+    (CHAT, chat(chat_template_kwargs={"self": 1}), "chat_template_kwargs"),
+    # the switch inside chat_template_kwargs is held to the top level's types
+    (CHAT, chat(chat_template_kwargs={"enable_thinking": 0.0}), "chat_template_kwargs"),
+    (
+        CHAT,
+        chat(chat_template_kwargs={"enable_thinking": {"type": "enabled"}}),
+        "chat_template_kwargs",
+    ),
+    # under 0.01 the penalty overflows logits to inf and the sampler draws from NaN
+    (CHAT, chat(repetition_penalty=1e-50), "repetition_penalty"),
     # a thinking switch that says neither on nor off was the server default, silently
     (CHAT, chat(reasoning_effort="turbo"), "reasoning_effort"),
     (CHAT, chat(enable_thinking=[1]), "enable_thinking"),
@@ -233,6 +245,8 @@ def test_good_requests_still_pass_through_every_envelope(base):
         (CHAT, chat(logprobs=False, top_logprobs=0)),
         (CHAT, chat(tools=[fn_tool("user-profile/update")])),  # an MCP name (SEP-986)
         (CHAT, chat(chat_template_kwargs={"enable_thinking": False, "documents": []})),
+        # null is unset, inside chat_template_kwargs as at the top level
+        (CHAT, chat(chat_template_kwargs={"enable_thinking": None}, enable_thinking=None)),
         (CHAT, chat(reasoning_effort="xhigh", enable_thinking="on")),
         (RESPONSES, responses(reasoning={"effort": "minimal"}, metadata={"enable_thinking": "0"})),
         (RESPONSES, responses(reasoning={"summary": "auto"}, thinking=False)),
@@ -629,3 +643,16 @@ def test_a_fault_ending_requests_the_scheduler_let_go_still_ends_their_streams()
 
     finals = asyncio.run(run())
     assert all(f is not None and f.finished and f.error for f in finals)
+
+
+def test_every_argument_of_render_chat_is_reserved_from_template_kwargs():
+    """A client's chat_template_kwargs reach render_chat as **kwargs: one named
+    like its own arguments collided there, after the request was queued."""
+    import inspect
+
+    from app.request_fields import RESERVED_TEMPLATE_KWARGS
+    from engine.prompt_format import ChatFormatter
+
+    named = inspect.signature(ChatFormatter.render_chat).parameters
+    own = {n for n, p in named.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    assert own <= RESERVED_TEMPLATE_KWARGS
