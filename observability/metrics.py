@@ -10,9 +10,11 @@ engine and scheduler state is read at scrape time from a ``ServerSnapshot``
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import psutil
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -31,7 +33,13 @@ from observability.records import RequestRecord, ServerSnapshot
 from scheduler.step_timings import StepReport
 
 P = "kvwarm:"
+# from milliseconds: a warm turn's first token (a cache hit on a small model) takes
+# tens of them, and a first bucket of 50 ms held every one of them
 LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.035,
     0.05,
     0.1,
     0.25,
@@ -106,6 +114,33 @@ REJECT_REASONS = (
 FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "error")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()  # *_created series double the output and no dashboard reads them
+
+
+class _PsutilProcessCollector(Collector):
+    """ProcessCollector's series where there is no /proc (the Memory panel's RSS)."""
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+
+    def collect(self) -> Iterable:
+        p = self._process
+        memory, cpu = p.memory_info(), p.cpu_times()
+        yield GaugeMetricFamily(
+            "process_resident_memory_bytes", "Resident memory size in bytes.", memory.rss
+        )
+        yield GaugeMetricFamily(
+            "process_virtual_memory_bytes", "Virtual memory size in bytes.", memory.vms
+        )
+        yield CounterMetricFamily(
+            "process_cpu_seconds",
+            "Total user and system CPU time spent in seconds.",
+            cpu.user + cpu.system,
+        )
+        yield GaugeMetricFamily(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds.",
+            p.create_time(),
+        )
 
 
 class _StateCollector(Collector):
@@ -326,7 +361,10 @@ class Metrics:
         # tokens after each one's first, and the seconds from first to last token
         self.decoded_tokens = 0
         self.decode_seconds = 0.0
-        ProcessCollector(registry=r)
+        if os.path.isdir("/proc/self"):
+            ProcessCollector(registry=r)
+        else:  # macOS: prometheus_client reads /proc and exports nothing
+            r.register(_PsutilProcessCollector())
         r.register(_StateCollector(snapshot))
         label = ["model_name"]
 

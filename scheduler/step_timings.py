@@ -10,8 +10,16 @@ from dataclasses import asdict, dataclass
 from scheduler.cost_model import CostEstimates
 from scheduler.step_budget import StepBudget
 
-STEP_SECONDS_BOUNDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 30, 60)
-PREFILL_TOKENS_BOUNDS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# a small model's decode step takes a few milliseconds; a slice of prefill for
+# several rows at once can pass 8192 tokens
+STEP_SECONDS_BOUNDS = (
+    *(0.001, 0.0025, 0.005),
+    *(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 30, 60),
+)
+PREFILL_TOKENS_BOUNDS = (
+    *(1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+    *(16384, 32768, 65536),
+)
 
 
 @dataclass(frozen=True)

@@ -610,3 +610,39 @@ def test_a_request_the_step_budget_never_started_counts_its_wait_as_queueing(mon
         assert r.status_code == 503
         text = httpx.get(url + "/metrics").text
     assert _value(text, "kvwarm:request_queue_time_seconds_count") == 1
+
+
+def test_process_series_are_exported_where_there_is_no_proc():
+    """prometheus_client's ProcessCollector reads /proc: on macOS it exported
+    nothing and the dashboard's RSS line stayed empty. The psutil stand-in gives
+    the same series, with the same values to within the process's own growth."""
+    from prometheus_client import CollectorRegistry, ProcessCollector
+
+    from observability.metrics import _PsutilProcessCollector
+
+    def series(collector) -> dict[str, float]:
+        registry = CollectorRegistry()
+        registry.register(collector)
+        return {s.name: s.value for m in registry.collect() for s in m.samples}
+
+    linux = series(ProcessCollector(registry=None))
+    ours = series(_PsutilProcessCollector())
+    wanted = {
+        "process_resident_memory_bytes",
+        "process_virtual_memory_bytes",
+        "process_cpu_seconds_total",
+        "process_start_time_seconds",
+    }
+    assert wanted <= set(linux) and wanted <= set(ours)
+    rss = ours["process_resident_memory_bytes"]
+    assert 0.5 < rss / linux["process_resident_memory_bytes"] < 2
+    assert abs(ours["process_start_time_seconds"] - linux["process_start_time_seconds"]) < 2
+
+
+def test_a_warm_first_token_lands_in_a_bucket_of_its_own():
+    """The first latency bucket was 50 ms: every warm turn's first token fell in it."""
+    from observability.metrics import LATENCY_BUCKETS
+    from scheduler.step_timings import PREFILL_TOKENS_BOUNDS, STEP_SECONDS_BOUNDS
+
+    assert LATENCY_BUCKETS[0] <= 0.005 and list(LATENCY_BUCKETS) == sorted(LATENCY_BUCKETS)
+    assert STEP_SECONDS_BOUNDS[0] <= 0.001 and PREFILL_TOKENS_BOUNDS[-1] >= 65536
