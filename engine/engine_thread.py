@@ -343,13 +343,24 @@ class EngineThread(threading.Thread):
             if self._on_fatal is not None:
                 self._on_fatal(self._failure or "")
         finally:
-            if self._runner is not None:
-                self._runner.close()
-            if self._ranks is not None:
-                self._ranks.close()  # after the runner told the other ranks to stop
+            # everyone waiting is answered first: closing may wait on a disk flush
+            # (seconds) or raise on a device that just failed
             self._fail_controls(self._failure or SHUTTING_DOWN)
-        if self._stopping.is_set():  # orderly shutdown: end every open stream
-            self._fail_open_requests(SHUTTING_DOWN, "server_shutdown")
+            if self._stopping.is_set():  # orderly shutdown: end every open stream
+                self._fail_open_requests(SHUTTING_DOWN, "server_shutdown")
+            self._close_quietly()
+            self._fail_controls(self._failure or SHUTTING_DOWN)  # any sent meanwhile
+
+    def _close_quietly(self) -> None:
+        """Close the runner, then the rank group (after the runner told the other
+        ranks to stop); a failure of either is logged, the other still runs."""
+        for what, part in (("runner", self._runner), ("rank group", self._ranks)):
+            if part is None:
+                continue
+            try:
+                part.close()
+            except Exception:  # noqa: BLE001 - the thread is ending either way
+                log.exception("closing the engine's %s failed", what)
 
     def _load(self) -> None:
         if self._boot is None:

@@ -656,3 +656,57 @@ def test_every_argument_of_render_chat_is_reserved_from_template_kwargs():
     named = inspect.signature(ChatFormatter.render_chat).parameters
     own = {n for n, p in named.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
     assert own <= RESERVED_TEMPLATE_KWARGS
+
+
+def _engine_whose_close_raises(step_delay: float):
+    import asyncio
+
+    from scheduler.scheduler import Scheduler
+    from scheduler.service import GenerationService
+    from scheduler.streams import OutputRouter
+
+    router = OutputRouter(asyncio.get_running_loop())
+    scheduler = Scheduler(None, max_running=2, max_queue=8)
+    engine = FakeEngine(scheduler, router, step_delay=step_delay)
+
+    def close() -> None:  # mx.synchronize on a device that just failed, a disk flush
+        raise OSError("[METAL] Command buffer execution failed")
+
+    engine.fake.close = close
+    engine.start()
+    assert engine.wait_ready(5)
+    return engine, GenerationService(scheduler, router, engine)
+
+
+def test_a_runner_that_fails_to_close_still_answers_everyone_waiting(caplog):
+    """Cleanup ran runner.close() first: when it raised, a save queued for the
+    engine and (on an orderly stop) every open stream were never answered."""
+    import asyncio
+
+    from scheduler.admission import EngineUnavailable
+    from scheduler.request import FinishReason, Request
+
+    async def died() -> None:
+        engine, service = _engine_whose_close_raises(step_delay=0.3)
+        stream = service.submit(Request([1, 2, 3], 1000))
+        await stream.__anext__()  # running; the engine is inside a 0.3 s step
+        saved = engine.control(lambda runner: "saved")
+        engine.inject_fault(RuntimeError("device lost"))
+        last = [out async for out in stream][-1]
+        assert last.finish_reason is FinishReason.ERROR
+        with pytest.raises(EngineUnavailable):
+            await asyncio.wait_for(asyncio.wrap_future(saved), 5)
+
+    async def stopped() -> None:
+        engine, service = _engine_whose_close_raises(step_delay=0.05)
+        stream = service.submit(Request([1, 2, 3], 2000))
+        await stream.__anext__()
+        engine.stop()
+        async with asyncio.timeout(5):
+            last = [out async for out in stream][-1]
+        assert last.finish_reason is FinishReason.ERROR and "shutting down" in last.error
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(died())
+        asyncio.run(stopped())
+    assert "closing the engine's runner failed" in caplog.text
