@@ -279,6 +279,7 @@ def _add_admin_routes(app: FastAPI) -> None:
                 "aborted": sched.aborted_total,
                 "rejected": sched.rejected_total,
                 "watchdog": sched.watchdog_aborts_total,
+                "failed": sched.failed_total,
             },
             "engine": {
                 "alive": engine.alive,

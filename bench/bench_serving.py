@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import sys
@@ -36,10 +37,16 @@ class Scenario:
     ttft_p95: float
 
 
+_NONCES = itertools.count(1)
+
+
 async def one_stream(client: httpx.AsyncClient, url: str, topic: str, max_tokens: int):
+    # a fresh first line per request: TTFT is a prefill, never a prompt-cache hit
+    # (both servers cache prompts, and the rounds repeat topics)
+    content = f"[{next(_NONCES)}] Write a long, detailed story about {topic}."
     body = {
         "model": "default_model",  # mlx_lm.server loads any other name as a new model
-        "messages": [{"role": "user", "content": f"Write a long, detailed story about {topic}."}],
+        "messages": [{"role": "user", "content": content}],
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,

@@ -407,13 +407,13 @@ class EngineThread(threading.Thread):
                     if first is not None:
                         started.append(first)
                 except AdapterNotFound as exc:  # unmounted after the request was validated
-                    scheduler.finish(request.request_id)
+                    scheduler.fail(request.request_id)
                     failed.append(
                         RequestOutput.failure(request.request_id, str(exc), "adapter_not_found")
                     )
                 except Exception as exc:  # one bad request must not take the engine down
                     log.exception("%s: could not start", request.request_id)
-                    scheduler.finish(request.request_id)
+                    scheduler.fail(request.request_id)
                     failed.append(
                         RequestOutput.failure(request.request_id, f"{type(exc).__name__}: {exc}")
                     )

@@ -29,6 +29,8 @@ class SchedulerStats:
     aborted_total: int
     rejected_total: int
     watchdog_aborts_total: int = 0
+    # ended by the engine: a start that raised, or dropped when the engine died
+    failed_total: int = 0
 
 
 class Scheduler:
@@ -61,6 +63,7 @@ class Scheduler:
         self._admitted = self._finished = self._aborted = self._rejected = 0
         self.request_timeout_s = request_timeout_s or None
         self._watchdog_aborts = 0
+        self._failed = 0
         self._closed: str | None = None  # set once the engine is gone for good
         self._draining = False  # shutting down: finish what runs, admit nothing new
         self._shutdown_pending = False  # end everything at the next step
@@ -239,11 +242,22 @@ class Scheduler:
                 req.state = RequestState.FINISHED
                 self._finished += 1
 
+    def fail(self, request_id: str) -> None:
+        """A running request the engine could not start: it leaves as failed."""
+        with self._lock:
+            req = self._running.pop(request_id, None)
+            self._pending_aborts.discard(request_id)
+            if req is not None:
+                req.state = RequestState.ABORTED
+                self._failed += 1
+
     def fail_all(self, reason: str) -> list[Request]:
         """Drop every waiting and running request and refuse new ones (the engine died)."""
         with self._lock:
             self._closed = reason
-            return self._drop_all()
+            dropped = self._drop_all()
+            self._failed += len(dropped)
+            return dropped
 
     def _drop_all(self) -> list[Request]:
         """Every running and waiting request, taken out and marked aborted (lock held)."""
@@ -284,4 +298,5 @@ class Scheduler:
                 aborted_total=self._aborted,
                 rejected_total=self._rejected,
                 watchdog_aborts_total=self._watchdog_aborts,
+                failed_total=self._failed,
             )

@@ -130,6 +130,19 @@ def test_fail_all_drops_everything_and_refuses_new_work():
     assert {r.request_id for r in dropped} == {"a", "b"}
     with pytest.raises(EngineUnavailable):
         s.add(req("c"))
+    # counted: an engine's death left every counter as if they still ran
+    st = s.stats()
+    assert (st.failed_total, st.finished_total, st.aborted_total) == (2, 0, 0)
+
+
+def test_a_request_the_engine_could_not_start_is_failed_not_finished():
+    s = make()
+    s.add(req("a"))
+    (started,) = s.schedule().admit
+    s.fail(started.request_id)
+    st = s.stats()
+    assert (st.running, st.failed_total, st.finished_total) == (0, 1, 0)
+    assert started.state is RequestState.ABORTED
 
 
 def test_loading_scheduler_refuses_with_503():
