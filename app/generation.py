@@ -201,17 +201,15 @@ class Generation:
         self._started_wall = time.time() - (time.monotonic() - self._started)
         self._last_token_at: float | None = None
         self._max_gap: float | None = None  # the longest wait between two engine outputs
+        # what responses name as the model: the adapter a request ran with (as vLLM
+        # names its LoRA modules), else the loaded model. Read before the request is
+        # queued: an engine that died in between made the handler raise after it,
+        # and the queued request's stream, never started, was never closed
+        self.model_name = prepared.request.adapter or state.model_info().model_id
         # admission errors raise here, before any byte of a response is sent
         self._outputs = state.service.submit(prepared.request)
         self._pending: asyncio.Future[RequestOutput | None] | None = None  # start()'s read-ahead
         self._closed = False
-
-    @property
-    def model_name(self) -> str:
-        """What responses name as the model: the adapter a request ran with (as
-        vLLM names its LoRA modules), else the loaded model."""
-        adapter = self.prepared.request.adapter
-        return adapter or self.state.model_info().model_id
 
     @property
     def request_id(self) -> str:

@@ -710,3 +710,29 @@ def test_a_runner_that_fails_to_close_still_answers_everyone_waiting(caplog):
         asyncio.run(died())
         asyncio.run(stopped())
     assert "closing the engine's runner failed" in caplog.text
+
+
+def test_an_engine_gone_before_a_request_is_queued_leaves_nothing_queued():
+    """The handler read the model's name after queueing the request: an engine
+    that stopped in between made it answer 503 with the request still queued,
+    its stream never started and so never closed."""
+    from types import SimpleNamespace
+
+    from app.generation import Generation
+    from scheduler.admission import EngineUnavailable
+    from scheduler.request import Request
+
+    submitted = []
+
+    def gone():
+        raise EngineUnavailable("The inference engine is not running: stopped")
+
+    state = SimpleNamespace(
+        settings=SimpleNamespace(strip_thinking=False),
+        model_info=gone,
+        service=SimpleNamespace(submit=submitted.append),
+    )
+    prepared = SimpleNamespace(request=Request([1, 2, 3], 8))
+    with pytest.raises(EngineUnavailable):
+        Generation(state, prepared, "chat")
+    assert submitted == []
