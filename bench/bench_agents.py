@@ -467,7 +467,7 @@ def main() -> int:
             if row["scenario"] == "mixed" and row["server"] == server.name:
                 row["prefill_chunk_s"] = timer(max(deepest - 512, 0), 512)
 
-    print("\nper scenario, turns >= 2:")
+    print("\nper scenario, warm turns (turns >= 2, and a sub-agent's first):")
     print(
         f"  {'scenario':<10} {'server':<18} {'reused/reusable':>15} {'of prompt':>9} {'warm TTFT':>9} {'x new prefill':>13} {'cold TTFT':>9}"
     )
