@@ -150,6 +150,10 @@ class SavedConversations:
         store = self._store
         store.poll()
         entry = self._entry_of(conversation_id)
+        if not entry.loadable:
+            # out of RAM with its write still queued: nothing to read yet (and
+            # files not written yet are no damage); the write lands shortly
+            return self._describe(conversation_id, entry)
         if not entry.in_ram:
             try:
                 store.read_back(entry)

@@ -64,6 +64,7 @@ class WriteEntry:
     blocks: list[tuple[Digest, Arrays]]  # the blocks not yet on disk
     private: Arrays
     manifest: dict[str, Any]
+    write: int = 0  # which of the entry's writes (CacheEntry.writes)
 
     @property
     def nbytes(self) -> int:
@@ -123,9 +124,12 @@ class DiskTier:
         self.max_pending_bytes = max_pending_bytes
         self.max_occupancy = max_occupancy
         self.counters = DiskCounters()
+        # the saved list whose write failed (a full disk): written again after the
+        # next entry the disk takes, or a save acknowledged is lost at restart
+        self._pins_unwritten: bytes | None = None
         self.degraded: str | None = None  # why the tier turned itself off
         self._jobs: queue.Queue[WriteEntry | Delete | WriteFile | None] = queue.Queue()
-        self._done: queue.Queue[tuple[int, bool]] = queue.Queue()
+        self._done: queue.Queue[tuple[int, int, bool]] = queue.Queue()
         self._pending_bytes = 0
         self._lock = threading.Lock()
         self._occupancy_at = 0.0
@@ -181,9 +185,9 @@ class DiskTier:
         paths = [self.entry_path(uid)] + [self.block_path(d) for d in blocks]
         self._jobs.put(Delete(paths))
 
-    def completed(self) -> list[tuple[int, bool]]:
-        """(entry id, written) for every write finished since the last call."""
-        out: list[tuple[int, bool]] = []
+    def completed(self) -> list[tuple[int, int, bool]]:
+        """(entry id, which write, written) for every write finished since the last call."""
+        out: list[tuple[int, int, bool]] = []
         while True:
             try:
                 out.append(self._done.get_nowait())
@@ -203,6 +207,8 @@ class DiskTier:
 
     def close(self, timeout: float = 30.0) -> None:
         self.flush(timeout)
+        if self._pins_unwritten is not None:  # a last try: the disk may have room now
+            self._jobs.put(WriteFile(self.pins_path, self._pins_unwritten))
         self._jobs.put(None)
         self._thread.join(timeout=1.0)
         if not self._thread.is_alive():  # a write still running keeps the folder held
@@ -363,6 +369,8 @@ class DiskTier:
                 parts = encode(job.private.arrays, {**meta, "manifest": manifest}, job.private.bf16)
                 self._count(write_atomic(self.entry_path(job.uid), parts))
                 ok = True
+                if self._pins_unwritten is not None:
+                    self._write_file(WriteFile(self.pins_path, self._pins_unwritten))
         except OSError as exc:
             if exc.errno in OUT_OF_SPACE:  # passes: later writes wait for room, as when 90% full
                 self.counters.writes_skipped += 1
@@ -384,14 +392,20 @@ class DiskTier:
         finally:
             with self._lock:
                 self._pending_bytes -= job.nbytes
-            self._done.put((job.entry_id, ok))
+            self._done.put((job.entry_id, job.write, ok))
 
     def _write_file(self, job: WriteFile) -> None:
+        pins = job.path == self.pins_path
         try:
             write_atomic(job.path, [job.data])
         except OSError as exc:
             self.counters.write_errors += 1
             log.warning("could not write %s: %s", job.path, exc)
+            if pins:
+                self._pins_unwritten = job.data
+            return
+        if pins:
+            self._pins_unwritten = None
 
     def _count(self, size: int) -> None:
         self.counters.files_written += 1

@@ -57,6 +57,9 @@ class CacheEntry:
     # queue holds its arrays until written, so leaving RAM would free nothing and
     # let RAM + queue outgrow the budget; it stays (counted) until the write ends
     holds_queue: bool = False
+    # writes begun: a write's end counts only if it is the latest one's (an older
+    # write, dropped while queued, would mark the entry written when it is not)
+    writes: int = 0
     pinned: bool = False  # saved by a user: never evicted from disk
     variant: str = ""  # how its KV is stored ("" full precision, "q8g64s0", ...)
 

@@ -512,13 +512,17 @@ class PrefixIndex:
                 self.remove(victim.entry_id)
         self.disk.add(entry.held)
         entry.persisting = True
+        entry.writes += 1
         return True
 
-    def end_persist(self, entry_id: int, ok: bool) -> None:
-        """The write of an entry finished (or failed: its reservation is returned)."""
+    def end_persist(self, entry_id: int, ok: bool, write: int | None = None) -> None:
+        """The write of an entry finished (or failed: its reservation is returned);
+        ``write``: which of its writes (``CacheEntry.writes``), None for the latest."""
         entry = self._entries.get(entry_id)
         if entry is None or not entry.persisting:
             return
+        if write is not None and write != entry.writes:
+            return  # an earlier write, dropped while queued: its files are deleted
         entry.holds_queue = False
         if ok:
             entry.persisting = False

@@ -393,7 +393,12 @@ class TieredKVManager:
         }
         blocks = [(d, numpy_arrays(self._blocks[d])) for d in new_blocks]
         job = WriteEntry(
-            entry.entry_id, entry.uid, blocks, numpy_arrays(private.arrays()), manifest
+            entry.entry_id,
+            entry.uid,
+            blocks,
+            numpy_arrays(private.arrays()),
+            manifest,
+            entry.writes,
         )
         # a write past the queue's share went alone into an empty queue (DiskTier.room_for)
         entry.holds_queue = job.nbytes > self.disk.max_pending_bytes
@@ -403,8 +408,8 @@ class TieredKVManager:
         """Apply the disk writes that finished since the last call."""
         if self.disk is None:
             return
-        for entry_id, ok in self.disk.completed():
-            self.index.end_persist(entry_id, ok)
+        for entry_id, write, ok in self.disk.completed():
+            self.index.end_persist(entry_id, ok, write)
 
     def _restore(self) -> None:
         """Index every complete entry on disk: the first turn after a restart is warm."""
@@ -421,11 +426,13 @@ class TieredKVManager:
             m = found.manifest
             entry_id, held = None, EntryBytes()
             try:
-                key = key_from(m["key"])
+                # its blocks first: a key that cannot be read still names the
+                # blocks to delete with it
                 held = EntryBytes(
                     tuple((bytes.fromhex(d), int(n)) for d, n in m["blocks"]),
                     int(m["private_bytes"]),
                 )
+                key = key_from(m["key"])
                 variant = str(m.get("variant", ""))
                 if self._addresses_match(key, held, variant):
                     entry_id = self.index.restore(

@@ -124,10 +124,23 @@ def read_verified(
     arrays: dict[str, np.ndarray] = {}
     bf16: set[str] = set()
     try:
+        # tensors tile the data exactly, in order: names aliasing the same bytes
+        # would make a small file load as many times its size
+        spans = sorted((tuple(info["data_offsets"]), name) for name, info in header.items())
+        end_of_last = 0
+        for (start, end), name in spans:
+            if start != end_of_last or end < start:
+                raise ValueError(f"{name}'s bytes overlap another tensor's or leave a gap")
+            end_of_last = end
+        if end_of_last != nbytes:
+            raise ValueError("the tensors do not cover the data")
         for name, info in header.items():
             start, end = info["data_offsets"]
+            shape = [int(d) for d in info["shape"]]
+            if any(not 0 <= d < 2**31 for d in shape):
+                raise ValueError(f"{name}: shape {shape} out of range")
             dtype = np.dtype(NUMPY[info["dtype"]])
-            arr = np.frombuffer(data[start:end], dtype=dtype).reshape(info["shape"])
+            arr = np.frombuffer(data[start:end], dtype=dtype).reshape(shape)
             arrays[name] = arr
             if info["dtype"] == "BF16":
                 bf16.add(name)

@@ -38,8 +38,8 @@ class PersistentTier(Protocol):
         """Queue an entry's new blocks and manifest; never blocks the caller."""
         ...
 
-    def completed(self) -> list[tuple[int, bool]]:
-        """(entry id, written) for writes finished since the last call."""
+    def completed(self) -> list[tuple[int, int, bool]]:
+        """(entry id, which of its writes, written) for writes finished since the last call."""
         ...
 
     def delete_entry(self, uid: str, blocks: list[Digest]) -> None: ...

@@ -568,3 +568,138 @@ def test_a_session_id_cannot_forge_a_prefix_cache_log_line(tmp_path, caplog):
         assert all("\n" not in ln and "s1\\n2026" in ln for ln in lines)
     finally:
         m.close()
+
+
+class _HeldWriter:
+    """Holds the disk writer inside its next file write until ``open()``."""
+
+    def __init__(self, monkeypatch):
+        import threading
+
+        from kvcache import disk
+
+        self.gate = threading.Event()
+        self.real = disk.write_atomic
+        self.write = self.real
+
+        def held(path, parts):
+            self.gate.wait(10)
+            return self.write(path, parts)
+
+        monkeypatch.setattr(disk, "write_atomic", held)
+
+    def open(self) -> None:
+        self.gate.set()
+
+
+def test_loading_a_conversation_whose_write_is_queued_keeps_it(tmp_path, monkeypatch):
+    """Out of RAM with its write still queued, a saved conversation's load read
+    files not yet written, called them damaged and discarded it, saved and all."""
+    config = PromptCacheConfig(
+        block_size=16, kv_block_size=16, policy=VolatilePolicy.STRICT, max_entries=1
+    )
+    m = TieredKVManager(
+        config, GiB, NS, [KVCache() for _ in range(LAYERS)], DiskConfig(tmp_path, GiB)
+    )
+    writer = _HeldWriter(monkeypatch)
+    saved = store(m, list(range(1000, 1100)), "conv")
+    m.save_conversation("conv", "mine")
+    store(m, list(range(5000, 5100)), "other")  # one entry in RAM: the saved one leaves it
+    entry = m.index.get(saved)
+    assert not entry.in_ram and entry.persisting and not entry.on_disk
+    assert m.load_conversation("conv").tier == "writing"
+    writer.open()
+    m.close()
+    again = manager(tmp_path)
+    assert [c.conversation_id for c in again.saved_conversations()] == ["conv"]
+    assert served(again, list(range(1000, 1101))) == (list(range(1000, 1100)), "disk")
+
+
+def test_the_end_of_a_write_dropped_while_queued_does_not_mark_a_later_one_done(
+    tmp_path, monkeypatch
+):
+    """Completions were matched by entry id: the first write's success marked the
+    entry on disk though its second write failed, files and ledger apart."""
+    import errno
+
+    m = manager(tmp_path)
+    writer = _HeldWriter(monkeypatch)
+    entry_id = store(m, list(range(1000, 1100)))  # write 1 queued, the writer held
+    entry = m.index.get(entry_id)
+    m.index.lose_block(entry.held.blocks[0][0])  # its disk copy is dropped (stays in RAM)
+    assert m.persist(entry_id)  # write 2, queued behind write 1 and its delete
+    writes = {"n": 0}
+
+    def second_fails(path, parts):
+        writes["n"] += 1
+        if writes["n"] > 1 + len(entry.held.blocks):  # write 1: blocks + entry file
+            raise OSError(errno.ENOSPC, "full")
+        return writer.real(path, parts)
+
+    writer.write = second_fails
+    writer.open()
+    m.flush()
+    assert not m.disk.entry_path(entry.uid).exists()
+    assert not entry.on_disk and not entry.persisting and m.index.disk.nbytes == 0
+
+
+def test_a_saved_list_the_full_disk_refused_is_written_again(tmp_path, monkeypatch):
+    """saved.json's write failed once (ENOSPC) after the save was acknowledged:
+    never retried, the conversation came back unpinned after a restart."""
+    import errno
+
+    from kvcache import disk
+
+    m = manager(tmp_path)
+    real = disk.write_atomic
+
+    def no_room_for_pins(path, parts):
+        if path.name == "saved.json":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, parts)
+
+    monkeypatch.setattr(disk, "write_atomic", no_room_for_pins)
+    store(m, list(range(1000, 1100)), "conv")
+    m.save_conversation("conv", "mine")
+    m.flush()
+    monkeypatch.setattr(disk, "write_atomic", real)  # room again
+    store(m, list(range(3000, 3100)), "next")  # the next entry written brings the list
+    m.flush()
+    assert json.loads(m.disk.pins_path.read_text())["conv"]["title"] == "mine"
+    m.close()
+    again = manager(tmp_path)
+    assert [c.conversation_id for c in again.saved_conversations()] == ["conv"]
+
+
+def test_a_manifest_whose_key_cannot_be_read_takes_its_blocks_along(tmp_path):
+    entry = one_entry_on_disk(tmp_path, list(range(1000, 1100)))
+    rewrite(entry, b'model_tokens\\":[1000,', b'model_tokens\\":[null,')
+    m = manager(tmp_path)
+    m.flush()
+    assert m.restored == 0 and entry_files(tmp_path) == [] and block_files(tmp_path) == []
+
+
+def _crafted(path: Path, tensors: dict, data: bytes) -> None:
+    """A file whose checksum and namespace are right, whatever its tensors say."""
+    header = dict(tensors)
+    meta = {"namespace": "n", "nbytes": str(len(data))}
+    header["__metadata__"] = meta
+    meta["crc32"] = str(zlib.crc32(safetensors_io._unsigned(header), zlib.crc32(data)))
+    text = json.dumps(header, separators=(",", ":")).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+@pytest.mark.parametrize(
+    "tensors, nbytes",
+    [
+        # 200 names over the same bytes: a 4 KiB file read as 800 KiB
+        ({f"t{i}": {"dtype": "F32", "shape": [1024], "data_offsets": [0, 4096]} for i in range(200)}, 4096),
+        ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, 8),  # bytes left over
+        ({"x": {"dtype": "F32", "shape": [0, 2**40], "data_offsets": [0, 0]}}, 0),  # overflows MLX
+    ],
+)  # fmt: skip
+def test_tensors_must_tile_the_data_within_sane_shapes(tmp_path, tensors, nbytes):
+    path = tmp_path / "f.safetensors"
+    _crafted(path, tensors, bytes(nbytes))
+    with pytest.raises(safetensors_io.CorruptFile, match="bad tensor entry"):
+        safetensors_io.read_verified(path, "n")
