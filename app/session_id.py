@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,7 +18,10 @@ SESSION_FIELDS = (
 )
 # Codex sends session_id / conversation_id headers without the x- prefix
 SESSION_HEADERS = ("x-session-id", "x-conversation-id", "session_id", "conversation_id")
-_CLAUDE_CODE_USER = "_session_"  # metadata.user_id: "user_<hash>_account_<id>_session_<uuid>"
+# Claude Code's metadata.user_id: "user_<hash>_account_<id>_session_<uuid>", and since
+# v2.1.78 a JSON object {"device_id", "account_uuid", "session_id"} as a string
+_CLAUDE_CODE_USER = "_session_"
+MAX_USER_ID_JSON = 4096
 MAX_LEN = 256
 
 
@@ -41,10 +45,27 @@ def session_id_from(body: Mapping[str, Any], headers: Mapping[str, str]) -> str 
             return found
     metadata = body.get("metadata")
     user = metadata.get("user_id") if isinstance(metadata, Mapping) else None
-    if isinstance(user, str) and _CLAUDE_CODE_USER in user:
-        return user.rsplit(_CLAUDE_CODE_USER, 1)[1].strip()[:MAX_LEN] or None
+    if isinstance(user, str):
+        found = _claude_code_session(user)
+        if found:
+            return found
     for name in SESSION_HEADERS:
         value = headers.get(name)
         if value and value.strip():
             return value.strip()[:MAX_LEN]
+    return None
+
+
+def _claude_code_session(user: str) -> str | None:
+    text = user.strip()
+    if text.startswith("{") and len(text) <= MAX_USER_ID_JSON:
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            parsed = None
+        found = _from_mapping(parsed) if isinstance(parsed, Mapping) else None
+        if found:
+            return found
+    if _CLAUDE_CODE_USER in text:
+        return text.rsplit(_CLAUDE_CODE_USER, 1)[1].strip()[:MAX_LEN] or None
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 from hypothesis import given, settings
@@ -129,6 +130,11 @@ def test_session_id_sources():
     claude = {"metadata": {"user_id": "user_ab12_account_9f_session_5d1c-77"}}
     assert session_id_from(claude, {}) == "5d1c-77"
     assert session_id_from({"metadata": {"user_id": "user_ab12"}}, {}) is None
+    # Claude Code since v2.1.78: the user id is a JSON object, the session inside it
+    user = json.dumps({"device_id": "d1", "account_uuid": "a1", "session_id": "5d1c-78"})
+    assert session_id_from({"metadata": {"user_id": user}}, {}) == "5d1c-78"
+    assert session_id_from({"metadata": {"user_id": '{"device_id": "d1"}'}}, {}) is None
+    assert session_id_from({"metadata": {"user_id": "{not json"}}, {}) is None
 
 
 def test_healing_restores_stripped_think_blocks_and_tool_call_arguments():
