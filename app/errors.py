@@ -15,7 +15,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from scheduler.admission import AdmissionError
+from scheduler.admission import AdmissionError, ContextLengthExceeded
 
 log = logging.getLogger("kvwarm.http")
 
@@ -254,9 +254,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _admission(request: Request, exc: AdmissionError) -> JSONResponse:
         err = from_admission(exc)
         count_refusal(request.scope, err.status, err.code)
+        message = err.message
+        if isinstance(exc, ContextLengthExceeded) and request.url.path.startswith(ANTHROPIC_PATHS):
+            message = exc.anthropic_message
         return error_response(
             err.status,
-            err.message,
+            message,
             err.error_type,
             err.code,
             headers=err.headers,

@@ -114,7 +114,9 @@ def resolve_max_tokens(
         raise ContextLengthExceeded(
             f"This model's maximum context length is {context_length} tokens. However, "
             f"your messages resulted in {prompt_tokens} tokens. Please reduce the length "
-            f"of the messages."
+            f"of the messages.",
+            prompt_tokens,
+            context_length,
         )
     if ceiling_tokens is not None and ceiling_tokens - prompt_tokens >= 1:
         room = min(room, ceiling_tokens - prompt_tokens)  # else admission says why not

@@ -102,7 +102,9 @@ class ChatFormatter:
             raise ContextLengthExceeded(
                 f"This model's maximum context length is {self._context_length} tokens. "
                 f"However, the first {head} characters of your prompt alone are {count} "
-                f"tokens. Please reduce the length of the messages."
+                f"tokens. Please reduce the length of the messages.",
+                count,
+                self._context_length,
             )
 
     def render_chat(

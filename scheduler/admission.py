@@ -164,6 +164,32 @@ class AdmissionError(Exception):
 class ContextLengthExceeded(AdmissionError):
     code = "context_length_exceeded"
 
+    def __init__(
+        self,
+        message: str,
+        prompt_tokens: int | None = None,
+        limit: int | None = None,
+        max_tokens: int = 0,
+    ):
+        super().__init__(message)
+        self.prompt_tokens = prompt_tokens  # at least this many (None: not counted)
+        self.limit = limit  # the context length
+        self.max_tokens = max_tokens  # what the completion asked for on top
+
+    @property
+    def anthropic_message(self) -> str:
+        """Anthropic's words for it, which Claude Code reads: to compact the
+        conversation, or to retry with a smaller max_tokens."""
+        prompt, limit = self.prompt_tokens, self.limit
+        if prompt is None or limit is None:
+            return f"prompt is too long: {self.message}"
+        if self.max_tokens and prompt < limit:
+            return (
+                f"input length and `max_tokens` exceed context limit: {prompt} + "
+                f"{self.max_tokens} > {limit}, decrease input length or `max_tokens` and try again"
+            )
+        return f"prompt is too long: {prompt} tokens > {limit} maximum"
+
 
 class OverBudget(AdmissionError):
     error_type = "memory_admission"
@@ -224,7 +250,10 @@ class AdmissionController:
                 f"This model's maximum context length is {self.context_length} tokens. "
                 f"However, you requested {total} tokens ({prompt_tokens} in the messages, "
                 f"{max_tokens} in the completion). Please reduce the length of the "
-                f"messages or completion."
+                f"messages or completion.",
+                prompt_tokens,
+                self.context_length,
+                max_tokens,
             )
         cap = self.budget.context_cap
         if self.footprint([total]) > self.budget.kv_budget_bytes or (cap and total > cap):

@@ -97,3 +97,22 @@ def test_admitted_sets_never_exceed_budget(running, candidate):
     if ctl.fits_with(running, candidate):
         assert ctl.footprint([*running, candidate]) <= ctl.budget.kv_budget_bytes
     assert round_up(candidate) >= candidate
+
+
+def test_a_context_overflow_has_anthropics_words_for_claude_code():
+    """Claude Code retries with a smaller max_tokens on "input length and
+    `max_tokens` exceed context limit: a + b > c", and compacts on "prompt is too
+    long"; the numbers are what it parses."""
+    from scheduler.admission import ContextLengthExceeded
+
+    budget = MemoryBudget(total_bytes=10**9, weights_bytes=1, reserve_bytes=1, kv_bytes_per_token=1)
+    admission = AdmissionController(budget, 4096)
+    with pytest.raises(ContextLengthExceeded) as both:
+        admission.check_ever_fits(4000, 500)
+    assert both.value.anthropic_message == (
+        "input length and `max_tokens` exceed context limit: 4000 + 500 > 4096, "
+        "decrease input length or `max_tokens` and try again"
+    )
+    with pytest.raises(ContextLengthExceeded) as prompt:
+        admission.check_ever_fits(5000, 1)
+    assert prompt.value.anthropic_message == "prompt is too long: 5000 tokens > 4096 maximum"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import anthropic
 import httpx
@@ -210,6 +211,20 @@ def test_anthropic_max_tokens_fits_the_context_but_chat_is_refused(server):
     assert msg.stop_reason == "end_turn"  # Claude Code's 32000 is fitted to the 2048 context
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         server.openai().chat.completions.create(model="m", messages=big, max_tokens=32000)
+
+
+def test_a_prompt_over_the_context_is_refused_in_anthropics_words(server):
+    """Claude Code reads "prompt is too long" to compact the conversation; it got
+    OpenAI's "maximum context length" sentence and just failed."""
+    import anthropic
+
+    big = [{"role": "user", "content": "x" * 3000}]
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        server.anthropic().messages.create(model="c", max_tokens=100, messages=big)
+    message = refused.value.body["error"]["message"]
+    assert re.fullmatch(r"prompt is too long: (\d+) tokens > 2048 maximum", message), message
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        server.openai().chat.completions.create(model="m", messages=big, max_tokens=100)
 
 
 def test_a_final_assistant_message_is_continued_not_closed(server):
