@@ -204,6 +204,12 @@ def stop_reason(done: Outcome) -> str | None:
     return None
 
 
+def stop_sequence(done: Outcome) -> str | None:
+    """The stop sequence, said only with ``stop_reason: stop_sequence`` (as
+    Anthropic does): a turn that ended in calls reports ``tool_use`` alone."""
+    return done.stop_sequence if stop_reason(done) == "stop_sequence" else None
+
+
 def usage(done: Outcome) -> dict[str, int]:
     return {
         "input_tokens": done.prompt_tokens - done.cached_tokens,
@@ -276,7 +282,7 @@ async def messages(http: HTTPRequest):
             **message,
             "content": content,
             "stop_reason": stop_reason(done),
-            "stop_sequence": done.stop_sequence,
+            "stop_sequence": stop_sequence(done),
             "usage": usage(done),
         },
         headers=gen.response_headers(),
@@ -382,7 +388,7 @@ async def _stream(gen: Generation, message: dict[str, Any]) -> AsyncIterator[str
         "message_delta",
         {
             "type": "message_delta",
-            "delta": {"stop_reason": stop_reason(done), "stop_sequence": done.stop_sequence},
+            "delta": {"stop_reason": stop_reason(done), "stop_sequence": stop_sequence(done)},
             "usage": usage(done),
         },
     )

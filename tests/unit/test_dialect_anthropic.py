@@ -213,6 +213,31 @@ def test_anthropic_max_tokens_fits_the_context_but_chat_is_refused(server):
         server.openai().chat.completions.create(model="m", messages=big, max_tokens=32000)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_turn_ending_in_a_call_names_no_stop_sequence(server, stream):
+    """stop_reason tool_use came with the stop sequence that cut the text after the
+    call; Anthropic names one only with stop_reason stop_sequence."""
+    kw = dict(
+        model="c",
+        max_tokens=64,
+        messages=[{"role": "user", "content": "SANDWICH"}],
+        tools=ANTHROPIC_TOOLS,
+        stop_sequences=["After"],
+    )
+    client = server.anthropic()
+    if stream:
+        with client.messages.stream(**kw) as events:
+            msg = events.get_final_message()
+    else:
+        msg = client.messages.create(**kw)
+    assert (msg.stop_reason, msg.stop_sequence) == ("tool_use", None)
+    assert [b.type for b in msg.content] == ["text", "tool_use"]
+    plain = client.messages.create(
+        model="c", max_tokens=64, messages=[{"role": "user", "content": "x"}], stop_sequences=["w2"]
+    )
+    assert (plain.stop_reason, plain.stop_sequence) == ("stop_sequence", "w2")
+
+
 def test_a_prompt_over_the_context_is_refused_in_anthropics_words(server):
     """Claude Code reads "prompt is too long" to compact the conversation; it got
     OpenAI's "maximum context length" sentence and just failed."""
