@@ -114,8 +114,36 @@ def template_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
         out.append({"role": "system", "content": system})
     for i, message in enumerate(body.messages):
         where = f"messages.{i}.content"
-        out.extend(_translate(message, where))
+        for translated in _translate(message, where):
+            last = out[-1] if out else None
+            if last is not None and last["role"] == translated["role"] in ("user", "assistant"):
+                _merge_into(last, translated)  # as Anthropic does: templates may need turns
+            else:
+                out.append(translated)
     return out
+
+
+def _merge_into(first: dict[str, Any], second: dict[str, Any]) -> None:
+    """Two consecutive turns of one role as one (Anthropic joins them; templates
+    that want alternating roles refused the request)."""
+    a, b = first.get("content") or "", second.get("content") or ""
+    if isinstance(a, str) and isinstance(b, str):
+        first["content"] = "\n".join(t for t in (a, b) if t)
+    else:
+        first["content"] = _as_parts(a) + _as_parts(b)
+    reasoning = "\n".join(
+        t for t in (first.get("reasoning_content"), second.get("reasoning_content")) if t
+    )
+    if reasoning:
+        first["reasoning_content"] = reasoning
+    if second.get("tool_calls"):
+        first["tool_calls"] = [*first.get("tool_calls", ()), *second["tool_calls"]]
+
+
+def _as_parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if isinstance(content, list):
+        return list(content)
+    return [{"type": "text", "text": content}] if content else []
 
 
 def prefilled(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:

@@ -12,12 +12,15 @@ goes out as plain content.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import logging
 import re
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from app.protocol.tool_schema import coerce_arguments, parameter_schemas, wants_text
@@ -61,7 +64,31 @@ class ToolCall:
 
 @cache
 def _mlx_parser(name: str):
-    return importlib.import_module(f"mlx_lm.tool_parsers.{name}").parse_tool_call
+    return importlib.import_module(f"{_parsers_package()}.{name}").parse_tool_call
+
+
+PARSERS_PACKAGE = "kvwarm_mlx_lm_tool_parsers"
+
+
+@cache
+def _parsers_package() -> str:
+    """mlx-lm's ``tool_parsers`` as a package of its own. Its modules are plain
+    Python, but imported as ``mlx_lm.tool_parsers`` they run ``mlx_lm/__init__``,
+    which imports MLX and makes MLX streams on the thread that parses: the HTTP
+    event loop's, whose MLX thread-locals then ran their destructors during
+    interpreter shutdown and aborted the process."""
+    found = importlib.util.find_spec("mlx_lm")  # located, not imported
+    if found is None or found.origin is None:
+        raise ImportError("mlx_lm is not installed")
+    folder = Path(found.origin).parent / "tool_parsers"
+    spec = importlib.util.spec_from_file_location(
+        PARSERS_PACKAGE, folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    assert spec is not None and spec.loader is not None
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[PARSERS_PACKAGE] = package
+    spec.loader.exec_module(package)
+    return PARSERS_PACKAGE
 
 
 def _tool_call_tag_parsers(inner: str, family: str | None) -> list[str]:

@@ -238,6 +238,37 @@ def test_a_turn_ending_in_a_call_names_no_stop_sequence(server, stream):
     assert (plain.stop_reason, plain.stop_sequence) == ("stop_sequence", "w2")
 
 
+def test_consecutive_turns_of_one_role_are_joined_as_anthropic_joins_them(server):
+    """Two user turns in a row reached the template as two: templates that want
+    roles to alternate (Gemma, Mistral) refused the request."""
+    client = server.anthropic()
+    messages = [
+        {"role": "user", "content": "first"},
+        {"role": "user", "content": [{"type": "text", "text": "second"}]},
+        {"role": "assistant", "content": "let me look"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Oslo"}}
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": "sunny"},
+                {"type": "text", "text": "and?"},
+            ],
+        },
+        {"role": "user", "content": "well?"},
+    ]
+    client.messages.create(model="c", max_tokens=4, messages=messages, tools=ANTHROPIC_TOOLS)
+    seen = server.formatter.last_messages
+    assert [m["role"] for m in seen] == ["user", "assistant", "tool", "user"]
+    assert seen[0]["content"] == "first\nsecond"
+    assert seen[1]["content"] == "let me look" and seen[1]["tool_calls"][0]["id"] == "t1"
+    assert seen[3]["content"] == "and?\nwell?"
+
+
 def test_a_prompt_over_the_context_is_refused_in_anthropics_words(server):
     """Claude Code reads "prompt is too long" to compact the conversation; it got
     OpenAI's "maximum context length" sentence and just failed."""

@@ -497,3 +497,28 @@ def test_glm_markup_a_model_loops_on_reaches_mlx_lms_parser_without_its_open_pai
     inner = "run\n<arg_key>path</arg_key>\n<arg_value>a.txt</arg_value>" + loop
     assert not ToolCallDecoder(TOOLS, "glm47").decode(tf.TOOL_CALL_TAG, inner)
     assert seen == []
+
+
+def test_decoding_calls_imports_no_mlx():
+    """mlx-lm's parsers were imported through mlx_lm, which imports MLX and makes
+    streams on the parsing thread (the HTTP event loop): that thread's MLX
+    thread-locals ran their destructors during interpreter shutdown and now and
+    then aborted the process at exit (pytest ended with 134 one run in four)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from app.protocol.output_parser import OutputParser, Syntax\n"
+        "from app.protocol.tool_formats import ToolCallDecoder\n"
+        "tools = [{'type': 'function', 'function': {'name': 'run', 'parameters': {}}}]\n"
+        "for family in ('qwen3_coder', 'glm47', 'minicpm5', 'mistral', None):\n"
+        "    OutputParser(Syntax(), ToolCallDecoder(tools, family)).parse(\n"
+        "        '<tool_call>\\n<function=run>\\n<parameter=command>\\nls\\n</parameter>\\n'\n"
+        "        '</function>\\n</tool_call>')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]", out.stdout
