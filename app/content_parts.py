@@ -9,6 +9,8 @@ from app.errors import APIError
 from app.images import source_of
 
 IMAGE_OMITTED = "[image omitted: this model cannot read images]"
+DOCUMENT_OMITTED = "[document omitted: this model reads plain-text documents only]"
+DOCUMENT_PARTS = frozenset({"document", "input_file"})
 TEXT_PARTS = frozenset({"text", "input_text", "output_text", "reasoning_text", "summary_text"})
 IMAGE_PARTS = frozenset(
     {"image", "input_image", "image_url", "video_url", "document", "input_file"}
@@ -60,6 +62,10 @@ def parts_text(content: Any, where: str, in_tool_result: bool = False) -> str:
             out.append(text)
         elif kind == "refusal":
             out.append(str(part.get("refusal", "")))
+        elif kind == "document" and (text := document_text(part, where)) is not None:
+            out.append(text)
+        elif kind in DOCUMENT_PARTS and in_tool_result:
+            out.append(DOCUMENT_OMITTED)
         elif kind in IMAGE_PARTS and in_tool_result:
             out.append(IMAGE_OMITTED)
         elif kind in IMAGE_PARTS:
@@ -67,3 +73,20 @@ def parts_text(content: Any, where: str, in_tool_result: bool = False) -> str:
         else:
             raise APIError(400, f"Unsupported content part type {kind!r}.", param=where)
     return "\n".join(out)
+
+
+def document_text(part: Mapping[str, Any], where: str) -> str | None:
+    """A plain-text document's text (Anthropic's ``text`` source, or ``content``
+    blocks), its title first; None for a PDF or a URL, which a text model cannot read."""
+    source = part.get("source")
+    if not isinstance(source, Mapping):
+        return None
+    kind = source.get("type")
+    if kind == "text" and isinstance(source.get("data"), str):
+        body = source["data"]
+    elif kind == "content" and isinstance(source.get("content"), (str, list)):
+        body = parts_text(source["content"], where)
+    else:
+        return None
+    title = part.get("title")
+    return f"{title}\n{body}" if isinstance(title, str) and title else body

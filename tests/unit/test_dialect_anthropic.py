@@ -269,6 +269,50 @@ def test_consecutive_turns_of_one_role_are_joined_as_anthropic_joins_them(server
     assert seen[3]["content"] == "and?\nwell?"
 
 
+def test_plain_text_documents_are_read_and_a_pdf_is_named_as_one(server):
+    """A text document was refused (400) in a user turn and replaced by the image
+    note inside a tool result: its text never reached the model."""
+    import anthropic
+
+    client = server.anthropic()
+    text_doc = {
+        "type": "document",
+        "source": {"type": "text", "media_type": "text/plain", "data": "The code is 42."},
+        "title": "notes.txt",
+    }
+    blocks_doc = {
+        "type": "document",
+        "source": {"type": "content", "content": [{"type": "text", "text": "Line one."}]},
+    }
+    pdf = {
+        "type": "document",
+        "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="},
+    }
+    messages = [
+        {"role": "user", "content": [text_doc, {"type": "text", "text": "what is the code?"}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "t1", "content": [blocks_doc, pdf]},
+            ],
+        },
+    ]
+    client.messages.create(model="c", max_tokens=4, messages=messages, tools=ANTHROPIC_TOOLS)
+    seen = server.formatter.last_messages
+    assert seen[0]["content"] == "notes.txt\nThe code is 42.\nwhat is the code?"
+    assert seen[2]["content"] == (
+        "Line one.\n[document omitted: this model reads plain-text documents only]"
+    )
+    with pytest.raises(anthropic.BadRequestError, match="document"):
+        client.messages.create(
+            model="c", max_tokens=4, messages=[{"role": "user", "content": [pdf]}]
+        )
+
+
 def test_a_prompt_over_the_context_is_refused_in_anthropics_words(server):
     """Claude Code reads "prompt is too long" to compact the conversation; it got
     OpenAI's "maximum context length" sentence and just failed."""
