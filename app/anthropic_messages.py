@@ -167,16 +167,79 @@ def _translate(message: AnthropicMessage, where: str) -> list[dict[str, Any]]:
     return [_assistant_message(content, where)]
 
 
+# Anthropic-defined tools the client runs itself, by their documented inputs: the
+# model must see them to call them (they were dropped like server tools)
+_BASH = {
+    "type": "object",
+    "properties": {
+        "command": {"type": "string", "description": "The bash command to run."},
+        "restart": {"type": "boolean", "description": "Restart the bash session."},
+    },
+}
+_TEXT_EDITOR = {
+    "type": "object",
+    "properties": {
+        "command": {
+            "type": "string",
+            "enum": ["view", "create", "str_replace", "insert", "undo_edit"],
+        },
+        "path": {"type": "string", "description": "Absolute path to a file or directory."},
+        "file_text": {"type": "string", "description": "The file's content (create)."},
+        "old_str": {
+            "type": "string",
+            "description": "Text to replace, exactly once (str_replace).",
+        },
+        "new_str": {"type": "string", "description": "Its replacement, or the text to insert."},
+        "insert_line": {"type": "integer", "description": "Insert after this line (insert)."},
+        "view_range": {
+            "type": "array",
+            "items": {"type": "integer"},
+            "description": "[start, end] lines (view).",
+        },
+    },
+    "required": ["command", "path"],
+}
+CLIENT_TOOLS = {
+    "bash_": ("bash", "Run a bash command in a persistent shell session.", _BASH),
+    "text_editor_": (
+        "str_replace_based_edit_tool",
+        "View, create and edit files: view, create, str_replace, insert.",
+        _TEXT_EDITOR,
+    ),
+}
+
+
+def _client_tool(tool: ServerTool) -> dict[str, Any] | None:
+    for prefix, (name, description, schema) in CLIENT_TOOLS.items():
+        if tool.type.startswith(prefix):
+            return {"name": tool.name or name, "description": description, "parameters": schema}
+    return None
+
+
 def function_tools(tools: list[CustomTool | ServerTool] | None) -> list[dict[str, Any]]:
-    """Custom tools (those with an ``input_schema``); server tools are ignored."""
+    """Custom tools (those with an ``input_schema``) and the Anthropic-defined
+    tools a client runs (bash, text editor); server tools are ignored."""
     out = []
     for tool in tools or ():
         if isinstance(tool, CustomTool):
-            fn: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+            fn: dict[str, Any] | None = {"name": tool.name, "parameters": tool.input_schema}
             if tool.description:
                 fn["description"] = tool.description
+        else:
+            fn = _client_tool(tool)
+        if fn is not None:
             out.append({"type": "function", "function": fn})
     return out
+
+
+def ignored_tools(tools: list[CustomTool | ServerTool] | None) -> tuple[str, ...]:
+    """Tools nothing here runs (web search, code execution, computer use): named
+    in the ignored-fields header, never dropped in silence."""
+    return tuple(
+        f"tools.{t.type}"
+        for t in tools or ()
+        if isinstance(t, ServerTool) and _client_tool(t) is None
+    )
 
 
 def tool_choice(value: AnthropicToolChoice | None, tools: list[dict[str, Any]]) -> ToolChoice:
@@ -209,7 +272,7 @@ def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:
         kv_bits=body.kv_bits_requested(),
         adapter=body.adapter_requested(),
         template_kwargs=body.template_kwargs(),
-        ignored=ignored_fields(body),
+        ignored=ignored_fields(body) + ignored_tools(body.tools),
         same_indices=False,  # the system prompt comes first; blocks split into messages
     )
 

@@ -313,6 +313,33 @@ def test_plain_text_documents_are_read_and_a_pdf_is_named_as_one(server):
         )
 
 
+def test_anthropic_defined_client_tools_reach_the_model_and_server_tools_are_named(server):
+    """bash and the text editor are tools the client runs: they were dropped like
+    server tools (the model never saw them, and naming one in tool_choice was a
+    400); server tools nothing here runs are now named in the ignored-fields header."""
+    import httpx
+
+    body = {
+        "model": "c",
+        "max_tokens": 4,
+        "messages": [{"role": "user", "content": "x"}],
+        "tools": [
+            {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"},
+            {"type": "bash_20250124", "name": "bash"},
+            {"type": "web_search_20250305", "name": "web_search"},
+        ],
+        "tool_choice": {"type": "tool", "name": "bash"},
+    }
+    r = httpx.post(
+        server.url + "/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"}
+    )
+    assert r.status_code == 200, r.text
+    tools = {t["function"]["name"]: t["function"] for t in server.formatter.last_kwargs["tools"]}
+    assert set(tools) == {"str_replace_based_edit_tool", "bash"}
+    assert tools["str_replace_based_edit_tool"]["parameters"]["required"] == ["command", "path"]
+    assert "tools.web_search_20250305" in r.headers["x-kvwarm-ignored-fields"]
+
+
 def test_a_prompt_over_the_context_is_refused_in_anthropics_words(server):
     """Claude Code reads "prompt is too long" to compact the conversation; it got
     OpenAI's "maximum context length" sentence and just failed."""
