@@ -189,6 +189,6 @@ class SavedConversations:
             if e.refs == 0:
                 index.remove(e.entry_id)
             else:
-                e.superseded = True  # goes when its reader lets go
+                e.forgotten = True  # goes when its reader lets go
         store.sessions.forget(conversation_id)
         return described

@@ -206,8 +206,9 @@ class DiskTier:
         return not self._jobs.unfinished_tasks
 
     def close(self, timeout: float = 30.0) -> None:
-        self.flush(timeout)
-        if self._pins_unwritten is not None:  # a last try: the disk may have room now
+        # a last try of a refused saved list (the disk may have room now), unless
+        # writes are still queued: a newer list among them must not be overwritten
+        if self.flush(timeout) and self._pins_unwritten is not None:
             self._jobs.put(WriteFile(self.pins_path, self._pins_unwritten))
         self._jobs.put(None)
         self._thread.join(timeout=1.0)

@@ -321,7 +321,9 @@ class PrefixIndex:
         entry = self._entries.get(entry_id)
         if entry is not None and entry.refs > 0:
             entry.refs -= 1
-            if entry.refs == 0 and entry.superseded and not entry.pinned:
+            if entry.refs == 0 and entry.forgotten:
+                self.remove(entry_id)
+            elif entry.refs == 0 and entry.superseded and not entry.pinned:
                 self.counters.superseded += 1
                 self.remove(entry_id)
 

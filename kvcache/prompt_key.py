@@ -14,7 +14,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvcache.volatile_rules import RULES, Canonical, CharSpan
+from kvcache.volatile_rules import RULES, Canonical, CharSpan, stricter
 
 # Canonical ids of sentinels: negative, so they can never collide with a vocabulary id.
 _SENTINEL_BASE = -1
@@ -53,7 +53,7 @@ def token_spans(offsets: Sequence[tuple[int, int]], spans: Sequence[CharSpan]) -
         if t > start:
             if out and start <= out[-1].end:
                 last = out[-1]
-                out[-1] = TokenSpan(last.start, max(last.end, t), last.rule)
+                out[-1] = TokenSpan(last.start, max(last.end, t), stricter(last.rule, span.rule))
             else:
                 out.append(TokenSpan(start, t, span.rule))
     return out

@@ -106,7 +106,8 @@ _ZONES = (
 # "word/word" ("release/v2" after a date is the user's branch, an edit of it must
 # reach the model)
 _IANA_ZONE = (
-    r"(?:africa|america|antarctica|arctic|asia|atlantic|australia|europe|indian|pacific|etc)"
+    r"(?:africa|america|antarctica|arctic|asia|atlantic|australia|europe|indian|pacific|etc"
+    r"|us|canada|brazil|chile|mexico)"
     r"/[\w/+-]+"
 )
 # one word of a date or time: a number (2026-11-26, 10:42:01, 26th, +01:00, ...T10:42Z,
@@ -168,11 +169,13 @@ def timestamps(text: str) -> Iterator[tuple[int, int]]:
             yield start, start + len(value)
 
 
-# the keys of a channel envelope's "key: value" lines (Inbound Context)
+# the keys of a channel envelope's "key: value" lines (Inbound Context): ids, names
+# and types, never a key a user's words could follow ("message: delete the prod
+# database", "to: ...", "date: ..." are read as the user wrote them)
 _ENVELOPE_KEY = (
-    r"(?:(?:chat|message|thread|user|account|group|conversation|session|sender|channel)"
-    r"(?:[ _-]?(?:id|type|name))?|from|to|provider|surface|platform|username"
-    r"|timestamp|time|date|received(?:[ _-]?at)?|reply[ _-]?to(?:[ _-]?id)?|id)"
+    r"(?:(?:chat|message|thread|user|account|group|conversation|session|sender|channel"
+    r"|reply[ _-]?to)[ _-]?(?:id|type|name)|sender|channel|chat|provider|surface|platform"
+    r"|username|timestamp|received[ _-]?at|id)"
 )
 
 
@@ -191,7 +194,7 @@ RULES: tuple[VolatileRule, ...] = (
     VolatileRule(
         "message_id",
         _line(
-            r"(?:^[ \t#*>-]*message[_ ]id[\"']?[ \t]*[:=]"
+            r"(?:^[ \t#*>-]*message[_ ]id[\"']?[ \t]*[:=]|(?<=[\"'])message[_ ]id[\"'][ \t]*:"
             r"|(?<=[\[{(\"',;|])[ \t]*message[_ ]id[\"']?[:=]|(?<=[ \t])message_id[:=])"
             r"[ \t]*[\"']?([\w.:-]+)[\"']?",
             group=1,
@@ -254,15 +257,27 @@ def find_in_text(
 
 
 def merge_spans(spans: Iterable[CharSpan]) -> list[CharSpan]:
-    """Union of overlapping spans; the earliest-starting rule names the union."""
+    """Union of overlapping spans, named by the earliest-starting rule unless the
+    other's is stricter (``stricter``)."""
     merged: list[CharSpan] = []
     for span in sorted(spans, key=lambda s: (s.start, -s.end)):
         if merged and span.start < merged[-1].end:
             last = merged[-1]
-            merged[-1] = CharSpan(last.start, max(last.end, span.end), last.rule)
+            merged[-1] = CharSpan(
+                last.start, max(last.end, span.end), stricter(last.rule, span.rule)
+            )
         else:
             merged.append(span)
     return merged
+
+
+def stricter(first: int, second: int) -> int:
+    """The rule that names two joined spans: one whose changes must be read (a
+    reminder) over one whose stale values may stand (an envelope), else the first.
+    A reminder joined to the envelope before it was stepped over when it changed."""
+    if RULES[first].stale_ok and not RULES[second].stale_ok:
+        return second
+    return first
 
 
 def relocate_volatile_lines(

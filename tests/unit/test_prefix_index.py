@@ -350,6 +350,19 @@ def test_a_superseded_entry_stored_again_outlives_its_reader():
     assert index.lookup(_key(tokens + [1, 2])).hit.entry.entry_id == a
 
 
+def test_a_forgotten_entry_stored_again_still_goes_when_its_reader_lets_go():
+    """Deleting a conversation marks the entries a turn still reads; storing the
+    same tokens again must not take the mark back (it shared superseded's flag)."""
+    index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m")
+    tokens = list(range(100, 132))
+    a = index.insert(_key(tokens), 32, True, session="S")
+    assert index.lookup(_key(tokens + [1, 2])).hit.entry.entry_id == a  # a turn reads it
+    index.get(a).forgotten = True  # what delete_conversation does to an entry being read
+    assert index.insert(_key(tokens), 32, True) is None
+    index.release(a)
+    assert a not in index
+
+
 def test_a_saved_entry_is_kept_when_its_reader_lets_go_of_it_superseded():
     """Read by a turn, superseded by a longer entry (a fork), then saved: the
     reader's release deleted the saved conversation's KV, files and all."""

@@ -142,6 +142,27 @@ def test_a_changed_reminder_is_prefilled_but_a_changed_envelope_is_stepped_over(
     assert (al.entry_depth, al.request_depth, al.stale_tokens) == (6, 7, 2)
 
 
+def test_a_reminder_joined_to_an_envelope_before_it_is_still_read_when_it_changes():
+    """Spans that touch are joined and the first rule named the union: a reminder
+    right after an Inbound Context block became an envelope, stepped over stale."""
+    from kvcache.volatile_rules import MessageSlice, prompt_spans
+
+    def key(reminder: str) -> PromptKey:
+        text = (
+            "sys.\n"
+            + "Inbound Context\nchat: 5\n"
+            + f"<system-reminder>{reminder}</system-reminder>\nGo on."
+        )
+        spans = prompt_spans(text, [MessageSlice(0, len(text), "user")])
+        offsets = [(i, i + 1) for i in range(len(text))]
+        return PromptKey.build([ord(c) for c in text], token_spans(offsets, spans))
+
+    old, new = key("Use project A rules"), key("Use project B rules")
+    assert [s.rule for s in new.spans] == [SR]
+    al = align(old, new, skip_volatile=True)
+    assert al.request_depth == len("sys.\n") and al.stale_tokens == 0
+
+
 def test_token_spans_cover_tokens_that_straddle_a_span_edge():
     offsets = [(0, 3), (3, 6), (6, 9), (9, 12)]
     assert token_spans(offsets, [CharSpan(4, 7, TS)]) == [TokenSpan(1, 3, TS)]

@@ -148,7 +148,12 @@ def test_ordinary_text_is_not_volatile(text):
         ("## Inbound Context\n- sender: bob\n- chat id: 5\n\nhi", "inbound_context", "## Inbound Context\n- sender: bob\n- chat id: 5\n"),
         # a "word: text" line is the user's unless its word is an envelope's key
         ("Inbound Context\nchat: 5\nTask: delete the staging database\n", "inbound_context", "Inbound Context\nchat: 5\n"),
-        ("Inbound Context\nMessage ID: 7\nReply-To: 12\nNote: hi", "inbound_context", "Inbound Context\nMessage ID: 7\nReply-To: 12\n"),
+        ("Inbound Context\nMessage ID: 7\nReply-To ID: 12\nNote: hi", "inbound_context", "Inbound Context\nMessage ID: 7\nReply-To ID: 12\n"),
+        # no free-text key: "message:" or "to:" may lead the user's own words
+        ("Inbound Context\nchat: 5\nmessage: delete the prod database", "inbound_context", "Inbound Context\nchat: 5\n"),
+        ("Inbound Context\nto: ops\n", "inbound_context", "Inbound Context\n"),
+        ('{"message_id" : "m-9"}', "message_id", "m-9"),
+        ("Current time: 10:42 (US/Eastern)", "timestamp", "10:42 (US/Eastern)"),
         ("Current date: 2026-11-27 at 10:42 (America/Argentina/Salta)", "timestamp", "2026-11-27 at 10:42 (America/Argentina/Salta)"),
     ],
 )  # fmt: skip
