@@ -112,11 +112,18 @@ def template_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     system = _system_text(body.system)
     if system is not None:
         out.append({"role": "system", "content": system})
+    final = len(body.messages) - 1
     for i, message in enumerate(body.messages):
         where = f"messages.{i}.content"
         for translated in _translate(message, where):
             last = out[-1] if out else None
-            if last is not None and last["role"] == translated["role"] in ("user", "assistant"):
+            # a final assistant turn stays apart: it is the prefill the reply continues
+            prefill = i == final and translated["role"] == "assistant"
+            if (
+                last is not None
+                and not prefill
+                and last["role"] == translated["role"] in ("user", "assistant")
+            ):
                 _merge_into(last, translated)  # as Anthropic does: templates may need turns
             else:
                 out.append(translated)

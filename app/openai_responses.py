@@ -98,7 +98,9 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
             text = parts_content(_parts(item.output), where, in_tool_result=True)
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": text})
     for message, pieces in thoughts.items():
-        out[message]["reasoning_content"] = "\n".join(pieces)
+        said = "\n".join(p for p in pieces if p)  # encrypted-only items carry no text
+        if said:
+            out[message]["reasoning_content"] = said
     return out
 
 

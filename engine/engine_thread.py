@@ -500,10 +500,8 @@ class EngineThread(threading.Thread):
 
     def _fail_open_requests(self, reason: str, code: str = "engine_error") -> None:
         """End every waiting and running request with ``reason``; refuse new ones."""
-        self.router.publish(
-            RequestOutput.failure(r.request_id, reason, code)
-            for r in self.scheduler.fail_all(reason)
-        )
+        dropped = self.scheduler.fail_all(reason, shutdown=code == "server_shutdown")
+        self.router.publish(RequestOutput.failure(r.request_id, reason, code) for r in dropped)
 
 
 def exit_now(code: int) -> None:

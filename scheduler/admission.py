@@ -188,7 +188,9 @@ class ContextLengthExceeded(AdmissionError):
                 f"input length and `max_tokens` exceed context limit: {prompt} + "
                 f"{self.max_tokens} > {limit}, decrease input length or `max_tokens` and try again"
             )
-        return f"prompt is too long: {prompt} tokens > {limit} maximum"
+        # a prompt of the whole context leaves no room for one token of reply
+        most = limit if prompt > limit else limit - 1
+        return f"prompt is too long: {prompt} tokens > {most} maximum"
 
 
 class OverBudget(AdmissionError):

@@ -251,12 +251,16 @@ class Scheduler:
                 req.state = RequestState.ABORTED
                 self._failed += 1
 
-    def fail_all(self, reason: str) -> list[Request]:
-        """Drop every waiting and running request and refuse new ones (the engine died)."""
+    def fail_all(self, reason: str, shutdown: bool = False) -> list[Request]:
+        """Drop every waiting and running request and refuse new ones: failed when
+        the engine died, aborted when the server shuts down."""
         with self._lock:
             self._closed = reason
             dropped = self._drop_all()
-            self._failed += len(dropped)
+            if shutdown:
+                self._aborted += len(dropped)
+            else:
+                self._failed += len(dropped)
             return dropped
 
     def _drop_all(self) -> list[Request]:

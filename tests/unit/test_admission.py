@@ -116,3 +116,6 @@ def test_a_context_overflow_has_anthropics_words_for_claude_code():
     with pytest.raises(ContextLengthExceeded) as prompt:
         admission.check_ever_fits(5000, 1)
     assert prompt.value.anthropic_message == "prompt is too long: 5000 tokens > 4096 maximum"
+    # a prompt of the whole context leaves no room for a reply: never "4096 > 4096"
+    at_limit = ContextLengthExceeded("x", 4096, 4096)
+    assert at_limit.anthropic_message == "prompt is too long: 4096 tokens > 4095 maximum"

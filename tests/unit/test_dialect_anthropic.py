@@ -340,6 +340,26 @@ def test_anthropic_defined_client_tools_reach_the_model_and_server_tools_are_nam
     assert "tools.web_search_20250305" in r.headers["x-kvwarm-ignored-fields"]
 
 
+def test_a_final_assistant_turn_stays_the_prefill_after_another_assistant_turn(server):
+    """Joined into the assistant turn before it (which held thinking), the final
+    assistant message lost its place as the prefill the reply continues."""
+    client = server.anthropic()
+    history = [
+        {"role": "user", "content": "x"},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "hmm", "signature": ""},
+                {"type": "text", "text": "A"},
+            ],
+        },
+        {"role": "assistant", "content": '{"a":'},
+    ]
+    client.messages.create(model="c", max_tokens=4, messages=history)
+    assert PROMPTS[-1].endswith('<assistant>{"a":')
+    assert server.formatter.last_messages[-1]["content"] == "A"
+
+
 def test_a_prompt_over_the_context_is_refused_in_anthropics_words(server):
     """Claude Code reads "prompt is too long" to compact the conversation; it got
     OpenAI's "maximum context length" sentence and just failed."""

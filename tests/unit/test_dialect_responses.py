@@ -332,6 +332,23 @@ def test_non_json_numbers_in_call_arguments_stay_text_and_the_response_is_stored
     assert httpx.post(server.url + "/v1/responses", json=follow).status_code == 200
 
 
+def test_reasoning_items_without_text_add_no_reasoning():
+    """Codex sends reasoning items with an empty summary (encrypted content only):
+    joined whole they made reasoning of bare newlines the template rendered."""
+    from app.openai_responses import input_messages
+    from app.responses_schemas import ResponsesRequest
+
+    empty = {"type": "reasoning", "id": "rs_0", "summary": [], "encrypted_content": "x"}
+    said = {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "R"}]}
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    items = [{"role": "user", "content": "q"}, empty, said, call, empty, call | {"call_id": "c2"}]
+    parsed = ResponsesRequest.model_validate({"input": items}).input
+    messages = input_messages(parsed)
+    assert messages[1]["reasoning_content"] == "R" and len(messages[1]["tool_calls"]) == 2
+    alone = ResponsesRequest.model_validate({"input": [items[0], empty, items[0]]}).input
+    assert "reasoning_content" not in input_messages(alone)[1]
+
+
 def test_reasoning_before_many_calls_is_gathered_in_linear_time():
     """Each call after a thought re-joined its turn's reasoning so far: 16 MB of
     thoughts and calls took 24 s of a preparation slot."""

@@ -344,3 +344,20 @@ def test_whitespace_a_model_loops_on_is_held_in_linear_time():
     assert parser.held == 1_000_000
     assert merge(parser.finish()) == [Content("\n" * 1_000_000)]
     assert time.perf_counter() - began < 5  # a quarter of a second now
+
+
+def test_a_stop_string_keeps_a_call_only_when_it_is_the_calls_closing_tag():
+    """A stop string inside a call may have cut arguments after it: text, as
+    max_tokens; at the call's own closing tag the call is whole."""
+    tools = [{"type": "function", "function": {"name": "run", "parameters": {}}}]
+
+    def parsed(text: str, stop: str):
+        parser = OutputParser(Syntax(), ToolCallDecoder(tools, "qwen3_coder"))
+        return merge(parser.feed(text) + parser.finish(stopped_at=stop))
+
+    whole = "<tool_call>\n<function=run>\n<parameter=command>\nls\n</parameter>\n</function>\n"
+    assert parsed(whole, "</tool_call>") == [ToolCall("run", '{"command": "ls"}')]
+    assert parsed(whole, "\n</tool_call>") == [ToolCall("run", '{"command": "ls"}')]
+    open_arg = "<tool_call>\n<function=run>\n<parameter=command>\nls\n"
+    assert parsed(open_arg, "</parameter>") == [Content(open_arg)]
+    assert parsed(whole, "<parameter=") == [Content(whole)]

@@ -135,6 +135,16 @@ def test_fail_all_drops_everything_and_refuses_new_work():
     assert (st.failed_total, st.finished_total, st.aborted_total) == (2, 0, 0)
 
 
+def test_requests_a_shutdown_ends_are_aborted_not_failed():
+    s = make(max_running=1)
+    s.add(req("a"))
+    s.add(req("b"))
+    s.schedule()
+    s.fail_all("the server is shutting down", shutdown=True)
+    st = s.stats()
+    assert (st.failed_total, st.aborted_total) == (0, 2)
+
+
 def test_a_request_the_engine_could_not_start_is_failed_not_finished():
     s = make()
     s.add(req("a"))
