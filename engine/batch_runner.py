@@ -138,9 +138,10 @@ class BatchRunner:
         slot = self.adapters.slot(request.adapter)  # AdapterNotFound: unmounted meanwhile
         if request.cache is not None:  # its KV lives in its adapter's namespace
             request.cache = replace(request.cache, adapter=self.adapters.namespace(request.adapter))
-        processors = [
-            GuardedProcessor(p, rid, self.faults) for p in self._samplers.logits_processors(params)
-        ]
+        made = self._samplers.logits_processors(
+            params, len(request.prompt_tokens), request.logprobs is not None
+        )
+        processors = [GuardedProcessor(p, rid, self.faults) for p in made]
         row = Row(
             request,
             TextOutput(self._detokenizer(), request.stop, request.trim_leading_space),

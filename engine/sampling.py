@@ -16,10 +16,12 @@ from mlx_lm.sample_utils import (
     make_sampler,
 )
 
+from engine.penalties import OutputPenalties, RepetitionPenalty
 from engine.row_faults import FaultLedger, GuardedSampler
 from scheduler.request import SamplingParams
 
 Sampler = Callable[[mx.array], mx.array]
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 # mlx-lm compiles its sampling steps with these values as constants: each distinct
 # value is a fresh compile on the engine thread (0.6-0.9 s on the CPU backend, every
 # agent's step waiting) and a compiled function kept for good. Clients' values are
@@ -89,15 +91,25 @@ class SamplerFactory:
         )
 
     @staticmethod
-    def logits_processors(params: SamplingParams) -> list:
-        return make_logits_processors(
-            repetition_penalty=(
-                None if params.repetition_penalty == 1.0 else params.repetition_penalty
-            ),
-            presence_penalty=params.presence_penalty or None,
-            frequency_penalty=params.frequency_penalty or None,
-            logit_bias=dict(params.logit_bias) or None,
-        )
+    def logits_processors(
+        params: SamplingParams, prompt_len: int, logprobs: bool = False
+    ) -> list[LogitsProcessor]:
+        """A row's processors: ``logprobs`` rows normalise in float32 (a bf16
+        model's log-softmax came in steps of 0.125 near logit 20), then
+        logit_bias (mlx-lm's), then the penalties (``engine.penalties``)."""
+        out: list[LogitsProcessor] = [_as_float32] if logprobs else []
+        out += make_logits_processors(logit_bias=dict(params.logit_bias) or None)
+        if params.repetition_penalty != 1.0:
+            out.append(RepetitionPenalty(params.repetition_penalty))
+        if params.presence_penalty or params.frequency_penalty:
+            out.append(
+                OutputPenalties(prompt_len, params.presence_penalty, params.frequency_penalty)
+            )
+        return out
+
+
+def _as_float32(tokens: mx.array, logits: mx.array) -> mx.array:
+    return logits.astype(mx.float32)
 
 
 MASK64 = 2**64 - 1
