@@ -593,7 +593,7 @@ class BatchRunner:
                 row.generated,
             )
             # its next draw is its next token's, whatever the probe and the lost step drew
-            rewind(row.sampler, row.generated)
+            rewind(row.sampler, row.generated, row.processors)
             uid = self._insert(row, [replay], cache, cached_tokens)
             self._prefilled[uid] = 0
         if len(outputs) == len(rows) and not self._model_healthy():

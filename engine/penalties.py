@@ -10,8 +10,10 @@ history.
 
 A processor is called with the row's token context, which mlx-lm's
 BatchGenerator keeps as the whole prompt (reused tokens included) followed by
-every token generated; a row re-run after a batch recovery starts again from a
-context of prompt + what it had generated, which the counts are rebuilt from.
+every token generated. A row re-run after a batch recovery (``restart``, from
+``engine.sampling.rewind``) counts afresh from its new context of prompt + what
+it had generated: the probe and the lost step ran its processors on tokens it
+never kept.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ class _Counts:
 
     def __init__(self, start: int):
         self.start = start
-        self._seen = start
+        self.restart()
+
+    def restart(self) -> None:
+        self._seen = self.start
         self.counts: mx.array | None = None
 
     def update(self, tokens: mx.array, vocab: int) -> mx.array | None:
         n = len(tokens)
-        if n < self._seen:  # a shorter context: the row was re-run, count afresh
-            self._seen, self.counts = self.start, None
         if n > self._seen:
             if self.counts is None:
                 self.counts = mx.zeros((vocab,), dtype=mx.float32)
@@ -48,6 +51,9 @@ class OutputPenalties:
         self.frequency = frequency
         self._counts = _Counts(prompt_len)
 
+    def restart(self) -> None:
+        self._counts.restart()
+
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         counts = self._counts.update(tokens, logits.shape[-1])
         if counts is None:
@@ -63,6 +69,9 @@ class RepetitionPenalty:
     def __init__(self, penalty: float):
         self.penalty = penalty
         self._counts = _Counts(0)
+
+    def restart(self) -> None:
+        self._counts.restart()
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         counts = self._counts.update(tokens, logits.shape[-1])

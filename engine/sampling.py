@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import (
@@ -151,7 +152,13 @@ class SeededSampler:
         return mx.random.categorical(logprobs * self.inv_temp, key=key)
 
 
-def rewind(sampler: GuardedSampler, drawn: int) -> None:
-    """Make a seeded sampler's next draw the ``drawn``-th (others have no state)."""
+def rewind(sampler: GuardedSampler, drawn: int, processors: Sequence[Any] = ()) -> None:
+    """A row about to re-run after a batch recovery: a seeded sampler's next draw
+    is the ``drawn``-th, and the penalties count afresh from the row's context
+    (others have no state)."""
     if isinstance(sampler.inner, SeededSampler):
         sampler.inner.drawn = drawn
+    for processor in processors:
+        inner = getattr(processor, "inner", processor)  # GuardedProcessor
+        if isinstance(inner, (OutputPenalties, RepetitionPenalty)):
+            inner.restart()

@@ -181,3 +181,26 @@ def test_a_seeded_row_draws_the_same_tokens_through_a_recovery(byte_tokenizer):
     alone = run(None)
     assert len(alone) == 30 and len(set(alone)) > 5  # really sampled
     assert run(rogue_at=5) == alone  # the probe and the lost step drew nothing of its own
+
+
+def test_a_penalised_row_generates_the_same_tokens_through_a_recovery(byte_tokenizer):
+    """The probe and the lost step run a row's penalty processors on tokens it never
+    keeps; re-admitted, its counts start again from its own context."""
+    penalised = SamplingParams(temperature=0.0, frequency_penalty=0.002, presence_penalty=0.001)
+
+    def run(rogue_at: int | None) -> list[int]:
+        runner = make_runner(byte_tokenizer, FlatPoisonedModel())
+        runner.add(Request([5, 6, 7], 30, sampling=penalised, ignore_eos=True, request_id="p"))
+        got: list[int] = []
+        for step in range(200):
+            if not runner.active:
+                break
+            if step == rogue_at:
+                runner.add(Request([3, POISON, 5], 5, sampling=GREEDY, request_id="rogue"))
+            got += [t for o in runner.step() if o.request_id == "p" for t in o.token_ids]
+        assert runner.recoveries == (0 if rogue_at is None else 1)
+        return got
+
+    alone = run(None)
+    assert len(alone) == 30 and len(set(alone)) > 5  # the penalties steer it
+    assert run(rogue_at=5) == alone

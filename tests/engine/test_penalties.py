@@ -83,12 +83,13 @@ def test_repetition_penalty_covers_the_whole_prompt(tokenizer):
     assert generated(tokenizer, [A] + [1] * 25, params, 1) == [B]
 
 
-def test_counts_are_rebuilt_when_a_row_is_run_again_from_a_shorter_context():
+def test_counts_are_rebuilt_when_a_row_restarts():
     penalties = OutputPenalties(prompt_len=2, presence=0.0, frequency=1.0)
     logits = mx.zeros((1, 8))
     out = penalties(mx.array([5, 5, 3, 3, 3]), logits)  # prompt 5 5, generated 3 3 3
     assert out[0].tolist() == [0, 0, 0, -3, 0, 0, 0, 0]
-    again = penalties(mx.array([5, 5, 3]), logits)  # re-run after a batch recovery
+    penalties.restart()  # re-run after a batch recovery
+    again = penalties(mx.array([5, 5, 3]), logits)
     assert again[0].tolist() == [0, 0, 0, -1, 0, 0, 0, 0]
     repetition = RepetitionPenalty(2.0)
     out = repetition(mx.array([1, 2]), mx.array([[4.0, 4.0, -4.0, 4.0]]))
