@@ -236,20 +236,23 @@ class Scheduler:
 
     def finish(self, request_id: str) -> None:
         with self._lock:
-            req = self._running.pop(request_id, None)
-            self._pending_aborts.discard(request_id)
-            if req is not None:
-                req.state = RequestState.FINISHED
+            if self._leave(request_id, RequestState.FINISHED):
                 self._finished += 1
 
     def fail(self, request_id: str) -> None:
         """A running request the engine could not start: it leaves as failed."""
         with self._lock:
-            req = self._running.pop(request_id, None)
-            self._pending_aborts.discard(request_id)
-            if req is not None:
-                req.state = RequestState.ABORTED
+            if self._leave(request_id, RequestState.ABORTED):
                 self._failed += 1
+
+    def _leave(self, request_id: str, state: RequestState) -> bool:
+        """A running request leaves the batch in ``state``; False if it had left
+        (lock held)."""
+        req = self._running.pop(request_id, None)
+        self._pending_aborts.discard(request_id)
+        if req is not None:
+            req.state = state
+        return req is not None
 
     def fail_all(self, reason: str, shutdown: bool = False) -> list[Request]:
         """Drop every waiting and running request and refuse new ones: failed when

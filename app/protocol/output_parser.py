@@ -161,9 +161,10 @@ class OutputParser:
 
     def _boundary(self, final: bool) -> bool:
         stripped = self._buf.lstrip()
-        if len(stripped) < len(self._buf):
-            self._ws.append(self._buf[: len(self._buf) - len(stripped)])
-            self._ws_len += len(self._buf) - len(stripped)
+        blank = len(self._buf) - len(stripped)
+        if blank:
+            self._ws.append(self._buf[:blank])
+            self._ws_len += blank
         self._buf = stripped
         if not stripped:
             if final:
