@@ -20,7 +20,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcache.value_digest import value_digest
-from kvcache.volatile_rules import VOLATILE_ROLES, canonical_text, find_in_text, tag_blocks
+from kvcache.volatile_rules import (
+    RULES,
+    VOLATILE_ROLES,
+    Canonical,
+    canonical_text,
+    find_in_text,
+    tag_blocks,
+)
 
 _OPEN, _CLOSE = "<think>", "</think>"
 # deeper arguments stay the string they are: json.loads takes ~1,000 levels but
@@ -120,15 +127,20 @@ class PlaceMemo:
                 self._items.popitem(last=False)
 
 
-def _place(message: dict[str, Any]) -> bytes:
-    """What one message adds to the history chain (see ``history_contexts``)."""
+def _place(message: dict[str, Any], strict: bool = False) -> bytes:
+    """What one message adds to the history chain (see ``history_contexts``);
+    ``strict``: only short values (a timestamp, a nonce, an id) may differ, the
+    dropped blocks' text (reminders, envelopes) counts as sent."""
     content = message.get("content") or ""
     if not isinstance(content, str):
         content = json.dumps(content, sort_keys=True, default=str)
     if message.get("role") == "assistant":
         content = visible_form(content)
     elif message.get("role") in VOLATILE_ROLES:  # a new timestamp each turn is no new place
-        content = canonical_text(content, find_in_text(content))
+        spans = find_in_text(content)
+        if strict:
+            spans = [s for s in spans if RULES[s.rule].canonical is Canonical.SENTINEL]
+        content = canonical_text(content, spans)
     h = hashlib.blake2b(digest_size=16)
     for part in (
         str(message.get("role")),
@@ -141,14 +153,14 @@ def _place(message: dict[str, Any]) -> bytes:
     return h.digest()
 
 
-def _remembered_place(message: dict[str, Any], memo: PlaceMemo) -> bytes:
+def _remembered_place(message: dict[str, Any], memo: PlaceMemo, strict: bool) -> bytes:
     try:
-        key = value_digest(message)
+        key = value_digest(message) + (b"s" if strict else b"")
     except (TypeError, ValueError, RecursionError):
-        return _place(message)
+        return _place(message, strict)
     place = memo.get(key)
     if place is None:
-        place = _place(message)
+        place = _place(message, strict)
         memo.put(key, place)
     return place
 
@@ -167,11 +179,20 @@ def history_contexts(
     echo strips them), system and user turns by their cache-key form (volatile
     values such as a timestamp replaced), the rest as sent; ``salts[i]``: what the text does not
     show (the digests of message i's images); ``scope``: the client's session id;
-    ``memo``: places of messages seen before. One pass: linear in the conversation."""
+    ``memo``: places of messages seen before. One pass: linear in the conversation.
+
+    Without a session id only the short values may differ: blocks the cache key
+    drops (a reminder, an envelope) count as sent, or two clients' conversations
+    told apart by them alone (one reading a secret file, the other a README)
+    were one place, and one's reasoning healed into the other's prompt."""
+    strict = not scope
     h = hashlib.blake2b(scope.encode(), digest_size=16)
     contexts = [h.hexdigest()]
     for i, message in enumerate(messages):
-        place = _place(message) if memo is None else _remembered_place(message, memo)
+        if memo is None:
+            place = _place(message, strict)
+        else:
+            place = _remembered_place(message, memo, strict)
         salt = salts[i] if salts is not None and i < len(salts) else b""
         h = hashlib.blake2b(h.digest() + place + salt, digest_size=16)
         contexts.append(h.hexdigest())
@@ -212,12 +233,6 @@ class Original:
     tool_calls: tuple[dict[str, Any], ...] | None = None
 
 
-# two different originals echo the same way in the same place (two conversations
-# with no session id and the same history, or a regenerated reply): which one a
-# client kept cannot be told, and the other's reasoning must never be read back
-AMBIGUOUS = Original("")
-
-
 class HealingStore:
     """Thread-safe: requests are prepared in worker threads and remembered on the loop."""
 
@@ -225,6 +240,13 @@ class HealingStore:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self._items: OrderedDict[str, Original] = OrderedDict()
+        # keys two different originals echo the same way at (two conversations with
+        # no session id and the same history, or a regenerated reply): which one a
+        # client kept cannot be told, and neither's reasoning may be read back. Apart
+        # from the replies and longer-lived: kept among them the mark was the least
+        # recently used entry, the first evicted, and a third reply there healed
+        # into both conversations.
+        self._ambiguous: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
         self.nbytes = 0
         self.healed = 0
@@ -263,11 +285,17 @@ class HealingStore:
             return
         key = _key(content, tool_calls, context)
         with self._lock:
+            if key in self._ambiguous:
+                self._ambiguous.move_to_end(key)
+                return
             old = self._items.pop(key, None)
             if old is not None:
                 self.nbytes -= self._size(old)
                 if old != item:
-                    item, size = AMBIGUOUS, self._size(AMBIGUOUS)
+                    self._ambiguous[key] = None
+                    if len(self._ambiguous) > 4 * self.max_entries:
+                        self._ambiguous.popitem(last=False)
+                    return
             self._items[key] = item
             self.nbytes += size
             while len(self._items) > self.max_entries or self.nbytes > self.max_bytes:
@@ -304,7 +332,7 @@ class HealingStore:
         key = _key(content, message.get("tool_calls"), context)
         with self._lock:
             item = self._items.get(key)
-            if item is None or item is AMBIGUOUS:
+            if item is None:
                 return message
             self._items.move_to_end(key)
             same_calls = item.tool_calls is None or list(item.tool_calls) == message.get(

@@ -346,7 +346,7 @@ def test_a_resent_history_is_chained_from_remembered_places(monkeypatch):
     assert store.contexts(history, "s") == history_contexts(history, "s")
     computed: list[dict] = []
     place = healing._place  # noqa: SLF001
-    monkeypatch.setattr(healing, "_place", lambda m: computed.append(m) or place(m))
+    monkeypatch.setattr(healing, "_place", lambda m, strict: computed.append(m) or place(m, strict))
     turn = [*history, {"role": "user", "content": "and now?"}]
     assert store.contexts(turn, "s") == history_contexts(turn, "s")[: len(turn) + 1]
     assert computed[0] == turn[-1] and len(computed) == 1 + len(turn)  # memo, then none
@@ -372,3 +372,49 @@ def test_two_originals_that_echo_alike_in_one_place_are_not_healed():
         again.remember("<think>why</think>Done.", context=context)
     reply = history + [{"role": "assistant", "content": "Done."}]
     assert again.heal_all(reply, again.contexts(reply))[2]["content"] == "<think>why</think>Done."
+
+
+def _with_reminder(reminder: str) -> list[dict]:
+    return [
+        {"role": "system", "content": "sys"},
+        {
+            "role": "user",
+            "content": f"<system-reminder>\n{reminder}\n</system-reminder>\nRead the config",
+        },
+    ]
+
+
+def test_conversations_told_apart_by_a_reminder_alone_never_share_reasoning():
+    """Without a session id, the place of a turn was its cache-key form, which
+    drops reminder blocks: another client's conversation with another reminder
+    was the same place, and its echo healed to this one's reasoning (a secret the
+    reminder showed)."""
+    store = HealingStore()
+    secret = _with_reminder("Contents of secrets.env: API_TOKEN=sk-private")
+    store.remember("The token is sk-private</think>Done.", context=store.contexts(secret)[-1])
+    other = _with_reminder("Contents of README.md: hello") + [
+        {"role": "assistant", "content": "Done."}
+    ]
+    assert store.heal_all(other, store.contexts(other))[2]["content"] == "Done."
+    # the same conversation still heals; in a session, a reminder rewritten since does too
+    same = secret + [{"role": "assistant", "content": "Done."}]
+    assert "sk-private" in store.heal_all(same, store.contexts(same))[2]["content"]
+    store.remember("in session</think>Done.", context=store.contexts(secret, "s1")[-1])
+    assert store.heal_all(other, store.contexts(other, "s1"))[2]["content"].startswith("in session")
+
+
+def test_an_ambiguous_place_stays_unhealed_after_the_store_turns_over():
+    """The mark for a place two originals share was kept among the replies, never
+    touched: the first evicted, after which a third reply there healed into both."""
+    store = HealingStore(max_entries=4)
+    history = _turns("sys", [])
+    history.append({"role": "user", "content": "hi"})
+    context = history_contexts(history)[-1]
+    store.remember("user A's reasoning</think>Hello!", context=context)
+    store.remember("user B's reasoning</think>Hello!", context=context)
+    for i in range(10):
+        store.remember(f"filler {i}")
+    store.remember("user C's reasoning</think>Hello!", context=context)
+    echo = _turns("sys", ["Hello!"])
+    echo[1]["content"] = "hi"
+    assert store.heal_all(echo)[2]["content"] == "Hello!"
