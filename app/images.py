@@ -23,8 +23,10 @@ from app.errors import APIError
 from app.media_fetch import FetchPolicy, fetch
 
 # the formats a client's bytes may be decoded as: what browsers and agents send
-# (never EPS/PDF, which Pillow hands to Ghostscript, or other exotic decoders)
-IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")
+# (never EPS/PDF, which Pillow hands to Ghostscript, or other exotic decoders;
+# nor TIFF, whose uncompressed strips Pillow decodes one by one in Python: a
+# 19 MB file of 2.4M one-row strips cost 15 s and 1 GB of a preparation slot)
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
 # a progressive JPEG's decoder passes over the whole image once a scan: encoders
 # write about ten, a crafted file thousands in a few KB (minutes of a preparation
 # slot every request shares). Markers inside an EXIF thumbnail count too: still few.
@@ -147,14 +149,18 @@ def _video(raw: bytes, limits: ImageLimits, where: str) -> list[LoadedImage]:
 
 
 def decode_image(raw: bytes, limits: ImageLimits, where: str = "image") -> LoadedImage:
-    from PIL import Image
+    from PIL import Image, ImageOps
 
     try:
         image = Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)
         width, height = image.size  # the header only: nothing decoded yet
     except MemoryError:
         raise
-    except Exception as exc:  # noqa: BLE001 - whatever a crafted header raises (unidentified, ...)
+    except Image.UnidentifiedImageError as exc:
+        raise APIError(
+            400, f"{where}: not an image this server can read (PNG, JPEG, GIF, WEBP or BMP)."
+        ) from exc
+    except Exception as exc:  # noqa: BLE001 - whatever a crafted header raises
         raise APIError(400, f"{where}: not an image this server can read ({exc}).") from exc
     if width * height > limits.max_pixels:
         raise APIError(
@@ -169,28 +175,52 @@ def decode_image(raw: bytes, limits: ImageLimits, where: str = "image") -> Loade
             f"{where}: a JPEG of more than {MAX_JPEG_SCANS} scans; no more are read "
             "(each one is a pass over the whole image).",
         )
+    # Pillow's RLE BMP decoder is Python, a loop a pixel: 4 KB of end-of-line
+    # escapes over 40M pixels cost 6 s, holding the GIL the engine thread needs
+    if image.format == "BMP" and any(tile[0] == "bmp_rle" for tile in image.tile):
+        raise APIError(400, f"{where}: an RLE-compressed BMP is not read; send PNG or JPEG.")
     try:
+        _upright(image, ImageOps)
         rgb = image.convert("RGB")  # decodes: corrupt data fails here
     except MemoryError:
         raise
     except Exception as exc:  # noqa: BLE001 - a crafted file raises what its decoder does
         raise APIError(400, f"{where}: the image data is corrupt ({exc}).") from exc
+    width, height = rgb.size
     digest = hashlib.blake2b(f"{width}x{height}".encode(), digest_size=16)
     digest.update(rgb.tobytes())
     return LoadedImage(rgb, digest.digest())
 
 
+def _upright(image: Any, image_ops: Any) -> None:
+    """A phone's portrait photo is stored sideways with an EXIF orientation: the
+    model sees it upright, as mlx-vlm's own loader shows it. An unreadable EXIF
+    block leaves the picture as stored (the pixels may be fine)."""
+    try:
+        orientation = image.getexif().get(0x0112, 1)
+    except MemoryError:
+        raise
+    except Exception:  # noqa: BLE001 - whatever a malformed EXIF block raises
+        return
+    if orientation != 1:
+        image_ops.exif_transpose(image, in_place=True)
+
+
 def jpeg_scans(raw: bytes) -> int:
     """The scans of a JPEG's first picture, walked marker by marker to its end
     (EOI): what an APP segment holds (an EXIF thumbnail) and what follows the
-    picture (a motion photo's video) is not counted. Stops once past the limit."""
+    picture (a motion photo's video) is not counted. Stops once past the limit.
+    Between segments it skips what libjpeg skips (stray bytes, fill bytes, a
+    0xFF00 pair): stopping there, one junk byte hid thousands of scans the
+    decoder then ran."""
     scans, pos, n = 0, 2, len(raw)  # after SOI
-    while pos + 1 < n and scans <= MAX_JPEG_SCANS:
-        if raw[pos] != 0xFF:
-            break  # not a marker: the decoder says what is wrong
+    while scans <= MAX_JPEG_SCANS:
+        pos = raw.find(b"\xff", pos)
+        if pos < 0 or pos + 1 >= n:
+            break
         marker = raw[pos + 1]
-        if marker == 0xFF:  # fill byte
-            pos += 1
+        if marker in (0x00, 0xFF):  # a bogus pair, or a fill byte before the marker
+            pos += 2 if marker == 0x00 else 1
             continue
         if marker == 0xD9:  # EOI
             break
@@ -257,7 +287,7 @@ def _encoded(source: ImageSource, limits: ImageLimits, where: str) -> bytes:
         if not match.group(3):
             raise APIError(400, f"{where}: a data URL must be base64 encoded.")
         return _b64(url[match.end() :], cap, where)
-    if url.startswith(("http://", "https://")):
+    if url[:8].lower().startswith(("http://", "https://")):
         if not limits.fetch_urls:
             raise APIError(
                 400,

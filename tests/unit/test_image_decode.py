@@ -135,6 +135,71 @@ BAD_TIFF = bytes.fromhex(
 
 
 def test_a_corrupt_image_whose_decoder_raises_anything_is_a_400():
-    with pytest.raises(APIError, match="corrupt|cannot read") as refused:
+    # (TIFF is no longer read at all: refused before its decoder, still a 400)
+    with pytest.raises(APIError, match="corrupt|can read") as refused:
         decode_image(BAD_TIFF, ImageLimits())
     assert refused.value.status == 400
+
+
+@pytest.mark.parametrize("junk", [b"\x00", b"\xff\x00", b"\xff\x00\xff\xff"])
+def test_a_junk_byte_between_segments_hides_no_scans(junk):
+    """The walker stopped at the first byte that was no marker, counting none of
+    the scans libjpeg (skipping the junk) then decoded: 13 s for 86 KB."""
+    bomb = _progressive_jpeg(500)
+    after_app0 = 4 + int.from_bytes(bomb[4:6], "big")
+    crafted = bomb[:after_app0] + junk + bomb[after_app0:]
+    Image.open(io.BytesIO(crafted)).load()  # what the decoder does with it: reads every scan
+    with pytest.raises(APIError, match="scans"):
+        decode_image(crafted, ImageLimits())
+
+
+def _rle8_bmp(width: int, rows: bytes, height: int) -> bytes:
+    import struct
+
+    palette = b"\x00\x00\x00\x00\xff\xff\xff\x00"
+    data = rows + b"\x00\x01"  # end of bitmap
+    offset = 14 + 40 + len(palette)
+    header = b"BM" + struct.pack("<IHHI", offset + len(data), 0, 0, offset)
+    info = struct.pack("<IiiHHIIiiII", 40, width, height, 1, 8, 1, len(data), 2835, 2835, 2, 0)
+    return header + info + palette + data
+
+
+def test_an_rle_bmp_is_refused_before_its_python_decoder_runs():
+    """4 KB of end-of-line escapes over 40M pixels: 6 s in Pillow's Python RLE loop."""
+    raw = _rle8_bmp(40_000, b"\x01\x01\x00\x00" * 1000, 1000)
+    assert Image.open(io.BytesIO(raw)).tile[0][0] == "bmp_rle"
+    with pytest.raises(APIError, match="RLE") as refused:
+        decode_image(raw, ImageLimits())
+    assert refused.value.status == 400
+
+
+def test_tiff_is_not_read():
+    """Uncompressed strips decode one by one in Python: 2.4M one-row strips in
+    19 MB cost 15 s and 1 GB."""
+    buf = io.BytesIO()
+    Image.new("RGB", (6, 4)).save(buf, format="TIFF")
+    with pytest.raises(APIError, match="PNG, JPEG") as refused:
+        decode_image(buf.getvalue(), ImageLimits())
+    assert refused.value.status == 400
+
+
+def test_a_photo_with_an_exif_orientation_reaches_the_model_upright():
+    """Phones store portrait photos sideways and say so in EXIF: the model was
+    handed the sideways pixels (mlx-vlm's own loader turns them)."""
+    sideways = Image.new("RGB", (60, 40), (255, 0, 0))
+    sideways.paste((0, 0, 255), (0, 0, 30, 40))
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    buf = io.BytesIO()
+    sideways.save(buf, "JPEG", exif=exif, quality=95)
+    loaded = decode_image(buf.getvalue(), ImageLimits())
+    assert loaded.image.size == (40, 60)
+    red, blue = loaded.image.getpixel((20, 55)), loaded.image.getpixel((20, 5))
+    assert red[0] > 200 > red[2] and blue[2] > 200 > blue[0]
+
+
+def test_a_url_scheme_in_capitals_is_still_a_url():
+    from app.images import ImageSource, load_images
+
+    with pytest.raises(APIError, match="does not fetch URLs"):
+        load_images([ImageSource(url="HTTPS://example.com/a.png")], ImageLimits(fetch_urls=False))
