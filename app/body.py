@@ -37,6 +37,9 @@ PREPARE_THREADS = 2  # preparations at once on the CPU; more would only contend 
 # preparations at once waiting on the network or a subprocess (an image URL,
 # ffmpeg) with their CPU slot given up; past this, more such waits are refused
 MEDIA_WAITS = 8
+# of those, subprocesses decoding at once (ffmpeg, a core each): a wait for them
+# is no idle one, and eight beside the CPU slots starved the engine thread
+DECODERS = 1
 SCAN_WINDOW = 1 << 20
 
 
@@ -161,8 +164,13 @@ class Preparer:
     (``io_wait``: an image URL, ffmpeg) gives its CPU slot up meanwhile, so a
     slow download holds no other agent's request back."""
 
-    def __init__(self, threads: int = PREPARE_THREADS, media_waits: int = MEDIA_WAITS):
-        self._cpu = _Gate(threads, media_waits)
+    def __init__(
+        self,
+        threads: int = PREPARE_THREADS,
+        media_waits: int = MEDIA_WAITS,
+        decoders: int = DECODERS,
+    ):
+        self._cpu = _Gate(threads, media_waits, decoders)
         # threads: every CPU slot plus every wait, so waiting jobs never starve the CPU's
         self._limiter = anyio.CapacityLimiter(threads + media_waits)
 
@@ -192,10 +200,12 @@ class Preparer:
 
 
 class _Gate:
-    """CPU slots for preparation jobs, and the count of jobs waiting on I/O."""
+    """CPU slots for preparation jobs, the count of jobs waiting on I/O, and the
+    slots of decoding subprocesses."""
 
-    def __init__(self, slots: int, max_waits: int):
+    def __init__(self, slots: int, max_waits: int, decoders: int):
         self._slots = threading.Semaphore(slots)
+        self.decoders = threading.Semaphore(decoders)
         self._max_waits = max_waits
         self._waits = 0
         self._lock = threading.Lock()
@@ -232,11 +242,24 @@ _GATE: ContextVar[_Gate | None] = ContextVar("kvwarm_prepare_gate", default=None
 
 @contextmanager
 def io_wait() -> Iterator[None]:
-    """Around a preparation's wait on the network or a subprocess: its CPU slot
-    goes to another request meanwhile (outside a Preparer job: no effect)."""
+    """Around a preparation's wait on the network: its CPU slot goes to another
+    request meanwhile (outside a Preparer job: no effect)."""
     gate = _GATE.get()
     if gate is None:
         yield
         return
     with gate.released():
+        yield
+
+
+@contextmanager
+def decoder_wait() -> Iterator[None]:
+    """Around a preparation's decoding subprocess (ffmpeg): its CPU slot goes to
+    another request, and the subprocess runs in one of the few decoder slots
+    (waiting its turn first)."""
+    gate = _GATE.get()
+    if gate is None:
+        yield
+        return
+    with gate.released(), gate.decoders:
         yield

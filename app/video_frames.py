@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from app.body import io_wait
+from app.body import decoder_wait
 from app.errors import APIError
 
 MAX_FRAME_SIDE = 1280  # frames are scaled down to this; the processor resizes anyway
@@ -113,11 +113,11 @@ def _probe(ffmpeg: str, video: Path, deadline: float, where: str) -> _Probe:
 
 
 def _run(cmd: list[str], deadline: float, where: str) -> str:
-    left = deadline - time.monotonic()
     try:
-        if left <= 0:
-            raise subprocess.TimeoutExpired(cmd, 0)
-        with io_wait():  # a subprocess's time: the CPU slot goes to other requests
+        with decoder_wait():  # its turn to decode: the time waited counts too
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(cmd, 0)
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=left, check=False)
     except subprocess.TimeoutExpired as exc:
         raise APIError(400, f"{where}: reading the video took too long.") from exc

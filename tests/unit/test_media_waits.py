@@ -14,7 +14,7 @@ from contextlib import contextmanager
 import pytest
 from PIL import Image
 
-from app.body import Preparer, io_wait
+from app.body import Preparer, decoder_wait, io_wait
 from app.cli import build_parser, load_settings
 from app.errors import APIError
 from app.images import ImageLimits, ImageSource, load_images
@@ -156,6 +156,44 @@ def test_a_job_waiting_on_io_gives_its_cpu_slot_to_other_requests():
 def test_io_wait_outside_a_preparation_changes_nothing():
     with io_wait():
         pass
+    with decoder_wait():
+        pass
+
+
+def test_decoding_subprocesses_run_one_at_a_time_without_holding_cpu_slots():
+    """ffmpeg ran as an idle wait: eight at once, a core each, beside the CPU slots,
+    starved the engine thread on a two-core host."""
+
+    async def scenario() -> None:
+        preparer = Preparer(threads=1, media_waits=4, decoders=1)
+        running: list[int] = []
+        most = [0]
+        lock = threading.Lock()
+        first_in, release = threading.Event(), threading.Event()
+
+        def video(i: int) -> int:
+            with decoder_wait():
+                with lock:
+                    running.append(i)
+                    most[0] = max(most[0], len(running))
+                first_in.set()
+                release.wait(10)
+                with lock:
+                    running.remove(i)
+            return i
+
+        videos = [asyncio.ensure_future(preparer.run(lambda i=i: video(i))) for i in range(3)]
+        while not first_in.is_set():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # the others reach their wait for the decoder
+        assert most[0] == 1
+        # every video gave its CPU slot up: a text request still prepares
+        assert await asyncio.wait_for(preparer.run(lambda: 42), 5) == 42
+        release.set()
+        assert sorted(await asyncio.wait_for(asyncio.gather(*videos), 10)) == [0, 1, 2]
+        assert most[0] == 1
+
+    asyncio.run(scenario())
 
 
 # -- where a fetch may go, and its name lookup --------------------------------
