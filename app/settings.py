@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import (
     AliasChoices,
+    BeforeValidator,
     ByteSize,
     Field,
     ValidationInfo,
@@ -28,6 +29,21 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]", "::1")
 # adapter ids: what a request's ``adapter`` field and the URL path carry
 ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# a size as a whole: pydantic's own pattern reads only the number's start, so
+# "25%" was 25 bytes (a prefix cache that silently held nothing) and "1,5GB" 1
+_SIZE = re.compile(r"^\s*\d*\.?\d+\s*[a-z]*\s*$", re.IGNORECASE)  # pydantic names the units
+
+
+def _whole_size(value: object) -> object:
+    if isinstance(value, str) and value.strip().lower() != "auto" and not _SIZE.match(value):
+        raise ValueError(
+            f"{value!r} is not a size: a number of bytes with an optional unit "
+            "(KB, MB, GB, KiB, MiB, GiB, ...)"
+        )
+    return value
+
+
+Size = Annotated[ByteSize, BeforeValidator(_whole_size)]
 
 
 class Settings(BaseSettings):
@@ -63,7 +79,7 @@ class Settings(BaseSettings):
         description="sequences decoding together: 1 serialises requests through one "
         "queue, N>1 runs continuous batching with up to N rows",
     )
-    memory_budget: ByteSize | Literal["auto"] = Field(
+    memory_budget: Size | Literal["auto"] = Field(
         "auto",
         description="memory for weights + KV + transients, e.g. 8GB, 512MiB, or auto "
         "(Metal working set / CUDA memory / 75%% of available RAM)",
@@ -103,10 +119,10 @@ class Settings(BaseSettings):
         None,
         description="require this key (Authorization: Bearer / x-api-key) on all routes but /health and /metrics",
     )
-    max_body_bytes: ByteSize = Field(
+    max_body_bytes: Size = Field(
         ByteSize(32 * 2**20), gt=0, description="largest request body accepted (413 above)"
     )
-    max_bodies_bytes: ByteSize = Field(
+    max_bodies_bytes: Size = Field(
         ByteSize(256 * 2**20),
         gt=0,
         description="request body bytes held at once, all requests together, from their "
@@ -142,7 +158,7 @@ class Settings(BaseSettings):
         description="on SIGTERM/SIGINT, seconds running requests get to finish before "
         "they are ended with an error event (new requests get 503 meanwhile)",
     )
-    prompt_cache_bytes: ByteSize | Literal["auto"] = Field(
+    prompt_cache_bytes: Size | Literal["auto"] = Field(
         "auto",
         description="memory kept for cached prompt KV (prefix reuse), carved out of the memory "
         "budget; 0 disables the prefix cache; auto = a quarter of what weights leave",
@@ -172,7 +188,7 @@ class Settings(BaseSettings):
         "per model fingerprint, cache layout and format) and found again after a restart; "
         "default: kv/ in the cache dir (--cache-dir)",
     )
-    kv_disk_bytes: ByteSize | Literal["auto"] = Field(
+    kv_disk_bytes: Size | Literal["auto"] = Field(
         "auto",
         description="bytes the SSD tier may hold; 0 turns it off (RAM only); auto = a "
         "quarter of the free disk at start, at most 64 GiB",
@@ -251,11 +267,11 @@ class Settings(BaseSettings):
         "vision and a text model)",
     )
     max_images: int = Field(5, ge=0, le=64, description="images one request may carry")
-    max_image_bytes: ByteSize = Field(
-        "20MB", description="largest encoded image (after base64 decoding or download)"
+    max_image_bytes: Size = Field(
+        "20MB", gt=0, description="largest encoded image (after base64 decoding or download)"
     )
-    max_images_bytes: ByteSize = Field("50MB", description="all of one request's images")
-    max_image_inputs_bytes: ByteSize = Field(
+    max_images_bytes: Size = Field("50MB", gt=0, description="all of one request's images")
+    max_image_inputs_bytes: Size = Field(
         ByteSize(2 * 2**30),
         gt=0,
         description="the vision processor's arrays queued and running requests may hold "
@@ -302,8 +318,8 @@ class Settings(BaseSettings):
         description="frames a video_url part becomes, evenly spaced over the video and "
         "read by ffmpeg (0: videos refused)",
     )
-    max_video_bytes: ByteSize = Field(
-        "50MB", description="largest encoded video (counted in --max-images-bytes too)"
+    max_video_bytes: Size = Field(
+        "50MB", gt=0, description="largest encoded video (counted in --max-images-bytes too)"
     )
 
     distributed: bool = Field(

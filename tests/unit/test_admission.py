@@ -33,10 +33,22 @@ def test_memory_budget_sizes(text, expected):
     assert Settings(_env_file=None, memory_budget=text).memory_budget_bytes == expected
 
 
-@pytest.mark.parametrize("text", ["", "lots", "-1GB", "0", "12XB", "GB"])
+@pytest.mark.parametrize(
+    "text", ["", "lots", "-1GB", "0", "12XB", "GB", "75%", "1,5GB", "2GB of RAM", "8GB!"]
+)
 def test_memory_budget_rejects_garbage(text):
+    """pydantic reads only a size's start: "75%" (what the help's "75% of RAM"
+    invites) was 75 bytes and "1,5GB" one."""
     with pytest.raises(ValidationError):
         Settings(_env_file=None, memory_budget=text)
+
+
+@pytest.mark.parametrize("field", ["prompt_cache_bytes", "kv_disk_bytes", "max_body_bytes"])
+def test_every_size_setting_is_read_whole(field):
+    """ "--prompt-cache-bytes 25%" served with a 25-byte prefix cache: nothing reused."""
+    with pytest.raises(ValidationError, match="not a size"):
+        Settings(_env_file=None, **{field: "25%"})
+    assert getattr(Settings(_env_file=None, **{field: " 25 MiB "}), field) == 25 * 2**20
 
 
 def test_kv_bytes_per_token_smollm2_float32():

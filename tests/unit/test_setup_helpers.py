@@ -76,7 +76,7 @@ def test_a_blank_environment_value_is_unset_not_every_interface(tmp_path, monkey
 def test_invalid_setting_exits_nonzero_naming_the_flag_and_variable(capsys):
     assert main(["serve", "--memory-budget", "lots"]) == 2
     err = capsys.readouterr().err
-    assert "--memory-budget (KVWARM_MEMORY_BUDGET): could not parse" in err
+    assert "--memory-budget (KVWARM_MEMORY_BUDGET): 'lots' is not a size" in err
     assert "function-after" not in err and "literal[" not in err  # pydantic's paths
     assert main(["serve", "--min-pixels", "900000", "--max-pixels", "1000"]) == 2
     err = capsys.readouterr().err
