@@ -356,10 +356,10 @@ def cmd_serve(settings: Settings) -> int:
         code = _fail(problem.message, USAGE if problem.lasting else NOT_NOW)
         return _leave_group(code) if dist is not None else code
     server: GracefulServer | None = None
-    load_failure: list[str] = []
+    load_failure: list[tuple[str, bool]] = []
 
-    def on_load_failure(reason: str) -> None:
-        load_failure.append(reason)
+    def on_load_failure(reason: str, lasting: bool) -> None:
+        load_failure.append((reason, lasting))
         if server is not None:
             server.should_exit = True
 
@@ -393,7 +393,8 @@ def cmd_serve(settings: Settings) -> int:
     )
     server.run()
     if load_failure:
-        return _fail(load_failure[0], NOT_NOW)
+        reason, lasting = load_failure[0]
+        return _fail(reason, USAGE if lasting else NOT_NOW)
     if server.exit_code:
         log.error("exiting with status %d: the engine died", server.exit_code)
     return _leave_group(server.exit_code) if dist is not None else server.exit_code

@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from engine.engine_thread import Booted, EngineConfig
+from engine.model_errors import NoRoomForKV
 from scheduler.admission import AdmissionController, plan_budget
 from scheduler.contracts import ModelInfo, Runner
 
@@ -179,7 +180,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
             else "off",
         )
     if budget.kv_budget_bytes <= 0:
-        raise MemoryError(
+        raise NoRoomForKV(
             f"memory budget {total / 2**20:.0f} MiB leaves no room for KV after "
             f"{loaded.weights_bytes / 2**20:.0f} MiB of weights and "
             f"{budget.reserve_bytes / 2**20:.0f} MiB reserve"

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from engine.adapter_files import read_adapter_files
 from engine.distributed_config import DistributedConfig
+from engine.model_errors import AdapterSettingError, LastingLoadError
 from engine.model_source import ModelSource
 from kvcache.index import PromptCacheConfig
 from kvcache.interface import KVCacheDisabled, KVCacheManager
@@ -98,7 +99,7 @@ class EngineThread(threading.Thread):
         config: EngineConfig,
         scheduler: Scheduler,
         router: OutputRouter,
-        on_load_failure: Callable[[str], None] | None = None,
+        on_load_failure: Callable[[str, bool], None] | None = None,
         on_fatal: Callable[[str], None] | None = None,
         boot: Callable[[EngineConfig], Booted] | None = None,
     ):
@@ -331,8 +332,8 @@ class EngineThread(threading.Thread):
             self._load()
         except Exception as exc:
             self._die(f"model load failed: {exc}", exc)
-            if self._on_load_failure is not None:
-                self._on_load_failure(self._failure or "")
+            if self._on_load_failure is not None:  # lasting: the next start fails alike
+                self._on_load_failure(self._failure or "", isinstance(exc, LastingLoadError))
             return
         try:
             self._loop()
@@ -380,10 +381,10 @@ class EngineThread(threading.Thread):
                 self._refuse_base_id(adapter_id)
                 self._runner.mount_adapter(adapter_id, read_adapter_files(path))
             except Exception as exc:
-                raise RuntimeError(f"--adapter {adapter_id}={path}: {exc}") from exc
+                raise AdapterSettingError(f"--adapter {adapter_id}={path}: {exc}") from exc
             problem = self._adapter_room(self._runner.adapter_bytes())
             if problem is not None:
-                raise RuntimeError(f"--adapter {adapter_id}: {problem}")
+                raise AdapterSettingError(f"--adapter {adapter_id}: {problem}")
             self._recount_adapters(self._runner)
         self._sample_memory()
         self._ready.set()

@@ -225,6 +225,7 @@ class FakeEngine(EngineThread):
         on_fatal: Callable[[str], None] | None = None,
         adapters: tuple[tuple[str, Path], ...] = (),
         ranks: object = None,
+        on_load_failure: Callable[[str, bool], None] | None = None,
     ):
         budget = MemoryBudget(
             # one request of kv_budget_tokens (a 256 multiple) fits, with the part of a
@@ -251,6 +252,7 @@ class FakeEngine(EngineThread):
             EngineConfig(source=None, adapters=adapters),  # type: ignore[arg-type]  # no model
             scheduler,
             router,
+            on_load_failure=on_load_failure,
             on_fatal=on_fatal,
             boot=boot,
         )

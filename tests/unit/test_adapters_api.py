@@ -283,6 +283,54 @@ def test_an_adapter_flag_under_the_base_models_id_stops_the_start(adapter_dir):
         loop.close()
 
 
+def test_load_failures_say_whether_the_next_start_would_fail_alike(tmp_path):
+    """Every load failure exited 1 ("try again"): a supervisor restarted a server
+    whose --adapter, model or budget could never work, forever."""
+    import asyncio
+
+    from engine.engine_thread import EngineConfig, EngineThread
+    from engine.model_errors import NoRoomForKV, UnsupportedModelError
+    from scheduler.scheduler import Scheduler
+    from scheduler.streams import OutputRouter
+    from tests.helpers.fake_engine import FakeEngine
+
+    loop = asyncio.new_event_loop()
+    seen: list[tuple[str, bool]] = []
+
+    def record(reason: str, lasting: bool) -> None:
+        seen.append((reason, lasting))
+
+    def failing(exc: Exception):
+        def boot(_config):
+            raise exc
+
+        return boot
+
+    try:
+        engine = FakeEngine(
+            Scheduler(None, max_running=1, max_queue=4),
+            OutputRouter(loop),
+            adapters=(("a", tmp_path / "missing"),),
+            on_load_failure=record,
+        )
+        engine.start()
+        engine.join(30)
+        for exc in (UnsupportedModelError("x"), NoRoomForKV("y"), OSError("disk busy")):
+            thread = EngineThread(
+                EngineConfig(source=None),  # type: ignore[arg-type]  # never loaded
+                Scheduler(None, max_running=1, max_queue=4),
+                OutputRouter(loop),
+                on_load_failure=record,
+                boot=failing(exc),
+            )
+            thread.start()
+            thread.join(30)
+    finally:
+        loop.close()
+    assert [lasting for _, lasting in seen] == [True, True, True, False]
+    assert "--adapter a=" in seen[0][0]
+
+
 def test_a_start_that_fails_leaves_no_idle_wait_while_requests_queue():
     """The slot a failed start frees goes to the queue's next request at once: the
     engine waited out its idle timeout first (a run of failing requests got 2 a second)."""
