@@ -255,6 +255,13 @@ def cmd_prepare(settings: Settings) -> int:
         path = prepare_model_dir(source)
     except UnsupportedModelError as exc:
         return _fail(str(exc))
+    except OSError as exc:  # a cache folder it cannot write, a full disk: said, no traceback
+        where = f" {exc.filename}" if exc.filename else ""
+        return _fail(
+            f"cannot prepare the model:{where}: {exc.strerror or exc} (converted models are "
+            f"kept under --cache-dir, now {settings.cache_root})",
+            NOT_NOW,
+        )
     problem = _unloadable(path)
     if problem:
         return _fail(problem)

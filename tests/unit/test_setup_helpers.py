@@ -339,3 +339,13 @@ def test_a_rank_whose_group_settings_are_wrong_exits_2_and_is_not_restarted(caps
     argv = ["serve", "--distributed", "--distributed-rank", "2", "--distributed-world-size", "2"]
     assert main([*argv, "--distributed-hosts", "127.0.0.1", "--no-log-json"]) == 2
     assert "outside 0..1" in capsys.readouterr().err
+
+
+def test_prepare_into_a_folder_it_cannot_write_says_so_without_a_traceback(tmp_path, capsys):
+    """A cache folder that cannot be made was a chained FileNotFoundError traceback."""
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert main(["prepare", "--cache-dir", str(blocker / "cache")]) == 1
+    err = capsys.readouterr().err
+    assert "cannot prepare the model" in err and "--cache-dir" in err
+    assert "Traceback" not in err
