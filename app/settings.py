@@ -72,6 +72,16 @@ class Settings(BaseSettings):
         description="address to bind (keep 127.0.0.1 unless you set --api-key)",
     )
     port: int = Field(8080, ge=1, le=65535, description="TCP port")
+
+    @field_validator("port", mode="before")
+    @classmethod
+    def _service_link_port(cls, value: object) -> object:
+        # Kubernetes (and docker --link) set KVWARM_PORT=tcp://10.0.0.5:8080 in
+        # every pod beside a Service named kvwarm: that is theirs, not a port
+        if isinstance(value, str) and "://" in value:
+            return cls.model_fields["port"].default
+        return value
+
     batch: int = Field(
         8,
         ge=1,
@@ -322,11 +332,13 @@ class Settings(BaseSettings):
         "50MB", gt=0, description="largest encoded video (counted in --max-images-bytes too)"
     )
 
-    distributed: bool = Field(
-        False,
+    # None: as the environment says (a launcher's rank variable joins a group)
+    distributed: bool | None = Field(
+        None,
         description="join a distributed group without mlx.launch (ring backend): this "
         "process is --distributed-rank of --distributed-world-size, ranks at "
-        "--distributed-hosts; under mlx.launch the launcher says all of this",
+        "--distributed-hosts; under mlx.launch the launcher says all of this "
+        "(--no-distributed: serve alone even so)",
     )
     distributed_mode: Literal["auto", "tensor", "pipeline"] = Field(
         "auto",
@@ -433,7 +445,7 @@ class Settings(BaseSettings):
     def _distributed_group(self) -> Settings:
         # bounds only when distributed: WORLD_SIZE=1 in a launcher's or a container's
         # environment is no reason for a server on its own to refuse to start
-        if self.distributed or launched():
+        if self.joins_group:
             if self.distributed_rank is not None and self.distributed_rank < 0:
                 raise ValueError(f"--distributed-rank {self.distributed_rank} is negative")
             if self.distributed_world_size is not None and self.distributed_world_size < 2:
@@ -572,9 +584,15 @@ class Settings(BaseSettings):
         return list(_comma_list(self.cors_origins))
 
     @property
+    def joins_group(self) -> bool:
+        """--distributed, or a launcher's rank variable unless --no-distributed
+        (PMI_RANK from Slurm or MPICH, set for another reason, forced a group)."""
+        return self.distributed if self.distributed is not None else launched()
+
+    @property
     def distributed_config(self) -> DistributedConfig | None:
         """How this process joins a group; None: it serves alone."""
-        if not (self.distributed or launched()):
+        if not self.joins_group:
             return None
         return DistributedConfig(
             mode=self.distributed_mode,

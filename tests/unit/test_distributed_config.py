@@ -35,6 +35,16 @@ def test_alone_unless_asked_or_launched(clean_env):
     assert Settings(_env_file=None).distributed_config is not None
 
 
+def test_no_distributed_serves_alone_under_a_launchers_variable(clean_env):
+    """Slurm's or MPICH's PMI_RANK, set for another reason, forced a group that
+    --no-distributed (meant to undo the environment) could not turn off."""
+    clean_env.setenv("PMI_RANK", "0")
+    clean_env.setenv("WORLD_SIZE", "1")
+    assert Settings(_env_file=None, distributed=False).distributed_config is None
+    with pytest.raises(ValueError, match="a group has 2"):
+        Settings(_env_file=None)  # unset: the launcher's variable says a group
+
+
 def test_flags_write_the_hostfile_mlx_launch_would(clean_env, tmp_path):
     settings = Settings(
         _env_file=None,

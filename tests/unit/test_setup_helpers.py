@@ -349,3 +349,14 @@ def test_prepare_into_a_folder_it_cannot_write_says_so_without_a_traceback(tmp_p
     err = capsys.readouterr().err
     assert "cannot prepare the model" in err and "--cache-dir" in err
     assert "Traceback" not in err
+
+
+def test_a_kubernetes_service_link_variable_is_no_port(monkeypatch):
+    """A Service named kvwarm puts KVWARM_PORT=tcp://ip:port in every pod beside it:
+    the server refused to start ("Input should be a valid integer")."""
+    from app.settings import Settings
+
+    monkeypatch.setenv("KVWARM_PORT", "tcp://10.96.0.12:8080")
+    assert Settings(_env_file=None).port == 8080
+    monkeypatch.setenv("KVWARM_PORT", "9001")
+    assert Settings(_env_file=None).port == 9001
