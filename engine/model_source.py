@@ -44,6 +44,15 @@ def _gguf_model_id(path: Path) -> str:
     return re.sub(r"[.-](Q\d\w*|F16|F32|BF16)$", "", path.stem, flags=re.IGNORECASE)
 
 
+def _dir_model_id(path: Path) -> str:
+    """A folder's name; a Hugging Face hub snapshot's repository ("org/name"), as
+    /library lists it, not the commit hash its folder is named by."""
+    snapshots = path.parent
+    if snapshots.name == "snapshots" and snapshots.parent.name.startswith("models--"):
+        return snapshots.parent.name.removeprefix("models--").replace("--", "/")
+    return path.name
+
+
 def resolve_model(arg: str | None) -> ModelSource:
     if not arg:
         path = default_gguf_path()
@@ -69,4 +78,4 @@ def resolve_model(arg: str | None) -> ModelSource:
             f"model directory {arg!r} is not an mlx-lm model: expected config.json and "
             f"*.safetensors weights inside it"
         )
-    return ModelSource("mlx", path.resolve(), path.resolve().name)
+    return ModelSource("mlx", path.resolve(), _dir_model_id(path.resolve()))

@@ -360,3 +360,18 @@ def test_a_kubernetes_service_link_variable_is_no_port(monkeypatch):
     assert Settings(_env_file=None).port == 8080
     monkeypatch.setenv("KVWARM_PORT", "9001")
     assert Settings(_env_file=None).port == 9001
+
+
+def test_a_hub_snapshot_is_served_under_its_repository_name(tmp_path):
+    """Named after its folder, a hub snapshot was served (and labelled in every
+    metric) as its commit hash, while /library listed it as org/name."""
+    from engine.model_source import resolve_model
+
+    snap = tmp_path / "models--mlx-community--Qwen3-8B-4bit" / "snapshots" / "5f1b2c3d4e"
+    plain = tmp_path / "my-model"
+    for folder in (snap, plain):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(b"")
+    assert resolve_model(str(snap)).model_id == "mlx-community/Qwen3-8B-4bit"
+    assert resolve_model(str(plain)).model_id == "my-model"
