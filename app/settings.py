@@ -389,6 +389,14 @@ class Settings(BaseSettings):
         --kv-dir and --model-dir do (it made a folder named "~")."""
         return str(Path(value).expanduser()) if value else value
 
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _some_hosts(cls, value: str | None) -> str | None:
+        # "," or " " named no host: every request, /health too, was refused
+        if value is not None and not _comma_list(value):
+            raise ValueError(f"{value!r} names no host (* answers any)")
+        return value
+
     @field_validator("adapter", "model_dir", mode="before")
     @classmethod
     def _adapter_list(cls, value: object) -> object:

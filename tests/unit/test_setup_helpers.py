@@ -375,3 +375,17 @@ def test_a_hub_snapshot_is_served_under_its_repository_name(tmp_path):
         (folder / "model.safetensors").write_bytes(b"")
     assert resolve_model(str(snap)).model_id == "mlx-community/Qwen3-8B-4bit"
     assert resolve_model(str(plain)).model_id == "my-model"
+
+
+def test_an_allowed_hosts_list_of_no_host_is_refused():
+    """ "," was an empty allow-list: every request, /health too, got a 400."""
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
+    with pytest.raises(ValidationError, match="names no host"):
+        Settings(_env_file=None, allowed_hosts=" , ")
+    assert Settings(_env_file=None, allowed_hosts="a.lan, b.lan").host_allowlist == [
+        "a.lan",
+        "b.lan",
+    ]
