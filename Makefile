@@ -4,9 +4,15 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
-# empty: kvwarm's own settings (.env, KVWARM_HOST/KVWARM_PORT, else 127.0.0.1:8080)
-HOST ?=
-PORT ?=
+# empty: kvwarm's own settings (.env, KVWARM_HOST/KVWARM_PORT, else 127.0.0.1:8080).
+# Only `make serve HOST=... PORT=...` sets them: tcsh exports HOST (the machine's
+# name) and many platforms PORT, which bound a LAN address with no API key
+ifneq ($(origin HOST),command line)
+HOST :=
+endif
+ifneq ($(origin PORT),command line)
+PORT :=
+endif
 
 UNAME := $(shell uname -s)
 # the MLX build installed last (.installed-cpu / -cuda / -default): a later plain
@@ -38,8 +44,21 @@ help:
 	@echo "make install create $(VENV) and install kvwarm (idempotent)"
 
 # OpenBLAS makes MLX's Linux CPU backend ~50x faster at matmul (see DESIGN.md);
-# ffmpeg reads video_url parts' frames for vision models.
+# ffmpeg reads video_url parts' frames for vision models; Debian and Ubuntu ship
+# `python3 -m venv` apart (python3.X-venv), without which the venv has no pip.
 system-deps:
+	@if [ "$(UNAME)" = Linux ] && ! $(PYTHON) -c "import ensurepip" 2>/dev/null && command -v apt-get >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=skip; fi; \
+	  VENV_PKG=$$($(PYTHON) -c 'import sys; print("python%d.%d-venv" % sys.version_info[:2])'); \
+	  if [ "$$SUDO" = skip ]; then \
+	    echo "note: not root; install $$VENV_PKG so that $(PYTHON) -m venv works"; \
+	  else \
+	    echo "installing $$VENV_PKG ($(PYTHON) -m venv)"; \
+	    $$SUDO apt-get install -y -q $$VENV_PKG >/dev/null 2>&1 || \
+	    { $$SUDO apt-get update -q >/dev/null 2>&1 && $$SUDO apt-get install -y -q $$VENV_PKG >/dev/null; } || \
+	    echo "warning: could not install $$VENV_PKG; the virtual environment may have no pip"; \
+	  fi; \
+	fi
 	@if [ "$(UNAME)" = Linux ] && [ ! -e "$(OPENBLAS)" ] && command -v apt-get >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=skip; fi; \
 	  if [ "$$SUDO" = skip ]; then \
