@@ -198,7 +198,25 @@ class GenerationFields(EnvelopedSampling):
     stream_options: StreamOptions | None = None
     # vLLM extension: keep generating through EOS (benchmarks, load tests)
     ignore_eos: bool = False
+    # vLLM's: the stop string in the text; not done here, so refused when asked
+    include_stop_str_in_output: Annotated[bool, null_is(False)] = Field(
+        False, description="vLLM's option to keep the stop string: not supported (400)"
+    )
     metadata: Envelope | None = None
+
+    @field_validator("include_stop_str_in_output")
+    @classmethod
+    def _stop_str_dropped(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("keeping the stop string in the output is not supported")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_with_stream(self) -> GenerationFields:
+        # OpenAI and vLLM refuse them too: a client expecting a usage chunk gets none
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -242,6 +260,9 @@ class CompletionRequest(GenerationFields):
         "alternatives (not with echo)",
     )
     suffix: str | None = Field(None, description="fill-in-the-middle: not supported (400)")
+    best_of: Annotated[Literal[1], null_is(1)] = Field(
+        1, description="only one completion per request (as n)"
+    )
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -211,6 +211,14 @@ def test_streaming_without_usage_has_no_usage_field(base):
         ("application/json", b'{"messages": [{"role": "user", "content": "x"}], "n": 2}'),
         (
             "application/json",
+            b'{"messages": [{"role": "user", "content": "x"}], "stream_options": {}}',
+        ),
+        (
+            "application/json",
+            b'{"messages": [{"role": "user", "content": "x"}], "include_stop_str_in_output": true}',
+        ),
+        (
+            "application/json",
             b'{"messages": [{"role": "user", "content": "x"}], "stop": ["a","b","c","d","e"]}',
         ),
         (
@@ -249,6 +257,17 @@ def test_prompt_longer_than_context_without_max_tokens_is_400(base):
 def test_a_completion_prompt_of_nothing_is_400_not_an_engine_error(base, prompt):
     r = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 3})
     assert assert_error(r, 400)["param"].startswith("prompt")
+
+
+@pytest.mark.parametrize("best_of", [0, 5])
+def test_best_of_other_than_one_is_refused_as_n_is(base, best_of):
+    """best_of 5 (and 0) answered 200 with one sample, its only sign a header."""
+    r = httpx.post(
+        base + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "best_of": best_of}
+    )
+    assert assert_error(r, 400)["param"] == "best_of"
+    ok = {"prompt": "hi", "max_tokens": 2, "best_of": 1}
+    assert httpx.post(base + "/v1/completions", json=ok).status_code == 200
 
 
 def test_a_client_leaving_mid_body_is_no_server_error(caplog):
