@@ -57,6 +57,14 @@ class CompletionLogprobs:
         self._offset = 0
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
+    def _broken_before(self, piece: bytes) -> int:
+        """Replacement characters an unfinished character becomes when this token
+        does not continue it: they come before the token's own text."""
+        pending = self._decoder.getstate()[0]
+        if not pending or not piece or 0x80 <= piece[0] <= 0xBF:
+            return 0
+        return len(pending.decode("utf-8", "replace"))
+
     def take(self, entries: list[TokenLogprob]) -> dict[str, Any]:
         tokens, values, tops, offsets = [], [], [], []
         for e in entries:
@@ -66,7 +74,7 @@ class CompletionLogprobs:
             for t in (*e.top, e.chosen):  # most likely first: a repeated key keeps it
                 top.setdefault(_key(t), _value(t))
             tops.append(top)
-            offsets.append(self._offset)
+            offsets.append(self._offset + self._broken_before(e.chosen.piece))
             self._offset += len(self._decoder.decode(e.chosen.piece))
         return {
             "tokens": tokens,

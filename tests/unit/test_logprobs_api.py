@@ -203,3 +203,18 @@ def test_completion_keys_name_partial_characters_by_their_bytes():
     assert lp["top_logprobs"][1] == {"bytes:\\xe2\\x80": -0.1}
     nan = TokenChoice(4, float("nan"), b"a")
     assert CompletionLogprobs().take([TokenLogprob(nan)])["token_logprobs"] == [-9999.0]
+
+
+def test_text_offsets_count_a_broken_character_before_the_token_that_breaks_it():
+    """A byte that began no complete character became its replacement character
+    while the next token decoded: that token was given the replacement's offset."""
+    from app.logprobs_format import CompletionLogprobs
+    from scheduler.request import TokenChoice, TokenLogprob
+
+    pieces = [b"a", b"\xe4", b"b", b"\xe6\x97", b"\xa5", b"", b"c"]
+    lp = CompletionLogprobs().take(
+        [TokenLogprob(TokenChoice(i, -0.1, p)) for i, p in enumerate(pieces)]
+    )
+    text = "a\ufffdb\u65e5c"  # what the choice's text holds
+    assert lp["text_offset"] == [0, 1, 2, 3, 3, 4, 4]
+    assert text[lp["text_offset"][2]] == "b" and text[lp["text_offset"][6]] == "c"
