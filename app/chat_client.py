@@ -96,6 +96,15 @@ class ChatClient:
                 if response.is_error:
                     response.read()
                     raise ChatError(_error_message(response))
+                kind = response.headers.get("content-type", "")
+                if response.status_code != 200 or not kind.startswith("text/event-stream"):
+                    # a redirect, or a proxy's page: no stream, and no reply to show
+                    where = response.headers.get("location")
+                    raise ChatError(
+                        f"{self.base} answered {response.status_code} "
+                        + (f"redirecting to {where}" if where else f"with {kind or 'no type'}")
+                        + ", not an event stream"
+                    )
                 for line in response.iter_lines():
                     if not line.startswith("data:"):
                         continue  # blank separators, `event:` lines, `: keep-alive` comments

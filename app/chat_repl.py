@@ -80,7 +80,7 @@ class ReplyPrinter:
             if self.mode != "reasoning":
                 self._start_block("reasoning", style("thinking: ", REASONING_STYLE, self.colour))
             # Each fragment carries its own reset, so an interrupted reply leaves no colour on.
-            self._emit(style(delta.reasoning, REASONING_STYLE, self.colour))
+            self._emit(style(delta.reasoning, REASONING_STYLE, self.colour), delta.reasoning)
         if delta.content:
             if self.mode != "content":
                 # Without colour a label is what keeps the answer apart from the reasoning.
@@ -100,11 +100,13 @@ class ReplyPrinter:
         self.mode = mode
         self._emit(label)
 
-    def _emit(self, text: str) -> None:
+    def _emit(self, text: str, plain: str | None = None) -> None:
+        """Write ``text``; ``plain``: it without its colour codes (whether a line
+        is left open is read there: the reset code ends every coloured text)."""
         if text:
             self.out.write(text)
             self.out.flush()
-            self._line_open = not text.endswith("\n")
+            self._line_open = not (plain if plain is not None else text).endswith("\n")
 
 
 @dataclass
@@ -130,8 +132,8 @@ class TurnStats:
         rate = "–"
         if self.first is not None and self.last is not None:
             ttft = f"{self.first - self.start:.2f}"
-            if self.last > self.first:
-                rate = f"{tokens / (self.last - self.first):.1f}"
+            if self.last > self.first and tokens > 1:  # the intervals after the first token
+                rate = f"{(tokens - 1) / (self.last - self.first):.1f}"
         cached = usage.cached_tokens if usage is not None else 0
         return f"[ttft {ttft} s · {rate} tok/s · {tokens} tokens · cached {cached}]"
 
@@ -191,7 +193,10 @@ class ChatRepl:
             elif command.startswith("/") and " " not in command:
                 self.error(f"unknown command {command}; {HELP}")
             elif command:
-                self.turn(command)
+                try:
+                    self.turn(command)
+                except KeyboardInterrupt:  # while it looked the model up or read an image
+                    self.print(style("[interrupted]", STATS_STYLE, self.colour))
 
     def turn(self, line: str) -> None:
         try:
@@ -209,7 +214,9 @@ class ChatRepl:
             "stream_options": {"include_usage": True},
         }
         answer = self._stream_reply(body)
-        if answer:  # a failed turn is forgotten; an interrupted one keeps what was shown
+        # a failed turn is forgotten; an interrupted one, or one that only reasoned
+        # (its answer cut off), keeps the question and what was answered
+        if answer is not None:
             self.history += [user, {"role": "assistant", "content": answer}]
 
     def _stream_reply(self, body: dict[str, Any]) -> str | None:

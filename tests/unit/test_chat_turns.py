@@ -1,0 +1,91 @@
+"""`kvwarm chat`'s turn bookkeeping and display, without a terminal or a server."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import httpx
+import pytest
+
+from app.chat_client import ChatClient, ChatError, Delta, Usage
+from app.chat_repl import ChatRepl, ReplyPrinter, TurnStats
+
+
+class _Client:
+    base = "http://fake/v1"
+
+    def __init__(self, events: list[Any], lookups: list[BaseException] | None = None) -> None:
+        self.events = events
+        self.lookups = lookups or []  # what each model lookup raises, in turn
+        self.bodies: list[dict[str, Any]] = []
+
+    def first_model(self) -> str:
+        if self.lookups:
+            raise self.lookups.pop(0)
+        return "m"
+
+    def stream(self, body: dict[str, Any]):
+        self.bodies.append(body)
+        yield from self.events
+
+
+def test_a_reply_that_only_reasoned_keeps_the_question_in_the_history():
+    """A thinking model cut off while reasoning (or Ctrl-C then) answered nothing:
+    the question was dropped, and the next turn's "continue" had no context."""
+    client = _Client([Delta(reasoning="thinking about France"), Usage(5, 0)])
+    repl = ChatRepl(client, "m", 8, None, out=io.StringIO())  # type: ignore[arg-type]
+    repl.turn("What is the capital of France?")
+    assert repl.history == [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": ""},
+    ]
+    repl.turn("continue")
+    assert [m["content"] for m in client.bodies[-1]["messages"]][0].startswith("What is")
+
+
+def test_ctrl_c_while_the_model_is_looked_up_stays_in_the_repl(monkeypatch):
+    """It escaped run(): the REPL exited 130 and the conversation was lost."""
+    lines = iter(["hello", "/quit"])
+    monkeypatch.setattr("builtins.input", lambda _prompt: next(lines))
+    out = io.StringIO()
+    client = _Client([], lookups=[ChatError("not up yet"), KeyboardInterrupt()])
+    repl = ChatRepl(client, None, 8, None, out=out)  # type: ignore[arg-type]
+    assert repl.run() == 0
+    assert "[interrupted]" in out.getvalue()
+
+
+def test_reasoning_ending_a_line_leaves_one_blank_line_in_colour_too():
+    def screen(colour: bool) -> str:
+        out = io.StringIO()
+        printer = ReplyPrinter(out, colour)
+        printer.write(Delta(reasoning="step 1\n"))
+        printer.write(Delta(content="Answer"))
+        printer.finish()
+        return out.getvalue()
+
+    coloured = screen(True)
+    assert "step 1\n\x1b[0m\nAnswer" in coloured  # was "\n\x1b[0m\n\nAnswer"
+    assert "step 1\n\nanswer: Answer" in screen(False)
+
+
+def test_the_rate_counts_the_intervals_between_tokens():
+    stats = TurnStats(start=0.0, first=1.0, last=2.0, chunks=2)
+    assert "1.0 tok/s" in stats.line()  # two tokens one second apart (was 2.0)
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        httpx.Response(301, headers={"location": "https://elsewhere/v1/chat/completions"}),
+        httpx.Response(200, json={"choices": []}),
+    ],
+)
+def test_a_redirect_or_a_reply_that_is_no_stream_is_an_error_not_an_empty_turn(response):
+    client = ChatClient("localhost:1")
+    client._http = httpx.Client(  # noqa: SLF001 - the transport is the seam here
+        base_url=client.base, transport=httpx.MockTransport(lambda _request: response)
+    )
+    with pytest.raises(ChatError, match="not an event stream"):
+        list(client.stream({"messages": []}))
+    client.close()
