@@ -77,10 +77,15 @@ def _last_started(folder: Path) -> float:
 
 
 def _has_pins(folder: Path) -> bool:
+    """Whether the folder holds saved conversations: a pins file that exists but
+    cannot be read (its permissions, a disk error, a hand edit) counts as pinned,
+    never as leave to delete what a user saved."""
     try:
         pins = json.loads((folder / PINS).read_text())
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return False
+    except (OSError, ValueError):
+        return True
     return bool(pins)
 
 

@@ -466,6 +466,22 @@ def test_other_namespaces_go_oldest_first_to_keep_the_dir_within_its_budget(tmp_
     assert prune_other_namespaces(tmp_path, "another", 0) == [NS]
 
 
+def test_a_namespace_whose_saved_list_cannot_be_read_is_kept(tmp_path):
+    """A pins file that failed to read (its permissions, a disk error, a hand edit)
+    counted as no pins: the conversations a user saved were deleted with it."""
+    from kvcache.namespaces import prune_other_namespaces
+
+    for name, pins in (("unreadable", "{not json"), ("empty", "{}"), ("none", None)):
+        folder = tmp_path / name
+        (folder / "entries").mkdir(parents=True)
+        (folder / "blocks").mkdir()
+        (folder / "blocks" / "x.safetensors").write_bytes(b"\0" * 100)
+        if pins is not None:
+            (folder / "saved.json").write_text(pins)
+    assert sorted(prune_other_namespaces(tmp_path, "mine", 0)) == ["empty", "none"]
+    assert (tmp_path / "unreadable").exists()
+
+
 def test_the_start_up_sweep_stays_inside_the_namespace(tmp_path):
     """A torn saved-list write was never swept; and the orphan sweep followed a
     symlinked block shard, deleting files wherever it pointed."""
