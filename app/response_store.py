@@ -1,27 +1,34 @@
 """Stored Responses (``store: true``) for ``previous_response_id`` and GET/DELETE.
 
-Per process, in memory (cachetools' TTL cache): entries expire after a TTL and
-the least recently used go first when the byte cap is reached. Entries are kept
-as JSON bytes: the cap counts what is held, and GET serves the bytes as they are. A restart
-forgets them (clients then get 404 and resend the conversation). The store itself
-is used from the event loop only; ``StoredResponse.of`` (the JSON encoding, as
-long as the conversation) belongs in a worker thread.
+Per process, in memory: entries expire after a TTL and the least recently used
+go first when the byte cap is reached. Entries are kept as JSON bytes, a
+conversation as one JSON text per message: each turn of a conversation stores
+all of it again, and messages the turns share (their images too) are held once,
+so a conversation costs what it holds, not the sum of every turn's copy (13
+turns beside a 5 MiB image held 60 MiB and evicted every other client's
+responses). A restart forgets them (clients then get 404 and resend the
+conversation). The store itself is used from the event loop only;
+``StoredResponse.of`` (the JSON encoding, as long as the conversation) belongs
+in a worker thread.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from cachetools import TTLCache
-
 from app.images import ImageSource
 
 log = logging.getLogger("kvwarm.http")
+
+# what an entry's reference to a shared message costs besides it (its digest and pointer)
+REF_BYTES = 64
 
 
 @dataclass(frozen=True)
@@ -30,7 +37,8 @@ class StoredResponse:
     Python objects a response with many small values weighed ~7x its JSON)."""
 
     response_json: bytes  # the response object as returned
-    conversation_json: bytes  # template messages up to and including the reply
+    messages: tuple[bytes, ...]  # template messages up to and including the reply, as JSON
+    digests: tuple[bytes, ...]  # of each message: the same message is held once
 
     @classmethod
     def of(
@@ -39,20 +47,29 @@ class StoredResponse:
         """Encoded for the store (a worker thread's job); None if a value JSON
         cannot hold (not kept: the reply stands)."""
         try:
-            return cls(_json(response), _json(conversation))
+            messages = tuple(_json(m) for m in conversation)
+            response_json = _json(response)
         except (TypeError, ValueError):
             log.exception("response %s not stored", response.get("id"))
             return None
+        digests = tuple(hashlib.blake2b(m, digest_size=16).digest() for m in messages)
+        return cls(response_json, messages, digests)
 
     @property
     def nbytes(self) -> int:
-        return len(self.response_json) + len(self.conversation_json)
+        """What it holds on its own (shared messages included)."""
+        return len(self.response_json) + sum(len(m) + REF_BYTES for m in self.messages)
+
+    @property
+    def conversation_json(self) -> bytes:
+        """The conversation as one JSON array (as long as it: a worker thread's job)."""
+        return b"[" + b",".join(self.messages) + b"]"
 
     def conversation(self) -> list[dict[str, Any]]:
         """Parsed anew on each call (a worker thread's job for a long one), its
         image parts' sources rebuilt. Only where an image part keeps its source:
         a client's own JSON elsewhere (a tool call's arguments) is never read as one."""
-        messages = json.loads(self.conversation_json)
+        messages = [json.loads(m) for m in self.messages]
         for message in messages:
             content = message.get("content")
             if not isinstance(content, list):
@@ -63,6 +80,12 @@ class StoredResponse:
         return messages
 
 
+@dataclass(frozen=True)
+class _Held:
+    item: StoredResponse
+    expires: float
+
+
 class ResponseStore:
     def __init__(
         self,
@@ -71,17 +94,20 @@ class ResponseStore:
         clock: Callable[[], float] = time.monotonic,
     ):
         self.max_bytes = max_bytes
-        self._items: TTLCache[str, StoredResponse] = TTLCache(
-            maxsize=max_bytes, ttl=ttl_s, timer=clock, getsizeof=lambda item: item.nbytes
-        )
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._items: OrderedDict[str, _Held] = OrderedDict()  # least recently used first
+        self._deadlines: deque[tuple[float, str]] = deque()  # in order: one TTL for all
+        self._shared: dict[bytes, list[Any]] = {}  # digest -> [message JSON, references]
+        self._bytes = 0
 
     def __len__(self) -> int:
-        self._items.expire()
+        self._expire()
         return len(self._items)
 
     @property
     def nbytes(self) -> int:
-        return int(self._items.currsize)
+        return self._bytes
 
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
         """Encode and keep (a short conversation; a long one: ``of`` then ``add``)."""
@@ -90,13 +116,59 @@ class ResponseStore:
     def add(self, response_id: str, item: StoredResponse | None) -> None:
         if item is None or item.nbytes > self.max_bytes:
             return  # not encodable, or larger than the whole store: not kept
-        self._items[response_id] = item
+        self._expire()
+        self.delete(response_id)
+        messages = tuple(self._share(d, m) for d, m in zip(item.digests, item.messages))
+        held = StoredResponse(item.response_json, messages, item.digests)
+        self._bytes += len(held.response_json) + REF_BYTES * len(messages)
+        expires = self._clock() + self.ttl_s
+        self._items[response_id] = _Held(held, expires)
+        self._deadlines.append((expires, response_id))
+        while self._bytes > self.max_bytes:
+            _, oldest = self._items.popitem(last=False)
+            self._release(oldest.item)
 
     def get(self, response_id: str) -> StoredResponse | None:
-        return self._items.get(response_id)
+        self._expire()
+        held = self._items.get(response_id)
+        if held is None:
+            return None
+        self._items.move_to_end(response_id)
+        return held.item
 
     def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None
+        held = self._items.pop(response_id, None)
+        if held is None:
+            return False
+        self._release(held.item)
+        return True
+
+    def _share(self, digest: bytes, message: bytes) -> bytes:
+        shared = self._shared.get(digest)
+        if shared is None:
+            self._shared[digest] = [message, 1]
+            self._bytes += len(message)
+            return message
+        shared[1] += 1
+        return shared[0]  # type: ignore[no-any-return]
+
+    def _release(self, item: StoredResponse) -> None:
+        self._bytes -= len(item.response_json) + REF_BYTES * len(item.messages)
+        for digest in item.digests:
+            shared = self._shared[digest]
+            shared[1] -= 1
+            if shared[1] == 0:
+                del self._shared[digest]
+                self._bytes -= len(shared[0])
+
+    def _expire(self) -> None:
+        now = self._clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            expires, response_id = self._deadlines.popleft()
+            held = self._items.get(response_id)
+            if held is not None and held.expires == expires:
+                del self._items[response_id]
+                self._release(held.item)
 
 
 def _json(value: Any) -> bytes:

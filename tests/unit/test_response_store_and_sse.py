@@ -56,11 +56,44 @@ def test_the_byte_cap_counts_what_is_held():
     assert store.get("big") is None and store.nbytes == 0
     store.put({"id": "a", "metadata": {"k": "v"}}, [{"role": "user", "content": "é"}])
     stored = store.get("a")
-    assert stored is not None and store.nbytes == stored.nbytes == len(stored.response_json) + len(
-        stored.conversation_json
-    )
+    assert stored is not None and store.nbytes == stored.nbytes
+    assert stored.nbytes == len(stored.response_json) + len(stored.conversation_json) - 2 + 64
     assert stored.conversation() == [{"role": "user", "content": "é"}]
     assert stored.conversation() is not stored.conversation()  # a fresh copy each time
+
+
+def test_a_conversations_turns_hold_what_they_share_once():
+    """Each turn stored the whole conversation again: 13 turns beside a 5 MiB
+    image held 60 MiB, and evicted every other client's responses."""
+    store = ResponseStore(max_bytes=8 * 2**20)
+    image = {"role": "user", "content": "i" * 2**20}  # one large message, sent first
+    store.put({"id": "other"}, [{"role": "user", "content": "another client"}])
+    conversation = [image]
+    for turn in range(40):
+        conversation = conversation + [
+            {"role": "assistant", "content": f"reply {turn}"},
+            {"role": "user", "content": f"question {turn}"},
+        ]
+        store.put({"id": f"t{turn}"}, conversation)
+    assert store.get("other") is not None  # nothing evicted: about 1 MiB held
+    assert 2**20 < store.nbytes < 2**20 + 200_000
+    assert store.get("t39").conversation() == conversation
+    for turn in range(40):  # each one released: the shared messages go with the last
+        assert store.delete(f"t{turn}")
+    assert store.delete("other") and store.nbytes == 0
+
+
+def test_the_ttl_runs_from_the_store_and_an_entry_stored_again_keeps_its_new_one():
+    now = [0.0]
+    store = ResponseStore(ttl_s=10, clock=lambda: now[0])
+    store.put({"id": "a"}, [{"role": "user", "content": "x"}])
+    now[0] = 5.0
+    store.put({"id": "a"}, [{"role": "user", "content": "y"}])  # replaced: a new TTL
+    now[0] = 12.0
+    stored = store.get("a")
+    assert stored is not None and stored.conversation()[0]["content"] == "y"
+    now[0] = 15.0
+    assert store.get("a") is None and store.nbytes == 0
 
 
 def test_a_stored_conversation_keeps_its_image_sources():
