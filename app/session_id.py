@@ -7,15 +7,17 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-# prompt_cache_key: OpenAI's own field for "requests that share a prefix" (Codex sets it)
 SESSION_FIELDS = (
     "session_id",
     "conversation_id",
     "conversation",  # a string, or {"id": ...} (OpenAI Responses)
     "thread_id",
     "chat_id",
-    "prompt_cache_key",
 )
+# OpenAI's own field for "requests that share a prefix": Codex sets it to its
+# conversation id, but OpenAI suggests one key for many users of an app, who as
+# one session would share its few branches: read only when nothing names one
+CACHE_KEY_FIELD = "prompt_cache_key"
 # Codex sends session_id / conversation_id headers without the x- prefix
 SESSION_HEADERS = ("x-session-id", "x-conversation-id", "session_id", "conversation_id")
 # Claude Code's metadata.user_id: "user_<hash>_account_<id>_session_<uuid>", and since
@@ -25,10 +27,12 @@ MAX_USER_ID_JSON = 4096
 MAX_LEN = 256
 
 
-def _from_mapping(data: Mapping[str, Any] | None) -> str | None:
+def _from_mapping(
+    data: Mapping[str, Any] | None, fields: tuple[str, ...] = SESSION_FIELDS
+) -> str | None:
     if not isinstance(data, Mapping):
         return None
-    for name in SESSION_FIELDS:
+    for name in fields:
         value = data.get(name)
         if isinstance(value, Mapping):
             value = value.get("id")
@@ -53,6 +57,10 @@ def session_id_from(body: Mapping[str, Any], headers: Mapping[str, str]) -> str 
         value = headers.get(name)
         if value and value.strip():
             return value.strip()[:MAX_LEN]
+    for source in (body, body.get("metadata"), body.get("extra_body")):
+        found = _from_mapping(source, (CACHE_KEY_FIELD,))
+        if found:
+            return found
     return None
 
 

@@ -126,6 +126,9 @@ def test_session_id_sources():
     assert session_id_from({}, {"x-session-id": "d"}) == "d"
     assert session_id_from({"metadata": {"user": "x"}}, {}) is None
     assert session_id_from({"prompt_cache_key": "codex-1"}, {}) == "codex-1"
+    # one key an app may share among its users: any conversation id named wins over it
+    assert session_id_from({"prompt_cache_key": "app", "metadata": {"chat_id": "u1"}}, {}) == "u1"
+    assert session_id_from({"prompt_cache_key": "app"}, {"x-session-id": "u2"}) == "u2"
     assert session_id_from({}, {"session_id": "e"}) == "e"  # Codex: no x- prefix
     claude = {"metadata": {"user_id": "user_ab12_account_9f_session_5d1c-77"}}
     assert session_id_from(claude, {}) == "5d1c-77"
