@@ -73,6 +73,18 @@ class Settings(BaseSettings):
     )
     port: int = Field(8080, ge=1, le=65535, description="TCP port")
 
+    @field_validator("host")
+    @classmethod
+    def _bare_host(cls, value: str) -> str:
+        # "[::1]" is how a URL writes an IPv6 address, not a name to look up; a
+        # blank one failed to resolve and exited as if the network were not up yet
+        host = value.strip()
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        if not host or any(c.isspace() for c in host):
+            raise ValueError(f"{value!r} is no address or host name")
+        return host
+
     @field_validator("port", mode="before")
     @classmethod
     def _service_link_port(cls, value: object) -> object:

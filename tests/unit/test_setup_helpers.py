@@ -389,3 +389,16 @@ def test_an_allowed_hosts_list_of_no_host_is_refused():
         "a.lan",
         "b.lan",
     ]
+
+
+def test_a_bracketed_ipv6_host_is_its_address_and_a_blank_one_is_refused():
+    """ "[::1]" and " " failed to resolve and exited 1, as if the network were down."""
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
+    assert Settings(_env_file=None, host="[::1]").host == "::1"
+    assert Settings(_env_file=None, host=" 0.0.0.0 ").host == "0.0.0.0"
+    for bad in (" ", "my host"):
+        with pytest.raises(ValidationError, match="no address"):
+            Settings(_env_file=None, host=bad)
