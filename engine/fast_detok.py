@@ -14,7 +14,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, _byte_decoder
+from mlx_lm.tokenizer_utils import (
+    BPEStreamingDetokenizer,
+    NaiveStreamingDetokenizer,
+    _byte_decoder,
+)
+
+from engine.window_detok import WindowDetokenizer
 
 SPACE = 32
 
@@ -107,9 +113,13 @@ def bpe_token_bytes(token: str) -> bytes:
 
 def detokenizer_factory(tokenizer: Any) -> Callable[[], Any]:
     """A maker of fresh streaming detokenizers for ``tokenizer`` (mlx-lm's
-    TokenizerWrapper): the table-driven one for byte-level BPE, mlx-lm's own
-    for every other kind."""
+    TokenizerWrapper): the table-driven one for byte-level BPE, a windowed one
+    where mlx-lm's would decode each whole line per token (engine.window_detok),
+    mlx-lm's own for SentencePiece."""
     template = tokenizer.detokenizer
+    if type(template) is NaiveStreamingDetokenizer:
+        hf, clean = template._tokenizer, template._clean_spaces  # noqa: SLF001 - its probe
+        return lambda: WindowDetokenizer(hf, clean)
     if type(template) is not BPEStreamingDetokenizer:
         return lambda: tokenizer.detokenizer
     decoder = _byte_decoder()

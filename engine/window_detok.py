@@ -1,0 +1,108 @@
+"""A streaming detokenizer for tokenizers mlx-lm has no table for, in linear time.
+
+mlx-lm's ``NaiveStreamingDetokenizer`` (every tokenizer that is neither
+byte-level BPE nor its SentencePiece shape: Metaspace decoders, tiktoken-based
+ones) decodes the whole current line again for every token: a reply with no
+newline (minified JSON, a CJK paragraph) cost 5 s of engine-thread time at 8k
+tokens, stalling every row. This one decodes a short window instead: the
+tokens since the last emitted text plus a few before them as context (a
+decoder may treat a sequence's first token differently, e.g. drop its leading
+space), and emits what the window's text adds past what was emitted.
+
+Held back as mlx-lm holds them: an incomplete character (the text ends in
+U+FFFD; once a few more tokens have not completed it, it is a real one), and a
+trailing space where the tokenizer cleans up spaces before punctuation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+CONTEXT = 4  # tokens decoded before the new ones, never emitted again
+WINDOW = 16  # tokens a window may reach before it restarts from its last CONTEXT
+MAX_HELD = 8  # tokens held for an incomplete character before real U+FFFDs are looked for
+# the bytes an incomplete UTF-8 character has so far: at most this many tokens
+PENDING = 3
+
+
+class WindowDetokenizer:
+    """The ``StreamingDetokenizer`` interface ``engine.text_output`` reads, over
+    ``tokenizer.decode`` (a Hugging Face tokenizer)."""
+
+    def __init__(self, tokenizer: Any, clean_spaces: bool):
+        self._tokenizer = tokenizer
+        self._clean_spaces = clean_spaces
+        self.reset()
+
+    def reset(self) -> None:
+        self.offset = 0
+        self.tokens: list[int] = []
+        self._start = 0  # the window's first token
+        self._done = 0  # characters of the window's text already emitted (or context)
+        self._emitted_at = 0  # tokens when text was last emitted
+        self._parts: list[str] = []
+        self._segment = ""
+
+    @property
+    def text(self) -> str:
+        if len(self._parts) > 1:
+            self._parts[:] = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    @property
+    def last_segment(self) -> str:
+        segment, self._segment = self._segment, ""
+        return segment
+
+    def push(self, token: int) -> str:
+        """Add ``token``; the text it completes (what ``last_segment`` would give)."""
+        self.add_token(token)
+        return self.last_segment
+
+    def add_token(self, token: int) -> None:
+        self.tokens.append(token)
+        n = len(self.tokens)
+        window = self._tokenizer.decode(self.tokens[self._start :])
+        safe, held = len(window), 0  # held: the last tokens whose text waits (None: unknown)
+        if window.endswith("\ufffd"):
+            safe, held = len(window.rstrip("\ufffd")), None
+            if n - self._emitted_at > MAX_HELD:
+                settled = self._settled(window)
+                if settled > safe:
+                    safe, held = settled, PENDING
+        elif self._clean_spaces and window.endswith(" "):
+            safe, held = safe - 1, None  # "a ," becomes "a," once the comma comes
+        if safe > self._done:
+            self._emit(window[self._done : safe])
+            self._done = safe
+            self._emitted_at = n
+        if held is not None and n - self._start >= WINDOW:
+            self._restart(n - held)
+
+    def _restart(self, end: int) -> None:
+        """Start the window ``CONTEXT`` tokens before ``end`` (all text before
+        ``end`` emitted), if the longer window's text begins with the context's."""
+        start = max(self._start, end - CONTEXT)
+        context = self._tokenizer.decode(self.tokens[start:end])
+        if self._tokenizer.decode(self.tokens[start:]).startswith(context):
+            self._start, self._done = start, len(context)
+
+    def _settled(self, window: str) -> int:
+        """How much of a window ending in U+FFFD is text: what all but its last
+        ``PENDING`` tokens decode to, when the window still begins with it (an
+        incomplete character lies within those last tokens; earlier U+FFFDs are
+        real ones, which held back, streamed nothing and grew the window)."""
+        before = self._tokenizer.decode(self.tokens[self._start : len(self.tokens) - PENDING])
+        return len(before) if window.startswith(before) else 0
+
+    def finalize(self) -> None:
+        window = self._tokenizer.decode(self.tokens[self._start :])
+        if len(window) > self._done:
+            self._emit(window[self._done :])
+        self._start = len(self.tokens)
+        self._done = 0
+        self._emitted_at = len(self.tokens)
+
+    def _emit(self, piece: str) -> None:
+        self._parts.append(piece)
+        self._segment += piece

@@ -1,0 +1,100 @@
+"""The windowed detokenizer (tokenizers mlx-lm decodes a whole line per token):
+the same text as decoding every token at once, streamed without retractions,
+each token decoding a bounded window."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer, TokenizerWrapper
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from engine.fast_detok import detokenizer_factory
+from engine.text_output import TextOutput
+from engine.window_detok import MAX_HELD, WINDOW, WindowDetokenizer
+
+WORDS = ["hello", "world", "!", ",", "x", "\n", "日本"]
+
+
+@pytest.fixture(scope="module")
+def naive_bytes(byte_tokenizer):
+    """The tests' byte tokenizer behind mlx-lm's naive detokenizer (multi-byte
+    characters span tokens: the held-back case)."""
+    return TokenizerWrapper(byte_tokenizer._tokenizer, NaiveStreamingDetokenizer)
+
+
+@pytest.fixture(scope="module")
+def metaspace(tmp_path_factory):
+    """A Metaspace decoder (the leading space of a sequence's first word dropped):
+    mlx-lm serves it with its naive detokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "\u2581": 1, **{f"\u2581{w}": i + 2 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    path = Path(tmp_path_factory.mktemp("metaspace"))
+    (path / "tokenizer.json").write_text(tok.to_str())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<unk>"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    wrapper = load_tokenizer(path)
+    assert type(wrapper.detokenizer) is NaiveStreamingDetokenizer
+    return wrapper
+
+
+def stream(make, tokens: list[int]) -> tuple[list[str], str]:
+    out = TextOutput(make(), ())
+    deltas = [out.add_token(t) for t in tokens]
+    return deltas, "".join(deltas) + out.finish()
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(list(" \nab,.é€😀\ufffd日")), max_size=80))
+def test_byte_tokens_stream_the_text_decoding_them_all_gives(naive_bytes, text):
+    make = detokenizer_factory(naive_bytes)
+    assert isinstance(make(), WindowDetokenizer)
+    tokens = naive_bytes.encode(text, add_special_tokens=False)
+    deltas, whole = stream(make, tokens)
+    assert whole == naive_bytes.decode(tokens)
+    assert all("\ufffd" not in d for d in deltas) or "\ufffd" in text  # never a split character
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(1, len(WORDS) + 1), max_size=60))
+def test_metaspace_words_stream_the_text_decoding_them_all_gives(metaspace, ids):
+    _, whole = stream(detokenizer_factory(metaspace), ids)
+    assert whole == metaspace.decode(ids)  # its first word without a space, the rest with
+
+
+def test_each_token_decodes_a_bounded_window_however_long_the_line(naive_bytes):
+    """mlx-lm's naive detokenizer decoded the whole line per token: 5 s of
+    engine-thread time for 8k tokens without a newline."""
+    hf = naive_bytes._tokenizer
+    longest = [0]
+
+    class Counting:
+        def decode(self, ids):
+            longest[0] = max(longest[0], len(ids))
+            return hf.decode(ids)
+
+    text = "ab" * 3000 + "\ufffd" * 1000 + "日本" * 500
+    tokens = naive_bytes.encode(text, add_special_tokens=False)
+    detok = WindowDetokenizer(Counting(), clean_spaces=False)
+    for t in tokens:
+        detok.add_token(t)
+    detok.finalize()
+    assert detok.text == hf.decode(tokens)
+    assert longest[0] <= WINDOW + MAX_HELD
+
+
+def test_a_real_replacement_character_is_streamed_not_held_to_the_end(naive_bytes):
+    """Text ending in U+FFFD was held as an unfinished character: a run of real
+    ones streamed nothing until the reply ended, decoded again per token."""
+    tokens = naive_bytes.encode("\ufffd" * 50, add_special_tokens=False)
+    deltas, whole = stream(detokenizer_factory(naive_bytes), tokens)
+    assert whole == "\ufffd" * 50
+    assert len("".join(deltas)) >= 40  # all but the last few tokens' worth, while streaming
