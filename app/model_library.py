@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from engine.gguf_archs import ARCHS as GGUF_ARCHS  # what engine.gguf_convert converts
+from engine.gguf_archs import ROPE_FREQS, ROPE_FREQS_WHY, split_file, unreadable_types
 from engine.vision_families import SERVED_FAMILIES as VISION_FAMILIES
 from scheduler.fit import ModelFacts
 
@@ -326,6 +327,8 @@ def gguf_facts(path: Path) -> ModelFacts:
             meta[key] = h.value(h.read("<I"), True)
         params = gpu_bytes = expert_params = 0
         by_bits: dict[int, int] = {}  # parameters per nominal bit width (0: float)
+        types: set[int] = set()
+        rope_freqs = False
         for _ in range(n_tensors):
             tensor = h.value(8, True)
             n_dims = h.read("<I")
@@ -334,6 +337,8 @@ def gguf_facts(path: Path) -> ModelFacts:
             numel = _numel(h.read("<Q") for _ in range(n_dims))
             ttype = h.read("<I")
             h.read("<Q")  # offset
+            types.add(ttype)
+            rope_freqs = rope_freqs or tensor == f"{ROPE_FREQS}.weight"
             params += numel
             if isinstance(tensor, str) and "_exps." in tensor:  # blk.N.ffn_up_exps.weight
                 expert_params += numel
@@ -354,7 +359,8 @@ def gguf_facts(path: Path) -> ModelFacts:
     head_dim = arch_int("attention.key_length", arch_int("embedding_length") // heads)
     layers = arch_int("block_count")
     experts, per_token = arch_int("expert_count"), arch_int("expert_used_count")
-    supported = arch in GGUF_ARCHS
+    why = _gguf_problem(meta, arch, types, rope_freqs)
+    supported = why is None
     return ModelFacts(
         name=path.name,
         path=str(path),
@@ -371,9 +377,26 @@ def gguf_facts(path: Path) -> ModelFacts:
         num_heads=heads,
         quant_bits=quant_bits or None,
         supported=supported,
-        why_unsupported="" if supported else f"GGUF architecture {arch!r} is not converted",
+        why_unsupported=why or "",
         gpu_weights_bytes=gpu_bytes,
     )
+
+
+def _gguf_problem(meta: dict[str, Any], arch: str, types: set[int], rope_freqs: bool) -> str | None:
+    """Why serve would refuse this GGUF, as far as its header tells (what the
+    converter refuses, said here so /library and fit do not call it supported)."""
+    if arch not in GGUF_ARCHS:
+        return f"GGUF architecture {arch!r} is not converted"
+    problem = (
+        split_file(meta.get("split.count"))
+        or unreadable_types(types)
+        or (ROPE_FREQS_WHY if rope_freqs else None)
+    )
+    if problem is None:
+        for key in (f"{arch}.attention.head_count", "tokenizer.ggml.tokens"):
+            if key not in meta:
+                return f"its metadata has no {key}"
+    return problem
 
 
 def model_facts(

@@ -110,6 +110,47 @@ ARCHS: dict[str, GGUFArch] = {
 }
 
 
+# tensor types: what MLX's GGUF loader (mx.load) reads is kept, Q4_0/Q4_1/Q8_0
+# quantized and the rest as float16; any other type fails the whole load
+GGML_TYPES = {
+    **{0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1"},
+    **{10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K"},
+    **{16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S"},
+    **{22: "IQ2_S", 23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64"},
+    **{29: "IQ1_M", 30: "BF16"},
+}
+READABLE_TYPES = frozenset({0, 1, 2, 3, 8, 10, 12, 14, 30})
+READABLE_NAMES = "F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q2_K, Q4_K and Q6_K"
+# llama.cpp writes Llama 3.1+'s rope scaling as this tensor, which is not converted
+ROPE_FREQS = "rope_freqs"
+ROPE_FREQS_WHY = (
+    "Llama 3.1+ rope scaling (its rope_freqs tensor) is not converted: serve the "
+    "model's MLX version (e.g. from mlx-community) instead"
+)
+
+
+def unreadable_types(types: set[int]) -> str | None:
+    """Why MLX cannot load tensors of these types, or None when it can."""
+    bad = sorted(types - READABLE_TYPES)
+    if not bad:
+        return None
+    names = ", ".join(GGML_TYPES.get(t, f"type {t}") for t in bad)
+    return (
+        f"its {names} tensors are not read by MLX's GGUF loader (it reads {READABLE_NAMES}): "
+        "use another quantization of the model (Q4_K_M, Q6_K, Q8_0, ...)"
+    )
+
+
+def split_file(count: object) -> str | None:
+    """Why a shard of a split GGUF (its ``split.count``) is not served alone."""
+    if isinstance(count, int) and count > 1:
+        return (
+            f"one of a split GGUF's {count} files: join them first "
+            "(llama-gguf-split --merge FIRST-FILE OUT.gguf) and serve the result"
+        )
+    return None
+
+
 def arch_of(name: object) -> GGUFArch:
     arch = ARCHS.get(str(name))
     if arch is None:

@@ -27,13 +27,22 @@ from typing import Any
 import mlx.core as mx
 
 from engine.file_digest import content_digest
-from engine.gguf_archs import TOP, GGUFArch, arch_of, base_config
+from engine.gguf_archs import (
+    READABLE_NAMES,
+    ROPE_FREQS,
+    ROPE_FREQS_WHY,
+    TOP,
+    GGUFArch,
+    arch_of,
+    base_config,
+    split_file,
+)
 from engine.model_errors import UnsupportedModelError
 
 log = logging.getLogger("kvwarm.engine.gguf")
 
 _GROUP_SIZE = 32  # every GGUF block quantisation mx.load understands uses 32
-_CONVERTER_VERSION = "2"
+_CONVERTER_VERSION = "3"  # 3: float16 norms beside quantized weights
 
 
 def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
@@ -55,6 +64,8 @@ def _rename(name: str, arch: GGUFArch) -> str:
         if part not in arch.block:
             raise UnsupportedModelError(f"unexpected GGUF tensor {name!r} for {arch.model_type}")
         return f"model.layers.{layer}.{arch.block[part]}.{suffix}"
+    if base == ROPE_FREQS:
+        raise UnsupportedModelError(ROPE_FREQS_WHY)
     if base not in TOP:
         raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
     return f"{TOP[base]}.{suffix}"
@@ -181,7 +192,7 @@ def _convert_weights(
     quantized_bits: set[int] = set()
     for name, value in weights.items():
         if name.endswith(".bias"):  # qwen2's q/k/v biases: never quantized
-            out[_rename(name, arch)] = value.astype(mx.float32) if dequantize else value
+            out[_rename(name, arch)] = _float(value, dequantize)
             continue
         if not name.endswith(".weight"):
             continue
@@ -192,7 +203,7 @@ def _convert_weights(
             if arch.norm_offset and prefix.endswith("norm"):
                 # llama.cpp stored Gemma's RMSNorm weights as 1 + w
                 value = (value.astype(mx.float32) - arch.norm_offset).astype(value.dtype)
-            out[f"{new_prefix}.weight"] = value.astype(mx.float32) if dequantize else value
+            out[f"{new_prefix}.weight"] = _float(value, dequantize)
             continue
         biases = weights[f"{prefix}.biases"]
         in_dims = scales.shape[-1] * _GROUP_SIZE
@@ -212,6 +223,15 @@ def _convert_weights(
         # from each tensor's shape; the top-level value is only the default.
         quant = {"group_size": _GROUP_SIZE, "bits": max(quantized_bits)}
     return out, quant
+
+
+def _float(value: mx.array, dequantize: bool) -> mx.array:
+    """An unquantized tensor: float32 beside dequantized weights; float16 beside
+    quantized ones, as their scales are (a float32 norm weight made every
+    activation after it, and the KV cache, float32: twice the KV fit priced)."""
+    if dequantize:
+        return value.astype(mx.float32)
+    return value.astype(mx.float16) if value.dtype == mx.float32 else value
 
 
 def cache_root() -> Path:
@@ -265,9 +285,19 @@ def convert_gguf(
     try:
         weights, meta = mx.load(str(gguf), return_metadata=True)
     except Exception as exc:  # mx.load raises bare RuntimeError/ValueError
-        raise UnsupportedModelError(f"cannot read GGUF file {gguf}: {exc}") from exc
-    config = model_config(meta, weights)
-    files = _tokenizer_files(meta, config["max_position_embeddings"])
+        raise UnsupportedModelError(
+            f"cannot read GGUF file {gguf}: {exc} (MLX reads {READABLE_NAMES} tensors)"
+        ) from exc
+    split = split_file(_scalar(meta, "split.count"))
+    if split is not None:
+        raise UnsupportedModelError(f"{gguf}: {split}")
+    try:
+        config = model_config(meta, weights)
+        files = _tokenizer_files(meta, config["max_position_embeddings"])
+    except UnsupportedModelError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:  # a key missing, or of the wrong kind
+        raise UnsupportedModelError(f"{gguf}: GGUF metadata lacks what it needs: {exc!r}") from exc
     converted, quant = _convert_weights(weights, dequantize, arch_of(architecture(meta)))
     if quant:
         config["quantization"] = quant

@@ -264,3 +264,45 @@ def test_the_converted_folder_is_keyed_by_content_not_path(tmp_path, cache_dir):
     lines: list[str] = []
     assert convert_gguf(copy, dequantize=True, progress=lines.append) == out
     assert not lines  # the copy converts nothing
+
+
+def test_beside_quantized_weights_norms_are_float16_and_so_is_the_kv(tmp_path, cache_dir):
+    """GGUF keeps norm weights float32: kept so beside float16 scales, they made
+    every activation after the first norm float32, and the KV cache twice what
+    fit priced (Metal and CUDA, where GGUFs stay quantized)."""
+    gguf = tmp_path / "q.gguf"
+    original = write_family_gguf(gguf, "qwen3")
+    converted, _ = load(str(convert_gguf(gguf, dequantize=False)))
+    norms = [v for k, v in tree_flatten(converted.parameters()) if k.endswith("norm.weight")]
+    assert norms and all(v.dtype == mx.float16 for v in norms)
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(converted)
+    ids = mx.array([[5, 17, 99, 200, 3, 44]])
+    logits = converted(ids, cache=cache)
+    assert logits.dtype == mx.float16 and cache[0].keys.dtype == mx.float16
+    assert mx.allclose(logits.astype(mx.float32), original(ids), atol=0.05).item()
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (lambda raw, meta: meta.update({"split.count": mx.array(2, dtype=mx.uint16)}), "split"),
+        (lambda raw, meta: meta.pop("qwen3.attention.head_count"), "num_attention_heads"),
+        (lambda raw, meta: meta.pop("tokenizer.ggml.tokens"), "tokenizer.ggml.tokens"),
+        (lambda raw, meta: raw.update({"rope_freqs.weight": mx.ones((4,))}), "3.1+"),
+    ],
+)
+def test_a_gguf_the_converter_cannot_serve_says_why_and_keeps_nothing(
+    tmp_path, cache_dir, change, why
+):
+    """A split file's first part converted into a model missing layers (cached,
+    failing every start); missing keys were a bare KeyError traceback."""
+    gguf = tmp_path / "odd.gguf"
+    write_family_gguf(gguf, "qwen3")
+    raw, meta = mx.load(str(gguf), return_metadata=True)
+    change(raw, meta)
+    mx.save_gguf(str(gguf), raw, meta)
+    with pytest.raises(UnsupportedModelError, match=why.replace("+", r"\+")):
+        convert_gguf(gguf, dequantize=True)
+    assert not any((cache_dir / "models").glob("odd*"))

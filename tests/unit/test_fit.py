@@ -392,3 +392,47 @@ def test_published_bandwidth_is_only_the_exact_chips(chip, gb_s):
     from app.machine import known_bandwidth
 
     assert known_bandwidth(chip) == (gb_s * 1e9 if gb_s else None)
+
+
+def _llama_gguf(path: Path, extra: dict[str, int] | None = None, tensors=None) -> Path:
+    """A llama GGUF header: ``tensors`` (name, dims, ggml type), no tensor data."""
+
+    def text(value: str) -> bytes:
+        raw = value.encode()
+        return struct.pack("<Q", len(raw)) + raw
+
+    meta = {"llama.block_count": 1, "llama.attention.head_count": 4, **(extra or {})}
+    tensors = tensors or [
+        ("token_embd.weight", (64, 100), 12),
+        ("blk.0.attn_q.weight", (64, 64), 14),
+    ]
+    out = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(meta) + 2))
+    out += text("general.architecture") + struct.pack("<I", 8) + text("llama")
+    out += text("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2) + text("a") + text("b")
+    for key, value in meta.items():
+        out += text(key) + struct.pack("<II", 4, value)
+    for name, dims, ttype in tensors:
+        out += text(name) + struct.pack("<I", len(dims))
+        out += b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", ttype, 0)
+    path.write_bytes(bytes(out) + b"\0" * 4096)
+    return path
+
+
+@pytest.mark.parametrize(
+    "extra, tensors, why",
+    [
+        # Q5_K_M, IQ4_XS: MLX's GGUF loader fails on the whole file
+        (None, [("blk.0.attn_q.weight", (64, 64), 13)], "Q5_K tensors are not read"),
+        (None, [("blk.0.attn_q.weight", (64, 64), 23)], "IQ4_XS tensors are not read"),
+        # the first of a split model's files: its tensors are a part of the model
+        ({"split.count": 3}, None, "split GGUF's 3 files"),
+        # Llama 3.1+: its rope scaling is a tensor the converter does not convert
+        (None, [("rope_freqs.weight", (32,), 0), ("blk.0.attn_q.weight", (64, 64), 12)], "3.1+"),
+    ],
+)
+def test_ggufs_serve_would_refuse_are_not_listed_as_supported(tmp_path, extra, tensors, why):
+    """/library and fit called these supported (priced, with a verdict) while
+    serve refused them, or, for a split file, converted a model missing layers."""
+    assert gguf_facts(_llama_gguf(tmp_path / "ok.gguf")).supported
+    facts = gguf_facts(_llama_gguf(tmp_path / "x.gguf", extra, tensors))
+    assert not facts.supported and why in facts.why_unsupported
