@@ -1,5 +1,7 @@
-"""Files named by their content, remembered per (path, size, mtime, inode) so a
-restart does not read gigabytes again."""
+"""Files named by their content, remembered per (path, size, mtime, ctime, inode)
+so a restart does not read gigabytes again. The change time too: ``cp -p``,
+``rsync -t --inplace`` or ``curl -R`` over a file keep its size, mtime and inode,
+and the old digest then named new weights (their old conversion, their old KV)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,12 @@ def content_digest(path: Path, memo_path: Path) -> str:
     """SHA-256 of ``path``'s bytes; ``memo_path`` keeps what earlier runs computed."""
     stat = path.stat()
     where = str(path.resolve())
-    stamp = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
+    stamp = {
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "ctime_ns": stat.st_ctime_ns,  # no tool can set it back
+        "inode": stat.st_ino,
+    }
     try:
         memo = json.loads(memo_path.read_text())
     except (OSError, ValueError):

@@ -306,3 +306,24 @@ def test_a_gguf_the_converter_cannot_serve_says_why_and_keeps_nothing(
     with pytest.raises(UnsupportedModelError, match=why.replace("+", r"\+")):
         convert_gguf(gguf, dequantize=True)
     assert not any((cache_dir / "models").glob("odd*"))
+
+
+def test_a_file_rewritten_in_place_with_its_old_times_is_read_again(tmp_path):
+    """cp -p, rsync -t --inplace and curl -R keep size, mtime and inode: the old
+    digest named the new bytes (their old conversion, their old KV)."""
+    import hashlib
+    import os
+    import time
+
+    from engine.file_digest import content_digest
+
+    path, memo = tmp_path / "w.bin", tmp_path / "memo.json"
+    path.write_bytes(b"A" * 1000)
+    before = path.stat()
+    assert content_digest(path, memo) == hashlib.sha256(b"A" * 1000).hexdigest()
+    time.sleep(0.01)  # a change time the clock can tell apart
+    with open(path, "r+b") as f:
+        f.write(b"B" * 1000)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_ino == before.st_ino and path.stat().st_mtime_ns == before.st_mtime_ns
+    assert content_digest(path, memo) == hashlib.sha256(b"B" * 1000).hexdigest()
