@@ -30,6 +30,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger("kvwarm")
 SO_NWRITE = 0x1024  # macOS: bytes in a socket's send queue
+# each connection's kernel send buffer: autotuned it grew to megabytes, and a
+# streaming client that stopped reading was seen stalled only once they were full
+# (6,000 tokens generated for nobody, its batch slot and KV held all along);
+# token streams need little, and a large reply still goes through, paced by the client
+SEND_BUFFER = 64 * 1024
 
 
 class HeadTimeoutProtocol(H11Protocol):
@@ -41,6 +46,13 @@ class HeadTimeoutProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER)
+            except OSError:  # not a socket that has one
+                pass
+        transport.set_write_buffer_limits(high=SEND_BUFFER // 4)  # and asyncio's own
         self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:

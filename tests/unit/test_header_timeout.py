@@ -153,3 +153,36 @@ def test_a_client_reading_slowly_gets_its_whole_response():
             except ConnectionResetError:
                 pass
     assert received >= size
+
+
+def test_a_stream_nobody_reads_is_aborted_soon_not_generated_to_its_end():
+    """Kernel send buffers autotuned to megabytes took a whole 6,000-token stream
+    before the write stalled: generated for nobody, its batch slot and KV held."""
+    import json
+
+    settings = Settings(_env_file=None, header_timeout=HEADER_S, batch=1)
+    app = create_app(
+        settings,
+        lambda s, r: FakeEngine(
+            s, r, step_delay=0.002, context_length=32_768, kv_budget_tokens=32_768
+        ),
+    )
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20_000, "stream": True}
+    ).encode()
+    with serve_app(app, settings=settings) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect((host, int(port)))
+            head = "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+            sock.sendall(head.encode() + body)
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:  # reading nothing meanwhile
+                stats = httpx.get(url + "/stats").json()
+                if stats["requests"]["aborted"]:
+                    break
+                time.sleep(0.2)
+    assert stats["requests"]["aborted"] == 1
+    assert stats["engine"]["generated_tokens"] < 6000
