@@ -118,16 +118,19 @@ async def framed(
     frame: Callable[[T], str],
     keepalive: str = SSE_KEEPALIVE,
     on_error: Callable[[Exception], None] | None = None,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     """A stream's body: each batch of ``events`` that is waiting framed into one
     string (one socket write however far the stream fell behind), ``keepalive``
     whenever ``KEEPALIVE_S`` pass without one. A fault producing or framing an
     event goes to ``on_error`` and ends the body: the caller then sends its
     dialect's error event (once the headers are out, nothing else can tell the
-    client; the connection was cut mid-chunk)."""
+    client; the connection was cut mid-chunk). Frames are encoded here, inside
+    that guard: text UTF-8 cannot hold failed in the server's write, after it,
+    and cut the stream with no error event."""
     try:
         async for batch in with_heartbeat(events, KEEPALIVE_S):
-            yield keepalive if batch is None else "".join(map(frame, batch))
+            text = keepalive if batch is None else "".join(map(frame, batch))
+            yield text.encode()
     except Exception as exc:  # noqa: BLE001 - this stream fails alone
         if on_error is None:
             raise

@@ -210,7 +210,8 @@ def _reasoning_of(content: str) -> str:
 
 def _key(content: str, tool_calls: Sequence[dict[str, Any]] | None, context: str) -> str:
     raw = "\x00".join((visible_form(content), canonical_tool_calls(tool_calls), context))
-    return hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
+    # surrogatepass: a client's lone surrogate escape must not fail the request
+    return hashlib.blake2b(raw.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
 
 
 def _echoes(message: dict[str, Any], content: str, original: str) -> bool:
@@ -266,7 +267,9 @@ class HealingStore:
 
     @staticmethod
     def _size(item: Original) -> int:
-        return len(item.content.encode()) + len(json.dumps(item.tool_calls or []))
+        return len(item.content.encode("utf-8", "surrogatepass")) + len(
+            json.dumps(item.tool_calls or [])
+        )
 
     def remember(
         self,

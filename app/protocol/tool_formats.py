@@ -401,7 +401,17 @@ class ToolCallDecoder:
         call_id = call.get("id") if isinstance(call.get("id"), str) else None
         # NaN or Infinity is no JSON a client could parse: not a call, its text stays
         arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
-        return ToolCall(call["name"], arguments, call_id)
+        return ToolCall(_whole_chars(call["name"]), _whole_chars(arguments), call_id)
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _whole_chars(text: str) -> str:
+    """``text`` with lone surrogates (a model's ``"\\ud83d"`` escape, decoded by the
+    JSON parser) as U+FFFD: UTF-8 cannot hold them, and the reply's encoding
+    failed after the whole generation (a 500, or a stream cut without an error)."""
+    return _LONE_SURROGATE.sub("\ufffd", text) if _LONE_SURROGATE.search(text) else text
 
 
 @dataclass(frozen=True)
