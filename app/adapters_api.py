@@ -29,6 +29,7 @@ from scheduler.contracts import (
     AdapterExists,
     AdapterInfo,
     AdapterInUse,
+    AdapterNoRoomNow,
     AdapterNotFound,
     AdapterTooLarge,
 )
@@ -103,6 +104,10 @@ async def _on_engine(future: Future[AdapterInfo]) -> AdapterInfo:
         raise APIError(409, str(exc), code="adapter_exists", param="id") from exc
     except AdapterTooLarge as exc:
         raise APIError(400, str(exc), code="adapter_over_budget", param="path") from exc
+    except AdapterNoRoomNow as exc:  # fits once running or queued requests finish
+        raise APIError(
+            503, str(exc), "server_error", "adapter_no_room_now", headers={"Retry-After": "5"}
+        ) from exc
     except AdapterError as exc:
         raise APIError(400, str(exc), code="invalid_adapter", param="path") from exc
     except EngineUnavailable as exc:

@@ -1,6 +1,6 @@
 """Reading an adapter directory: file work only, no MLX, so it runs off both the
 event loop and the engine thread (a slow or hung file system stalls nobody's
-decode). The engine then loads the weights it names, from the page cache."""
+decode). The engine then builds the weights from the very bytes read here."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from scheduler.contracts import AdapterError, AdapterFiles
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapters.safetensors"
+MAX_CONFIG_BYTES = 1 << 20  # mlx_lm.lora writes a few hundred bytes
 
 
 def _check_config(config: Any, where: Path) -> dict[str, Any]:
@@ -31,10 +32,17 @@ def _check_config(config: Any, where: Path) -> dict[str, Any]:
     rank, scale = params.get("rank"), params.get("scale")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise AdapterError(f"lora_parameters.rank must be a positive integer, got {rank!r}")
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not _finite(scale):
         # NaN or 1e400 (json reads both) mounted, and every token it ran was NaN
-        raise AdapterError(f"lora_parameters.scale must be a finite number, got {scale!r}")
+        raise AdapterError(f"lora_parameters.scale must be a finite number, got {str(scale)[:40]}")
     return config
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer of 400 digits
+        return False
 
 
 def read_adapter_files(path: Path) -> AdapterFiles:
@@ -44,36 +52,35 @@ def read_adapter_files(path: Path) -> AdapterFiles:
     except RuntimeError:  # "~name" for a user this machine does not have
         raise AdapterError(f"adapter path {str(path)[:256]!r}: no such home directory") from None
     shown = str(path)[:256]
+    if "\x00" in str(path):
+        raise AdapterError(f"adapter path {shown!r} holds a NUL character")
     try:
         if not path.is_dir():
             raise AdapterError(f"adapter path {shown!r} is not a directory")
+        config_file = path / CONFIG_FILE
+        if not config_file.is_file():  # a FIFO there would block the read for ever
+            raise AdapterError(f"{shown} has no {CONFIG_FILE} (is it an mlx_lm.lora adapter?)")
+        if config_file.stat().st_size > MAX_CONFIG_BYTES:
+            raise AdapterError(f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
+        raw_config = config_file.read_bytes()
         try:
-            raw_config = (path / CONFIG_FILE).read_bytes()
-        except FileNotFoundError:
-            raise AdapterError(
-                f"{shown} has no {CONFIG_FILE} (is it an mlx_lm.lora adapter?)"
-            ) from None
-        try:
-            config = _check_config(json.loads(raw_config), path / CONFIG_FILE)
-        except ValueError as exc:
+            config = _check_config(json.loads(raw_config), config_file)
+        except (ValueError, RecursionError) as exc:
             if isinstance(exc, AdapterError):
                 raise
-            raise AdapterError(f"{CONFIG_FILE} is not readable JSON: {exc}") from None
+            raise AdapterError(f"{CONFIG_FILE} is not readable JSON: {str(exc)[:200]}") from None
         weights = path / WEIGHTS_FILE
         if not weights.is_file():
             raise AdapterError(f"{shown} has no {WEIGHTS_FILE}")
-        before = weights.stat()
-        digest = hashlib.sha256(raw_config)
-        with open(weights, "rb") as f:  # also brings the file into the page cache
-            while chunk := f.read(1 << 20):
-                digest.update(chunk)
+        raw_weights = weights.read_bytes()
     except OSError as exc:  # a name too long, no permission, ...
         raise AdapterError(f"cannot read the adapter at {shown!r}: {exc.strerror}") from None
+    digest = hashlib.sha256(raw_config)
+    digest.update(raw_weights)
     return AdapterFiles(
         path=path,
         config=config,
         weights_file=weights,
         fingerprint=digest.hexdigest()[:16],
-        weights_size=before.st_size,
-        weights_mtime_ns=before.st_mtime_ns,
+        weights=raw_weights,
     )

@@ -11,7 +11,9 @@ adapter uses any more. Rows pick their slot through ``RowRouting``.
 
 from __future__ import annotations
 
+import io
 import logging
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -47,16 +49,10 @@ class _Mounted:
 
 
 def _load_weights(files: AdapterFiles) -> dict[str, mx.array]:
+    """The tensors of the bytes that were hashed (no file read on this thread)."""
     file = files.weights_file
     try:
-        now = file.stat()
-        if (now.st_size, now.st_mtime_ns) != (files.weights_size, files.weights_mtime_ns):
-            raise AdapterError(f"{file} changed while it was being mounted; mount it again")
-        weights = mx.load(str(file))
-    except OSError as exc:
-        raise AdapterError(f"cannot read {file}: {exc.strerror}") from None
-    except AdapterError:
-        raise
+        weights = mx.load(io.BytesIO(files.weights), format="safetensors")
     except Exception as exc:  # noqa: BLE001 - a corrupt file is the client's
         raise AdapterError(f"{file} is not a readable safetensors file: {exc}") from None
     if not isinstance(weights, dict) or not weights:
@@ -107,6 +103,11 @@ class AdapterSet:
         weights = _load_weights(files)
         params = config["lora_parameters"]
         effective = float(params["scale"]) * scale
+        if not math.isfinite(effective):  # each finite, their product not: every token NaN
+            raise AdapterError(
+                f"lora_parameters.scale {params['scale']} times the mount's scale {scale} "
+                "is no finite number"
+            )
         modules = dict(self.model.named_modules())
         pairs = self._validate(modules, weights, int(params["rank"]), effective)
         slot = self._next_slot
@@ -220,7 +221,12 @@ class AdapterSet:
                 factor = m / mx.linalg.norm(adapted, axis=1)
             # kept in the dtype they were saved in, as mlx-lm's load_weights keeps them
             pair = LoRAWeights(a, b, scale, factor)
-            mx.eval(pair.a, pair.b, *(() if factor is None else (factor,)))
+            arrays = (pair.a, pair.b, *(() if factor is None else (factor,)))
+            mx.eval(*arrays)
+            if not all(mx.all(mx.isfinite(x)).item() for x in arrays):
+                # a NaN in lora_b (or a zero row norm under DoRA) mounted, and its
+                # rows answered token 0 over and over
+                raise AdapterError(f"layer {module_path!r}: the adapter holds NaN or infinity")
             pairs[module_path] = pair
         return pairs
 

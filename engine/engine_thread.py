@@ -28,10 +28,12 @@ from kvcache.interface import KVCacheDisabled, KVCacheManager
 from kvcache.layout import KVQuant
 from scheduler.admission import AdmissionController, EngineUnavailable
 from scheduler.contracts import (
+    AdapterError,
     AdapterExists,
     AdapterFiles,
     AdapterInfo,
     AdapterInUse,
+    AdapterNoRoomNow,
     AdapterNotFound,
     AdapterTooLarge,
     EngineStats,
@@ -55,6 +57,14 @@ NOT_ON_A_GROUP = (
 RANK_LOST_EXIT_S = 5.0
 MEMORY_SAMPLE_S = 1.0
 T = TypeVar("T")  # allocator readings for /metrics; a scrape needs no fresher
+
+
+@dataclass(frozen=True)
+class _NoRoom:
+    """Why an adapter does not fit, and the error that says whether it ever will."""
+
+    why: str
+    error: type[AdapterError]
 
 
 @dataclass(frozen=True)
@@ -219,16 +229,14 @@ class EngineThread(threading.Thread):
             # could take the memory the budget keeps (on Metal, the process with it)
             problem = self._adapter_room(runner.adapter_bytes() + files.weights_size)
             if problem is not None:
-                raise AdapterTooLarge(
-                    f"adapter {adapter_id!r} ({files.weights_size / 2**20:.1f} MiB on disk) {problem}"
-                )
+                size = f"{files.weights_size / 2**20:.1f} MiB on disk"
+                raise problem.error(f"adapter {adapter_id!r} ({size}) {problem.why}")
             info = runner.mount_adapter(adapter_id, files, scale)
             problem = self._adapter_room(runner.adapter_bytes())
             if problem is not None:
                 runner.unmount_adapter(adapter_id)
-                raise AdapterTooLarge(
-                    f"adapter {adapter_id!r} ({info.size_bytes / 2**20:.1f} MiB) {problem}"
-                )
+                size = f"{info.size_bytes / 2**20:.1f} MiB"
+                raise problem.error(f"adapter {adapter_id!r} ({size}) {problem.why}")
             self._recount_adapters(runner)
             return info
 
@@ -259,7 +267,7 @@ class EngineThread(threading.Thread):
 
         return self.control(unmount)
 
-    def _adapter_room(self, adapter_bytes: int) -> str | None:
+    def _adapter_room(self, adapter_bytes: int) -> _NoRoom | None:
         """Why the KV budget left beside ``adapter_bytes`` of adapters cannot hold
         what admission already promised (running and queued requests); None: it can."""
         admission = self.scheduler.admission
@@ -267,17 +275,20 @@ class EngineThread(threading.Thread):
             return None
         budget = replace(admission.budget, adapter_bytes=adapter_bytes)
         if budget.ceiling_tokens <= 0:
-            return "leaves no KV budget for requests; unmount another or raise --memory-budget"
+            why = "leaves no KV budget for requests; unmount another or raise --memory-budget"
+            return _NoRoom(why, AdapterTooLarge)
         running, waiting = self.scheduler.reservations()
         if AdmissionController(budget, admission.context_length).footprint(running) > (
             budget.kv_budget_bytes
         ):
-            return "does not fit beside the running requests' KV; retry when they finish"
+            why = "does not fit beside the running requests' KV; retry when they finish"
+            return _NoRoom(why, AdapterNoRoomNow)
         if any(r > budget.ceiling_tokens for r in waiting):
-            return (
+            why = (
                 "would leave less KV per request than a queued request was admitted "
                 f"with (ceiling {budget.ceiling_tokens} tokens); retry when the queue drains"
             )
+            return _NoRoom(why, AdapterNoRoomNow)
         return None
 
     def _recount_adapters(self, runner: Runner) -> None:
@@ -384,7 +395,7 @@ class EngineThread(threading.Thread):
                 raise AdapterSettingError(f"--adapter {adapter_id}={path}: {exc}") from exc
             problem = self._adapter_room(self._runner.adapter_bytes())
             if problem is not None:
-                raise AdapterSettingError(f"--adapter {adapter_id}: {problem}")
+                raise AdapterSettingError(f"--adapter {adapter_id}: {problem.why}")
             self._recount_adapters(self._runner)
         self._sample_memory()
         self._ready.set()

@@ -105,6 +105,10 @@ class AdapterTooLarge(AdapterError):
     """Mounting it would leave no KV budget for any request."""
 
 
+class AdapterNoRoomNow(AdapterError):
+    """It fits once the running or queued requests' KV is released: retry then."""
+
+
 @dataclass(frozen=True)
 class AdapterFiles:
     """An adapter directory read and checked off the engine thread
@@ -114,8 +118,14 @@ class AdapterFiles:
     config: dict[str, Any]  # adapter_config.json, checked
     weights_file: Path
     fingerprint: str  # of config + weights: cached KV is keyed by content, not by path
-    weights_size: int  # the weights as hashed: the engine refuses a file changed since
-    weights_mtime_ns: int
+    # the weights' bytes exactly as hashed: the engine loads these, never the file
+    # again (rewritten since with its old size and mtime, its KV was stored under
+    # the old fingerprint and served to the real adapter after a restart)
+    weights: bytes = field(repr=False)
+
+    @property
+    def weights_size(self) -> int:
+        return len(self.weights)
 
 
 @dataclass(frozen=True)

@@ -318,3 +318,61 @@ def test_mixed_rows_route_through_layers_that_flatten_the_batch():
     routing.set([0, 1])
     with pytest.raises(ValueError, match="cannot be split into 2 rows"):
         layer(mx.random.normal((3, 8)))
+
+
+def test_the_weights_mounted_are_the_bytes_that_were_fingerprinted(
+    tiny_llama_dir, adapters, tmp_path
+):
+    """The file was read again on the engine thread, checked only by size and
+    mtime: rewritten meanwhile with both kept (cp -p, rsync -a), other weights ran
+    under the first one's fingerprint, and their KV was later served to it."""
+    import shutil
+
+    moved = tmp_path / "a"
+    shutil.copytree(adapters["a"], moved)
+    files = read_adapter_files(moved)
+    shutil.copy(adapters["b"] / "adapters.safetensors", moved / "adapters.safetensors")
+    runner = make_runner(tiny_llama_dir)
+    runner.mount_adapter("a", files)
+    ours = run(runner, [request("x", PROMPTS[0], adapter="a")])["x"]
+    assert ours == reference(tiny_llama_dir, PROMPTS[0], adapters["a"])
+
+
+def _copy_with(source, dest, config=None, tensors=None):
+    dest.mkdir()
+    if config is None:
+        (dest / "adapter_config.json").write_text((source / "adapter_config.json").read_text())
+    else:
+        (dest / "adapter_config.json").write_text(config)
+    if tensors is None:
+        (dest / "adapters.safetensors").write_bytes((source / "adapters.safetensors").read_bytes())
+    else:
+        mx.save_safetensors(str(dest / "adapters.safetensors"), tensors)
+    return dest
+
+
+def test_adapters_that_would_run_nan_or_fail_the_request_are_refused(
+    tiny_llama_dir, adapters, tmp_path
+):
+    """Each mounted and answered token 0 over and over (a NaN tensor, a finite
+    scale whose product with the mount's is not), or was a 500 (a 400-digit
+    scale, a config of deep brackets, a NUL in the path)."""
+    runner = make_runner(tiny_llama_dir)
+    config = json.loads((adapters["a"] / "adapter_config.json").read_text())
+    huge = dict(config, lora_parameters={**config["lora_parameters"], "scale": 1e308})
+    files = read_adapter_files(_copy_with(adapters["a"], tmp_path / "huge", json.dumps(huge)))
+    with pytest.raises(AdapterError, match="no finite number"):
+        runner.mount_adapter("huge", files, 2.0)
+    tensors = mx.load(str(adapters["a"] / "adapters.safetensors"))
+    name = next(k for k in tensors if k.endswith("lora_b"))
+    nan = {**tensors, name: mx.full(tensors[name].shape, float("nan"))}
+    with pytest.raises(AdapterError, match="NaN or infinity"):
+        mount(runner, "nan", _copy_with(adapters["a"], tmp_path / "nan", tensors=nan))
+    digits = json.dumps(config).replace('"scale": 4.0', '"scale": ' + "1" * 400)
+    with pytest.raises(AdapterError, match="finite number"):
+        read_adapter_files(_copy_with(adapters["a"], tmp_path / "digits", digits))
+    with pytest.raises(AdapterError, match="not readable JSON"):
+        read_adapter_files(_copy_with(adapters["a"], tmp_path / "deep", "[" * 100_000))
+    with pytest.raises(AdapterError, match="NUL"):
+        read_adapter_files(tmp_path / "a\x00b")
+    assert runner.adapter_infos() == []  # nothing half-mounted

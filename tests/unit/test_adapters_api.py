@@ -227,7 +227,8 @@ def test_a_model_name_that_is_an_adapter_selects_it_and_models_lists_it(base, ad
 
 def test_a_mount_that_would_overcommit_admitted_requests_is_refused(adapter_dir):
     """Admission promised the running request its KV: an adapter that would take
-    part of it is refused (400) while it runs, and fits once it is gone."""
+    part of it is refused while it runs (503 with Retry-After: a 400 said it never
+    would), and fits once it is gone."""
     app = make_app(eos_after=None, step_delay=0.02, context_length=8192, kv_budget_tokens=4096)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4000, "stream": True}
     mount = {"id": "big", "path": str(adapter_dir)}
@@ -236,8 +237,9 @@ def test_a_mount_that_would_overcommit_admitted_requests_is_refused(adapter_dir)
             lines = s.iter_lines()
             while '"w0' not in next(lines):  # its first token: admitted with 4000 tokens of KV
                 pass
-            err = assert_error(httpx.post(base + ADAPTERS, json=mount), 400)
-            assert err["code"] == "adapter_over_budget" and "running requests" in err["message"]
+            refused = httpx.post(base + ADAPTERS, json=mount)
+            err = assert_error(refused, 503, "adapter_no_room_now")
+            assert "running requests" in err["message"] and refused.headers["Retry-After"]
             assert httpx.get(base + ADAPTERS).json()["data"] == []
         for _ in range(200):  # the client left: the request ends
             if not httpx.get(base + "/stats").json()["batch"]["running_requests"]:
