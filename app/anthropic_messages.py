@@ -351,6 +351,7 @@ async def count_tokens(http: HTTPRequest) -> JSONResponse:
 async def messages(http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
     headers = dict(http.headers)
+    state.service.scheduler.check_room()
     body, prepared = await state.preparer.body(
         http, lambda raw: _prepare(raw, state, headers, MessagesRequest)
     )

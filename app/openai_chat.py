@@ -117,6 +117,7 @@ def usage(done: Outcome) -> dict[str, Any]:
 async def chat_completions(http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
     headers = dict(http.headers)
+    state.service.scheduler.check_room()
     body, prepared = await state.preparer.body(http, lambda raw: prepare(raw, state, headers))
     gen = Generation(state, prepared, "chat", http)
     meta = {

@@ -106,6 +106,7 @@ def prepare(raw: bytes, state: AppState, headers: dict[str, str]):
 async def completions(http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
     headers = dict(http.headers)
+    state.service.scheduler.check_room()
     body, prepared = await state.preparer.body(http, lambda raw: prepare(raw, state, headers))
     gen = Generation(state, prepared, "completions", http)
     meta = {

@@ -320,6 +320,7 @@ def _prepare_call(body: ResponsesRequest, history: list[dict[str, Any]], state: 
 async def create_response(http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
     headers = dict(http.headers)
+    state.service.scheduler.check_room()
     body = await state.preparer.body(http, lambda raw: _parse(raw, state))
     stored = None
     if body.previous_response_id:

@@ -69,6 +69,28 @@ class Scheduler:
         self._shutdown_pending = False  # end everything at the next step
 
     # -- handler side -------------------------------------------------------
+    def check_room(self) -> None:
+        """Raise what ``add`` would for any request now (loading, closed, draining,
+        a full queue): a route asks before preparing one, so a retry storm against
+        a full queue is refused at once, not after a render and tokenisation each."""
+        if self.admission is None:
+            raise EngineUnavailable.loading()
+        with self._lock:
+            self._check_open_and_room()
+
+    def _check_open_and_room(self) -> None:
+        if self._closed is not None:
+            raise EngineUnavailable(f"The inference engine is not running: {self._closed}")
+        if self._draining:
+            raise EngineUnavailable.shutting_down()
+        if len(self._waiting) >= self.max_queue:
+            self._rejected += 1
+            raise QueueFull(
+                f"The server is busy: {len(self._waiting)} requests are already "
+                f"waiting (--max-queue {self.max_queue}). Retry later.",
+                retry_after=1 + len(self._waiting) // self.max_running,
+            )
+
     def add(self, request: Request) -> None:
         """Queue a request or raise an AdmissionError (400 / 429 / 503)."""
         if self.admission is None:
@@ -80,17 +102,7 @@ class Scheduler:
                 self._rejected += 1
             raise
         with self._lock:
-            if self._closed is not None:
-                raise EngineUnavailable(f"The inference engine is not running: {self._closed}")
-            if self._draining:
-                raise EngineUnavailable.shutting_down()
-            if len(self._waiting) >= self.max_queue:
-                self._rejected += 1
-                raise QueueFull(
-                    f"The server is busy: {len(self._waiting)} requests are already "
-                    f"waiting (--max-queue {self.max_queue}). Retry later.",
-                    retry_after=1 + len(self._waiting) // self.max_running,
-                )
+            self._check_open_and_room()
             self._check_image_bytes(request)
             request.state = RequestState.WAITING
             self._waiting.append(request)

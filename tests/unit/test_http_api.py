@@ -352,6 +352,9 @@ def _wait(predicate, timeout=5.0):
         time.sleep(0.01)
 
 
+JSON_HEADERS = {"content-type": "application/json"}
+
+
 def test_full_queue_is_429_with_retry_after():
     settings = Settings(_env_file=None, batch=1, max_queue=1)
     with serve_app(make_app(settings, step_delay=0.01)) as url:
@@ -367,6 +370,10 @@ def test_full_queue_is_429_with_retry_after():
                     err = assert_error(r, 429, "queue_full")
                     assert int(r.headers["retry-after"]) >= 1
                     assert "--max-queue 1" in err["message"]
+                    # refused before its body is read, parsed or rendered (each refused
+                    # request of a retry storm had taken a preparation slot first)
+                    bad = c.post(url + CHAT, content=b"{not json", headers=JSON_HEADERS)
+                    assert_error(bad, 429, "queue_full")
                     assert queued.status_code == 200
             assert running.status_code == 200
 
