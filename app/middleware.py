@@ -79,9 +79,13 @@ class CrossOriginGuard:
     loopback server without a key. Clients that are not browsers send no Origin;
     desktop apps' own schemes (``tauri://``, ``vscode-webview://``) are no web page."""
 
-    def __init__(self, app: ASGIApp, allowed: list[str]):
+    def __init__(self, app: ASGIApp, allowed: list[str], own_hosts_checked: bool = True):
         self.app = app
         self.allowed = frozenset(allowed)
+        # the server's own pages are told by Origin == Host only where the Host is
+        # checked (--allowed-hosts, or loopback names): answering any Host, a page
+        # whose name was rebound to this server's address matched it too
+        self.own_hosts_checked = own_hosts_checked
 
     def _permitted(self, scope: Scope, origin: str) -> bool:
         if "*" in self.allowed or origin in self.allowed:
@@ -92,7 +96,8 @@ class CrossOriginGuard:
         if host.lower() == "tauri.localhost":  # Tauri's webview on Windows
             return True
         # the server's own pages (/docs), whatever scheme a TLS proxy in front adds
-        return host.lower() == (Headers(scope=scope).get("host") or "").lower()
+        own = host.lower() == (Headers(scope=scope).get("host") or "").lower()
+        return own and self.own_hosts_checked
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in SAFE_METHODS:
@@ -107,7 +112,12 @@ class CrossOriginGuard:
             send,
             403,
             f"Requests from the web origin {origin[:200]!r} are refused: start kvwarm with "
-            "--cors-origins naming it to allow a page there to call this server.",
+            "--cors-origins naming it to allow a page there to call this server"
+            + (
+                "."
+                if self.own_hosts_checked
+                else ", or --allowed-hosts naming this server for its own pages (/docs)."
+            ),
             "permission_error",
             "origin_not_allowed",
         )

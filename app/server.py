@@ -131,7 +131,11 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
         max_in_flight=max(int(settings.max_bodies_bytes), settings.max_body_size),
         idle_timeout=settings.body_timeout,
     )
-    app.add_middleware(CrossOriginGuard, allowed=settings.cors_allowlist)
+    app.add_middleware(
+        CrossOriginGuard,
+        allowed=settings.cors_allowlist,
+        own_hosts_checked="*" not in settings.host_allowlist,
+    )
     if settings.cors_allowlist:
         app.add_middleware(
             CORSMiddleware,
@@ -187,7 +191,12 @@ def _add_admin_routes(app: FastAPI) -> None:
         state: AppState = request.app.state.kvwarm
         status = _status(state)
         if status == "error":
-            return JSONResponse({"status": status, "error": state.engine.failure}, 503)
+            # /health needs no key: behind one, why the engine died (paths, exception
+            # text) is for /stats and the log, which do
+            failure = state.engine.failure
+            if state.settings.api_key:
+                failure = "the inference engine stopped; /stats and the server log say why"
+            return JSONResponse({"status": status, "error": failure}, 503)
         if status != "ok":
             return JSONResponse({"status": status}, 503, headers=RETRY_LATER)
         return JSONResponse({"status": status})

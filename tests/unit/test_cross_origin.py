@@ -105,3 +105,23 @@ def test_a_web_page_from_another_origin_cannot_post_even_without_a_preflight():
 def test_no_cors_headers_by_default(base):
     r = httpx.get(base + "/health", headers={"Origin": "http://evil.example"})
     assert "access-control-allow-origin" not in r.headers
+
+
+def test_a_rebound_name_is_not_the_servers_own_page_when_any_host_is_answered():
+    """Bound beyond loopback with no --allowed-hosts, any Host is answered: a page
+    whose name was rebound to the server's address sent Origin == Host, passed as
+    the server's own page, and drove (and read) its generations."""
+    settings = Settings(_env_file=None, host="0.0.0.0")
+    assert settings.host_allowlist == ["*"]
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, eos_after=2))
+    with serve_app(app) as url:
+        port = url.rsplit(":", 1)[1]
+        rebound = {"Host": f"attacker.example:{port}", "Origin": f"http://attacker.example:{port}"}
+        r = httpx.post(url + CHAT, json=chat(), headers=rebound)
+        assert r.status_code == 403 and "--allowed-hosts" in r.json()["error"]["message"]
+        assert httpx.post(url + CHAT, json=chat()).status_code == 200  # no Origin: no page
+    named = Settings(_env_file=None, host="0.0.0.0", allowed_hosts="kv.lan, 127.0.0.1")
+    app = create_app(named, lambda s, r: FakeEngine(s, r, eos_after=2))
+    with serve_app(app) as url:
+        own = {"Host": "kv.lan", "Origin": "http://kv.lan"}  # its own /docs, by a checked name
+        assert httpx.post(url + CHAT, json=chat(), headers=own).status_code == 200

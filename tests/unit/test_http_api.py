@@ -602,3 +602,16 @@ def test_a_conversation_id_with_a_slash_can_be_deleted():
         r = httpx.delete(base + "/v1/conv_kv/team/alice")
     assert r.status_code == 200 and r.json()["conversation_id"] == "team/alice"
     assert deleted == ["team/alice"]
+
+
+def test_behind_a_key_health_says_the_engine_stopped_but_not_its_exception():
+    """/health needs no key: it handed anyone the engine's exception text."""
+    settings = Settings(_env_file=None, api_key="k")
+    app = make_app(settings, step_delay=0.01)
+    with serve_app(app) as url:
+        app.state.kvwarm.engine.inject_fault(RuntimeError("/home/me/secret-model failed"))
+        _wait(lambda: httpx.get(url + "/health").status_code == 503)
+        health = httpx.get(url + "/health").json()
+        assert health["status"] == "error" and "secret-model" not in health["error"]
+        stats = httpx.get(url + "/stats", headers={"Authorization": "Bearer k"}).json()
+        assert "secret-model" in json.dumps(stats)
