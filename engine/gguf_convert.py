@@ -311,8 +311,13 @@ def convert_gguf(
             (tmp / name).write_text(json.dumps(content, ensure_ascii=False))
         try:
             tmp.rename(target)
-        except OSError:  # another process finished first
+        except OSError as exc:  # another process finished first, or a broken folder is there
             shutil.rmtree(tmp, ignore_errors=True)
+            if not (target / "config.json").exists():
+                raise UnsupportedModelError(
+                    f"cannot put the converted model at {target}: {exc.strerror or exc} "
+                    "(delete that folder and start again)"
+                ) from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -327,3 +327,14 @@ def test_a_file_rewritten_in_place_with_its_old_times_is_read_again(tmp_path):
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert path.stat().st_ino == before.st_ino and path.stat().st_mtime_ns == before.st_mtime_ns
     assert content_digest(path, memo) == hashlib.sha256(b"B" * 1000).hexdigest()
+
+
+def test_a_broken_folder_where_the_conversion_goes_is_named_not_returned(tmp_path, cache_dir):
+    """The rename failing was taken for another process having finished first: the
+    broken folder was returned, and every start failed loading it."""
+    gguf = tmp_path / "m.gguf"
+    write_family_gguf(gguf, "qwen3")
+    target = converted_dir(gguf, True)
+    (target / "leftover").mkdir(parents=True)  # not empty, no config.json
+    with pytest.raises(UnsupportedModelError, match="delete that folder"):
+        convert_gguf(gguf, dequantize=True)
