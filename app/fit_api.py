@@ -108,8 +108,9 @@ def fit_view(state: AppState) -> dict[str, Any]:
 
 def _as_shipped(source_path: str) -> ModelFacts | None:
     """A GGUF's own facts: the folder it was converted into holds what the CPU
-    backend runs (float32), not what a Mac would load (apple_matrix prices that)."""
-    if not source_path.endswith(".gguf"):
+    backend runs (float32), not what a Mac would load (apple_matrix prices that).
+    Set for GGUF sources only: a hub cache's is a blob with no .gguf suffix."""
+    if not source_path:
         return None
     try:
         return gguf_facts(Path(source_path))
@@ -145,7 +146,8 @@ def library_entry(facts: ModelFacts, machine: MachineFacts, budget_bytes: int) -
 def library_view(state: AppState, library: ModelLibrary) -> dict[str, Any]:
     info = state.model_info()
     machine = _machine(info)
-    serving = real_path(Path(info.path))
+    # a GGUF served is listed as its file, not as the folder it was converted into
+    serving = {real_path(Path(p)) for p in (info.path, info.source_path) if p}
     data = []
     for found in library.scan():
         if isinstance(found, tuple):
@@ -153,7 +155,7 @@ def library_view(state: AppState, library: ModelLibrary) -> dict[str, Any]:
             data.append({"id": name, "path": path, "supported": False, "why_unsupported": why})
             continue
         entry = library_entry(found, machine, info.budget.total_bytes)
-        entry["serving"] = real_path(Path(found.path)) == serving
+        entry["serving"] = real_path(Path(found.path)) in serving
         data.append(entry)
     return {"object": "list", "machine": machine.public(), "data": data}
 

@@ -403,7 +403,7 @@ def model_facts(
     path: Path, name: str | None = None, mlx_types: frozenset[str] | None = None
 ) -> ModelFacts:
     """A model directory or a .gguf file (``name``: how to list it; default its file name)."""
-    if path.is_file() and path.suffix == ".gguf":
+    if path.is_file() and path.suffix.lower() == ".gguf":
         facts = gguf_facts(path)
         return replace(facts, name=name) if name else facts
     if path.is_dir():
@@ -458,7 +458,8 @@ def _candidates(hub: list[Path], folders: list[Path]) -> Iterable[tuple[str, Pat
             name = snap.parent.parent.name.removeprefix("models--").replace("--", "/")
             if _model_dir(snap):
                 yield name, snap
-            yield from ((f"{name}/{g.name}", g) for g in sorted(snap.glob("*.gguf")))
+            ggufs = (g for g in sorted(snap.iterdir()) if g.suffix.lower() == ".gguf")
+            yield from ((f"{name}/{g.name}", g) for g in ggufs)
     for folder in folders:
         try:
             children = sorted(folder.iterdir()) if folder.is_dir() else []
@@ -466,7 +467,7 @@ def _candidates(hub: list[Path], folders: list[Path]) -> Iterable[tuple[str, Pat
             yield folder.name, folder
             continue
         for child in children:
-            if child.suffix == ".gguf" or _model_dir(child):
+            if child.suffix.lower() == ".gguf" or _model_dir(child):
                 yield child.name, child
 
 

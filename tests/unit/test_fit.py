@@ -436,3 +436,19 @@ def test_ggufs_serve_would_refuse_are_not_listed_as_supported(tmp_path, extra, t
     assert gguf_facts(_llama_gguf(tmp_path / "ok.gguf")).supported
     facts = gguf_facts(_llama_gguf(tmp_path / "x.gguf", extra, tensors))
     assert not facts.supported and why in facts.why_unsupported
+
+
+def test_a_gguf_from_the_hub_cache_or_in_capitals_is_still_a_gguf(tmp_path):
+    """Served from the hub cache, the source resolves to blobs/<sha> (no suffix):
+    /fit priced the float32 folder it was converted into; a .GGUF was not listed."""
+    from app.fit_api import _as_shipped
+    from app.model_library import ModelLibrary
+
+    blob = _llama_gguf(tmp_path / "3f2a")
+    assert _as_shipped(str(blob)) is not None
+    assert _as_shipped("") is None  # a model folder: no GGUF to price
+    folder = tmp_path / "models"
+    folder.mkdir()
+    _llama_gguf(folder / "Upper.Q4_K.GGUF")
+    names = [f.name for f in ModelLibrary([folder], hub=[]).scan() if not isinstance(f, tuple)]
+    assert names == ["Upper.Q4_K.GGUF"]
