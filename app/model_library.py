@@ -480,6 +480,9 @@ class ModelLibrary:
         self._lock = threading.Lock()
         self._at = -CACHE_S
         self._found: list[Found] = []
+        # a GGUF's facts by where it is, while its stamp holds: its header (a 152k
+        # vocabulary: ~0.5 s) was parsed again on every rescan, under the lock
+        self._ggufs: dict[str, tuple[tuple[Any, ...], Found]] = {}
 
     def scan(self) -> list[Found]:
         """ModelFacts per model; (name, path, why) for what could not be read."""
@@ -489,11 +492,34 @@ class ModelLibrary:
             found: list[Found] = []
             types = _mlx_lm_types()
             seen: set[str] = set()
+            ggufs: dict[str, tuple[tuple[Any, ...], Found]] = {}
             for name, path in _candidates(self.hub, self.folders):
                 key = real_path(path)
                 if key in seen:
                     continue
                 seen.add(key)
-                found.append(read_entry(path, name, types))
-            self._found, self._at = found, time.monotonic()
+                found.append(self._entry(path, name, types, key, ggufs))
+            self._found, self._at, self._ggufs = found, time.monotonic(), ggufs
             return found
+
+    def _entry(
+        self,
+        path: Path,
+        name: str,
+        types: frozenset[str],
+        key: str,
+        ggufs: dict[str, tuple[tuple[Any, ...], Found]],
+    ) -> Found:
+        if path.suffix.lower() != ".gguf":
+            return read_entry(path, name, types)
+        try:
+            st = path.stat()
+        except OSError:
+            return read_entry(path, name, types)
+        stamp = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, name)
+        known = self._ggufs.get(key)
+        entry = known[1] if known is not None and known[0] == stamp else None
+        if entry is None:
+            entry = read_entry(path, name, types)
+        ggufs[key] = (stamp, entry)
+        return entry

@@ -452,3 +452,22 @@ def test_a_gguf_from_the_hub_cache_or_in_capitals_is_still_a_gguf(tmp_path):
     _llama_gguf(folder / "Upper.Q4_K.GGUF")
     names = [f.name for f in ModelLibrary([folder], hub=[]).scan() if not isinstance(f, tuple)]
     assert names == ["Upper.Q4_K.GGUF"]
+
+
+def test_a_rescan_reads_a_ggufs_header_again_only_when_the_file_changed(tmp_path, monkeypatch):
+    import app.model_library as library
+
+    folder = tmp_path / "models"
+    folder.mkdir()
+    path = _llama_gguf(folder / "m.gguf")
+    parsed: list[Path] = []
+    real = library.gguf_facts
+    monkeypatch.setattr(library, "gguf_facts", lambda p: parsed.append(p) or real(p))
+    lib = ModelLibrary([folder], hub=[])
+    for _ in range(3):
+        lib._at = -library.CACHE_S  # noqa: SLF001 - past the 30 s the scan is kept
+        assert lib.scan()[0].name == "m.gguf"
+    assert len(parsed) == 1
+    _llama_gguf(path, {"llama.context_length": 8192})  # rewritten
+    lib._at = -library.CACHE_S  # noqa: SLF001
+    assert lib.scan()[0].context_length == 8192 and len(parsed) == 2
