@@ -142,6 +142,7 @@ async def mount(http: HTTPRequest) -> dict[str, Any]:
     except AdapterError as exc:
         raise APIError(400, str(exc), code="invalid_adapter", param="path") from exc
     info = await _on_engine(state.engine.mount_adapter(body.id, files, body.scale))
+    state.adapters_seen.add(info.id)
     return info.public()
 
 

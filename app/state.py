@@ -28,6 +28,9 @@ class AppState:
     # the lifespan installs the configured hub; this default exports nothing
     obs: Observability = field(default_factory=lambda: Observability(env={}))
     started_at: float = field(default_factory=time.time)
+    # adapter ids mounted at some point: a ``model`` naming one unmounted since is
+    # a 404, not the base model's answer under the adapter's name
+    adapters_seen: set[str] = field(default_factory=set)
 
     def snapshot(self) -> ServerSnapshot | None:
         """What /metrics reads at scrape time; None until the model is loaded."""
@@ -50,8 +53,19 @@ class AppState:
         Without an ``adapter`` field, a ``model`` naming a mounted adapter selects it
         (as vLLM serves LoRA modules under their own model names)."""
         mounted = [a.id for a in self.engine.adapters()]
+        self.adapters_seen.update(mounted)
         if adapter_id is None:
-            return model if isinstance(model, str) and model in mounted else None
+            if not isinstance(model, str) or model in mounted:
+                return model if isinstance(model, str) else None
+            if model in self.adapters_seen or model in dict(self.settings.adapters):
+                raise APIError(
+                    404,
+                    f"The model {model!r} is an adapter that is not mounted now; mount it "
+                    "again (POST /v1/adapters) or name the base model.",
+                    param="model",
+                    code="model_not_found",
+                )
+            return None
         if adapter_id not in mounted:
             shown = ", ".join(mounted[:16]) or "none"
             raise APIError(

@@ -408,3 +408,16 @@ def test_a_control_sent_as_the_engine_dies_is_answered():
             future.result(0)
     finally:
         loop.close()
+
+
+def test_a_model_naming_an_adapter_unmounted_since_is_a_404_not_the_base_model(base, adapter_dir):
+    """It answered 200 from the base model under the adapter's name: a silent wrong
+    answer for routers that select adapters through ``model``."""
+    assert (
+        httpx.post(base + ADAPTERS, json={"id": "sql", "path": str(adapter_dir)}).status_code == 200
+    )
+    assert httpx.delete(base + ADAPTERS + "/sql").status_code == 200
+    r = httpx.post(base + "/v1/chat/completions", json={**chat({}), "model": "sql"})
+    assert_error(r, 404, "model_not_found")
+    other = httpx.post(base + "/v1/chat/completions", json={**chat({}), "model": "anything"})
+    assert other.status_code == 200  # any other name is the base model, as before
