@@ -124,7 +124,7 @@ def generation_route(
     *,
     error: str = OPENAI_ERROR,
     streams: bool = True,
-    statuses: Iterable[int] = (400, 413, 429, 500, 503),
+    statuses: Iterable[int] = (400, 404, 413, 429, 500, 503),  # 404: an adapter unmounted
 ) -> dict[str, Any]:
     """Route kwargs for a POST whose JSON body is ``model``: the body schema,
     the 200 (JSON, and SSE when it streams) and the error statuses."""
