@@ -390,7 +390,7 @@ def _gguf_problem(meta: dict[str, Any], arch: str, types: set[int], rope_freqs: 
     problem = (
         split_file(meta.get("split.count"))
         or unreadable_types(types)
-        or (ROPE_FREQS_WHY if rope_freqs else None)
+        or (ROPE_FREQS_WHY if rope_freqs and arch != "llama" else None)  # llama: Llama 3.1+
     )
     if problem is None:
         for key in (f"{arch}.attention.head_count", "tokenizer.ggml.tokens"):

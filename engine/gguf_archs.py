@@ -18,6 +18,7 @@ must be undone, and the config fields mlx-lm's model class wants:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -121,12 +122,50 @@ GGML_TYPES = {
 }
 READABLE_TYPES = frozenset({0, 1, 2, 3, 8, 10, 12, 14, 30})
 READABLE_NAMES = "F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q2_K, Q4_K and Q6_K"
-# llama.cpp writes Llama 3.1+'s rope scaling as this tensor, which is not converted
+# llama.cpp writes Llama 3.1+'s rope scaling as this tensor: each rotary pair's
+# period factor, computed from the config's llama3 rope_scaling (factor, low and
+# high frequency factors, original context), which the file does not keep
 ROPE_FREQS = "rope_freqs"
 ROPE_FREQS_WHY = (
-    "Llama 3.1+ rope scaling (its rope_freqs tensor) is not converted: serve the "
+    "its rope_freqs tensor is no Llama 3.1+ rope scaling kvwarm recognises: serve the "
     "model's MLX version (e.g. from mlx-community) instead"
 )
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+LLAMA3_CONTEXT = 8192  # llama.cpp's converter reads no other original context
+
+
+def llama3_factors(scaling: dict[str, float], base: float, dims: int) -> list[float]:
+    """The factors llama.cpp's converter writes for a llama3 ``rope_scaling``."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for i in range(0, dims, 2):
+        wavelen = 2 * math.pi * base ** (i / dims)
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def llama3_rope_scaling(factors: list[float], base: float, dims: int) -> dict[str, Any]:
+    """The ``rope_scaling`` whose factors are ``factors`` (Llama 3.1: 8, 3.2: 32,
+    the rest as every release has them); UnsupportedModelError when none is."""
+    scaling: dict[str, Any] = {
+        "rope_type": "llama3",
+        "factor": max(factors) if factors else 1.0,
+        **LLAMA3_ROPE,
+        "original_max_position_embeddings": LLAMA3_CONTEXT,
+    }
+    want = llama3_factors(scaling, base, dims)
+    if len(want) != len(factors) or any(
+        abs(w - f) > 1e-3 * max(1.0, abs(w)) for w, f in zip(want, factors)
+    ):
+        raise UnsupportedModelError(ROPE_FREQS_WHY)
+    return scaling
 
 
 def unreadable_types(types: set[int]) -> str | None:

@@ -35,6 +35,7 @@ from engine.gguf_archs import (
     GGUFArch,
     arch_of,
     base_config,
+    llama3_rope_scaling,
     split_file,
 )
 from engine.model_errors import UnsupportedModelError
@@ -106,6 +107,19 @@ def model_config(meta: dict[str, Any], weights: dict[str, mx.array]) -> dict[str
         config.update({"attention_bias": False, "mlp_bias": False})
     config.update(arch.extra(value, config))
     return config
+
+
+def _rope_scaling(weights: dict[str, mx.array], config: dict[str, Any]) -> dict[str, Any]:
+    """Llama 3.1+: the ``rope_scaling`` its rope_freqs tensor was computed from
+    (taken out of the weights: mlx-lm computes the factors itself)."""
+    factors = weights.pop(f"{ROPE_FREQS}.weight", None)
+    if factors is None:
+        return {}
+    if config["model_type"] != "llama":
+        raise UnsupportedModelError(ROPE_FREQS_WHY)
+    values = factors.astype(mx.float32).tolist()
+    scaling = llama3_rope_scaling(values, config["rope_theta"], config["head_dim"])
+    return {"rope_scaling": scaling}
 
 
 def _tokenizer_files(meta: dict[str, Any], context_length: int) -> dict[str, Any]:
@@ -293,6 +307,7 @@ def convert_gguf(
         raise UnsupportedModelError(f"{gguf}: {split}")
     try:
         config = model_config(meta, weights)
+        config.update(_rope_scaling(weights, config))
         files = _tokenizer_files(meta, config["max_position_embeddings"])
     except UnsupportedModelError:
         raise

@@ -338,3 +338,76 @@ def test_a_broken_folder_where_the_conversion_goes_is_named_not_returned(tmp_pat
     (target / "leftover").mkdir(parents=True)  # not empty, no config.json
     with pytest.raises(UnsupportedModelError, match="delete that folder"):
         convert_gguf(gguf, dequantize=True)
+
+
+def _llama_cpp_rope_factors(scaling: dict, base: float, dims: int) -> list[float]:
+    """convert_hf_to_gguf.py's rope_freqs for a llama3 rope_scaling, as llama.cpp
+    writes them (its own arithmetic here, not kvwarm's)."""
+    import math
+
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = 8192  # llama.cpp reads original_max_position_embeddings from the top level: 8192
+    out = []
+    for i in range(0, dims, 2):
+        freq = 1.0 / (base ** (i / dims))
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _llama_cpp_permute(w: mx.array, heads: int) -> mx.array:
+    """llama.cpp's q/k row order for its interleaved rotary embedding."""
+    return (
+        w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+@pytest.mark.parametrize("factor", [8.0, 32.0])  # Llama 3.1, Llama 3.2
+def test_a_llama_3_gguf_converts_with_its_rope_scaling(tmp_path, cache_dir, factor):
+    """llama.cpp writes Llama 3.1+'s rope scaling as a rope_freqs tensor: it was an
+    'unexpected tensor', and every Llama 3.1/3.2/3.3 GGUF refused."""
+    from mlx_lm.models import llama
+
+    scaling = {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    # base 1e6 over 8 rotary dims: the pairs fall below, inside and above the band
+    config = {**tiny_config("qwen2"), "model_type": "llama", "rope_theta": 1e6}
+    config["rope_scaling"] = scaling
+    mx.random.seed(0)
+    original = llama.Model(llama.ModelArgs.from_dict(config))
+    params = {}
+    for name, value in tree_flatten(original.parameters()):
+        if name.endswith("norm.weight"):
+            value = mx.random.normal(value.shape) * 0.5
+        params[name] = value
+    original.load_weights(list(params.items()), strict=False)
+    tensors = {}
+    for name, value in params.items():
+        if name.endswith("q_proj.weight"):
+            value = _llama_cpp_permute(value, 4)
+        elif name.endswith("k_proj.weight"):
+            value = _llama_cpp_permute(value, 2)
+        tensors[gguf_name(name, "llama")] = value
+    tensors["rope_freqs.weight"] = mx.array(_llama_cpp_rope_factors(scaling, 1e6, 8))
+    gguf = tmp_path / "llama3.gguf"
+    write_family_gguf(tmp_path / "donor.gguf", "gemma")  # its SentencePiece metadata
+    _, meta = mx.load(str(tmp_path / "donor.gguf"), return_metadata=True)
+    meta = {k.replace("gemma.", "llama."): v for k, v in meta.items()}
+    meta["general.architecture"] = "llama"
+    meta["llama.rope.freq_base"] = mx.array(1e6, dtype=mx.float32)
+    mx.save_gguf(str(gguf), tensors, meta)
+    converted, _ = load(str(convert_gguf(gguf, dequantize=True)))
+    ids = mx.array([[5, 17, 99, 200, 3, 44, 7, 8, 9, 10, 11, 12]])
+    assert mx.allclose(converted(ids), original(ids), atol=1e-4).item()
+    assert converted.args.rope_scaling["factor"] == factor

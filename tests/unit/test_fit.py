@@ -426,14 +426,14 @@ def _llama_gguf(path: Path, extra: dict[str, int] | None = None, tensors=None) -
         (None, [("blk.0.attn_q.weight", (64, 64), 23)], "IQ4_XS tensors are not read"),
         # the first of a split model's files: its tensors are a part of the model
         ({"split.count": 3}, None, "split GGUF's 3 files"),
-        # Llama 3.1+: its rope scaling is a tensor the converter does not convert
-        (None, [("rope_freqs.weight", (32,), 0), ("blk.0.attn_q.weight", (64, 64), 12)], "3.1+"),
     ],
 )
 def test_ggufs_serve_would_refuse_are_not_listed_as_supported(tmp_path, extra, tensors, why):
     """/library and fit called these supported (priced, with a verdict) while
     serve refused them, or, for a split file, converted a model missing layers."""
     assert gguf_facts(_llama_gguf(tmp_path / "ok.gguf")).supported
+    llama3 = [("rope_freqs.weight", (32,), 0), ("blk.0.attn_q.weight", (64, 64), 12)]
+    assert gguf_facts(_llama_gguf(tmp_path / "3.gguf", None, llama3)).supported  # Llama 3.1+
     facts = gguf_facts(_llama_gguf(tmp_path / "x.gguf", extra, tensors))
     assert not facts.supported and why in facts.why_unsupported
 
