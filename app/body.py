@@ -253,13 +253,24 @@ def io_wait() -> Iterator[None]:
 
 
 @contextmanager
-def decoder_wait() -> Iterator[None]:
-    """Around a preparation's decoding subprocess (ffmpeg): its CPU slot goes to
-    another request, and the subprocess runs in one of the few decoder slots
-    (waiting its turn first)."""
+def decoder_wait(timeout: float) -> Iterator[None]:
+    """Around a preparation's decoding subprocesses (ffmpeg): its CPU slot goes to
+    another request, and they run in one of the few decoder slots, waited for up to
+    ``timeout`` seconds (then a 503: the server is busy, the video may be fine)."""
     gate = _GATE.get()
     if gate is None:
         yield
         return
-    with gate.released(), gate.decoders:
-        yield
+    with gate.released():
+        if not gate.decoders.acquire(timeout=timeout):
+            raise APIError(
+                503,
+                f"other videos have been decoding for {timeout:g} s; retry shortly.",
+                "overloaded_error",
+                code="media_busy",
+                headers={"Retry-After": "5"},
+            )
+        try:
+            yield
+        finally:
+            gate.decoders.release()

@@ -58,8 +58,8 @@ def extract_frames(
             f"{where}: video needs ffmpeg on the server, and it is not installed "
             "(make install installs it; or apt-get install ffmpeg / brew install ffmpeg).",
         )
-    deadline = time.monotonic() + timeout
-    with tempfile.TemporaryDirectory(prefix="kvwarm-video-") as tmp:
+    with decoder_wait(timeout), tempfile.TemporaryDirectory(prefix="kvwarm-video-") as tmp:
+        deadline = time.monotonic() + timeout  # its own time, from its turn to decode
         video = Path(tmp) / "video"
         video.write_bytes(raw)
         probe = _probe(ffmpeg, video, deadline, where)
@@ -114,11 +114,10 @@ def _probe(ffmpeg: str, video: Path, deadline: float, where: str) -> _Probe:
 
 def _run(cmd: list[str], deadline: float, where: str) -> str:
     try:
-        with decoder_wait():  # its turn to decode: the time waited counts too
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise subprocess.TimeoutExpired(cmd, 0)
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=left, check=False)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise subprocess.TimeoutExpired(cmd, 0)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=left, check=False)
     except subprocess.TimeoutExpired as exc:
         raise APIError(400, f"{where}: reading the video took too long.") from exc
     except OSError as exc:  # ffmpeg without its ffprobe (some static builds)

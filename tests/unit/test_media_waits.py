@@ -156,7 +156,7 @@ def test_a_job_waiting_on_io_gives_its_cpu_slot_to_other_requests():
 def test_io_wait_outside_a_preparation_changes_nothing():
     with io_wait():
         pass
-    with decoder_wait():
+    with decoder_wait(1.0):
         pass
 
 
@@ -172,7 +172,7 @@ def test_decoding_subprocesses_run_one_at_a_time_without_holding_cpu_slots():
         first_in, release = threading.Event(), threading.Event()
 
         def video(i: int) -> int:
-            with decoder_wait():
+            with decoder_wait(10.0):
                 with lock:
                     running.append(i)
                     most[0] = max(most[0], len(running))
@@ -432,3 +432,33 @@ def test_a_local_use_nat64_address_of_a_public_ipv4_one_is_fetched_with_the_flag
         )
     assert "does not fetch from such addresses" not in err.value.message
     assert len(connects) == 1
+
+
+def test_a_video_waiting_too_long_for_a_decoder_is_a_503_not_its_own_fault():
+    """The wait for the decoder counted against the video's own deadline: a good
+    video queued behind others was refused as "took too long" (a 400)."""
+
+    async def scenario() -> None:
+        preparer = Preparer(threads=2, media_waits=4, decoders=1)
+        holding, release = threading.Event(), threading.Event()
+
+        def first() -> str:
+            with decoder_wait(5.0):
+                holding.set()
+                release.wait(10)
+            return "decoded"
+
+        def second() -> str:
+            with decoder_wait(0.3):
+                return "never"
+
+        slow = asyncio.ensure_future(preparer.run(first))
+        while not holding.is_set():
+            await asyncio.sleep(0.01)
+        with pytest.raises(APIError) as err:
+            await asyncio.wait_for(preparer.run(second), 5)
+        assert err.value.status == 503 and err.value.code == "media_busy"
+        release.set()
+        assert await asyncio.wait_for(slow, 5) == "decoded"
+
+    asyncio.run(scenario())
