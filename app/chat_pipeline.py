@@ -283,9 +283,10 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
         if message["role"] in ("user", "tool") and isinstance(message.get("content"), str):
             info.formatter.check_length(message["content"])
     explicit_session = session_id_from(call.fields, headers)
-    contexts = state.healing.contexts(
-        messages, explicit_session or "", _image_salts(messages, images, info.vision)
-    )
+    # healing is scoped by a conversation's own id only: a prompt_cache_key may be
+    # one app's for all its users, whose replies must never heal into each other's
+    scope = session_id_from(call.fields, headers, cache_key=False) or ""
+    contexts = state.healing.contexts(messages, scope, _image_salts(messages, images, info.vision))
     healed = state.healing.heal_all(messages, contexts)
     try:
         rendered = info.formatter.render_chat(

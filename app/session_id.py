@@ -41,8 +41,12 @@ def _from_mapping(
     return None
 
 
-def session_id_from(body: Mapping[str, Any], headers: Mapping[str, str]) -> str | None:
-    """The client's session id, or None (the cache then groups by prompt head)."""
+def session_id_from(
+    body: Mapping[str, Any], headers: Mapping[str, str], cache_key: bool = True
+) -> str | None:
+    """The client's session id, or None (the cache then groups by prompt head);
+    ``cache_key`` False: a conversation's own id only, never a prompt_cache_key
+    (one app's key, perhaps, shared by all its users)."""
     for source in (body, body.get("metadata"), body.get("extra_body")):
         found = _from_mapping(source)
         if found:
@@ -57,6 +61,8 @@ def session_id_from(body: Mapping[str, Any], headers: Mapping[str, str]) -> str 
         value = headers.get(name)
         if value and value.strip():
             return value.strip()[:MAX_LEN]
+    if not cache_key:
+        return None
     for source in (body, body.get("metadata"), body.get("extra_body")):
         found = _from_mapping(source, (CACHE_KEY_FIELD,))
         if found:

@@ -398,7 +398,7 @@ class ToolCallDecoder:
                 if wants_text(schemas.get(key)):
                     arguments[key] = text
         args = coerce_arguments(arguments, schemas, from_text)
-        call_id = call.get("id") if isinstance(call.get("id"), str) else None
+        call_id = _whole_chars(call["id"]) if isinstance(call.get("id"), str) else None
         # NaN or Infinity is no JSON a client could parse: not a call, its text stays
         arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)
         return ToolCall(_whole_chars(call["name"]), _whole_chars(arguments), call_id)

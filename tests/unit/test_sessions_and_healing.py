@@ -129,6 +129,11 @@ def test_session_id_sources():
     # one key an app may share among its users: any conversation id named wins over it
     assert session_id_from({"prompt_cache_key": "app", "metadata": {"chat_id": "u1"}}, {}) == "u1"
     assert session_id_from({"prompt_cache_key": "app"}, {"x-session-id": "u2"}) == "u2"
+    # healing's scope: never a cache key (its users would heal into each other's prompts)
+    assert session_id_from({"prompt_cache_key": "app"}, {}, cache_key=False) is None
+    assert (
+        session_id_from({"prompt_cache_key": "app", "chat_id": "u1"}, {}, cache_key=False) == "u1"
+    )
     assert session_id_from({}, {"session_id": "e"}) == "e"  # Codex: no x- prefix
     claude = {"metadata": {"user_id": "user_ab12_account_9f_session_5d1c-77"}}
     assert session_id_from(claude, {}) == "5d1c-77"

@@ -16,7 +16,10 @@ from tests.helpers.dialects import ANTHROPIC_TOOLS, TOOLS
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.http_server import serve_app
 
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\\ud83dis"}}\n</tool_call>'
+CALL = (
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par\\ud83dis"}, '
+    '"id": "call_\\ud83d"}\n</tool_call>'
+)
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +37,9 @@ def test_a_tool_call_with_a_lone_surrogate_is_answered_whole(base):
     messages = [{"role": "user", "content": "hi"}]
     r = httpx.post(base + "/v1/chat/completions", json={"messages": messages, "tools": TOOLS})
     assert r.status_code == 200
-    call = r.json()["choices"][0]["message"]["tool_calls"][0]["function"]
-    assert json.loads(call["arguments"]) == {"city": "Par\ufffdis"}
+    call = r.json()["choices"][0]["message"]["tool_calls"][0]
+    assert json.loads(call["function"]["arguments"]) == {"city": "Par\ufffdis"}
+    assert "\ufffd" in call["id"]  # the model's own id, as UTF-8 can hold it
     body = {"messages": messages, "tools": TOOLS, "stream": True}
     with httpx.stream("POST", base + "/v1/chat/completions", json=body) as streamed:
         raw = b"".join(streamed.iter_raw())
