@@ -180,11 +180,16 @@ def boot_mlx(config: EngineConfig) -> Booted:
             else "off",
         )
     if budget.kv_budget_bytes <= 0:
-        raise NoRoomForKV(
+        message = (
             f"memory budget {total / 2**20:.0f} MiB leaves no room for KV after "
             f"{loaded.weights_bytes / 2**20:.0f} MiB of weights and "
             f"{budget.reserve_bytes / 2**20:.0f} MiB reserve"
         )
+        # --memory-budget auto measured what was free at this start: another
+        # moment (a job finished) may leave room, so only a set budget is lasting
+        if cfg.memory_budget_bytes is None:
+            raise MemoryError(message + " (auto: what memory was free now)")
+        raise NoRoomForKV(message)
     engine_runner: Runner = runner
     monitor = None
     if ranks is not None:

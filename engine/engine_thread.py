@@ -390,8 +390,15 @@ class EngineThread(threading.Thread):
         for adapter_id, path in self.config.adapters:
             try:
                 self._refuse_base_id(adapter_id)
-                self._runner.mount_adapter(adapter_id, read_adapter_files(path))
             except Exception as exc:
+                raise AdapterSettingError(f"--adapter {adapter_id}={path}: {exc}") from exc
+            try:
+                files = read_adapter_files(path)
+            except Exception as exc:  # a mount not up yet, perhaps: the next start may read it
+                raise RuntimeError(f"--adapter {adapter_id}={path}: {exc}") from exc
+            try:
+                self._runner.mount_adapter(adapter_id, files)
+            except Exception as exc:  # its files read, and not for this model
                 raise AdapterSettingError(f"--adapter {adapter_id}={path}: {exc}") from exc
             problem = self._adapter_room(self._runner.adapter_bytes())
             if problem is not None:

@@ -309,14 +309,15 @@ def test_load_failures_say_whether_the_next_start_would_fail_alike(tmp_path):
         return boot
 
     try:
-        engine = FakeEngine(
-            Scheduler(None, max_running=1, max_queue=4),
-            OutputRouter(loop),
-            adapters=(("a", tmp_path / "missing"),),
-            on_load_failure=record,
-        )
-        engine.start()
-        engine.join(30)
+        for adapters in ((("fake-model", tmp_path),), (("a", tmp_path / "missing"),)):
+            engine = FakeEngine(
+                Scheduler(None, max_running=1, max_queue=4),
+                OutputRouter(loop),
+                adapters=adapters,  # the base model's id: lasting; a path not there: maybe not
+                on_load_failure=record,
+            )
+            engine.start()
+            engine.join(30)
         for exc in (UnsupportedModelError("x"), NoRoomForKV("y"), OSError("disk busy")):
             thread = EngineThread(
                 EngineConfig(source=None),  # type: ignore[arg-type]  # never loaded
@@ -329,8 +330,8 @@ def test_load_failures_say_whether_the_next_start_would_fail_alike(tmp_path):
             thread.join(30)
     finally:
         loop.close()
-    assert [lasting for _, lasting in seen] == [True, True, True, False]
-    assert "--adapter a=" in seen[0][0]
+    assert [lasting for _, lasting in seen] == [True, False, True, True, False]
+    assert "--adapter fake-model=" in seen[0][0] and "--adapter a=" in seen[1][0]
 
 
 def test_a_start_that_fails_leaves_no_idle_wait_while_requests_queue():
