@@ -71,7 +71,10 @@ class WindowDetokenizer:
                 if settled > safe:
                     safe, held = settled, PENDING
         elif self._clean_spaces and window.endswith(" "):
-            safe, held = safe - 1, None  # "a ," becomes "a," once the comma comes
+            safe -= 1  # "a ," becomes "a," once the comma comes
+            # the space is the last token's (a run of them): the window may restart
+            before = self._tokenizer.decode(self.tokens[self._start : n - 1])
+            held = 1 if len(before) == safe else None
         if safe > self._done:
             self._emit(window[self._done : safe])
             self._done = safe

@@ -98,3 +98,23 @@ def test_a_real_replacement_character_is_streamed_not_held_to_the_end(naive_byte
     deltas, whole = stream(detokenizer_factory(naive_bytes), tokens)
     assert whole == "\ufffd" * 50
     assert len("".join(deltas)) >= 40  # all but the last few tokens' worth, while streaming
+
+
+def test_a_run_of_spaces_held_for_clean_up_still_restarts_the_window(metaspace):
+    """A trailing space held (the tokenizer cleans "a ," into "a,") kept the window
+    from restarting: a model looping on spaces decoded the whole run per token."""
+    hf = metaspace._tokenizer
+    longest = [0]
+
+    class Counting:
+        def decode(self, ids):
+            longest[0] = max(longest[0], len(ids))
+            return hf.decode(ids)
+
+    ids = [2] + [1] * 2000 + [3]  # "hello", 2,000 spaces, "world"
+    detok = WindowDetokenizer(Counting(), clean_spaces=True)
+    for t in ids:
+        detok.add_token(t)
+    detok.finalize()
+    assert detok.text == hf.decode(ids)
+    assert longest[0] <= WINDOW + MAX_HELD
