@@ -137,8 +137,12 @@ async def mount(http: HTTPRequest) -> dict[str, Any]:
         http,
         lambda raw: parse_body(raw, AdapterMountRequest, state.model_info().context_length),
     )
+    # nothing larger than the KV budget itself can fit: refused before it is read
+    limit = state.model_info().budget.kv_budget_bytes
     try:  # file reads and hashing: off the event loop and off the engine thread
-        files = await asyncio.to_thread(read_adapter_files, Path(body.path))
+        files = await asyncio.to_thread(read_adapter_files, Path(body.path), limit)
+    except AdapterTooLarge as exc:
+        raise APIError(400, str(exc), code="adapter_over_budget", param="path") from exc
     except AdapterError as exc:
         raise APIError(400, str(exc), code="invalid_adapter", param="path") from exc
     info = await _on_engine(state.engine.mount_adapter(body.id, files, body.scale))

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from scheduler.contracts import AdapterError, AdapterFiles
+from scheduler.contracts import AdapterError, AdapterFiles, AdapterTooLarge
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapters.safetensors"
@@ -45,8 +45,10 @@ def _finite(value: float) -> bool:
         return False
 
 
-def read_adapter_files(path: Path) -> AdapterFiles:
-    """Check and fingerprint an ``mlx_lm.lora`` adapter directory (AdapterError: a 400)."""
+def read_adapter_files(path: Path, max_weights_bytes: int | None = None) -> AdapterFiles:
+    """Check and fingerprint an ``mlx_lm.lora`` adapter directory (AdapterError: a 400);
+    weights over ``max_weights_bytes`` (what KV the budget has at all) are refused
+    before they are read into memory."""
     try:
         path = Path(path).expanduser()
     except RuntimeError:  # "~name" for a user this machine does not have
@@ -72,6 +74,12 @@ def read_adapter_files(path: Path) -> AdapterFiles:
         weights = path / WEIGHTS_FILE
         if not weights.is_file():
             raise AdapterError(f"{shown} has no {WEIGHTS_FILE}")
+        size = weights.stat().st_size
+        if max_weights_bytes is not None and size > max_weights_bytes:
+            raise AdapterTooLarge(
+                f"{WEIGHTS_FILE} is {size / 2**20:.1f} MiB, more than the whole KV budget "
+                f"({max_weights_bytes / 2**20:.1f} MiB): it could never be mounted"
+            )
         raw_weights = weights.read_bytes()
     except OSError as exc:  # a name too long, no permission, ...
         raise AdapterError(f"cannot read the adapter at {shown!r}: {exc.strerror}") from None

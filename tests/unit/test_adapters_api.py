@@ -422,3 +422,18 @@ def test_a_model_naming_an_adapter_unmounted_since_is_a_404_not_the_base_model(b
     assert_error(r, 404, "model_not_found")
     other = httpx.post(base + "/v1/chat/completions", json={**chat({}), "model": "anything"})
     assert other.status_code == 200  # any other name is the base model, as before
+
+
+def test_weights_larger_than_the_whole_kv_budget_are_refused_before_they_are_read(
+    base, adapter_dir, tmp_path
+):
+    """The whole file was read into memory (then copied again by the loader)
+    before the budget was asked: a multi-GB path could take the server down."""
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "adapter_config.json").write_text((adapter_dir / "adapter_config.json").read_text())
+    with open(big / "adapters.safetensors", "wb") as f:
+        f.truncate(64 * 2**20)  # sparse: nothing to read if it is never read
+    r = httpx.post(base + ADAPTERS, json={"id": "big", "path": str(big)})
+    err = assert_error(r, 400, "adapter_over_budget")
+    assert "could never be mounted" in err["message"]
