@@ -137,6 +137,7 @@ class ResponseStore:
         return held.item
 
     def delete(self, response_id: str) -> bool:
+        self._expire()  # one past its TTL is gone: a 404, not "deleted"
         held = self._items.pop(response_id, None)
         if held is None:
             return False
@@ -164,7 +165,7 @@ class ResponseStore:
     def _expire(self) -> None:
         now = self._clock()
         while self._deadlines and self._deadlines[0][0] <= now:
-            expires, response_id = self._deadlines.popleft()
+            expires, response_id = self._deadlines.popleft()  # (an id deleted since: skipped)
             held = self._items.get(response_id)
             if held is not None and held.expires == expires:
                 del self._items[response_id]

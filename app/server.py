@@ -134,7 +134,8 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
     app.add_middleware(
         CrossOriginGuard,
         allowed=settings.cors_allowlist,
-        own_hosts_checked="*" not in settings.host_allowlist,
+        # with a key a rebound page cannot call it anyway: its own /docs page may
+        own_hosts_checked="*" not in settings.host_allowlist or bool(settings.api_key),
     )
     if settings.cors_allowlist:
         app.add_middleware(

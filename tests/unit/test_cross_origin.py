@@ -120,6 +120,13 @@ def test_a_rebound_name_is_not_the_servers_own_page_when_any_host_is_answered():
         r = httpx.post(url + CHAT, json=chat(), headers=rebound)
         assert r.status_code == 403 and "--allowed-hosts" in r.json()["error"]["message"]
         assert httpx.post(url + CHAT, json=chat()).status_code == 200  # no Origin: no page
+    keyed = Settings(_env_file=None, host="0.0.0.0", api_key="k")
+    app = create_app(keyed, lambda s, r: FakeEngine(s, r, eos_after=2))
+    with serve_app(app) as url:  # a rebound page cannot send the key: its own /docs can
+        port = url.rsplit(":", 1)[1]
+        own = {"Host": f"kv.lan:{port}", "Origin": f"http://kv.lan:{port}"}
+        headers = {**own, "Authorization": "Bearer k"}
+        assert httpx.post(url + CHAT, json=chat(), headers=headers).status_code == 200
     named = Settings(_env_file=None, host="0.0.0.0", allowed_hosts="kv.lan, 127.0.0.1")
     app = create_app(named, lambda s, r: FakeEngine(s, r, eos_after=2))
     with serve_app(app) as url:

@@ -93,6 +93,7 @@ def test_the_ttl_runs_from_the_store_and_an_entry_stored_again_keeps_its_new_one
     stored = store.get("a")
     assert stored is not None and stored.conversation()[0]["content"] == "y"
     now[0] = 15.0
+    assert not store.delete("a")  # past its TTL: nothing to delete (a 404)
     assert store.get("a") is None and store.nbytes == 0
 
 
