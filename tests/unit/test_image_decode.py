@@ -134,10 +134,21 @@ BAD_TIFF = bytes.fromhex(
 ) + bytes(140)
 
 
-def test_a_corrupt_image_whose_decoder_raises_anything_is_a_400():
-    # (TIFF is no longer read at all: refused before its decoder, still a 400)
-    with pytest.raises(APIError, match="corrupt|can read") as refused:
+def test_a_corrupt_image_whose_decoder_raises_anything_is_a_400(monkeypatch):
+    # that TIFF (TypeError in its decoder, a 500 once) is no longer read at all
+    with pytest.raises(APIError, match="can read") as refused:
         decode_image(BAD_TIFF, ImageLimits())
+    assert refused.value.status == 400
+    # a decoder of a format still read raising what it likes: a 400 too
+    buf = io.BytesIO()
+    Image.new("RGB", (6, 4)).save(buf, format="PNG")
+
+    def crafted(*_args, **_kwargs):
+        raise TypeError("a crafted file's decoder fault")
+
+    monkeypatch.setattr(Image.Image, "convert", crafted)
+    with pytest.raises(APIError, match="corrupt") as refused:
+        decode_image(buf.getvalue(), ImageLimits())
     assert refused.value.status == 400
 
 
