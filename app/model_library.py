@@ -372,7 +372,8 @@ def gguf_facts(path: Path) -> ModelFacts:
         active_params=params - expert_params + expert_params * per_token // experts
         if experts and per_token
         else params,
-        kv_bytes_per_token=layers * kv_heads * head_dim * 2 * 2,
+        # float16 KV beside quantized weights; float32 where norms stay float32
+        kv_bytes_per_token=layers * kv_heads * head_dim * 2 * _gguf_act_bytes(arch),
         context_length=arch_int("context_length", 4096),
         num_heads=heads,
         quant_bits=quant_bits or None,
@@ -380,6 +381,11 @@ def gguf_facts(path: Path) -> ModelFacts:
         why_unsupported=why or "",
         gpu_weights_bytes=gpu_bytes,
     )
+
+
+def _gguf_act_bytes(arch: str) -> int:
+    known = GGUF_ARCHS.get(arch)
+    return 4 if known is not None and known.float32_activations else 2
 
 
 def _gguf_problem(meta: dict[str, Any], arch: str, types: set[int], rope_freqs: bool) -> str | None:

@@ -56,6 +56,10 @@ class GGUFArch:
     block: dict[str, str]  # GGUF block tensor -> mlx-lm module path in the layer
     rope_traditional: bool = False
     norm_offset: float = 0.0  # subtracted from every *norm weight (gemma: 1)
+    # norms kept float32 beside quantized weights, so activations and KV are too:
+    # Gemma and Gemma 2 overflow float16 in their residual stream (mlx-lm clips it
+    # for Gemma 3 alone)
+    float32_activations: bool = False
     # extra config fields from the metadata: (meta, config so far) -> fields
     extra: Callable[[Meta, dict[str, Any]], dict[str, Any]] = field(default=lambda m, c: {})
 
@@ -105,8 +109,10 @@ ARCHS: dict[str, GGUFArch] = {
     "llama": GGUFArch("llama", LLAMA_BLOCK, rope_traditional=True, extra=_no_rope_scaling),
     "qwen2": GGUFArch("qwen2", LLAMA_BLOCK, extra=_no_rope_scaling),
     "qwen3": GGUFArch("qwen3", {**LLAMA_BLOCK, **QK_NORMS}, extra=_no_rope_scaling),
-    "gemma": GGUFArch("gemma", LLAMA_BLOCK, norm_offset=1.0),
-    "gemma2": GGUFArch("gemma2", GEMMA2_BLOCK, norm_offset=1.0, extra=_gemma2),
+    "gemma": GGUFArch("gemma", LLAMA_BLOCK, norm_offset=1.0, float32_activations=True),
+    "gemma2": GGUFArch(
+        "gemma2", GEMMA2_BLOCK, norm_offset=1.0, extra=_gemma2, float32_activations=True
+    ),
     "gemma3": GGUFArch("gemma3_text", {**GEMMA2_BLOCK, **QK_NORMS}, norm_offset=1.0, extra=_gemma3),
 }
 

@@ -217,7 +217,8 @@ def _convert_weights(
             if arch.norm_offset and prefix.endswith("norm"):
                 # llama.cpp stored Gemma's RMSNorm weights as 1 + w
                 value = (value.astype(mx.float32) - arch.norm_offset).astype(value.dtype)
-            out[f"{new_prefix}.weight"] = _float(value, dequantize)
+            keep = arch.float32_activations and prefix.endswith("norm")
+            out[f"{new_prefix}.weight"] = _float(value, dequantize, keep_float32=keep)
             continue
         biases = weights[f"{prefix}.biases"]
         in_dims = scales.shape[-1] * _GROUP_SIZE
@@ -239,13 +240,16 @@ def _convert_weights(
     return out, quant
 
 
-def _float(value: mx.array, dequantize: bool) -> mx.array:
+def _float(value: mx.array, dequantize: bool, keep_float32: bool = False) -> mx.array:
     """An unquantized tensor: float32 beside dequantized weights; float16 beside
     quantized ones, as their scales are (a float32 norm weight made every
-    activation after it, and the KV cache, float32: twice the KV fit priced)."""
+    activation after it, and the KV cache, float32: twice the KV fit priced),
+    unless ``keep_float32`` (GGUFArch.float32_activations)."""
     if dequantize:
         return value.astype(mx.float32)
-    return value.astype(mx.float16) if value.dtype == mx.float32 else value
+    if value.dtype == mx.float32 and not keep_float32:
+        return value.astype(mx.float16)
+    return value
 
 
 def cache_root() -> Path:

@@ -411,3 +411,16 @@ def test_a_llama_3_gguf_converts_with_its_rope_scaling(tmp_path, cache_dir, fact
     ids = mx.array([[5, 17, 99, 200, 3, 44, 7, 8, 9, 10, 11, 12]])
     assert mx.allclose(converted(ids), original(ids), atol=1e-4).item()
     assert converted.args.rope_scaling["factor"] == factor
+
+
+def test_gemma_and_gemma2_keep_float32_norms_beside_quantized_weights(tmp_path, cache_dir):
+    """Their residual stream overflows float16 (mlx-lm clips it for Gemma 3 only):
+    their norms, and so activations and KV, stay float32; other weights float16."""
+    gguf = tmp_path / "g2.gguf"
+    original = write_family_gguf(gguf, "gemma2")
+    converted, _ = load(str(convert_gguf(gguf, dequantize=False)))
+    flat = dict(tree_flatten(converted.parameters()))
+    assert all(v.dtype == mx.float32 for k, v in flat.items() if k.endswith("norm.weight"))
+    assert flat["model.layers.0.self_attn.q_proj.weight"].dtype == mx.float16
+    ids = mx.array([[5, 17, 99, 200, 3, 44]])
+    assert mx.allclose(converted(ids).astype(mx.float32), original(ids), atol=0.05).item()
