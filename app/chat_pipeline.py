@@ -148,6 +148,29 @@ def forced_tool(name: str, tools: list[dict[str, Any]]) -> ToolChoice:
     return ToolChoice("required", name)
 
 
+def one_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """The leading system (and developer) messages as one, their texts joined by a
+    blank line; None when there are not two of them to join."""
+    n = 0
+    while n < len(messages) and messages[n].get("role") in ("system", "developer"):
+        n += 1
+    if n < 2:
+        return None
+    texts = [_text_of(m.get("content")) for m in messages[:n]]
+    joined = "\n\n".join(t for t in texts if t)
+    return [{"role": "system", "content": joined}, *messages[n:]]
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(
+            p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"
+        )
+    return ""
+
+
 def _template_kwargs(call: ChatCall, syntax: TextSyntax, thinking: bool) -> dict[str, Any]:
     kwargs: dict[str, Any] = {}
     if "preserve_thinking" in syntax.template_vars:
@@ -157,6 +180,8 @@ def _template_kwargs(call: ChatCall, syntax: TextSyntax, thinking: bool) -> dict
         kwargs["reasoning_effort"] = effort
     kwargs.update(call.template_kwargs)
     kwargs["enable_thinking"] = thinking
+    if "thinking" in syntax.template_vars:  # DeepSeek-V3.1's templates name it so
+        kwargs["thinking"] = thinking
     if call.tools:
         # shown even under tool_choice none / a named tool: the tools block is part of
         # the stable prefix every turn of the conversation reuses
@@ -288,14 +313,28 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
     scope = session_id_from(call.fields, headers, cache_key=False) or ""
     contexts = state.healing.contexts(messages, scope, _image_salts(messages, images, info.vision))
     healed = state.healing.heal_all(messages, contexts)
-    try:
-        rendered = info.formatter.render_chat(
-            healed,
+
+    def render(messages: list[dict[str, Any]]) -> Any:
+        return info.formatter.render_chat(
+            messages,
             relocate_volatile=relocate,
             count_only=call.count_only,
             image_placeholder=info.vision.placeholder if info.vision is not None else None,
             **kwargs,
         )
+
+    try:
+        try:
+            rendered = render(healed)
+        except AdmissionError:
+            raise
+        except Exception:
+            # Qwen3.5/3.6's template refuses a second system message ("System message
+            # must be at the beginning"), which Codex sends (instructions + developer)
+            merged = one_leading_system(healed)
+            if merged is None:
+                raise
+            rendered = render(merged)
     except AdmissionError:
         raise  # a prompt no context could hold: 400 context_length_exceeded
     except Exception as exc:  # jinja errors of the model's own template

@@ -151,6 +151,19 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
         "relocate_volatile",
         "count_only",
         "image_placeholder",
+        # the tokenizer's special tokens and the template's globals: a client's value
+        # wrote control tokens where the template itself puts them
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "sep_token",
+        "pad_token",
+        "cls_token",
+        "mask_token",
+        "additional_special_tokens",
+        "raise_exception",
+        "strftime_now",
+        "thinking",  # the thinking switch, as templates that read this name have it
     }
 )
 
