@@ -107,7 +107,10 @@ class BatchRunner:
         self.last_step_prefill = 0
         self.row_faults = 0  # rows failed alone (a fault of their own)
         self.recoveries = 0  # batches rebuilt after a step fault nobody owned
-        self._recovering = 0  # recoveries since the last good step
+        self._recovering = 0  # recoveries since the batch last decoded as a whole
+        # rows the last recovery re-admitted -> the tokens each must reach before the
+        # batch counts as decoding again (their prefills alone prove nothing)
+        self._readmitted: dict[int, int] = {}
         # decode steps by rows decoding together: index = batch size
         self.batch_sizes = [0] * (max_batch + 1)
 
@@ -424,7 +427,6 @@ class BatchRunner:
             return outputs + self._recover(exc)
         # the cost model learns the generator's step; an image's prefill is not one
         ran = time.perf_counter() - started - vision_s
-        self._recovering = 0
         failed = self._faulted_rows()
         prefill = self._account_prefill(prompt_responses, failed)
         self._observe(plan, prefill, ran)
@@ -464,6 +466,7 @@ class BatchRunner:
                 del cache
         self._read_logprobs(failed)
         outputs += self._fail_rows(failed, now)
+        self._count_recovered()
         self.timings.record(
             time.perf_counter() - started, self.last_step_prefill, plan.slice_tokens, plan.budgeted
         )
@@ -552,6 +555,22 @@ class BatchRunner:
         return outputs
 
     # -- a step fault nobody owned ---------------------------------------------
+    def _count_recovered(self) -> None:
+        """A recovery ends once every row it re-admitted has decoded past its
+        prefill (or left): reset after any good step, a fault that comes only when
+        rows decode together (their prefills pass) rebuilt the batch for ever, no
+        token out and no row failed."""
+        if not self._recovering:
+            return
+        rows = self._rows
+        self._readmitted = {
+            uid: target
+            for uid, target in self._readmitted.items()
+            if uid in rows and rows[uid].generated < target
+        }
+        if not self._readmitted:
+            self._recovering = 0
+
     def _recover(self, exc: Exception) -> list[RequestOutput]:
         """The batch's state is no longer trustworthy: rebuild it, try each row on
         its own (prefill + one decode step), fail the rows that fault alone and
@@ -572,6 +591,7 @@ class BatchRunner:
         self._rows.clear()
         self._uids.clear()
         self._prefilled.clear()
+        self._readmitted.clear()
         self.faults.clear()
         now = time.monotonic()
         outputs = []
@@ -596,6 +616,8 @@ class BatchRunner:
             rewind(row.sampler, row.generated, row.processors)
             uid = self._insert(row, [replay], cache, cached_tokens)
             self._prefilled[uid] = 0
+            # the token its prefill yields, then one decoded with the batch
+            self._readmitted[uid] = row.generated + 2
         if len(outputs) == len(rows) and not self._model_healthy():
             raise EngineFault(f"the model no longer runs: {type(exc).__name__}: {exc}") from exc
         return outputs

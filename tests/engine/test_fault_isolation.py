@@ -155,6 +155,29 @@ def test_a_fault_that_is_no_rows_kills_the_engine(byte_tokenizer):
             runner.step()
 
 
+class BatchOnlyFault(KVSumModel):
+    """Fails only when two rows or more decode together (the full batch's
+    allocation, say): every row's probe alone passes."""
+
+    def __call__(self, inputs: mx.array, cache=None, **kw) -> mx.array:
+        if inputs.shape[0] >= 2 and inputs.shape[1] == 1:
+            raise RuntimeError("[malloc] Unable to allocate (batch too big)")
+        return super().__call__(inputs, cache=cache, **kw)
+
+
+def test_a_fault_only_the_whole_batch_meets_is_no_endless_rebuild(byte_tokenizer):
+    """The recovery count was reset by any good step, and the re-admitted rows'
+    prefills are good steps: the batch was rebuilt for ever, nothing generated and
+    nothing failed, /health still ok."""
+    runner = make_runner(byte_tokenizer, BatchOnlyFault())
+    for r in good_requests(2):
+        runner.add(r)
+    with pytest.raises(EngineFault, match="keeps failing"):
+        for _ in range(300):
+            runner.step()
+    assert runner.recoveries <= 5
+
+
 class FlatPoisonedModel(PoisonedModel):
     """Nearly uniform logits: what a seeded row draws is pure chance."""
 
