@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import traceback
 from dataclasses import replace
 
 import mlx.core as mx
@@ -587,6 +588,7 @@ class BatchRunner:
         )
         if self._recovering > MAX_RECOVERIES:
             raise EngineFault(f"the batch keeps failing: {type(exc).__name__}: {exc}") from exc
+        self._drop_generator(exc)
         self._generator = self._new_generator(self._max_batch, self._prefill_rows)
         self._rows.clear()
         self._uids.clear()
@@ -621,6 +623,20 @@ class BatchRunner:
         if len(outputs) == len(rows) and not self._model_healthy():
             raise EngineFault(f"the model no longer runs: {type(exc).__name__}: {exc}") from exc
         return outputs
+
+    def _drop_generator(self, exc: Exception) -> None:
+        """Free the failed batch before its rows are probed and replayed: the
+        fault's traceback still held its generator (every row's KV) through the
+        probes, the whole batch's memory beside the rebuilt one's; and closed,
+        it no longer resets Metal's wired limit when collected later."""
+        old = self._generator
+        try:
+            old.close()
+        except Exception:  # noqa: BLE001 - it failed already; what matters is its memory
+            log.debug("closing the failed batch raised", exc_info=True)
+        del old
+        traceback.clear_frames(exc.__traceback__)
+        mx.clear_cache()
 
     def _replay(self, row: Row) -> tuple[list[int], list | None, list[int] | None]:
         """The row from scratch: what to prefill (its prompt and what it generated

@@ -227,3 +227,25 @@ def test_a_penalised_row_generates_the_same_tokens_through_a_recovery(byte_token
     alone = run(None)
     assert len(alone) == 30 and len(set(alone)) > 5  # the penalties steer it
     assert run(rogue_at=5) == alone
+
+
+def test_the_failed_batch_is_freed_before_its_rows_are_probed(byte_tokenizer):
+    """The fault's traceback kept the failed generator (and every row's KV) alive
+    through the probes and replays: the whole batch's memory beside the new one's."""
+    import gc
+    import weakref
+
+    runner = make_runner(byte_tokenizer, PoisonedModel())
+    failed = weakref.ref(runner._generator)  # noqa: SLF001 - the batch that will fail
+    alive_during_probe: list[bool] = []
+    probe = runner._probe  # noqa: SLF001
+
+    def watched(row):
+        gc.collect()
+        alive_during_probe.append(failed() is not None)
+        return probe(row)
+
+    runner._probe = watched  # noqa: SLF001
+    rogue = Request([3, POISON, 5], max_tokens=9, sampling=GREEDY, request_id="rogue")
+    drive(runner, [*good_requests(), rogue])
+    assert alive_during_probe and not any(alive_during_probe)
