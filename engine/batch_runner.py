@@ -32,6 +32,7 @@ from engine.batch_rows import Row, Waiting
 from engine.fast_detok import detokenizer_factory
 from engine.lora import AdapterTag
 from engine.mrope import positioned
+from engine.penalties import OutputPenalties
 from engine.row_faults import FaultLedger, GuardedProcessor
 from engine.sampling import SamplerFactory, rewind
 from engine.text_output import TextOutput
@@ -244,6 +245,13 @@ class BatchRunner:
 
     def _insert(self, row: Row, segments, cache, cached_tokens, generator=None) -> int:
         request = row.request
+        # the generator's token context: what the cache holds, then these segments;
+        # the row's generated tokens (replayed after a recovery) are its last ones
+        context = len(cached_tokens or ()) + sum(len(s) for s in segments)
+        for processor in row.processors:
+            inner = getattr(processor, "inner", processor)
+            if isinstance(inner, OutputPenalties):
+                inner.rebase(context - row.generated)
         # the row's caches end with its adapter tag: it follows the row through the batch
         kv = list(cache) if cache is not None else make_prompt_cache(self.model)
         if self.vision is not None and self.vision.merge is not None:

@@ -54,6 +54,13 @@ class OutputPenalties:
     def restart(self) -> None:
         self._counts.restart()
 
+    def rebase(self, start: int) -> None:
+        """Generated tokens begin at ``start`` of the tokens the generator hands
+        over: a prefix hit's context is the stored entry's tokens, whose stepped-over
+        volatile span may be longer or shorter than the request's own."""
+        self._counts.start = start
+        self._counts.restart()
+
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         counts = self._counts.update(tokens, logits.shape[-1])
         if counts is None:

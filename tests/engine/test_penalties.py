@@ -109,3 +109,56 @@ def test_a_row_asking_for_logprobs_normalises_in_float32():
     assert out.dtype == mx.float32 and out[0, 3].item() == 1.0
     plain = SamplerFactory.logits_processors(params, 0)
     assert plain[0](mx.array([1]), logits).dtype == mx.bfloat16
+
+
+def test_after_a_hit_whose_stale_span_is_longer_only_generated_tokens_are_counted(
+    tokenizer, monkeypatch
+):
+    """Penalties began counting at the request's prompt length, but a hit's token
+    context is the stored entry's, whose stepped-over volatile span may be longer:
+    the prompt's last token was penalised as if generated."""
+    import engine.batch_runner as runner_module
+    from scheduler.request import CacheHints
+
+    model = KVSumModel()
+    prompt = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
+    entry = [40, 41, 42, 90, 91, 92, 93, 47]  # its volatile span one token longer
+
+    def hit(_cache, row):
+        row.cached, row.kv_offset = 7, 8  # 7 request tokens reused, 8 positions of KV
+        kv = model.make_cache()
+        model(mx.array([entry]), cache=kv)
+        return kv, entry
+
+    monkeypatch.setattr(runner_module.row_kv, "start_from_cache", hit)
+    monkeypatch.setattr(runner_module.row_kv, "checkpoints", lambda *a, **k: [])
+    monkeypatch.setattr(runner_module.row_kv, "store_final", lambda *a, **k: None)
+    first: list[tuple[int, mx.array | None]] = []
+    call = OutputPenalties.__call__
+
+    def watched(self, tokens, logits):
+        out = call(self, tokens, logits)
+        if not first:
+            first.append((len(tokens), self._counts.counts))  # noqa: SLF001
+        return out
+
+    monkeypatch.setattr(OutputPenalties, "__call__", watched)
+
+    class NoStore:
+        def release(self, *_):
+            pass
+
+        def poll(self):
+            pass
+
+    runner = BatchRunner(
+        model, tokenizer, max_batch=2, prefill_step_size=8, prefill_batch=2, prefix_cache=NoStore()
+    )
+    params = SamplingParams(temperature=0.0, presence_penalty=1.5)
+    hints = CacheHints(key=None, session_id="s")
+    runner.add(Request(prompt, 3, params, ignore_eos=True, request_id="a", cache=hints))
+    while runner.active:
+        runner.step()
+    context, counts = first[0]
+    assert context == len(entry) + len(prompt) - 7  # the entry's tokens, then the rest
+    assert counts is None  # nothing generated yet: nothing counted
