@@ -387,12 +387,8 @@ class BatchRunner:
                 ran.append((done - before, row.kv_depth(before)))
             self.last_step_prefill += done - before
             self._prefilled[resp.uid] = done
-            try:
-                if row.checkpoints and done == row.checkpoints[0] and resp.end_of_segment:
-                    ((caches, _),) = self._generator.extract_cache([resp.uid]).values()
-                    row_kv.store_checkpoint(self.prefix_cache, row, caches)
-            except Exception as exc:  # noqa: BLE001 - the row's own cache
-                failed.setdefault(resp.uid, f"{type(exc).__name__}: {exc}")
+            if row.checkpoints and done == row.checkpoints[0] and resp.end_of_segment:
+                self._store_checkpoint(resp.uid, row, failed)
             if resp.end_of_prompt:
                 del self._prefilled[resp.uid]
                 self._release(row)
@@ -541,6 +537,21 @@ class BatchRunner:
             return
         for (out, _), entry in zip(asked, entries):
             out.logprobs = (entry,)
+
+    def _store_checkpoint(self, uid: int, row: Row, failed: dict[int, str]) -> None:
+        """The prompt's KV so far, kept: reading it out of the batch is the row's
+        (a fault there fails it); keeping it is the cache's, and a store that fails
+        costs a later hit, never this request (it failed every request that reached
+        a checkpoint)."""
+        try:
+            ((caches, _),) = self._generator.extract_cache([uid]).values()
+        except Exception as exc:  # noqa: BLE001 - the row's own cache
+            failed.setdefault(uid, f"{type(exc).__name__}: {exc}")
+            return
+        try:
+            row_kv.store_checkpoint(self.prefix_cache, row, caches)
+        except Exception:  # noqa: BLE001
+            log.exception("%s: checkpoint KV not stored", row.request.request_id)
 
     def _store_quietly(self, row: Row, caches, all_tokens) -> None:
         """A reply already delivered must not fail because its KV could not be kept."""

@@ -162,9 +162,11 @@ def test_a_watchdog_cut_delivers_its_text_and_stores_nothing_past_the_prompt(tin
     assert cached < len(req.prompt_tokens)
 
 
-def test_a_row_whose_cache_store_raises_fails_alone(tiny):
-    """A fault in storing one row's KV (its checkpoint mid-prefill) ends that row
-    with an error; the row beside it keeps exactly its own tokens."""
+@pytest.mark.parametrize("broken", ["store", "extract"])
+def test_a_checkpoint_the_cache_cannot_keep_costs_no_request(tiny, broken):
+    """A fault in storing a row's checkpoint (mid-prefill) failed the row: a store
+    bug then failed every request that reached a checkpoint. Reading the KV out of
+    the batch is the row's: a fault there ends that row alone."""
     rogue_messages = [{"role": "system", "content": "Rogue system prompt. " * 12}]
     rogue_messages.append({"role": "user", "content": "question number 0: what now?"})
     alone_h = Harness(tiny, VolatilePolicy.STRICT)
@@ -172,24 +174,37 @@ def test_a_row_whose_cache_store_raises_fails_alone(tiny):
     h = Harness(tiny, VolatilePolicy.STRICT)
     rogue = h.request(rogue_messages, session="rogue")
     good = h.request(conversation(turns=1), session="good")
-    store = h.cache.store
+    store, generator = h.cache.store, h.runner._generator  # noqa: SLF001
+    extract = generator.extract_cache
 
     def failing_store(key, *args, **kwargs):
         if list(key.model_tokens[:8]) == list(rogue.prompt_tokens[:8]):
             raise OSError("no space left on device")
         return store(key, *args, **kwargs)
 
-    h.cache.store = failing_store
+    def failing_extract(uids):
+        rows = h.runner._rows  # noqa: SLF001
+        if any(rows[u].request.request_id == rogue.request_id for u in uids if u in rows):
+            raise RuntimeError("cannot read the row's KV")
+        return extract(uids)
+
+    if broken == "store":
+        h.cache.store = failing_store
+    else:
+        generator.extract_cache = failing_extract
     h.runner.add(rogue)
     h.runner.add(good)
     outs: dict[str, list] = {rogue.request_id: [], good.request_id: []}
     while h.runner.active:
         for out in h.runner.step():
             outs[out.request_id].append(out)
-    assert outs[rogue.request_id][-1].finish_reason.value == "error"
-    assert "no space left on device" in outs[rogue.request_id][-1].error
+    last = outs[rogue.request_id][-1]
+    if broken == "store":
+        assert last.finish_reason.value != "error" and h.runner.row_faults == 0
+    else:
+        assert last.finish_reason.value == "error" and "cannot read" in last.error
+        assert h.runner.row_faults == 1
     assert [t for o in outs[good.request_id] for t in o.token_ids] == alone
-    assert h.runner.row_faults == 1
 
 
 def test_a_hit_whose_row_cannot_start_lets_go_of_its_entry(tiny, monkeypatch):
