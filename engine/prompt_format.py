@@ -35,6 +35,7 @@ from engine.chat_render import (
     token_range,
 )
 from engine.chat_template import ChatTemplate
+from engine.control_tokens import ControlTokens
 from kvcache.healing import canonical_tool_calls
 from kvcache.prompt_key import PromptKey, RenderedPrompt, token_spans
 from kvcache.volatile_rules import (
@@ -70,6 +71,7 @@ class ChatFormatter:
         self._tokenizer = tokenizer
         self._hf = getattr(tokenizer, "_tokenizer", tokenizer)
         self._render = ChatTemplate(tokenizer)
+        self._control = ControlTokens.of(self._hf)
         self._encoder = OffsetEncoder(self._hf, self._sample_text())
         self._snapshots = SnapshotStore()
         self._context_length = context_length
@@ -115,7 +117,9 @@ class ChatFormatter:
         image_placeholder: str | None = None,
         **template_kwargs: Any,
     ) -> RenderedPrompt:
-        messages = [dict(m) for m in messages]
+        # what a client wrote is text, never turn boundaries (engine.control_tokens)
+        messages = self._control.messages([dict(m) for m in messages], keep=image_placeholder)
+        template_kwargs = self._control.plain(template_kwargs)  # tools, a client's kwargs
         if relocate_volatile:
             contents = relocate_volatile_lines(
                 [m.get("content") for m in messages],

@@ -97,7 +97,9 @@ def request(vlm, text: str, *urls: str, max_tokens: int = 6, video: str | None =
     messages, images = resolve_images(
         [{"role": "user", "content": parts}], front, ImageLimits(video_frames=3), False
     )
-    key, prompt, inputs = attach_images(fmt.render_chat(messages).key, images, front)
+    key, prompt, inputs = attach_images(
+        fmt.render_chat(messages, image_placeholder=front.placeholder).key, images, front
+    )
     return Request(
         prompt,
         max_tokens,
@@ -475,7 +477,9 @@ def test_text_before_an_image_is_prefilled_within_the_step_budget(vlm, monkeypat
         messages, images = resolve_images(
             [{"role": "user", "content": parts}], front, ImageLimits(), False
         )
-        key, prompt, inputs = attach_images(fmt.render_chat(messages).key, images, front)
+        key, prompt, inputs = attach_images(
+            fmt.render_chat(messages, image_placeholder=front.placeholder).key, images, front
+        )
         return Request(prompt, 6, SamplingParams(temperature=0.0), images=inputs)
 
     req = screenshot_request()
