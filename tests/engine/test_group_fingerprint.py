@@ -51,6 +51,7 @@ def test_kv_kept_across_restarts_is_keyed_by_every_byte_of_the_weights(tmp_path)
     the two ends of a weight file (a fused LoRA) gets its own, where the sampled
     fingerprint gave both one and the base's KV was served as the tune's."""
     import os
+    import time
 
     from engine.loader import kv_namespace
     from kvcache.layout import KVLayout
@@ -68,13 +69,28 @@ def test_kv_kept_across_restarts_is_keyed_by_every_byte_of_the_weights(tmp_path)
     assert kv_namespace(copy(base, tmp_path / "copy"), layout, memo) == kv_namespace(
         base, layout, memo
     )
-    # each file is read once: the digest is remembered by path, size, mtime and inode
-    stat = weights.stat()
-    named = kv_namespace(tuned, layout, memo)
-    raw[len(raw) // 2] ^= 1
-    with open(weights, "r+b") as f:  # in place: the same inode and size
-        f.write(bytes(raw))
-    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert kv_namespace(tuned, layout, memo) == named
-    os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # touched: read again
-    assert kv_namespace(tuned, layout, memo) == kv_namespace(base, layout, memo)
+    # each file is read once: the digest is remembered by path, size, times and inode
+    import engine.file_digest as file_digest
+
+    hashed: list[int] = []
+    sha256 = file_digest.hashlib.sha256
+
+    def counting(*args):
+        hashed.append(1)
+        return sha256(*args)
+
+    file_digest.hashlib.sha256 = counting  # type: ignore[assignment]
+    try:
+        stat = weights.stat()
+        named = kv_namespace(tuned, layout, memo)
+        assert kv_namespace(tuned, layout, memo) == named and not hashed  # remembered
+        raw[len(raw) // 2] ^= 1
+        time.sleep(0.05)  # past the file system clock's tick: a change time of its own
+        with open(weights, "r+b") as f:  # in place: the same inode and size
+            f.write(bytes(raw))
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # and its old mtime
+        # its change time tells: read again (it was the old digest, naming new bytes)
+        assert kv_namespace(tuned, layout, memo) == kv_namespace(base, layout, memo)
+        assert hashed
+    finally:
+        file_digest.hashlib.sha256 = sha256  # type: ignore[assignment]
