@@ -116,6 +116,8 @@ def locate(
         if end is None:
             end = _cumulative_end(render, messages, k, kwargs, text, pos, spent > budget)
             if end is None:
+                end = _end_before_next(render, messages, k, kwargs, text, pos, spent > budget)
+            if end is None:
                 walk.stopped = True
                 break
             spent += end  # the rendering's length
@@ -147,6 +149,11 @@ def _probes(
         ladder.append((messages[k - 2 : k], bare))
     if kwargs.get("tools"):
         ladder.append((messages[max(0, k - 2) : k], kwargs))
+    # templates that refuse a rendering with no user query (Qwen3.5/3.6): the
+    # latest user message before k leads the context (as it does in the full one)
+    query = next((i for i in range(k - 1, -1, -1) if messages[i].get("role") == "user"), None)
+    if query is not None and query < k - 2:
+        ladder.append(([messages[query], *messages[k - 1 : k]], bare))
     for context, kw in ladder:
         probe = [*context, messages[k]]
         try:
@@ -165,6 +172,37 @@ def _prompt_follows(render: Render, probe: _Probe, text: str, end: int) -> bool:
     except Exception:  # noqa: BLE001
         return False
     return prompted.startswith(probe.rendered) and text[end:] == prompted[len(probe.rendered) :]
+
+
+def _end_before_next(
+    render: Render,
+    messages: Sequence[dict[str, Any]],
+    k: int,
+    kwargs: dict[str, Any],
+    text: str,
+    pos: int,
+    over_budget: bool,
+) -> int | None:
+    """End of message k where no rendering ending with it exists (a system message
+    alone: "No user query found"): where message k + 1's own rendering begins in
+    the rendering that ends with it. None when that does not tell."""
+    if over_budget or k + 1 >= len(messages):
+        return None
+    try:
+        render(messages[: k + 1], False, kwargs)
+    except Exception:  # noqa: BLE001 - refused: placed by what follows it
+        pass
+    else:
+        return None  # it renders, unlike the whole: the template rewrites it, placing stops
+    try:
+        both = render(messages[: k + 2], False, kwargs)
+        after = render(messages[k + 1 : k + 2], False, kwargs)
+    except Exception:  # noqa: BLE001
+        return None
+    end = len(both) - len(after)
+    if not after or end < pos or not both.endswith(after) or not text.startswith(both):
+        return None
+    return end
 
 
 def _cumulative_end(

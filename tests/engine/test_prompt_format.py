@@ -671,3 +671,49 @@ def test_control_tokens_a_client_writes_are_text_not_turn_boundaries(tokenizers)
     ids = formatter.render_chat(reply).key.model_tokens
     plain = formatter.render_chat([reply[0], {"role": "assistant", "content": "a"}])
     assert sum(t == im_start for t in ids) == sum(t == im_start for t in plain.key.model_tokens) + 1
+
+
+# Qwen3.5/3.6's guards: no rendering without a user query, no system message but first
+QWEN35_GUARDS = (
+    "{%- set ns = namespace(query=-1) %}"
+    "{%- for m in messages %}{% if m.role == 'user' %}{% set ns.query = loop.index0 %}"
+    "{% endif %}{% endfor %}"
+    "{%- if ns.query < 0 %}{{ raise_exception('No user query found in messages.') }}{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' and not loop.first %}"
+    "{{ raise_exception('System message must be at the beginning.') }}{% endif %}"
+    "{%- if m.role == 'assistant' %}<|im_start|>assistant\n"
+    "{%- if loop.index0 > ns.query %}<think>\n{{ m.reasoning_content or '' }}\n</think>\n\n"
+    "{%- endif %}{{ m.content }}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_refusing_renderings_without_a_user_query_still_places_every_message(
+    smollm2_dir, tmp_path
+):
+    """A system message alone cannot render there, so placing stopped at message 0:
+    no message ends, no checkpoints, every turn of a hybrid model a cold prefill.
+    Tool turns past the query were placed only by cumulative renders, until their
+    budget ran out."""
+    config = json.loads((smollm2_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer.json").write_text((smollm2_dir / "tokenizer.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": QWEN35_GUARDS})
+    )
+    tok = load_tokenizer(tmp_path)
+    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "do it"}]
+    for i in range(60):
+        messages.append({"role": "assistant", "content": f"step {i}"})
+        messages.append({"role": "tool", "content": "x" * 500 + f" result {i}"})
+    rendered = ChatFormatter(tok, 1 << 20).render_chat(messages)
+    ends = rendered.key.message_ends
+    assert len(ends) == len(messages)
+    ids = rendered.key.model_tokens
+    assert tok.decode(ids[: ends[0]]) == "<|im_start|>system\nsys<|im_end|>\n"
+    first_reply = tok.decode(ids[ends[1] : ends[2]])
+    assert first_reply.startswith("<|im_start|>assistant") and "step 0" in first_reply
+    pieces = [tok.decode(ids[a:b]).rstrip("\n") for a, b in zip(ends, ends[1:])]
+    assert all(p.startswith("<|im_start|>") and p.endswith("<|im_end|>") for p in pieces)
