@@ -20,6 +20,7 @@ from mlx_lm.tokenizer_utils import (
     _byte_decoder,
 )
 
+from engine.emitted_text import EmittedText
 from engine.window_detok import WindowDetokenizer
 
 SPACE = 32
@@ -44,30 +45,25 @@ class TableBPEDetokenizer(BPEStreamingDetokenizer):
         self.tokens = []
         self._unflushed = ""  # held tokens' strings, for mlx-lm's finalize
         self._held = b""  # held tokens' bytes (an incomplete character, a lone space)
-        self._parts: list[str] = []  # every piece emitted, none empty
-        self._segment = ""  # emitted, not yet read
+        self._out = EmittedText()
 
     @property  # type: ignore[override]
     def text(self) -> str:
-        if len(self._parts) > 1:
-            self._parts[:] = ["".join(self._parts)]
-        return self._parts[0] if self._parts else ""
+        return self._out.text
 
     @property
     def last_segment(self) -> str:
-        segment, self._segment = self._segment, ""
-        return segment
+        return self._out.take()
 
     def _maybe_trim_space(self, current_text: str) -> str:
-        if current_text[:1] == " " and not self._parts:
+        if current_text[:1] == " " and not self._out:
             return current_text[1:]
         return current_text
 
     def push(self, token: int) -> str:
         """Add ``token``; the text it completes (what ``last_segment`` would give)."""
         self.add_token(token)
-        segment, self._segment = self._segment, ""
-        return segment
+        return self._out.take()
 
     def add_token(self, token: int) -> None:
         self.tokens.append(token)
@@ -83,19 +79,14 @@ class TableBPEDetokenizer(BPEStreamingDetokenizer):
             return
         self._held = b""
         self._unflushed = ""
-        self._emit(self._maybe_trim_space(text) if not self._parts else text)
+        self._out.emit(self._maybe_trim_space(text) if not self._out else text)
 
     def finalize(self) -> None:
         decoder = _byte_decoder()  # mlx-lm's finalize, exactly (its strict byte map)
         current = bytearray(decoder[c] for c in self._unflushed).decode("utf-8", "replace")
         self._unflushed = ""
         self._held = b""
-        self._emit(self._maybe_trim_space(current))
-
-    def _emit(self, piece: str) -> None:
-        if piece:
-            self._parts.append(piece)
-            self._segment += piece
+        self._out.emit(self._maybe_trim_space(current))
 
 
 def bpe_token_bytes(token: str) -> bytes:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from engine.emitted_text import EmittedText
+
 CONTEXT = 4  # tokens decoded before the new ones, never emitted again
 WINDOW = 16  # tokens a window may reach before it restarts from its last CONTEXT
 MAX_HELD = 8  # tokens held for an incomplete character before real U+FFFDs are looked for
@@ -40,24 +42,20 @@ class WindowDetokenizer:
         self._start = 0  # the window's first token
         self._done = 0  # characters of the window's text already emitted (or context)
         self._emitted_at = 0  # tokens when text was last emitted
-        self._parts: list[str] = []
-        self._segment = ""
+        self._out = EmittedText()
 
     @property
     def text(self) -> str:
-        if len(self._parts) > 1:
-            self._parts[:] = ["".join(self._parts)]
-        return self._parts[0] if self._parts else ""
+        return self._out.text
 
     @property
     def last_segment(self) -> str:
-        segment, self._segment = self._segment, ""
-        return segment
+        return self._out.take()
 
     def push(self, token: int) -> str:
         """Add ``token``; the text it completes (what ``last_segment`` would give)."""
         self.add_token(token)
-        return self.last_segment
+        return self._out.take()
 
     def add_token(self, token: int) -> None:
         self.tokens.append(token)
@@ -76,7 +74,7 @@ class WindowDetokenizer:
             before = self._tokenizer.decode(self.tokens[self._start : n - 1])
             held = 1 if len(before) == safe else None
         if safe > self._done:
-            self._emit(window[self._done : safe])
+            self._out.emit(window[self._done : safe])
             self._done = safe
             self._emitted_at = n
         if held is not None and n - self._start >= WINDOW:
@@ -101,11 +99,7 @@ class WindowDetokenizer:
     def finalize(self) -> None:
         window = self._tokenizer.decode(self.tokens[self._start :])
         if len(window) > self._done:
-            self._emit(window[self._done :])
+            self._out.emit(window[self._done :])
         self._start = len(self.tokens)
         self._done = 0
         self._emitted_at = len(self.tokens)
-
-    def _emit(self, piece: str) -> None:
-        self._parts.append(piece)
-        self._segment += piece

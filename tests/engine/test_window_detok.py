@@ -46,6 +46,18 @@ def metaspace(tmp_path_factory):
     return wrapper
 
 
+class Counting:
+    """A tokenizer's decode that remembers the longest run of ids it was given."""
+
+    def __init__(self, hf):
+        self.hf = hf
+        self.longest = 0
+
+    def decode(self, ids):
+        self.longest = max(self.longest, len(ids))
+        return self.hf.decode(ids)
+
+
 def stream(make, tokens: list[int]) -> tuple[list[str], str]:
     out = TextOutput(make(), ())
     deltas = [out.add_token(t) for t in tokens]
@@ -74,21 +86,15 @@ def test_each_token_decodes_a_bounded_window_however_long_the_line(naive_bytes):
     """mlx-lm's naive detokenizer decoded the whole line per token: 5 s of
     engine-thread time for 8k tokens without a newline."""
     hf = naive_bytes._tokenizer
-    longest = [0]
-
-    class Counting:
-        def decode(self, ids):
-            longest[0] = max(longest[0], len(ids))
-            return hf.decode(ids)
-
+    counting = Counting(hf)
     text = "ab" * 3000 + "\ufffd" * 1000 + "日本" * 500
     tokens = naive_bytes.encode(text, add_special_tokens=False)
-    detok = WindowDetokenizer(Counting(), clean_spaces=False)
+    detok = WindowDetokenizer(counting, clean_spaces=False)
     for t in tokens:
         detok.add_token(t)
     detok.finalize()
     assert detok.text == hf.decode(tokens)
-    assert longest[0] <= WINDOW + MAX_HELD
+    assert counting.longest <= WINDOW + MAX_HELD
 
 
 def test_a_real_replacement_character_is_streamed_not_held_to_the_end(naive_bytes):
@@ -104,17 +110,11 @@ def test_a_run_of_spaces_held_for_clean_up_still_restarts_the_window(metaspace):
     """A trailing space held (the tokenizer cleans "a ," into "a,") kept the window
     from restarting: a model looping on spaces decoded the whole run per token."""
     hf = metaspace._tokenizer
-    longest = [0]
-
-    class Counting:
-        def decode(self, ids):
-            longest[0] = max(longest[0], len(ids))
-            return hf.decode(ids)
-
+    counting = Counting(hf)
     ids = [2] + [1] * 2000 + [3]  # "hello", 2,000 spaces, "world"
-    detok = WindowDetokenizer(Counting(), clean_spaces=True)
+    detok = WindowDetokenizer(counting, clean_spaces=True)
     for t in ids:
         detok.add_token(t)
     detok.finalize()
     assert detok.text == hf.decode(ids)
-    assert longest[0] <= WINDOW + MAX_HELD
+    assert counting.longest <= WINDOW + MAX_HELD
