@@ -116,8 +116,6 @@ def locate(
         if end is None:
             end = _cumulative_end(render, messages, k, kwargs, text, pos, spent > budget)
             if end is None:
-                end = _end_before_next(render, messages, k, kwargs, text, pos, spent > budget)
-            if end is None:
                 walk.stopped = True
                 break
             spent += end  # the rendering's length
@@ -175,32 +173,20 @@ def _prompt_follows(render: Render, probe: _Probe, text: str, end: int) -> bool:
 
 
 def _end_before_next(
-    render: Render,
-    messages: Sequence[dict[str, Any]],
-    k: int,
-    kwargs: dict[str, Any],
-    text: str,
-    pos: int,
-    over_budget: bool,
+    render: Render, messages: Sequence[dict[str, Any]], k: int, kwargs: dict[str, Any], text: str
 ) -> int | None:
-    """End of message k where no rendering ending with it exists (a system message
-    alone: "No user query found"): where message k + 1's own rendering begins in
-    the rendering that ends with it. None when that does not tell."""
-    if over_budget or k + 1 >= len(messages):
+    """End of message k where the template refuses every rendering ending with it
+    (a system message alone: "No user query found"): where message k + 1's own
+    rendering begins in the rendering that ends with it. None when that does not tell."""
+    if k + 1 >= len(messages):
         return None
-    try:
-        render(messages[: k + 1], False, kwargs)
-    except Exception:  # noqa: BLE001 - refused: placed by what follows it
-        pass
-    else:
-        return None  # it renders, unlike the whole: the template rewrites it, placing stops
     try:
         both = render(messages[: k + 2], False, kwargs)
         after = render(messages[k + 1 : k + 2], False, kwargs)
     except Exception:  # noqa: BLE001
         return None
     end = len(both) - len(after)
-    if not after or end < pos or not both.endswith(after) or not text.startswith(both):
+    if not after or not both.endswith(after) or not text.startswith(both):
         return None
     return end
 
@@ -220,8 +206,9 @@ def _cumulative_end(
         return None
     try:
         partial = render(messages[: k + 1], False, kwargs)
-    except Exception:  # noqa: BLE001 - e.g. templates that demand a user turn
-        return None
+    except Exception:  # noqa: BLE001 - templates that demand a user turn (Qwen3.5)
+        end = _end_before_next(render, messages, k, kwargs, text)
+        return end if end is not None and end >= pos else None
     if len(partial) < pos or not text.startswith(partial):
         return None
     return len(partial)
