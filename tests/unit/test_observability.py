@@ -208,14 +208,17 @@ def test_cache_trace_files_are_written_off_the_callers_thread(tmp_path, monkeypa
 
 def test_cache_trace_files_stop_at_their_byte_limit_counting_earlier_runs(tmp_path, caplog):
     """A client choosing a new session id each request made a file each, without end."""
+    # one start time for all: time.time()'s repr varies in length, and a record a byte
+    # longer than the first made the count of files that fit a matter of chance
+    at = 1_795_000_000.5
     first = RequestLog(tmp_path, max_trace_bytes=10**6)
-    first.write(record(session="old"))
+    first.write(record(session="old", started_at=at))
     first.close()
     held = (tmp_path / "old.jsonl").stat().st_size
     log = RequestLog(tmp_path, max_trace_bytes=held * 3)  # a restart counts what is there
     with caplog.at_level(logging.WARNING, logger="kvwarm.request"):
         for i in range(10):
-            log.write(record(session=f"s{i}"))
+            log.write(record(session=f"s{i}", started_at=at))
     log.flush()
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["old.jsonl", "s0.jsonl", "s1.jsonl"]
@@ -223,7 +226,7 @@ def test_cache_trace_files_stop_at_their_byte_limit_counting_earlier_runs(tmp_pa
     assert sum("cache traces stopped" in m for m in caplog.messages) == 1
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kvwarm.request"):  # full at start: said
-        RequestLog(tmp_path, max_trace_bytes=held).write(record(session="s9"))
+        RequestLog(tmp_path, max_trace_bytes=held).write(record(session="s9", started_at=at))
     assert sum("cache traces stopped" in m for m in caplog.messages) == 1
     assert not (tmp_path / "s9.jsonl").exists()
 
