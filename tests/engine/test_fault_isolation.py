@@ -185,48 +185,37 @@ class FlatPoisonedModel(PoisonedModel):
         return super().__call__(inputs, cache=cache, **kw) * 0.001
 
 
+def _through_recovery(tokenizer, params: SamplingParams, rogue_at: int | None) -> list[int]:
+    """One row's 30 tokens, with a poisoned request joining at step ``rogue_at``
+    (one recovery then) or never."""
+    runner = make_runner(tokenizer, FlatPoisonedModel())
+    runner.add(Request([5, 6, 7], 30, sampling=params, ignore_eos=True, request_id="s"))
+    got: list[int] = []
+    for step in range(200):
+        if not runner.active:
+            break
+        if step == rogue_at:
+            runner.add(Request([3, POISON, 5], 5, sampling=GREEDY, request_id="rogue"))
+        got += [t for o in runner.step() if o.request_id == "s" for t in o.token_ids]
+    assert runner.recoveries == (0 if rogue_at is None else 1)
+    return got
+
+
 def test_a_seeded_row_draws_the_same_tokens_through_a_recovery(byte_tokenizer):
     seeded = SamplingParams(temperature=1.0, seed=1234)
-
-    def run(rogue_at: int | None) -> list[int]:
-        runner = make_runner(byte_tokenizer, FlatPoisonedModel())
-        runner.add(Request([5, 6, 7], 30, sampling=seeded, ignore_eos=True, request_id="s"))
-        got: list[int] = []
-        for step in range(200):
-            if not runner.active:
-                break
-            if step == rogue_at:
-                runner.add(Request([3, POISON, 5], 5, sampling=GREEDY, request_id="rogue"))
-            got += [t for o in runner.step() if o.request_id == "s" for t in o.token_ids]
-        assert runner.recoveries == (0 if rogue_at is None else 1)
-        return got
-
-    alone = run(None)
+    alone = _through_recovery(byte_tokenizer, seeded, None)
     assert len(alone) == 30 and len(set(alone)) > 5  # really sampled
-    assert run(rogue_at=5) == alone  # the probe and the lost step drew nothing of its own
+    # the probe and the lost step drew nothing of its own
+    assert _through_recovery(byte_tokenizer, seeded, rogue_at=5) == alone
 
 
 def test_a_penalised_row_generates_the_same_tokens_through_a_recovery(byte_tokenizer):
     """The probe and the lost step run a row's penalty processors on tokens it never
     keeps; re-admitted, its counts start again from its own context."""
     penalised = SamplingParams(temperature=0.0, frequency_penalty=0.002, presence_penalty=0.001)
-
-    def run(rogue_at: int | None) -> list[int]:
-        runner = make_runner(byte_tokenizer, FlatPoisonedModel())
-        runner.add(Request([5, 6, 7], 30, sampling=penalised, ignore_eos=True, request_id="p"))
-        got: list[int] = []
-        for step in range(200):
-            if not runner.active:
-                break
-            if step == rogue_at:
-                runner.add(Request([3, POISON, 5], 5, sampling=GREEDY, request_id="rogue"))
-            got += [t for o in runner.step() if o.request_id == "p" for t in o.token_ids]
-        assert runner.recoveries == (0 if rogue_at is None else 1)
-        return got
-
-    alone = run(None)
+    alone = _through_recovery(byte_tokenizer, penalised, None)
     assert len(alone) == 30 and len(set(alone)) > 5  # the penalties steer it
-    assert run(rogue_at=5) == alone
+    assert _through_recovery(byte_tokenizer, penalised, rogue_at=5) == alone
 
 
 def test_the_failed_batch_is_freed_before_its_rows_are_probed(byte_tokenizer):
