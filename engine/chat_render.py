@@ -32,7 +32,7 @@ from tokenizers import Tokenizer as FastTokenizer
 
 from kvcache.prompt_key import TokenSpan
 from kvcache.value_digest import value_digest as _digest
-from kvcache.volatile_rules import CharSpan, MessageSlice
+from kvcache.volatile_rules import CharSpan, MessageSlice, stricter
 
 log = logging.getLogger("kvwarm.prompt")
 
@@ -342,14 +342,14 @@ def token_range(tokens: Tokens, span: CharSpan) -> tuple[int, int, int]:
 def merge_ranges(ranges: Iterable[tuple[int, int, int]]) -> list[TokenSpan]:
     """Token spans from ``token_range``s in text order: exactly what
     ``kvcache.prompt_key.token_spans`` gives for monotone offsets (empty ones
-    vanish; ranges that touch or overlap merge, the first naming the rule)."""
+    vanish; ranges that touch or overlap merge, named by the stricter rule)."""
     out: list[TokenSpan] = []
     for start, end, rule in ranges:
         if end <= start:
             continue
         if out and start <= out[-1].end:
             last = out[-1]
-            out[-1] = TokenSpan(last.start, max(last.end, end), last.rule)
+            out[-1] = TokenSpan(last.start, max(last.end, end), stricter(last.rule, rule))
         else:
             out.append(TokenSpan(start, end, rule))
     return out

@@ -38,6 +38,7 @@ from engine.prompt_format import ChatFormatter
 from kvcache.healing import canonical_tool_calls
 from kvcache.prompt_key import PromptKey, RenderedPrompt, token_spans
 from kvcache.volatile_rules import (
+    RULES,
     CharSpan,
     MessageSlice,
     canonical_text,
@@ -262,14 +263,10 @@ agent_chats = st.tuples(
     st.lists(agent_turns, min_size=1, max_size=3),
 ).map(lambda t: t[0] + [m for turn in t[1] for m in turn])
 conversations = st.one_of(st.lists(messages_st, min_size=1, max_size=12), agent_chats)
-# derandomized: unseeded, one run in several drew a known failure of the incremental
-# path (``--hypothesis-seed=2`` on the plain template, present before 2026-11-28 #4 and
-# not yet fixed: a snapshot's volatile spans after an edit), failing CI at random
 EXAMPLES = settings(
     max_examples=30,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
-    derandomize=True,
 )
 
 
@@ -517,7 +514,9 @@ def offsets_and_spans(draw):
     ends = [max(ends[: i + 1]) for i in range(n)]  # monotone ends too
     cuts = sorted(set(draw(st.lists(st.integers(0, 70), max_size=12))))
     spans = [
-        CharSpan(a, b, draw(st.integers(0, 3))) for a, b in zip(cuts[::2], cuts[1::2]) if b > a
+        CharSpan(a, b, draw(st.integers(0, len(RULES) - 1)))
+        for a, b in zip(cuts[::2], cuts[1::2])
+        if b > a
     ]
     return list(zip(starts, ends)), spans
 
