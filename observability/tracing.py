@@ -11,6 +11,7 @@ with a bounded queue: a slow or absent collector drops spans, never requests.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 
@@ -43,11 +44,22 @@ def _endpoint(signal: str, env: Mapping[str, str]) -> str | None:
 
 
 def _interval_ms(value: str | None, default: float = 15000.0) -> float:
-    try:
-        return float(value) if value else default
-    except ValueError:
-        log.warning("OTEL_METRIC_EXPORT_INTERVAL=%r is not a number; using %d ms", value, default)
+    """The metric export interval: the SDK raises on 0 or a negative one (in the
+    startup hook: the server exited) and never exports with NaN or infinity."""
+    if not value:
         return default
+    try:
+        interval = float(value)
+    except ValueError:
+        interval = math.nan
+    if math.isfinite(interval) and interval > 0:
+        return interval
+    log.warning(
+        "OTEL_METRIC_EXPORT_INTERVAL=%r is not a positive number of ms; using %d ms",
+        value,
+        default,
+    )
+    return default
 
 
 class Tracing:

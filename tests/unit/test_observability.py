@@ -20,7 +20,7 @@ from observability.logging_setup import JsonFormatter
 from observability.metrics import Metrics, _batch_histogram
 from observability.records import RequestRecord, ServerSnapshot
 from observability.request_log import RequestLog
-from observability.tracing import Tracing
+from observability.tracing import Tracing, _interval_ms
 from scheduler.admission import AdmissionController, MemoryBudget
 from scheduler.contracts import EngineStats
 from scheduler.request import CacheReport, Request, RequestOutput, RequestStats
@@ -133,6 +133,23 @@ def test_otel_settings_that_turn_export_off():
     )
     assert only_metrics.describe() == "OTLP metrics"
     only_metrics.shutdown()
+
+
+@pytest.mark.parametrize("interval", ["0", "-5", "nan", "inf", "1e400"])
+def test_an_export_interval_the_sdk_refuses_falls_back_to_the_default(interval):
+    """The SDK raised on 0 or a negative interval inside the startup hook (the
+    server exited 3) and never exported with NaN: telemetry must not stop serving."""
+    tracing = Tracing(
+        env={
+            "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+            "OTEL_METRIC_EXPORT_INTERVAL": interval,
+        }
+    )
+    try:
+        assert tracing.describe() == "OTLP traces + metrics"
+        assert _interval_ms(interval) == 15000.0  # NaN: no error, and never an export
+    finally:
+        tracing.shutdown()
 
 
 def test_batch_size_histogram_from_step_counts():
