@@ -592,9 +592,9 @@ class BatchRunner:
             self._recovering = 0
 
     def _recover(self, exc: Exception) -> list[RequestOutput]:
-        """The batch's state is no longer trustworthy: rebuild it, try each row on
-        its own (prefill + one decode step), fail the rows that fault alone and
-        re-admit the others from their prompt and what they generated so far."""
+        """The batch's state is no longer trustworthy: rebuild it, try rows on their
+        own (prefill + one decode step), newest first, until one faults alone; fail
+        it and re-admit the others from their prompt and what they generated so far."""
         self.recoveries += 1
         self._recovering += 1
         rows = list(self._rows.values())
@@ -616,15 +616,21 @@ class BatchRunner:
         self.faults.clear()
         now = time.monotonic()
         outputs = []
-        for row in rows:
+        survivors = []
+        # the row that joined last is the likeliest culprit; once one is found the
+        # others go back unprobed (a probe prefills a row's whole context, and the
+        # replay does it again): should another fault, the next recovery finds it
+        for row in reversed(rows):
             self._release(row)
             row.checkpoints = []
-            error = self._probe(row)
-            if error is not None:
-                self.row_faults += 1
-                log.error("%s: failed alone in the engine: %s", row.request.request_id, error)
-                outputs.append(row.failure(now, error))
+            error = None if outputs else self._probe(row)
+            if error is None:
+                survivors.append(row)
                 continue
+            self.row_faults += 1
+            log.error("%s: failed alone in the engine: %s", row.request.request_id, error)
+            outputs.append(row.failure(now, error))
+        for row in reversed(survivors):
             # the KV is rebuilt from the request's own tokens, whatever a hit had reused
             row.kv_key = row.request.cache.key if row.request.cache else None
             replay, cache, cached_tokens = self._replay(row)
@@ -641,6 +647,11 @@ class BatchRunner:
             self._readmitted[uid] = row.generated + 2
         if len(outputs) == len(rows) and not self._model_healthy():
             raise EngineFault(f"the model no longer runs: {type(exc).__name__}: {exc}") from exc
+        if outputs:
+            # the fault has its owner: no endless rebuild, whatever comes next (a
+            # client retrying a bad request during a long replay took the engine down)
+            self._recovering = 0
+            self._readmitted.clear()
         return outputs
 
     def _drop_generator(self, exc: Exception) -> None:

@@ -178,6 +178,68 @@ def test_a_fault_only_the_whole_batch_meets_is_no_endless_rebuild(byte_tokenizer
     assert runner.recoveries <= 5
 
 
+def test_a_client_retrying_a_poisoned_request_never_takes_the_engine_down(byte_tokenizer):
+    """Each recovery that finds its culprit is over: the count of recoveries in a
+    row only grows while no probe attributes the fault. It grew until the re-admitted
+    rows had decoded again, so four retries of one bad request during a long replay
+    raised EngineFault and failed every agent's request."""
+    alone = drive(make_runner(byte_tokenizer), [_long_request()])
+    runner = make_runner(byte_tokenizer, PoisonedModel())
+    runner.add(_long_request())
+    seen: dict[str, list] = {}
+    added = 0
+    for step in range(400):
+        if not runner.active:
+            break
+        victim = runner.row("victim")
+        if added < 6 and step % 3 == 0 and victim is not None and victim.generated:
+            runner.add(Request([3, POISON, 5], 5, sampling=GREEDY, request_id=f"rogue{added}"))
+            added += 1
+        for out in runner.step():
+            seen.setdefault(out.request_id, []).append(out)
+    rogues = [rid for rid in seen if rid.startswith("rogue")]
+    assert len(rogues) == 6 and runner.recoveries == 6
+    assert all(seen[rid][-1].finish_reason is FinishReason.ERROR for rid in rogues)
+    assert tokens(seen["victim"]) == tokens(alone["victim"])
+
+
+def _long_request() -> Request:
+    return Request(
+        [5, 9, 13] * 60, max_tokens=40, sampling=GREEDY, ignore_eos=True, request_id="victim"
+    )
+
+
+class CountingPoisonedModel(PoisonedModel):
+    def __init__(self):
+        super().__init__()
+        self.positions = 0  # prompt positions run through the model, every row
+
+    def __call__(self, inputs: mx.array, cache=None, **kw) -> mx.array:
+        out = super().__call__(inputs, cache=cache, **kw)
+        self.positions += inputs.size
+        return out
+
+
+def test_a_recovery_that_finds_the_newcomer_at_fault_replays_the_others_once(byte_tokenizer):
+    """The request that joined last is probed first, and once a probe finds the
+    culprit the others are re-admitted unprobed: each bystander's whole context was
+    prefilled twice (a probe, then the replay), stalling every agent for minutes
+    at 10k-token contexts."""
+    clean = CountingPoisonedModel()
+    drive(make_runner(byte_tokenizer, clean), [_long_request()])
+    model = CountingPoisonedModel()
+    runner = make_runner(byte_tokenizer, model)
+    runner.add(_long_request())
+    while not runner.row("victim").generated:
+        runner.step()
+    runner.add(Request([3, POISON, 5], 5, sampling=GREEDY, request_id="rogue"))
+    seen = drive(runner, [])
+    assert seen["rogue"][-1].finish_reason is FinishReason.ERROR
+    assert runner.recoveries == 1
+    # one replay of the victim's prompt and what it had generated, not two
+    assert model.positions - clean.positions < 180 + 40
+
+
 class FlatPoisonedModel(PoisonedModel):
     """Nearly uniform logits: what a seeded row draws is pure chance."""
 
