@@ -320,7 +320,8 @@ def usage(done: Outcome) -> dict[str, int]:
 def tool_use_block(call: ToolCall) -> dict[str, Any]:
     return {
         "type": "tool_use",
-        "id": f"toolu_{uuid.uuid4().hex[:24]}",
+        # the model's own id where it wrote one: the next turn renders it back
+        "id": call.call_id or f"toolu_{uuid.uuid4().hex[:24]}",
         "name": call.name,
         "input": call.arguments_dict(),
     }

@@ -488,3 +488,28 @@ def test_message_start_reports_the_cache_read_already_known(monkeypatch):
     usage = first["message"]["usage"]
     assert first["type"] == "message_start" and usage["cache_read_input_tokens"] == 3
     assert usage["input_tokens"] > 0
+
+
+def test_a_call_id_the_model_wrote_is_the_tool_use_id():
+    """Chat and Responses kept the model's own id; Anthropic made a new toolu_ one,
+    so the next turn's history held an id the model never wrote (a template that
+    renders ids read different tokens: the previous reply's KV missed)."""
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}, "id": "abcDEF123"}'
+    app = create_app(
+        Settings(_env_file=None),
+        lambda s, r: FakeEngine(s, r, script=lambda req: [call + "\n</tool_call>"]),
+    )
+    kwargs = dict(
+        model="c",
+        max_tokens=64,
+        messages=[{"role": "user", "content": "x"}],
+        tools=ANTHROPIC_TOOLS,
+    )
+    with serve_app(app) as url:
+        client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+        whole = client.messages.create(**kwargs)
+        with client.messages.stream(**kwargs) as stream:
+            streamed = stream.get_final_message()
+    for message in (whole, streamed):
+        (block,) = [b for b in message.content if b.type == "tool_use"]
+        assert block.id == "abcDEF123"
