@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from app.request_fields import Envelope, EnvelopedSampling, StopString, bounded_list
+from app.request_fields import Envelope, EnvelopedSampling, StopString, bounded_list, null_is
 from app.schemas import (
     MAX_NAME,
     MAX_PARTS,
@@ -148,4 +148,4 @@ class CountTokensRequest(EnvelopedSampling):
 class MessagesRequest(CountTokensRequest):
     max_tokens: MaxTokens
     stop_sequences: bounded_list(StopString, 8) | None = None
-    stream: bool = False
+    stream: Annotated[bool, null_is(False)] = False

@@ -24,6 +24,7 @@ from pydantic import (
     GetJsonSchemaHandler,
     JsonValue,
     StringConstraints,
+    model_validator,
 )
 from pydantic_core import core_schema
 
@@ -217,9 +218,50 @@ class TemplateSwitch(BaseModel):
     )
 
 
+# fields an envelope may spell as text: OpenAI's metadata holds strings only
+SPELLED_NUMBERS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "seed",
+        "kv_bits",
+    }
+)
+SPELLED_SWITCHES = {"use_kv_cache": {"true": True, "false": False}}
+
+
+def _spelled(name: str, value: Any) -> Any:
+    """The number or switch ``value`` spells, where it is text that spells one."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip().lower()
+    if name in SPELLED_SWITCHES:
+        return SPELLED_SWITCHES[name].get(text, value)
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            continue
+    return value
+
+
 class Envelope(SamplingFields, CacheSwitch, AdapterSwitch, TemplateSwitch, ThinkingSwitch):
     """``extra_body`` / ``metadata``: free-form, but any sampling field inside is
-    held to the same bounds as at the top level."""
+    held to the same bounds as at the top level; there a number or switch may be
+    spelled as text ("42", "false"), as OpenAI's string-only metadata has it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_spelled(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        names = SPELLED_NUMBERS.union(SPELLED_SWITCHES).intersection(data)
+        return {**data, **{name: _spelled(name, data[name]) for name in names}} if names else data
 
 
 class EnvelopedSampling(SamplingFields, CacheSwitch, AdapterSwitch, TemplateSwitch, ThinkingSwitch):

@@ -513,3 +513,12 @@ def test_a_call_id_the_model_wrote_is_the_tool_use_id():
     for message in (whole, streamed):
         (block,) = [b for b in message.content if b.type == "tool_use"]
         assert block.id == "abcDEF123"
+
+
+def test_stream_null_is_a_whole_reply(server):
+    """Proxies send null for a field the caller left unset; chat and Responses read
+    ``stream: null`` as false, Anthropic refused it with a 400."""
+    body = {"model": "c", "max_tokens": 3, "stream": None}
+    body["messages"] = [{"role": "user", "content": "hi"}]
+    r = httpx.post(server.url + "/v1/messages", json=body)
+    assert r.status_code == 200 and r.json()["type"] == "message"

@@ -11,6 +11,7 @@ from openai.types.responses import Response
 from tests.helpers.dialects import (
     RESPONSES_TOOLS,
 )
+from tests.helpers.http_server import serve_app
 
 
 def test_responses_items_and_previous_response_id(server):
@@ -377,3 +378,23 @@ def test_reasoning_before_many_calls_is_gathered_in_linear_time():
     assert time.perf_counter() - began < 5  # a tenth of a second now
     assert len(message["tool_calls"]) == pairs
     assert message["reasoning_content"] == "\n".join([thought] * pairs)
+
+
+def test_metadata_values_spelled_as_strings_are_read_as_the_values_they_spell():
+    """OpenAI's metadata holds strings only (the SDK's type says so): kvwarm's
+    numeric and switch fields there came as "42" and were refused as not numbers."""
+    import httpx
+
+    from tests.unit.test_http_api import make_app
+
+    seen = []
+    with serve_app(make_app(eos_after=2, script=seen.append)) as url:
+        spelled = {"seed": "42", "temperature": "0.5", "top_k": "7", "use_kv_cache": "false"}
+        r = httpx.post(url + "/v1/responses", json={"input": "hi", "metadata": spelled})
+        assert r.status_code == 200, r.text
+        assert r.json()["metadata"] == {}  # kvwarm's own fields, not the client's record
+        bad = httpx.post(url + "/v1/responses", json={"input": "hi", "metadata": {"top_k": "x"}})
+        assert bad.status_code == 400 and "metadata.top_k" in bad.text
+    sampling = seen[0].sampling
+    assert (sampling.seed, sampling.temperature, sampling.top_k) == (42, 0.5, 7)
+    assert seen[0].cache is None
