@@ -18,7 +18,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.body import BodyLimits, parse_body
-from app.chat_pipeline import ChatCall, parse_openai_tool_choice, prepare_chat, template_tool_calls
+from app.chat_pipeline import ChatCall, prepare_chat, template_tool_calls
 from app.content_parts import parts_content, parts_text
 from app.errors import APIError
 from app.generation import Generation, Outcome
@@ -33,9 +33,9 @@ from app.responses_schemas import (
     MessageItem,
     ReasoningItem,
     ResponsesRequest,
-    ResponsesTool,
     client_metadata,
 )
+from app.responses_tools import echoed_choice, echoed_tool, read_tools
 from app.sse import SSE_HEADERS, framed, sse_event
 from app.state import AppState
 
@@ -101,18 +101,6 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
         said = "\n".join(p for p in pieces if p)  # encrypted-only items carry no text
         if said:
             out[message]["reasoning_content"] = said
-    return out
-
-
-def function_tools(tools: list[ResponsesTool] | None) -> list[dict[str, Any]]:
-    """Flat Responses function tools in chat shape; built-in tool types are ignored."""
-    out = []
-    for tool in tools or ():
-        if tool.type == "function" and tool.name:
-            fn = tool.model_dump(include={"name", "description", "parameters", "strict"})
-            out.append(
-                {"type": "function", "function": {k: v for k, v in fn.items() if v is not None}}
-            )
     return out
 
 
@@ -195,18 +183,6 @@ class _Items:
         return self._open(item, text=False)
 
 
-def _echoed_tool(tool: ResponsesTool) -> dict[str, Any]:
-    """A tool as the client sent it: a function's declared fields (extra keys,
-    never rendered nor counted against the context, would be copied into every
-    response event on the loop); a built-in tool (ignored) whole, its size bounded
-    at the boundary, so the SDK's models of them still validate."""
-    if tool.type != "function":
-        return tool.model_dump(exclude_none=True)
-    return tool.model_dump(
-        include={"type", "name", "description", "parameters", "strict"}, exclude_none=True
-    )
-
-
 def _response(
     body: ResponsesRequest, rid: str, created: int, model: str, status: str
 ) -> dict[str, Any]:
@@ -223,14 +199,10 @@ def _response(
         "max_output_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
-        "tools": [_echoed_tool(t) for t in body.tools or ()],
+        "tools": [echoed_tool(t) for t in body.tools or ()],
         # the declared fields only: a client's extra keys are accepted, not echoed
         # (every response would carry them back, serialised on the event loop)
-        "tool_choice": (
-            body.tool_choice.model_dump(include={"type", "name"}, exclude_none=True)
-            if hasattr(body.tool_choice, "model_dump")
-            else body.tool_choice or "auto"
-        ),
+        "tool_choice": echoed_choice(body.tool_choice),
         "parallel_tool_calls": body.parallel_tool_calls,
         "previous_response_id": body.previous_response_id,
         "reasoning": body.reasoning.model_dump(include={"effort", "summary"})
@@ -293,12 +265,12 @@ def _parse(raw: bytes, state: AppState) -> ResponsesRequest:
 def _prepare_call(body: ResponsesRequest, history: list[dict[str, Any]], state: AppState, headers):
     conversation = history + input_messages(body.input)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    tools = function_tools(body.tools)
+    tools = read_tools(body.tools, body.tool_choice)
     call = ChatCall(
         messages=system + conversation,
         fields=body.model_dump(exclude={"input", "tools", "instructions"}),
-        tools=tools,
-        tool_choice=parse_openai_tool_choice(body.tool_choice, tools),
+        tools=tools.tools,
+        tool_choice=tools.choice,
         parallel_tool_calls=body.parallel_tool_calls,
         max_tokens=body.max_output_tokens,
         sampling=body.sampling(),
@@ -306,7 +278,7 @@ def _prepare_call(body: ResponsesRequest, history: list[dict[str, Any]], state: 
         kv_bits=body.kv_bits_requested(),
         adapter=body.adapter_requested(),
         template_kwargs=body.template_kwargs(),
-        ignored=ignored_fields(body),
+        ignored=ignored_fields(body) + tools.ignored,
         messages_field="input",
         same_indices=False,
     )

@@ -398,3 +398,33 @@ def test_metadata_values_spelled_as_strings_are_read_as_the_values_they_spell():
     sampling = seen[0].sampling
     assert (sampling.seed, sampling.temperature, sampling.top_k) == (42, 0.5, 7)
     assert seen[0].cache is None
+
+
+def test_tool_choice_objects_the_agents_sdk_sends(server):
+    """allowed_tools narrows the callable tools to its list under its mode; a
+    hosted tool's choice (file_search, web_search_preview, mcp, custom: tools kvwarm
+    ignores) is auto, said in the ignored-fields header. All were refused with 400."""
+    import httpx
+
+    url = server.url + "/v1/responses"
+    tools = [*RESPONSES_TOOLS, {**RESPONSES_TOOLS[0], "name": "get_time"}]
+    allowed = {
+        "type": "allowed_tools",
+        "mode": "required",
+        "tools": [{"type": "function", "name": "get_time"}],
+    }
+    r = httpx.post(url, json={"input": "hi", "tools": tools, "tool_choice": allowed})
+    assert r.status_code == 200, r.text
+    assert r.json()["tool_choice"] == allowed
+    rendered = [t["function"]["name"] for t in server.formatter.last_kwargs["tools"]]
+    assert rendered == ["get_time"]
+    for hosted in ({"type": "file_search"}, {"type": "mcp", "server_label": "x"}):
+        r = httpx.post(url, json={"input": "hi", "tools": tools, "tool_choice": hosted})
+        assert r.status_code == 200, r.text
+        assert "tool_choice" in r.headers["x-kvwarm-ignored-fields"]
+    for bad in (
+        {"type": "allowed_tools", "mode": "sometimes", "tools": []},
+        {"type": "allowed_tools", "mode": "auto", "tools": "get_time"},
+    ):
+        r = httpx.post(url, json={"input": "hi", "tools": tools, "tool_choice": bad})
+        assert r.status_code == 400 and "tool_choice" in r.text, r.text

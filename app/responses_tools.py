@@ -1,0 +1,96 @@
+"""A Responses request's tools and tool_choice, read into the chat pipeline's terms.
+
+Function tools are rendered and parsed; built-in tools (web_search, file_search,
+mcp, ...) are not served, and are echoed back as sent. ``tool_choice`` has more
+shapes than chat's: ``allowed_tools`` narrows the callable functions to a list
+under a mode, and a choice naming a built-in tool (as the Agents SDK sends for
+``tool_choice="file_search"``) leaves the model free, which is said in the
+ignored-fields header rather than refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from app.chat_pipeline import choice_of, parse_openai_tool_choice
+from app.errors import APIError
+from app.protocol.tool_schema import ToolChoice
+from app.responses_schemas import ResponsesTool, ResponsesToolChoice
+
+CHAT_CHOICES = ("none", "auto", "required", "function")
+
+
+@dataclass(frozen=True)
+class ResponsesTools:
+    tools: list[dict[str, Any]]  # the function tools the model is shown, in chat shape
+    choice: ToolChoice
+    ignored: tuple[str, ...] = ()
+
+
+def function_tools(tools: list[ResponsesTool] | None) -> list[dict[str, Any]]:
+    """Flat Responses function tools in chat shape; built-in tool types are ignored."""
+    out = []
+    for tool in tools or ():
+        if tool.type == "function" and tool.name:
+            fn = tool.model_dump(include={"name", "description", "parameters", "strict"})
+            out.append(
+                {"type": "function", "function": {k: v for k, v in fn.items() if v is not None}}
+            )
+    return out
+
+
+def read_tools(
+    tools: list[ResponsesTool] | None, choice: str | ResponsesToolChoice | None
+) -> ResponsesTools:
+    functions = function_tools(tools)
+    kind = getattr(choice, "type", None)
+    if kind is None or kind in CHAT_CHOICES:
+        return ResponsesTools(functions, parse_openai_tool_choice(choice, functions))
+    if kind == "allowed_tools":
+        mode, names = _allowed(choice.model_extra or {})
+        allowed = [t for t in functions if t["function"]["name"] in names]
+        return ResponsesTools(allowed, choice_of(mode, allowed))
+    # a built-in tool's choice: that tool is not served, the model chooses freely
+    return ResponsesTools(functions, choice_of("auto", functions), (f"tool_choice.{kind}",))
+
+
+def _allowed(fields: Mapping[str, Any]) -> tuple[str, frozenset[str]]:
+    """``allowed_tools``' mode and the function names it lists."""
+    mode, listed = fields.get("mode", "auto"), fields.get("tools")
+    if mode not in ("auto", "required") or not isinstance(listed, list):
+        raise APIError(
+            400,
+            "tool_choice allowed_tools needs a mode (auto or required) and a list of tools.",
+            param="tool_choice",
+        )
+    names = frozenset(
+        t["name"]
+        for t in listed
+        if isinstance(t, Mapping) and t.get("type") == "function" and isinstance(t.get("name"), str)
+    )
+    return mode, names
+
+
+def echoed_tool(tool: ResponsesTool) -> dict[str, Any]:
+    """A tool as the client sent it: a function's declared fields (extra keys,
+    never rendered nor counted against the context, would be copied into every
+    response event on the loop); a built-in tool (ignored) whole, its size bounded
+    at the boundary, so the SDK's models of them still validate."""
+    if tool.type != "function":
+        return tool.model_dump(exclude_none=True)
+    return tool.model_dump(
+        include={"type", "name", "description", "parameters", "strict"}, exclude_none=True
+    )
+
+
+def echoed_choice(choice: str | ResponsesToolChoice | None) -> str | dict[str, Any]:
+    """The tool_choice as sent: its declared fields (allowed_tools' mode and list too)."""
+    if not isinstance(choice, ResponsesToolChoice):
+        return choice or "auto"
+    out = choice.model_dump(include={"type", "name"}, exclude_none=True)
+    if choice.type == "allowed_tools":
+        extra = choice.model_extra or {}
+        out.update(mode=extra.get("mode", "auto"), tools=extra.get("tools"))
+    return out
