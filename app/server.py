@@ -122,15 +122,16 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
         lambda: _context_length(app),
     )
     # outermost last: unknown hosts are refused before anything else runs, CORS
-    # preflights are answered before the key is asked for
+    # preflights are answered before the key is asked for, and the key before a
+    # body is measured (a stranger's body is neither budgeted nor counted)
     app.add_middleware(InternalErrorMiddleware)
-    app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(
         BodyLimitMiddleware,
         max_bytes=settings.max_body_size,
         max_in_flight=max(int(settings.max_bodies_bytes), settings.max_body_size),
         idle_timeout=settings.body_timeout,
     )
+    app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     app.add_middleware(
         CrossOriginGuard,
         allowed=settings.cors_allowlist,

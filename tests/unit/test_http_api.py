@@ -480,6 +480,24 @@ class TestAuthAndLimits:
     def test_health_needs_no_key(self, url):
         assert httpx.get(url + "/health").status_code == 200
 
+    def test_the_key_is_asked_for_before_the_body_is_measured(self, url):
+        """Without a key, a large body is a 401, and nothing is counted: the size
+        check ran first, answering 413 to anyone and counting each one as a refused
+        request (anyone who could reach the port could draw the rejection graph)."""
+
+        def rejected() -> float:
+            text = httpx.get(url + "/metrics", headers={"x-api-key": "sekrit"}).text
+            return sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith("kvwarm:requests_rejected_total{")
+            )
+
+        before = rejected()
+        big = {"messages": msgs("x" * 5000)}
+        assert_error(httpx.post(url + CHAT, json=big), 401, "invalid_api_key")
+        assert rejected() == before
+
     def test_oversized_body_is_413(self, url):
         big = {"messages": msgs("x" * 5000)}
         r = httpx.post(url + CHAT, json=big, headers={"x-api-key": "sekrit"})
