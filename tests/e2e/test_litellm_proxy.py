@@ -32,7 +32,7 @@ def test_streaming_through_litellm_keeps_reasoning_and_usage(tmp_path):
         env = {
             **os.environ,
             "KVWARM_API_BASE": kvwarm + "/v1",
-            "KVWARM_API_KEY": "kv-key",
+            "KVWARM_UPSTREAM_KEY": "kv-key",
             "LITELLM_MASTER_KEY": "sk-proxy",
             "LITELLM_TELEMETRY": "False",
             "NO_DOCS": "True",
