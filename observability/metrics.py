@@ -430,6 +430,8 @@ class Metrics:
             "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
         )
         self._model = "unknown"
+        # refusals before the model is known: counted under its name once it is
+        self._early_rejections: dict[str, int] = {}
         # observed for every token of every stream: the labelled child is looked
         # up once per model, not per token (``labels`` takes a lock and builds a key)
         self._itl: Any = None
@@ -442,6 +444,7 @@ class Metrics:
             self.queue,
             self.prefill,
             self.decode,
+            self.prepare,
             self.req_prompt,
             self.req_generated,
         ]
@@ -461,6 +464,9 @@ class Metrics:
         for reason in FINISH_REASONS:
             self.success.labels(model, reason, "")
         self.disconnects.labels(model)
+        for reason, n in self._early_rejections.items():
+            self.rejected.labels(model, reason).inc(n)
+        self._early_rejections.clear()
 
     def forget_adapter(self, adapter: str) -> None:
         """An unmounted adapter's series go: its id is a client's name, and mounts
@@ -517,6 +523,9 @@ class Metrics:
     def observe_rejection(self, reason: str, model: str | None = None) -> None:
         if model:
             self.ensure_model(model)
+        if self._model == "unknown":
+            self._early_rejections[reason] = self._early_rejections.get(reason, 0) + 1
+            return
         self.rejected.labels(self._model, reason).inc()
 
     def render(self) -> bytes:

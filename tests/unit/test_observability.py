@@ -93,6 +93,25 @@ def _snapshot(**cache) -> ServerSnapshot:
     return ServerSnapshot("m", 0, 0, 0, 100, 0, engine)
 
 
+def test_refusals_before_the_model_is_known_count_under_its_name_once_loaded():
+    """Requests refused while the model loads were filed under model_name="unknown",
+    a series no dashboard's model picker selects, there for good."""
+    metrics = Metrics(lambda: None)
+    metrics.observe_rejection("unavailable")
+    metrics.observe_rejection("unavailable")
+    metrics.ensure_model("m")
+    metrics.observe_rejection("unavailable", "m")
+    text = metrics.render().decode()
+    assert 'model_name="unknown"' not in text
+    assert sample(metrics, "kvwarm:requests_rejected_total", reason="unavailable") == 3
+
+
+def test_every_per_model_histogram_has_a_series_from_the_first_scrape():
+    metrics = Metrics(lambda: None)
+    metrics.ensure_model("m")
+    assert sample(metrics, "kvwarm:request_prepare_time_seconds_count") == 0
+
+
 def test_counters_are_token_denominated_and_typed_as_counters():
     metrics = Metrics(lambda: _snapshot(tokens_queried=150, tokens_reused=60))
     metrics.ensure_model("m")
