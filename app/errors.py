@@ -15,6 +15,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from observability.escape import ascii_escaped
 from scheduler.admission import AdmissionError, ContextLengthExceeded
 
 log = logging.getLogger("kvwarm.http")
@@ -323,15 +324,15 @@ class InternalErrorMiddleware:
                 started = True
             await send(message)
 
+        # percent-decoded client text (a route's path parameter): escaped for the log
+        path = ascii_escaped(scope["path"], 256)
         try:
             await self.app(scope, receive, tracked)
         except ClientDisconnect:  # hung up before its body arrived: nobody to answer
-            log.info(
-                "%s %s: the client left before sending its body", scope.get("method"), scope["path"]
-            )
+            log.info("%s %s: the client left before sending its body", scope.get("method"), path)
             return
         except Exception as exc:  # noqa: BLE001 - the one place unexpected errors end
-            log.exception("unhandled error on %s %s", scope.get("method"), scope["path"])
+            log.exception("unhandled error on %s %s", scope.get("method"), path)
             if started:  # a stream already under way: nothing more can be said
                 return
             response = error_response(

@@ -633,3 +633,33 @@ def test_behind_a_key_health_says_the_engine_stopped_but_not_its_exception():
         assert health["status"] == "error" and "secret-model" not in health["error"]
         stats = httpx.get(url + "/stats", headers={"Authorization": "Bearer k"}).json()
         assert "secret-model" in json.dumps(stats)
+
+
+def test_a_path_in_an_unhandled_error_log_line_cannot_forge_lines(caplog):
+    """The path is percent-decoded: a %0A in a route's path parameter wrote a
+    line of the client's choosing into the server log."""
+    import asyncio
+
+    from app.errors import InternalErrorMiddleware
+
+    async def broken(scope, receive, send):
+        raise RuntimeError("boom")
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    async def receive():
+        return {"type": "http.request", "body": b""}
+
+    scope = {
+        "type": "http",
+        "method": "DELETE",
+        "path": "/v1/adapters/x\nERROR forged line",
+        "headers": [],
+    }
+    with caplog.at_level("ERROR"):
+        asyncio.run(InternalErrorMiddleware(broken)(scope, receive, send))
+    assert sent[0]["status"] == 500
+    assert all("\n" not in r.getMessage() for r in caplog.records)
