@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import Callable
 
 from scheduler.admission import EngineUnavailable
 from scheduler.contracts import EngineHandle
@@ -28,11 +29,11 @@ class GenerationService:
         if self.scheduler.draining:
             raise EngineUnavailable.shutting_down()
 
-    def submit(self, request: Request) -> AsyncIterator[RequestOutput]:
+    def submit(self, request: Request) -> OutputStream:
         """Admit ``request`` now (raising AdmissionError at once) and return its stream.
 
-        Closing the stream early (client disconnect) aborts the request, which
-        frees its batch slot at the engine's next step.
+        Closing the stream early (client disconnect), or dropping it unread,
+        aborts the request, which frees its batch slot at the engine's next step.
         """
         self.check_available()
         queue = self.router.open(request.request_id)
@@ -41,23 +42,61 @@ class GenerationService:
         except BaseException:
             self.router.close(request.request_id)
             raise
-        return self._stream(request.request_id, queue)
+        return OutputStream(self, request.request_id, queue)
 
     def cancel(self, request_id: str) -> None:
         """Abort a request whose reader is gone (idempotent)."""
         self.router.close(request_id)
         self.scheduler.abort(request_id)
 
-    async def _stream(
-        self, request_id: str, queue: asyncio.Queue[RequestOutput]
-    ) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                output = await queue.get()
-                finished = output.finished
-                yield output
-        finally:
-            self.router.close(request_id)
-            if not finished:
-                self.scheduler.abort(request_id)
+
+class OutputStream:
+    """One request's outputs, read on the event loop until the finished one.
+
+    Its reader may go without closing it: an async generator never started ran no
+    ``finally`` (a handler that raised between submitting and reading left the
+    request generating for nobody and its queue open), so a finalizer cancels a
+    request not yet finished when the stream is collected, on the loop's thread.
+    """
+
+    def __init__(
+        self, service: GenerationService, request_id: str, queue: asyncio.Queue[RequestOutput]
+    ):
+        self.request_id = request_id
+        self._queue = queue
+        self._router = service.router
+        loop = asyncio.get_running_loop()
+        self._cancel = weakref.finalize(self, _cancel_on, loop, service.cancel, request_id)
+        self._cancel.atexit = False  # at exit the loop is gone: nothing to free
+
+    def __aiter__(self) -> OutputStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if not self._cancel.alive:  # closed, or finished
+            raise StopAsyncIteration
+        output = await self._queue.get()
+        if output.finished:
+            self._cancel.detach()
+            self._router.close(self.request_id)
+        return output
+
+    async def aclose(self) -> None:
+        self._cancel()  # once: a finished request is not aborted
+
+
+def _cancel_on(
+    loop: asyncio.AbstractEventLoop, cancel: Callable[[str], None], request_id: str
+) -> None:
+    """``cancel(request_id)`` on ``loop``'s thread (a collection may run on any thread)."""
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if running is loop:
+        cancel(request_id)
+        return
+    try:
+        loop.call_soon_threadsafe(cancel, request_id)
+    except RuntimeError:  # the loop closed (the server exited): nothing left to free
+        pass

@@ -223,3 +223,42 @@ def test_image_inputs_held_by_queued_and_running_requests_are_bounded():
     s.finish("a")
     s.add(with_images("b", 60))  # a's arrays are gone
     assert s.stats().rejected_total == 2
+
+
+@pytest.mark.parametrize("read_first", [False, True])
+def test_a_stream_dropped_unread_aborts_its_request_and_closes_its_queue(read_first):
+    """submit() returned an async generator whose finally aborted the request: one
+    never started never ran it (a handler raising between submit and reading), so
+    the request generated to its end for nobody and its queue stayed open (shutdown
+    then waited its full drain time for it)."""
+    import asyncio
+    import gc
+
+    from scheduler.service import GenerationService
+    from scheduler.streams import OutputRouter
+    from tests.helpers.fake_engine import FakeEngine
+
+    async def main():
+        router = OutputRouter(asyncio.get_running_loop())
+        sched = Scheduler(None, max_running=2, max_queue=10)
+        engine = FakeEngine(sched, router, step_delay=0.01)
+        engine.start()
+        engine.wait_ready(5)
+        try:
+            service = GenerationService(sched, router, engine)
+            stream = service.submit(Request(list(range(10)), 500, ignore_eos=True))
+            if read_first:
+                await anext(stream)
+            del stream
+            gc.collect()
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if sched.stats().aborted_total:
+                    break
+            stats = sched.stats()
+            return stats.aborted_total, stats.finished_total, len(router)
+        finally:
+            engine.stop()
+            engine.join(5)
+
+    assert asyncio.run(main()) == (1, 0, 0)
