@@ -65,7 +65,7 @@ class SavedConversations:
         ``saved`` one among them; after a restart, on disk): a save pins the turn
         it has reached since its last."""
         index = self._store.index
-        own = [e for e in index.entries() if e.session == conversation_id]
+        own = [e for e in index.entries() if e.session == conversation_id and not e.forgotten]
         if saved is not None:
             own.append(saved)
         for record in self._store.sessions.branches(conversation_id):
@@ -184,11 +184,7 @@ class SavedConversations:
         if self.pins.pop(conversation_id, None) is not None and store.disk is not None:
             store.disk.write_pins(self.pins)
         own = [e for e in index.entries() if e.session == conversation_id]
-        for e in {entry.entry_id: entry, **{x.entry_id: x for x in own}}.values():
-            index.set_pinned(e.entry_id, False)
-            if e.refs == 0:
-                index.remove(e.entry_id)
-            else:
-                e.forgotten = True  # goes when its reader lets go
+        for entry_id in {entry.entry_id, *(x.entry_id for x in own)}:
+            index.forget(entry_id)
         store.sessions.forget(conversation_id)
         return described

@@ -49,7 +49,9 @@ class CacheEntry:
     hits: int = 0
     refs: int = 0  # requests currently reading this entry's KV
     superseded: bool = False  # a longer entry covers it; removed once no longer read
-    forgotten: bool = False  # its conversation was deleted while read: removed once not
+    # its conversation was deleted while read: no lookup finds it, its disk copy
+    # is gone, and it leaves RAM when released
+    forgotten: bool = False
     uid: str = field(default_factory=lambda: uuid.uuid4().hex)  # its name on disk
     in_ram: bool = True
     on_disk: bool = False  # fully written: a restart finds it

@@ -201,6 +201,7 @@ class PrefixIndex:
                 if e in self._entries
                 and e not in result.judged
                 and self._entries[e].loadable
+                and not self._entries[e].forgotten
                 and self._entries[e].variant == variant
             ]
             deeper = self._best(extra, key, result, max_growth)
@@ -599,16 +600,40 @@ class PrefixIndex:
             self.remove(entry_id)
         return len(old)
 
+    def forget(self, entry_id: int) -> None:
+        """Its conversation was deleted: it goes now, or, while a turn still reads
+        it, leaves every lookup and the disk now (a restart must not bring it back)
+        and RAM on ``release`` (the reader holds those arrays). Marked only, it was
+        still served to new requests, and restored from disk after a crash."""
+        entry = self._entries.get(entry_id)
+        if entry is None:
+            return
+        entry.pinned = False
+        if entry.refs == 0:
+            self.remove(entry_id)
+            return
+        entry.forgotten = True
+        self._unhash(entry)
+        if entry.on_disk or entry.persisting:
+            entry.holds_queue = False  # its write's end finds it no longer persisting
+            self._drop_disk(entry)
+        if not entry.in_ram:  # read from disk with no room in RAM: the reader has it all
+            self.remove(entry_id)
+
+    def _unhash(self, entry: CacheEntry) -> None:
+        """No block chain leads to ``entry`` any more."""
+        for h in entry.hashes:
+            ids = self._by_hash.get(h)
+            if ids is not None:
+                ids.discard(entry.entry_id)
+                if not ids:
+                    del self._by_hash[h]
+
     def remove(self, entry_id: int) -> None:
         entry = self._entries.pop(entry_id, None)
         if entry is None:
             return
-        for h in entry.hashes:
-            ids = self._by_hash.get(h)
-            if ids is not None:
-                ids.discard(entry_id)
-                if not ids:
-                    del self._by_hash[h]
+        self._unhash(entry)
         if entry.in_ram:
             self._drop_ram(entry)
         if entry.on_disk or entry.persisting:

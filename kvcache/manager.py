@@ -249,7 +249,7 @@ class TieredKVManager:
     def _known_session(self, session: str) -> bool:
         if self.sessions.get(session) is not None:
             return True
-        return any(e.session == session for e in self.index.entries())
+        return any(e.session == session and not e.forgotten for e in self.index.entries())
 
     def _caches(self, entry: CacheEntry, keep: int) -> list[Any]:
         """Fresh caches of the entry's first ``keep`` positions (from disk if need be)."""

@@ -687,6 +687,47 @@ def test_a_saved_list_the_full_disk_refused_is_written_again(tmp_path, monkeypat
     assert [c.conversation_id for c in again.saved_conversations()] == ["conv"]
 
 
+def test_a_conversation_deleted_while_a_turn_reads_it_is_served_to_no_one_after(tmp_path):
+    """An entry being read was only marked when its conversation was deleted:
+    every later request (of any session) was still served the deleted KV."""
+    tokens = list(range(1000, 1100))
+    m = manager(tmp_path)
+    try:
+        entry_id = store(m, tokens, "conv")
+        reader, _ = m.lookup("turn", CacheHints(PromptKey.build(tokens + [1]), "conv"), 0)
+        assert reader is not None and reader.entry_id == entry_id
+        m.delete_conversation("conv")
+        assert served(m, tokens + [2]) is None
+        assert reader.caches[0].keys[0, 0, :100, 0].tolist() == tokens  # the reader's own
+        m.release(reader.entry_id)
+        assert entry_id not in m.index
+    finally:
+        m.close()
+
+
+def test_a_conversation_deleted_while_a_turn_reads_it_leaves_the_disk_at_once(tmp_path):
+    """Its files stayed until the reader let go: a crash before that brought the
+    deleted conversation's KV back after the restart, served to anyone."""
+    tokens = list(range(1000, 1100))
+    m = manager(tmp_path)
+    store(m, tokens, "conv")
+    m.save_conversation("conv", "secret")
+    m.flush()
+    reader, _ = m.lookup("turn", CacheHints(PromptKey.build(tokens + [1]), "conv"), 0)
+    assert reader is not None
+    m.delete_conversation("conv")
+    m.flush()
+    assert entry_files(tmp_path) == [] and block_files(tmp_path) == []
+    assert m.index.disk.nbytes == 0
+    m.close()  # the process stops before the turn lets go
+    again = manager(tmp_path)
+    try:
+        assert again.restored == 0 and served(again, tokens + [2]) is None
+        assert again.saved_conversations() == []
+    finally:
+        again.close()
+
+
 def test_a_manifest_whose_key_cannot_be_read_takes_its_blocks_along(tmp_path):
     entry = one_entry_on_disk(tmp_path, list(range(1000, 1100)))
     rewrite(entry, b'model_tokens\\":[1000,', b'model_tokens\\":[null,')

@@ -82,6 +82,7 @@ class IndexMachine(RuleBasedStateMachine):
             disk_bytes=40,
         )
         self.in_use: dict[int, int] = {}  # entry id -> acquired count
+        self.forgotten: set[int] = set()  # deleted while read: may go before released
 
     @rule(key=keys(), trimmable=st.booleans(), persist=st.booleans())
     def insert(self, key, trimmable, persist):
@@ -102,6 +103,7 @@ class IndexMachine(RuleBasedStateMachine):
             e
             for e in self.index.entries()
             if e.loadable
+            and not e.forgotten
             and chain_hashes(e.key.canonical, BLOCK, "m")[:1]
             and chain_hashes(e.key.canonical, BLOCK, "m")[0]
             == (chain_hashes(key.canonical, BLOCK, "m") or [None])[0]
@@ -147,6 +149,15 @@ class IndexMachine(RuleBasedStateMachine):
         if not self.in_use[entry_id]:
             del self.in_use[entry_id]
 
+    @precondition(lambda self: len(self.index))
+    @rule(data=st.data())
+    def forget(self, data):
+        entry_id = data.draw(st.sampled_from(sorted(e.entry_id for e in self.index.entries())))
+        self.index.forget(entry_id)
+        self.forgotten.add(entry_id)
+        entry = self.index.get(entry_id)
+        assert entry is None or (entry.refs and entry.in_ram and not entry.on_disk)
+
     @rule(dt=st.floats(0, 30))
     def tick(self, dt):
         self.now += dt
@@ -182,7 +193,7 @@ class IndexMachine(RuleBasedStateMachine):
     @invariant()
     def entries_in_use_are_never_evicted(self):
         for entry_id in self.in_use:
-            assert entry_id in self.index
+            assert entry_id in self.index or entry_id in self.forgotten
 
     @invariant()
     def no_entry_is_a_strict_prefix_of_a_trimmable_one(self):
@@ -191,7 +202,7 @@ class IndexMachine(RuleBasedStateMachine):
             if short.refs or not short.trimmable:  # in use: removed on release
                 continue
             for long in entries:
-                if long.trimmable and long.length > short.length:
+                if long.trimmable and not long.forgotten and long.length > short.length:
                     assert long.key.model_tokens[: short.length] != short.key.model_tokens
 
 
@@ -352,16 +363,22 @@ def test_a_superseded_entry_stored_again_outlives_its_reader():
 
 
 def test_a_forgotten_entry_stored_again_still_goes_when_its_reader_lets_go():
-    """Deleting a conversation marks the entries a turn still reads; storing the
-    same tokens again must not take the mark back (it shared superseded's flag)."""
+    """Deleting a conversation forgets the entries a turn still reads: no lookup
+    finds them (not the session layer either), the same tokens stored again are
+    a new entry, and the forgotten one goes when its reader lets go."""
     index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m")
     tokens = list(range(100, 132))
     a = index.insert(_key(tokens), 32, True, session="S")
     assert index.lookup(_key(tokens + [1, 2])).hit.entry.entry_id == a  # a turn reads it
-    index.get(a).forgotten = True  # what delete_conversation does to an entry being read
-    assert index.insert(_key(tokens), 32, True) is None
+    index.forget(a)  # what delete_conversation does
+    assert a in index and index.get(a).forgotten
+    found = index.lookup(_key(tokens + [1, 2]), session_candidates=[a], promised=32)
+    assert found.hit is None
+    b = index.insert(_key(tokens), 32, True)
+    assert b is not None and b != a
     index.release(a)
     assert a not in index
+    assert index.lookup(_key(tokens + [1, 2])).hit.entry.entry_id == b
 
 
 def test_a_saved_entry_is_kept_when_its_reader_lets_go_of_it_superseded():
