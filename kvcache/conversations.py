@@ -7,6 +7,7 @@ entry a save pins and keeps the pin list on disk; the KV manager moves the bytes
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Protocol
 
@@ -15,6 +16,9 @@ from kvcache.interface import ConversationNotFound, SavedConversation, StorageFu
 from kvcache.safetensors_io import CorruptFile
 from kvcache.sessions import SessionStore
 from kvcache.tiers import PersistentTier
+from observability.escape import ascii_escaped
+
+log = logging.getLogger("kvwarm.kvcache")
 
 Pins = dict[str, dict[str, Any]]  # conversation id -> {"uid", "title", "saved_at"}
 
@@ -48,7 +52,9 @@ class SavedConversations:
 
     # -- which entry -----------------------------------------------------------
     def _saved_entry(self, conversation_id: str) -> CacheEntry | None:
-        pin = self.pins.get(conversation_id)
+        return self._pinned(self.pins.get(conversation_id))
+
+    def _pinned(self, pin: dict[str, Any] | None) -> CacheEntry | None:
         if pin is not None:
             for e in self._store.index.entries():
                 if e.uid == pin["uid"]:
@@ -78,15 +84,26 @@ class SavedConversations:
         # client's title request), and a save must pin the conversation itself
         return max(own, key=lambda e: (e.length, e.created))
 
-    def _describe(self, conversation_id: str, entry: CacheEntry) -> SavedConversation:
-        pin = self.pins.get(conversation_id)
-        tier = "+".join(t for t, here in (("ram", entry.in_ram), ("disk", entry.on_disk)) if here)
+    def _describe(
+        self,
+        conversation_id: str,
+        entry: CacheEntry | None,
+        pin: dict[str, Any] | None = None,
+    ) -> SavedConversation:
+        """``pin``: the save's record if already off the list; ``entry`` None: its KV is gone."""
+        if pin is None:
+            pin = self.pins.get(conversation_id)
+        if entry is None:
+            tier = "none"
+        else:
+            here = (("ram", entry.in_ram), ("disk", entry.on_disk))
+            tier = "+".join(t for t, held in here if held) or "writing"
         return SavedConversation(
             conversation_id,
             pin.get("title") if pin else None,
-            entry.length,
-            entry.held.total,
-            tier or "writing",
+            entry.length if entry is not None else 0,
+            entry.held.total if entry is not None else 0,
+            tier,
             pin.get("saved_at") if pin else None,
         )
 
@@ -174,17 +191,40 @@ class SavedConversations:
                 continue
         return out
 
+    def unsave(self, entry: CacheEntry) -> None:
+        """``entry``'s write failed after its save was acknowledged: the saves naming
+        it are taken back (logged), so no listing shows KV that nothing on disk holds."""
+        lost = [c for c, p in self.pins.items() if p["uid"] == entry.uid]
+        for conversation_id in lost:
+            del self.pins[conversation_id]
+            log.error(
+                "saved conversation %s is no longer saved: its KV could not be written "
+                "to the SSD tier (%s)",
+                ascii_escaped(conversation_id),
+                "still cached in RAM" if entry.in_ram else "lost",
+            )
+        self._store.index.set_pinned(entry.entry_id, False)
+        if lost and self._store.disk is not None:
+            self._store.disk.write_pins(self.pins)
+
     def delete(self, conversation_id: str) -> SavedConversation:
         """Forget a conversation's cached KV, saved or not, in every tier (a turn
-        running now keeps its own copy)."""
+        running now keeps its own copy). A save whose KV is gone is deleted too."""
         store = self._store
         index = store.index
-        entry = self._entry_of(conversation_id)
-        described = self._describe(conversation_id, entry)
-        if self.pins.pop(conversation_id, None) is not None and store.disk is not None:
+        pin = self.pins.pop(conversation_id, None)
+        entry = self._pinned(pin)
+        if entry is None:
+            try:
+                entry = self._latest_entry(conversation_id, None)
+            except ConversationNotFound:
+                if pin is None:
+                    raise
+        if pin is not None and store.disk is not None:
             store.disk.write_pins(self.pins)
-        own = [e for e in index.entries() if e.session == conversation_id]
-        for entry_id in {entry.entry_id, *(x.entry_id for x in own)}:
+        described = self._describe(conversation_id, entry, pin)
+        own = {e.entry_id for e in index.entries() if e.session == conversation_id}
+        for entry_id in own | ({entry.entry_id} if entry is not None else set()):
             index.forget(entry_id)
         store.sessions.forget(conversation_id)
         return described

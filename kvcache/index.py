@@ -459,7 +459,15 @@ class PrefixIndex:
         """Evict (or demote to disk) RAM entries until ``held`` fits; ``spare`` RAM
         entries (``keep``) are about to go anyway and are not victims."""
         kept = {e.entry_id for e in keep or ()}
-        victims = self._victims(lambda e: e.in_ram and e.entry_id not in kept and not e.holds_queue)
+        victims = self._victims(
+            # a saved entry stays until written: were its write to fail, RAM holds the KV
+            lambda e: (
+                e.in_ram
+                and e.entry_id not in kept
+                and not e.holds_queue
+                and not (e.pinned and e.persisting)
+            )
+        )
         while not self.ram.fits(held) or self._ram_entries - spare >= self.max_entries:
             victim = next(victims, None)
             if victim is None:
@@ -529,22 +537,24 @@ class PrefixIndex:
         entry.writes += 1
         return True
 
-    def end_persist(self, entry_id: int, ok: bool, write: int | None = None) -> None:
+    def end_persist(self, entry_id: int, ok: bool, write: int | None = None) -> CacheEntry | None:
         """The write of an entry finished (or failed: its reservation is returned);
-        ``write``: which of its writes (``CacheEntry.writes``), None for the latest."""
+        ``write``: which of its writes (``CacheEntry.writes``), None for the latest.
+        Returns the entry if this write failed (gone from the index unless in RAM)."""
         entry = self._entries.get(entry_id)
         if entry is None or not entry.persisting:
-            return
+            return None
         if write is not None and write != entry.writes:
-            return  # an earlier write, dropped while queued: its files are deleted
+            return None  # an earlier write, dropped while queued: its files are deleted
         entry.holds_queue = False
         if ok:
             entry.persisting = False
             entry.on_disk = True
-            return
+            return None
         self._drop_disk(entry)
         if not entry.in_ram:
             self.remove(entry_id)
+        return entry
 
     def lose_block(self, digest: bytes) -> int:
         """A block's file was found damaged: every disk copy naming it goes (an

@@ -409,7 +409,9 @@ class TieredKVManager:
         if self.disk is None:
             return
         for entry_id, write, ok in self.disk.completed():
-            self.index.end_persist(entry_id, ok, write)
+            failed = self.index.end_persist(entry_id, ok, write)
+            if failed is not None and failed.pinned:
+                self.conversations.unsave(failed)
 
     def _restore(self) -> None:
         """Index every complete entry on disk: the first turn after a restart is warm."""

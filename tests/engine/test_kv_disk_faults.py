@@ -17,6 +17,7 @@ from mlx_lm.models.cache import KVCache
 
 from kvcache import safetensors_io
 from kvcache.index import PromptCacheConfig, VolatilePolicy
+from kvcache.interface import ConversationNotFound
 from kvcache.manager import DiskConfig, TieredKVManager
 from kvcache.prompt_key import PromptKey
 from scheduler.request import CacheHints
@@ -619,8 +620,8 @@ def test_loading_a_conversation_whose_write_is_queued_keeps_it(tmp_path, monkeyp
     )
     writer = _HeldWriter(monkeypatch)
     saved = store(m, list(range(1000, 1100)), "conv")
-    m.save_conversation("conv", "mine")
-    store(m, list(range(5000, 5100)), "other")  # one entry in RAM: the saved one leaves it
+    store(m, list(range(5000, 5100)), "other")  # one entry in RAM: the first leaves it
+    m.save_conversation("conv", "mine")  # saved once out of RAM, its write queued
     entry = m.index.get(saved)
     assert not entry.in_ram and entry.persisting and not entry.on_disk
     assert m.load_conversation("conv").tier == "writing"
@@ -726,6 +727,96 @@ def test_a_conversation_deleted_while_a_turn_reads_it_leaves_the_disk_at_once(tm
         assert again.saved_conversations() == []
     finally:
         again.close()
+
+
+def _entry_files_fail(monkeypatch) -> None:
+    """Every entry file write fails (the disk is full); saved.json still writes."""
+    import errno
+
+    from kvcache import disk
+
+    real = disk.write_atomic
+
+    def full(path, parts):
+        if path.parent.name == "entries":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, parts)
+
+    monkeypatch.setattr(disk, "write_atomic", full)
+
+
+def test_a_save_whose_write_fails_is_taken_back_and_said_so(tmp_path, monkeypatch, caplog):
+    """A save acknowledged while its write was queued stayed listed (and in
+    saved.json) after the write failed, with nothing on disk: RAM pressure then
+    dropped the KV, and no error was logged anywhere."""
+    tokens = list(range(1000, 1100))
+    m = manager(tmp_path)
+    _entry_files_fail(monkeypatch)
+    entry_id = store(m, tokens, "conv")
+    assert m.save_conversation("conv", "mine").tier == "ram"
+    m.flush()  # the write fails
+    m.flush()  # saved.json is written again
+    try:
+        assert m.saved_conversations() == []
+        assert json.loads(m.disk.pins_path.read_text()) == {}
+        entry = m.index.get(entry_id)
+        assert entry is not None and entry.in_ram and not entry.pinned
+        assert served(m, tokens + [1]) == (tokens, "ram")  # still cached, as any entry
+        assert any(r.levelname == "ERROR" and "conv" in r.getMessage() for r in caplog.records)
+    finally:
+        m.close()
+
+
+def test_a_saved_entry_stays_in_ram_until_its_write_lands(tmp_path, monkeypatch):
+    """A saved entry pushed out of RAM with its write still queued was lost for
+    good when that write failed."""
+    config = PromptCacheConfig(
+        block_size=16, kv_block_size=16, policy=VolatilePolicy.STRICT, max_entries=1
+    )
+    m = TieredKVManager(
+        config, GiB, NS, [KVCache() for _ in range(LAYERS)], DiskConfig(tmp_path, GiB)
+    )
+    writer = _HeldWriter(monkeypatch)
+    tokens = list(range(1000, 1100))
+    saved = store(m, tokens, "conv")
+    m.save_conversation("conv", "mine")
+    other = list(range(5000, 5100))
+    m.store(PromptKey.build(other), caches_for(other), session="other")
+    assert m.index.get(saved).in_ram
+    writer.write = lambda path, parts: (_ for _ in ()).throw(OSError(28, "full"))
+    writer.open()
+    m.flush()
+    try:
+        assert served(m, tokens + [1]) == (tokens, "ram")
+    finally:
+        m.close()
+
+
+def test_deleting_a_save_whose_kv_is_gone_drops_it(tmp_path):
+    """A save whose KV was discarded (damaged on disk) could not be deleted: 404,
+    and its pin stayed in saved.json."""
+    tokens = list(range(1000, 1100))
+    m = manager(tmp_path)
+    store(m, tokens, "conv")
+    m.save_conversation("conv", "mine")
+    m.close()
+    again = manager(tmp_path)
+    (first, _) = again.index.entries()[0].held.blocks[0]
+    path = again.disk.block_path(first)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ConversationNotFound, match="damaged"):
+        again.load_conversation("conv")
+    try:
+        gone = again.delete_conversation("conv")
+        assert (gone.title, gone.tokens, gone.tier) == ("mine", 0, "none")
+        assert again.conversations.pins == {}
+        with pytest.raises(ConversationNotFound):
+            again.delete_conversation("conv")
+    finally:
+        again.close()
+    assert json.loads(again.disk.pins_path.read_text()) == {}
 
 
 def test_a_manifest_whose_key_cannot_be_read_takes_its_blocks_along(tmp_path):
