@@ -341,18 +341,31 @@ class TieredKVManager:
         persist = disk is not None and disk.usable and disk.room_for(nbytes)
         entry_id = self.index.insert(key, held, ops.trimmable, session, variant, persist)
         if entry_id is not None:
-            want = {d for d, _ in held.blocks if d not in self._blocks}
-            split = ops.split(caches, length, held, want)
-            self._blocks.update(split.blocks)
-            assert split.private is not None
-            self._private[entry_id] = split.private
-            entry = self.index.get(entry_id)
-            if entry is not None and entry.persisting:
-                self._submit_write(entry)
-            elif disk is not None and disk.usable:
-                disk.counters.writes_skipped += 1
+            try:
+                self._keep(entry_id, ops, caches, length, held)
+            except BaseException:
+                # no payload (a copy that ran out of memory): indexed, it stayed
+                # persisting for good with its disk bytes reserved, never evicted
+                self.index.remove(entry_id)
+                raise
         self._return_memory()
         return entry_id
+
+    def _keep(
+        self, entry_id: int, ops: KVLayoutOps, caches: list[Any], length: int, held: EntryBytes
+    ) -> None:
+        """Copy a newly indexed entry's KV into its blocks and queue its write."""
+        want = {d for d, _ in held.blocks if d not in self._blocks}
+        split = ops.split(caches, length, held, want)
+        self._blocks.update(split.blocks)
+        assert split.private is not None
+        self._private[entry_id] = split.private
+        entry = self.index.get(entry_id)
+        disk = self.disk
+        if entry is not None and entry.persisting:
+            self._submit_write(entry)
+        elif disk is not None and disk.usable:
+            disk.counters.writes_skipped += 1
 
     def _write_bytes(self, held: EntryBytes) -> int:
         """Bytes a write of ``held`` would queue: its private part and blocks not on disk."""

@@ -819,6 +819,31 @@ def test_deleting_a_save_whose_kv_is_gone_drops_it(tmp_path):
     assert json.loads(again.disk.pins_path.read_text()) == {}
 
 
+def test_a_store_whose_copy_fails_leaves_nothing_indexed_or_reserved(tmp_path, monkeypatch):
+    """The entry was indexed, its disk bytes reserved, before its KV was copied: a
+    copy that raised (out of memory) left it with no payload and no write queued,
+    persisting for good, its reservation leaked, and nothing evicted it."""
+    tokens = list(range(1000, 1100))
+    m = manager(tmp_path)
+    try:
+
+        def out_of_memory(*args, **kwargs):
+            raise MemoryError("[malloc] Unable to allocate")
+
+        monkeypatch.setattr(m.ops, "split", out_of_memory)
+        with pytest.raises(MemoryError):
+            m.store(PromptKey.build(tokens), caches_for(tokens), session="s")
+        assert m.index.entries() == []
+        assert m.index.nbytes == m.index.disk.nbytes == 0
+        monkeypatch.undo()
+        store(m, tokens)  # the next store of those tokens is kept and written
+        m.flush()
+        assert served(m, tokens + [1]) == (tokens, "ram")
+        assert [e.on_disk for e in m.index.entries()] == [True]
+    finally:
+        m.close()
+
+
 def test_a_manifest_whose_key_cannot_be_read_takes_its_blocks_along(tmp_path):
     entry = one_entry_on_disk(tmp_path, list(range(1000, 1100)))
     rewrite(entry, b'model_tokens\\":[1000,', b'model_tokens\\":[null,')
