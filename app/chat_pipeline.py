@@ -148,17 +148,28 @@ def forced_tool(name: str, tools: list[dict[str, Any]]) -> ToolChoice:
     return ToolChoice("required", name)
 
 
+INSTRUCTION_ROLES = ("system", "developer")
+
+
 def one_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
-    """The leading system (and developer) messages as one, their texts joined by a
-    blank line; None when there are not two of them to join."""
+    """The messages with one system message, first, for templates that refuse any
+    other: the leading system (and developer) messages joined by a blank line, and
+    later ones as user turns (joined to the first, each would change the prefix
+    every later turn reuses). None when there is nothing to change."""
     n = 0
-    while n < len(messages) and messages[n].get("role") in ("system", "developer"):
+    while n < len(messages) and messages[n].get("role") in INSTRUCTION_ROLES:
         n += 1
-    if n < 2:
+    later = [i for i in range(n, len(messages)) if messages[i].get("role") in INSTRUCTION_ROLES]
+    if n < 2 and not later:
         return None
-    texts = [_text_of(m.get("content")) for m in messages[:n]]
-    joined = "\n\n".join(t for t in texts if t)
-    return [{"role": "system", "content": joined}, *messages[n:]]
+    head = messages[:n]
+    if n >= 2:
+        texts = [_text_of(m.get("content")) for m in head]
+        head = [{"role": "system", "content": "\n\n".join(t for t in texts if t)}]
+    tail = [
+        {**m, "role": "user"} if m.get("role") in INSTRUCTION_ROLES else m for m in messages[n:]
+    ]
+    return [*head, *tail]
 
 
 def _text_of(content: Any) -> str:
@@ -330,7 +341,8 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
             raise
         except Exception:
             # Qwen3.5/3.6's template refuses a second system message ("System message
-            # must be at the beginning"), which Codex sends (instructions + developer)
+            # must be at the beginning"), which Codex sends (instructions + developer,
+            # and developer turns later on)
             merged = one_leading_system(healed)
             if merged is None:
                 raise

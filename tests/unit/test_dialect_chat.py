@@ -501,13 +501,28 @@ def test_leading_system_messages_are_joined_when_the_template_refuses_a_second()
         {"role": "user", "content": "hi"},
     ]
     assert one_leading_system(messages[1:]) is None  # one: nothing to join
+    # one later in the conversation (Codex's permission change, Claude Code's
+    # reminders) is a user turn: joined to the leading one it would change the
+    # prefix every turn reuses
+    later = [
+        *messages[:1],
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "developer", "content": "Approvals are now off."},
+        {"role": "user", "content": "go"},
+    ]
+    assert one_leading_system(later) == [
+        *later[:3],
+        {"role": "user", "content": "Approvals are now off."},
+        later[4],
+    ]
     app = serve_scripted()
     with serve_app(app) as url:
         formatter = app.state.kvwarm.engine.info.formatter
         plain = type(formatter).render_chat
 
         def qwen35(self, messages, *args, **kwargs):
-            if any(m["role"] == "system" for m in messages[1:]):
+            if any(m["role"] in ("system", "developer") for m in messages[1:]):
                 raise ValueError("System message must be at the beginning.")
             return plain(self, messages, *args, **kwargs)
 
@@ -516,7 +531,11 @@ def test_leading_system_messages_are_joined_when_the_template_refuses_a_second()
             r = httpx.post(
                 url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2}
             )
+            assert r.status_code == 200, r.text
+            assert formatter.last_messages[0]["content"] == "You are Codex.\n\nBe terse."
+            r = httpx.post(url + "/v1/chat/completions", json={"messages": later, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            roles = [m["role"] for m in formatter.last_messages]
+            assert roles == ["system", "user", "assistant", "user", "user"]
         finally:
             type(formatter).render_chat = plain
-        assert r.status_code == 200, r.text
-        assert formatter.last_messages[0]["content"] == "You are Codex.\n\nBe terse."
