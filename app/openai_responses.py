@@ -224,8 +224,10 @@ def _message_status(done: Outcome, last: bool) -> str:
 # kvwarm's failure codes as the Responses schema names them (ResponseError.code)
 _RESPONSE_ERROR_CODES = {
     "queue_timeout": "rate_limit_exceeded",  # overloaded: worth retrying later
-    "context_over_budget": "invalid_prompt",
-    "context_length_exceeded": "invalid_prompt",
+    # not in the schema's list, but what OpenAI sends and Codex acts on (it compacts
+    # the conversation; invalid_prompt it retried as it was)
+    "context_over_budget": "context_length_exceeded",
+    "context_length_exceeded": "context_length_exceeded",
 }
 
 
@@ -239,7 +241,8 @@ def _finalise(response: dict[str, Any], done: Outcome, items: _Items) -> dict[st
         response["status"] = "failed"
         err = done.failure()
         code = _RESPONSE_ERROR_CODES.get(err.code or "", "server_error")
-        # the Responses schema's codes only: a strict client reads no others
+        # the Responses schema's codes (and context_length_exceeded): a client
+        # validating strictly reads no others
         response["error"] = {"code": code, "message": f"{err.message} ({err.code})"}
     elif done.stop_kind == "length":
         response["status"] = "incomplete"

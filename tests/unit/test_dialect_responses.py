@@ -428,3 +428,17 @@ def test_tool_choice_objects_the_agents_sdk_sends(server):
     ):
         r = httpx.post(url, json={"input": "hi", "tools": tools, "tool_choice": bad})
         assert r.status_code == 400 and "tool_choice" in r.text, r.text
+
+
+def test_a_failed_response_over_the_context_says_context_length_exceeded():
+    """Codex reads a failed response's ``context_length_exceeded`` as "the context
+    window is full" (compact and go on); ``invalid_prompt`` it retried five times."""
+    from app.generation import Outcome
+    from app.openai_responses import _finalise, _Items
+    from scheduler.request import FinishReason
+
+    # the budget shrank while it was queued: what fails a request after its headers
+    done = Outcome(finish_reason=FinishReason.ERROR, error="over", error_code="context_over_budget")
+    response = _finalise({}, done, _Items())
+    assert response["status"] == "failed"
+    assert response["error"]["code"] == "context_length_exceeded"
