@@ -18,6 +18,7 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from app.anthropic_client_tools import client_tool
 from app.anthropic_schemas import (
     AnthropicMessage,
     AnthropicToolChoice,
@@ -174,58 +175,9 @@ def _translate(message: AnthropicMessage, where: str) -> list[dict[str, Any]]:
     return [_assistant_message(content, where)]
 
 
-# Anthropic-defined tools the client runs itself, by their documented inputs: the
-# model must see them to call them (they were dropped like server tools)
-_BASH = {
-    "type": "object",
-    "properties": {
-        "command": {"type": "string", "description": "The bash command to run."},
-        "restart": {"type": "boolean", "description": "Restart the bash session."},
-    },
-}
-_TEXT_EDITOR = {
-    "type": "object",
-    "properties": {
-        "command": {
-            "type": "string",
-            "enum": ["view", "create", "str_replace", "insert", "undo_edit"],
-        },
-        "path": {"type": "string", "description": "Absolute path to a file or directory."},
-        "file_text": {"type": "string", "description": "The file's content (create)."},
-        "old_str": {
-            "type": "string",
-            "description": "Text to replace, exactly once (str_replace).",
-        },
-        "new_str": {"type": "string", "description": "Its replacement, or the text to insert."},
-        "insert_line": {"type": "integer", "description": "Insert after this line (insert)."},
-        "view_range": {
-            "type": "array",
-            "items": {"type": "integer"},
-            "description": "[start, end] lines (view).",
-        },
-    },
-    "required": ["command", "path"],
-}
-CLIENT_TOOLS = {
-    "bash_": ("bash", "Run a bash command in a persistent shell session.", _BASH),
-    "text_editor_": (
-        "str_replace_based_edit_tool",
-        "View, create and edit files: view, create, str_replace, insert.",
-        _TEXT_EDITOR,
-    ),
-}
-
-
-def _client_tool(tool: ServerTool) -> dict[str, Any] | None:
-    for prefix, (name, description, schema) in CLIENT_TOOLS.items():
-        if tool.type.startswith(prefix):
-            return {"name": tool.name or name, "description": description, "parameters": schema}
-    return None
-
-
 def function_tools(tools: list[CustomTool | ServerTool] | None) -> list[dict[str, Any]]:
     """Custom tools (those with an ``input_schema``) and the Anthropic-defined
-    tools a client runs (bash, text editor); server tools are ignored."""
+    tools a client runs (bash, text editor, memory); server tools are ignored."""
     out = []
     for tool in tools or ():
         if isinstance(tool, CustomTool):
@@ -233,7 +185,7 @@ def function_tools(tools: list[CustomTool | ServerTool] | None) -> list[dict[str
             if tool.description:
                 fn["description"] = tool.description
         else:
-            fn = _client_tool(tool)
+            fn = client_tool(tool)
         if fn is not None:
             out.append({"type": "function", "function": fn})
     return out
@@ -245,7 +197,7 @@ def ignored_tools(tools: list[CustomTool | ServerTool] | None) -> tuple[str, ...
     return tuple(
         f"tools.{t.type}"
         for t in tools or ()
-        if isinstance(t, ServerTool) and _client_tool(t) is None
+        if isinstance(t, ServerTool) and client_tool(t) is None
     )
 
 

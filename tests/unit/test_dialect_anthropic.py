@@ -326,6 +326,7 @@ def test_anthropic_defined_client_tools_reach_the_model_and_server_tools_are_nam
         "tools": [
             {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"},
             {"type": "bash_20250124", "name": "bash"},
+            {"type": "memory_20250818", "name": "memory"},
             {"type": "web_search_20250305", "name": "web_search"},
         ],
         "tool_choice": {"type": "tool", "name": "bash"},
@@ -335,8 +336,10 @@ def test_anthropic_defined_client_tools_reach_the_model_and_server_tools_are_nam
     )
     assert r.status_code == 200, r.text
     tools = {t["function"]["name"]: t["function"] for t in server.formatter.last_kwargs["tools"]}
-    assert set(tools) == {"str_replace_based_edit_tool", "bash"}
+    assert set(tools) == {"str_replace_based_edit_tool", "bash", "memory"}
     assert tools["str_replace_based_edit_tool"]["parameters"]["required"] == ["command", "path"]
+    memory = tools["memory"]["parameters"]["properties"]
+    assert {"rename", "delete"} <= set(memory["command"]["enum"]) and "new_path" in memory
     assert "tools.web_search_20250305" in r.headers["x-kvwarm-ignored-fields"]
 
 
