@@ -314,6 +314,11 @@ class EngineThread(threading.Thread):
                 future.set_result(op(self._runner))
             except Exception as exc:  # noqa: BLE001 - the caller's to report
                 future.set_exception(exc)
+            except BaseException as exc:
+                # it ends the engine; the caller is answered first (running, this
+                # future is out of the queue the engine's last drain answers)
+                future.set_exception(exc)
+                raise
 
     def _fail_controls(self, reason: str) -> None:
         while True:

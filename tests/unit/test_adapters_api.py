@@ -437,3 +437,38 @@ def test_weights_larger_than_the_whole_kv_budget_are_refused_before_they_are_rea
     r = httpx.post(base + ADAPTERS, json={"id": "big", "path": str(big)})
     err = assert_error(r, 400, "adapter_over_budget")
     assert "could never be mounted" in err["message"]
+
+
+def test_a_control_that_escapes_as_a_base_exception_answers_its_caller():
+    """The op's future was running when a BaseException left it: the engine died,
+    and its last drain of the controls never saw that future, so the route awaiting
+    it hung for good."""
+    import asyncio
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    from scheduler.scheduler import Scheduler
+    from scheduler.streams import OutputRouter
+    from tests.helpers.fake_engine import FakeEngine
+
+    class Interrupted(BaseException):
+        pass
+
+    def op(runner):
+        raise Interrupted("stop")
+
+    loop = asyncio.new_event_loop()
+    engine = FakeEngine(Scheduler(None, max_running=1, max_queue=4), OutputRouter(loop))
+    engine.start()
+    assert engine.wait_ready(5)
+    try:
+        future = engine.control(op)
+        try:
+            future.exception(5)
+        except FutureTimeout:
+            pytest.fail("the control's caller was never answered")
+        assert isinstance(future.exception(0), Interrupted)
+        engine.join(5)
+        assert not engine.alive  # it still ends the engine, as any escape does
+    finally:
+        engine.stop()
+        loop.close()
