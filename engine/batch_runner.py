@@ -462,13 +462,10 @@ class BatchRunner:
                 else:
                     stopped_by_text[resp.uid] = row
         if stopped_by_text:
-            caches = self._generator.remove(
-                list(stopped_by_text), return_prompt_caches=self.prefix_cache is not None
-            )
-            for uid in list(caches):
-                cache, tokens = caches.pop(uid)  # each copy goes once stored
-                self._store_quietly(stopped_by_text[uid], cache, tokens)
-                del cache
+            try:
+                self._remove_stopped(stopped_by_text)
+            except Exception as exc:  # noqa: BLE001 - the batch still holds answered rows
+                return outputs + self._recover(exc)
         self._read_logprobs(failed)
         outputs += self._fail_rows(failed, now)
         self._count_recovered()
@@ -552,6 +549,24 @@ class BatchRunner:
             row_kv.store_checkpoint(self.prefix_cache, row, caches)
         except Exception:  # noqa: BLE001
             log.exception("%s: checkpoint KV not stored", row.request.request_id)
+
+    def _remove_stopped(self, rows: dict[int, Row]) -> None:
+        """Rows a stop string ended leave the batch, their KV stored. Their replies
+        are delivered: a copy of their KV that fails (out of memory) keeps nothing,
+        and they leave all the same (it escaped the step: the engine went down)."""
+        keep = self.prefix_cache is not None
+        try:
+            caches = self._generator.remove(list(rows), return_prompt_caches=keep)
+        except Exception:
+            if not keep:
+                raise
+            log.exception("rows ended by a stop string: their KV is not kept")
+            self._generator.remove(list(rows))  # the copy comes first: nothing left yet
+            return
+        for uid in list(caches):
+            cache, tokens = caches.pop(uid)  # each copy goes once stored
+            self._store_quietly(rows[uid], cache, tokens)
+            del cache
 
     def _store_quietly(self, row: Row, caches, all_tokens) -> None:
         """A reply already delivered must not fail because its KV could not be kept."""

@@ -240,6 +240,45 @@ def test_a_recovery_that_finds_the_newcomer_at_fault_replays_the_others_once(byt
     assert model.positions - clean.positions < 180 + 40
 
 
+def test_a_row_a_stop_string_ends_whose_kv_copy_fails_still_ends_alone(
+    byte_tokenizer, alone, monkeypatch
+):
+    """Taking such a row out of the batch copies its KV for the prefix cache, outside
+    any row's guard: a copy that failed (out of memory) escaped the step and took
+    the engine down for every request. The reply is delivered already: the KV is
+    not kept, the row leaves, the others go on."""
+    from mlx_lm.generate import BatchGenerator
+
+    from engine import batch_runner
+
+    def no_memory(self, uids):
+        raise RuntimeError("[malloc] Unable to allocate")
+
+    class NoStore:
+        def release(self, *_):
+            pass
+
+        def poll(self):
+            pass
+
+    monkeypatch.setattr(BatchGenerator, "extract_cache", no_memory)
+    monkeypatch.setattr(batch_runner.row_kv, "store_final", lambda *a, **k: None)
+    runner = BatchRunner(
+        KVSumModel(),
+        byte_tokenizer,
+        max_batch=4,
+        prefill_step_size=8,
+        prefill_batch=4,
+        prefix_cache=NoStore(),
+    )
+    requests = good_requests()
+    requests[0].stop = ["T"]  # it writes "\nT..."
+    seen = drive(runner, requests)
+    assert seen["good0"][-1].finish_reason is FinishReason.STOP
+    for rid in ("good1", "good2"):
+        assert tokens(seen[rid]) == tokens(alone[rid])
+
+
 class FlatPoisonedModel(PoisonedModel):
     """Nearly uniform logits: what a seeded row draws is pure chance."""
 
