@@ -427,9 +427,7 @@ class BatchRunner:
         try:
             prompt_responses, responses = self._generator.next()
         except Exception as exc:  # noqa: BLE001 - nobody owned it: find out who
-            if not self.recoverable:
-                raise EngineFault(f"engine step failed: {type(exc).__name__}: {exc}") from exc
-            return outputs + self._recover(exc)
+            return outputs + self._unowned_fault(exc)
         # the cost model learns the generator's step; an image's prefill is not one
         ran = time.perf_counter() - started - vision_s
         failed = self._faulted_rows()
@@ -465,7 +463,7 @@ class BatchRunner:
             try:
                 self._remove_stopped(stopped_by_text)
             except Exception as exc:  # noqa: BLE001 - the batch still holds answered rows
-                return outputs + self._recover(exc)
+                return outputs + self._unowned_fault(exc)
         self._read_logprobs(failed)
         outputs += self._fail_rows(failed, now)
         self._count_recovered()
@@ -605,6 +603,13 @@ class BatchRunner:
         }
         if not self._readmitted:
             self._recovering = 0
+
+    def _unowned_fault(self, exc: Exception) -> list[RequestOutput]:
+        """A step fault no row owns: the batch is rebuilt, where it may be (a rank
+        group's batches must stay alike: there it ends the engine)."""
+        if not self.recoverable:
+            raise EngineFault(f"engine step failed: {type(exc).__name__}: {exc}") from exc
+        return self._recover(exc)
 
     def _recover(self, exc: Exception) -> list[RequestOutput]:
         """The batch's state is no longer trustworthy: rebuild it, try rows on their

@@ -279,6 +279,39 @@ def test_a_row_a_stop_string_ends_whose_kv_copy_fails_still_ends_alone(
         assert tokens(seen[rid]) == tokens(alone[rid])
 
 
+@pytest.mark.parametrize("recoverable", [True, False])
+def test_a_stopped_row_the_batch_cannot_let_go_of_is_a_step_fault(
+    byte_tokenizer, alone, monkeypatch, recoverable
+):
+    """Rebuilt where a batch may be; in a rank group (not recoverable: every rank's
+    batch must stay alike) it ends the engine, as any step fault there does."""
+    from mlx_lm.generate import BatchGenerator
+
+    def broken(self, uids, return_prompt_caches=False):
+        raise RuntimeError("filter failed")
+
+    monkeypatch.setattr(BatchGenerator, "remove", broken)
+    runner = make_runner(byte_tokenizer)
+    runner.recoverable = recoverable
+    requests = good_requests()
+    requests[0].stop = ["T"]  # it writes "\nT..."
+    if not recoverable:
+        with pytest.raises(EngineFault, match="filter failed"):
+            drive(runner, requests)
+        return
+    for r in requests:
+        runner.add(r)
+    seen: dict[str, list] = {}
+    for _ in range(30):
+        for out in runner.step():
+            seen.setdefault(out.request_id, []).append(out)
+        if runner.recoveries:
+            break
+    assert runner.recoveries == 1
+    assert seen["good0"][-1].finish_reason is FinishReason.STOP  # answered, not failed
+    assert {r.request.request_id for r in runner._rows.values()} == {"good1", "good2"}  # noqa: SLF001
+
+
 class FlatPoisonedModel(PoisonedModel):
     """Nearly uniform logits: what a seeded row draws is pure chance."""
 
