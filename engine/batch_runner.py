@@ -459,12 +459,14 @@ class BatchRunner:
                     resp.prompt_cache = None
                 else:
                     stopped_by_text[resp.uid] = row
+        self._read_logprobs(failed)
         if stopped_by_text:
             try:
                 self._remove_stopped(stopped_by_text)
             except Exception as exc:  # noqa: BLE001 - the batch still holds answered rows
+                # the rows that faulted this step fail now: the rebuild would re-admit them
+                outputs += self._fail_rows(failed, now, detached=True)
                 return outputs + self._unowned_fault(exc)
-        self._read_logprobs(failed)
         outputs += self._fail_rows(failed, now)
         self._count_recovered()
         self.timings.record(
@@ -552,15 +554,14 @@ class BatchRunner:
         """Rows a stop string ended leave the batch, their KV stored. Their replies
         are delivered: a copy of their KV that fails (out of memory) keeps nothing,
         and they leave all the same (it escaped the step: the engine went down)."""
-        keep = self.prefix_cache is not None
-        try:
-            caches = self._generator.remove(list(rows), return_prompt_caches=keep)
-        except Exception:
-            if not keep:
-                raise
-            log.exception("rows ended by a stop string: their KV is not kept")
-            self._generator.remove(list(rows))  # the copy comes first: nothing left yet
-            return
+        uids = list(rows)
+        caches = {}
+        if self.prefix_cache is not None:
+            try:
+                caches = self._generator.extract_cache(uids)
+            except Exception:  # noqa: BLE001 - delivered already; only the KV is lost
+                log.exception("rows ended by a stop string: their KV is not kept")
+        self._generator.remove(uids)  # a failure here is the batch's: the caller rebuilds it
         for uid in list(caches):
             cache, tokens = caches.pop(uid)  # each copy goes once stored
             self._store_quietly(rows[uid], cache, tokens)
@@ -575,14 +576,23 @@ class BatchRunner:
         except Exception:  # noqa: BLE001
             log.exception("%s: prompt KV not stored", row.request.request_id)
 
-    def _fail_rows(self, failed: dict[int, str], now: float) -> list[RequestOutput]:
+    def _fail_rows(
+        self, failed: dict[int, str], now: float, detached: bool = False
+    ) -> list[RequestOutput]:
+        """``detached``: the batch is about to be rebuilt; its generator is left alone."""
         outputs = []
         for uid, error in failed.items():
             row = self._rows.get(uid)
             if row is None:
                 continue
             log.error("%s: failed alone in the engine: %s", row.request.request_id, error)
-            self.remove(row.request.request_id)
+            if detached:
+                del self._rows[uid]
+                self._uids.pop(row.request.request_id, None)
+                self._prefilled.pop(uid, None)
+                self._release(row)
+            else:
+                self.remove(row.request.request_id)
             self.row_faults += 1
             outputs.append(row.failure(now, error))
         return outputs
@@ -647,6 +657,8 @@ class BatchRunner:
             if error is None:
                 survivors.append(row)
                 continue
+            if not self._model_healthy():  # not this row's: no row would run
+                raise EngineFault(f"the model no longer runs: {type(exc).__name__}: {exc}") from exc
             self.row_faults += 1
             log.error("%s: failed alone in the engine: %s", row.request.request_id, error)
             outputs.append(row.failure(now, error))
@@ -665,8 +677,6 @@ class BatchRunner:
             self._prefilled[uid] = 0
             # the token its prefill yields, then one decoded with the batch
             self._readmitted[uid] = row.generated + 2
-        if len(outputs) == len(rows) and not self._model_healthy():
-            raise EngineFault(f"the model no longer runs: {type(exc).__name__}: {exc}") from exc
         if outputs:
             # the fault has its owner: no endless rebuild, whatever comes next (a
             # client retrying a bad request during a long replay took the engine down)

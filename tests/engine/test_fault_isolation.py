@@ -155,6 +155,24 @@ def test_a_fault_that_is_no_rows_kills_the_engine(byte_tokenizer):
             runner.step()
 
 
+def test_a_model_that_breaks_under_a_stream_of_requests_ends_the_engine(byte_tokenizer):
+    """A recovery that blames the newest row checks the model still runs first:
+    every forward failing, each recovery blamed one newcomer and replayed the rest,
+    and with requests arriving the engine never said it was dead (each new request
+    failed, /health stayed ok)."""
+    model = PoisonedModel()
+    runner = make_runner(byte_tokenizer, model)
+    for r in good_requests():
+        runner.add(r)
+    for _ in range(3):
+        runner.step()
+    model.always = True
+    with pytest.raises(EngineFault, match="no longer runs"):
+        for i in range(12):
+            runner.add(Request([5, 9, 13], 30, sampling=GREEDY, request_id=f"new{i}"))
+            runner.step()
+
+
 class BatchOnlyFault(KVSumModel):
     """Fails only when two rows or more decode together (the full batch's
     allocation, say): every row's probe alone passes."""
@@ -284,7 +302,8 @@ def test_a_stopped_row_the_batch_cannot_let_go_of_is_a_step_fault(
     byte_tokenizer, alone, monkeypatch, recoverable
 ):
     """Rebuilt where a batch may be; in a rank group (not recoverable: every rank's
-    batch must stay alike) it ends the engine, as any step fault there does."""
+    batch must stay alike) it ends the engine, as any step fault there does. A row
+    that faulted in that same step fails: the rebuild re-admitted it unprobed."""
     from mlx_lm.generate import BatchGenerator
 
     def broken(self, uids, return_prompt_caches=False):
@@ -294,7 +313,8 @@ def test_a_stopped_row_the_batch_cannot_let_go_of_is_a_step_fault(
     runner = make_runner(byte_tokenizer)
     runner.recoverable = recoverable
     requests = good_requests()
-    requests[0].stop = ["T"]  # it writes "\nT..."
+    requests[0].stop = ["T"]  # it writes "\nT...": its second token, on the fourth step
+    requests[2].sampling = SamplingParams(temperature=0.0, repetition_penalty=1.01)
     if not recoverable:
         with pytest.raises(EngineFault, match="filter failed"):
             drive(runner, requests)
@@ -302,14 +322,17 @@ def test_a_stopped_row_the_batch_cannot_let_go_of_is_a_step_fault(
     for r in requests:
         runner.add(r)
     seen: dict[str, list] = {}
-    for _ in range(30):
+    for step in range(30):
+        if step == 3:  # the step good0 stops in: good2's processor breaks in it too
+            break_processor(runner.row("good2"))
         for out in runner.step():
             seen.setdefault(out.request_id, []).append(out)
         if runner.recoveries:
             break
     assert runner.recoveries == 1
     assert seen["good0"][-1].finish_reason is FinishReason.STOP  # answered, not failed
-    assert {r.request.request_id for r in runner._rows.values()} == {"good1", "good2"}  # noqa: SLF001
+    assert seen["good2"][-1].finish_reason is FinishReason.ERROR
+    assert [r.request.request_id for r in runner._rows.values()] == ["good1"]  # noqa: SLF001
 
 
 class FlatPoisonedModel(PoisonedModel):
