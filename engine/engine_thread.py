@@ -316,8 +316,11 @@ class EngineThread(threading.Thread):
                 future.set_exception(exc)
             except BaseException as exc:
                 # it ends the engine; the caller is answered first (running, this
-                # future is out of the queue the engine's last drain answers)
-                future.set_exception(exc)
+                # future is out of the queue the engine's last drain answers), and
+                # as a 503: a SystemExit set on it would stop the event loop
+                future.set_exception(
+                    EngineUnavailable(f"The inference engine stopped: {type(exc).__name__}: {exc}")
+                )
                 raise
 
     def _fail_controls(self, reason: str) -> None:

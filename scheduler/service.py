@@ -64,6 +64,7 @@ class OutputStream:
     ):
         self.request_id = request_id
         self._queue = queue
+        self._service = service
         self._router = service.router
         loop = asyncio.get_running_loop()
         self._cancel = weakref.finalize(self, _cancel_on, loop, service.cancel, request_id)
@@ -82,20 +83,16 @@ class OutputStream:
         return output
 
     async def aclose(self) -> None:
-        self._cancel()  # once: a finished request is not aborted
+        if self._cancel.detach() is not None:  # once: a finished request is not aborted
+            self._service.cancel(self.request_id)
 
 
 def _cancel_on(
     loop: asyncio.AbstractEventLoop, cancel: Callable[[str], None], request_id: str
 ) -> None:
-    """``cancel(request_id)`` on ``loop``'s thread (a collection may run on any thread)."""
-    try:
-        running = asyncio.get_running_loop()
-    except RuntimeError:
-        running = None
-    if running is loop:
-        cancel(request_id)
-        return
+    """``cancel(request_id)``, later, on ``loop``'s thread: a collection runs on any
+    thread and at any allocation, the loop's own included, possibly while it holds
+    the scheduler's lock (cancelling inline there would wait on it for ever)."""
     try:
         loop.call_soon_threadsafe(cancel, request_id)
     except RuntimeError:  # the loop closed (the server exited): nothing left to free

@@ -262,3 +262,21 @@ def test_a_stream_dropped_unread_aborts_its_request_and_closes_its_queue(read_fi
             engine.join(5)
 
     assert asyncio.run(main()) == (1, 0, 0)
+
+
+def test_a_collected_stream_cancels_later_on_the_loop_never_inline():
+    """A collection runs at any allocation, on the loop's own thread too, perhaps
+    while it holds the scheduler's lock: a cancel run inline there waited on that
+    lock for ever (the whole server hung)."""
+    import asyncio
+
+    from scheduler.service import _cancel_on
+
+    async def main():
+        cancelled: list[str] = []
+        _cancel_on(asyncio.get_running_loop(), cancelled.append, "r1")
+        inline = list(cancelled)
+        await asyncio.sleep(0)
+        return inline, cancelled
+
+    assert asyncio.run(main()) == ([], ["r1"])
