@@ -11,6 +11,7 @@ engine and scheduler state is read at scrape time from a ``ServerSnapshot``
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -430,8 +431,10 @@ class Metrics:
             "request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS
         )
         self._model = "unknown"
-        # refusals before the model is known: counted under its name once it is
+        # refusals before the model is known: under "unknown" (a model that never
+        # loads still shows them), moved to its name once it is known
         self._early_rejections: dict[str, int] = {}
+        self._early_lock = threading.Lock()
         # observed for every token of every stream: the labelled child is looked
         # up once per model, not per token (``labels`` takes a lock and builds a key)
         self._itl: Any = None
@@ -453,7 +456,8 @@ class Metrics:
         """Pre-create the labelled series so every panel has data from the first scrape."""
         if model == self._model:
             return
-        self._model = model
+        with self._early_lock:
+            self._model = model
         self._itl = self.itl.labels(model)
         for metric in self._per_model:
             metric.labels(model)
@@ -464,9 +468,11 @@ class Metrics:
         for reason in FINISH_REASONS:
             self.success.labels(model, reason, "")
         self.disconnects.labels(model)
-        for reason, n in self._early_rejections.items():
-            self.rejected.labels(model, reason).inc(n)
-        self._early_rejections.clear()
+        with self._early_lock:
+            early, self._early_rejections = self._early_rejections, {}
+            for reason, n in early.items():
+                self.rejected.labels(model, reason).inc(n)
+                self.rejected.remove("unknown", reason)
 
     def forget_adapter(self, adapter: str) -> None:
         """An unmounted adapter's series go: its id is a client's name, and mounts
@@ -523,10 +529,10 @@ class Metrics:
     def observe_rejection(self, reason: str, model: str | None = None) -> None:
         if model:
             self.ensure_model(model)
-        if self._model == "unknown":
-            self._early_rejections[reason] = self._early_rejections.get(reason, 0) + 1
-            return
-        self.rejected.labels(self._model, reason).inc()
+        with self._early_lock:  # against ensure_model moving the early ones
+            if self._model == "unknown":
+                self._early_rejections[reason] = self._early_rejections.get(reason, 0) + 1
+            self.rejected.labels(self._model, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

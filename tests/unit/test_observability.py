@@ -95,10 +95,14 @@ def _snapshot(**cache) -> ServerSnapshot:
 
 def test_refusals_before_the_model_is_known_count_under_its_name_once_loaded():
     """Requests refused while the model loads were filed under model_name="unknown",
-    a series no dashboard's model picker selects, there for good."""
+    a series no dashboard's model picker selects, there for good. They show there
+    until the model is known (one that never loads still shows its refusals)."""
     metrics = Metrics(lambda: None)
     metrics.observe_rejection("unavailable")
     metrics.observe_rejection("unavailable")
+    assert sample(metrics, "kvwarm:requests_rejected_total", reason="unavailable") is None
+    unknown = {"model_name": "unknown", "reason": "unavailable"}
+    assert metrics.registry.get_sample_value("kvwarm:requests_rejected_total", unknown) == 2
     metrics.ensure_model("m")
     metrics.observe_rejection("unavailable", "m")
     text = metrics.render().decode()
