@@ -18,8 +18,28 @@ from app.chat_pipeline import choice_of, parse_openai_tool_choice
 from app.errors import APIError
 from app.protocol.tool_schema import ToolChoice
 from app.responses_schemas import ResponsesTool, ResponsesToolChoice
+from app.schemas import MAX_TOOLS
 
 CHAT_CHOICES = ("none", "auto", "required", "function")
+# tool_choice types naming a tool kvwarm does not run (OpenAI's hosted tools, MCP,
+# custom tools): the model chooses freely; any other type is a 400
+UNSERVED_CHOICES = frozenset(
+    {
+        "file_search",
+        "web_search",
+        "web_search_preview",
+        "web_search_preview_2025_03_11",
+        "computer_use_preview",
+        "computer_use",
+        "code_interpreter",
+        "image_generation",
+        "mcp",
+        "custom",
+        "shell",
+        "local_shell",
+        "apply_patch",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -52,17 +72,20 @@ def read_tools(
         mode, names = _allowed(choice.model_extra or {})
         allowed = [t for t in functions if t["function"]["name"] in names]
         return ResponsesTools(allowed, choice_of(mode, allowed))
-    # a built-in tool's choice: that tool is not served, the model chooses freely
-    return ResponsesTools(functions, choice_of("auto", functions), (f"tool_choice.{kind}",))
+    if kind in UNSERVED_CHOICES:  # that tool is not served: the model chooses freely
+        return ResponsesTools(functions, choice_of("auto", functions), (f"tool_choice.{kind}",))
+    # parse_openai_tool_choice's own 400
+    return ResponsesTools(functions, parse_openai_tool_choice(choice, functions))
 
 
 def _allowed(fields: Mapping[str, Any]) -> tuple[str, frozenset[str]]:
     """``allowed_tools``' mode and the function names it lists."""
     mode, listed = fields.get("mode", "auto"), fields.get("tools")
-    if mode not in ("auto", "required") or not isinstance(listed, list):
+    if mode not in ("auto", "required") or not isinstance(listed, list) or len(listed) > MAX_TOOLS:
         raise APIError(
             400,
-            "tool_choice allowed_tools needs a mode (auto or required) and a list of tools.",
+            f"tool_choice allowed_tools needs a mode (auto or required) and a list of at "
+            f"most {MAX_TOOLS} tools.",
             param="tool_choice",
         )
     names = frozenset(

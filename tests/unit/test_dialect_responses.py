@@ -425,6 +425,7 @@ def test_tool_choice_objects_the_agents_sdk_sends(server):
     for bad in (
         {"type": "allowed_tools", "mode": "sometimes", "tools": []},
         {"type": "allowed_tools", "mode": "auto", "tools": "get_time"},
+        {"type": "functions", "name": "get_time"},  # a typo is no hosted tool
     ):
         r = httpx.post(url, json={"input": "hi", "tools": tools, "tool_choice": bad})
         assert r.status_code == 400 and "tool_choice" in r.text, r.text
