@@ -122,11 +122,12 @@ _DATE_WORD = re.compile(
     r"|\x00",
     re.IGNORECASE,
 )
-# a word only a date or time has: a clock time, a date with separators, a month or
-# day name, an epoch count. A bare number or an upper-case word alone is not one
-# ("The dose today is 20", "The answer today is NO" are the user's own words)
+# a word only a date or time has: a clock time, a date with separators (a year and a
+# month, or day, month and year), a month or day name, an epoch count. A bare number,
+# one with a single separator or an upper-case word alone is not one ("The dose
+# today is 20", "... is 2.5", "The answer today is NO" are the user's own words)
 _DATE_PROOF = re.compile(
-    r"\d:\d\d|\d[-/.]\d|\d{8,}|\d[ \t]?[ap]\.?m\b|\d(?:st|nd|rd|th)\b|\d{1,2}h\d\d\b"
+    r"\d:\d\d|\d{4}[-/.]\d\d?(?:[-/.]\d|\b)|\d\d?[-/.]\d\d?[-/.]\d\d|\d{8,}|\d[ \t]?[ap]\.?m\b|\d(?:st|nd|rd|th)\b|\d{1,2}h\d\d\b"
     r"|\b(?:" + _MONTHS + "|" + _DAYS + r")\b",
     re.IGNORECASE,
 )
@@ -187,15 +188,18 @@ RULES: tuple[VolatileRule, ...] = (
     VolatileRule("cch_nonce", _line(r"\bcch=[0-9a-f]+;"), Canonical.SENTINEL),
     # "Current time is 10:42", "Current date: 2026-11-26", "Today's date is ..."
     VolatileRule("timestamp", timestamps, Canonical.SENTINEL),
-    # Channel envelopes: "message_id = abc" opening a line; "[message_id: 8812]",
-    # "| message_id: m-7", "\"message_id\": \"x\"" opening a field, and "chat_id=5
-    # message_id=77", right against their separator: not "WHERE message_id = 4411"
-    # or "SET done=1, message_id = 4411" in the user's SQL
+    # Channel envelopes: "message_id = abc" opening a line, or a JSON object opening
+    # one; "[message_id: 8812]", "| message_id: m-7" opening a field; "chat_id=5
+    # message_id=77" after another id's pair. Not the user's SQL or code: "WHERE
+    # message_id = 4411", "SET message_id=4411", "delete_message(chat_id=5,
+    # message_id=4411)", "json={'message_id': 4411}"
     VolatileRule(
         "message_id",
         _line(
-            r"(?:^[ \t#*>-]*message[_ ]id[\"']?[ \t]*[:=]|(?<=[\"'])message[_ ]id[\"'][ \t]*:"
-            r"|(?<=[\[{(\"',;|])[ \t]*message[_ ]id[\"']?[:=]|(?<=[ \t])message_id[:=])"
+            r"(?:^[ \t#*>-]*message[_ ]id[\"']?[ \t]*[:=]"
+            r"|^[ \t]*\{[ \t]*[\"']message[_ ]id[\"'][ \t]*:"
+            r"|(?<=[\[|])[ \t]*message[_ ]id[\"']?[:=]"
+            r"|\b\w*id[:=][\w.:-]+[ \t]+message_id[:=])"
             r"[ \t]*[\"']?([\w.:-]+)[\"']?",
             group=1,
         ),

@@ -123,6 +123,14 @@ def test_rule_marks_exactly_its_span(text, rule, span):
         "DELETE FROM inbox WHERE message_id = 4411",
         "UPDATE t SET done=1, message_id = 4411 WHERE x=1;",
         "UPDATE t SET done=1,message_id = 4411 WHERE x=1;",
+        "UPDATE inbox SET message_id=4411",
+        "bot.delete_message(chat_id=5, message_id=4411)",
+        "requests.post(url, json={'message_id': 4411})",
+        "send(message_id=4411)",
+        # a number with one separator is no date: the user's dose, not a stale value
+        "The insulin dose I took today is 2.5",
+        "The ratio today is 3/4",
+        "The score today is 10-3",
         # after a date: a branch is no IANA zone, a dose no part of a time
         "Today is 2026-01-05 on release/v1",
         "Current time: 10:42 500mg",
