@@ -4,13 +4,13 @@ on every rank, in the same order, so each collective here meets its peers)."""
 from __future__ import annotations
 
 import logging
-import pickle
 import secrets
 from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.core as mx
 
+from engine import group_wire
 from engine.distributed import RankGroup
 from engine.lockstep import LeaderRunner, TickClock
 from engine.model_shards import shard_model
@@ -59,7 +59,7 @@ class GroupBoot:
         the same on every rank so their caches take the same decisions."""
         per_token = max(1, budget.kv_bytes_per_token)
         mine = (budget, budget.prompt_cache_bytes // per_token)
-        shares = [pickle.loads(b) for b in self.group.gather(pickle.dumps(mine))]
+        shares = [group_wire.loads(b) for b in self.group.gather(group_wire.dumps(mine))]
         tight = min(shares, key=lambda s: (s[0].ceiling_tokens, s[0].kv_budget_bytes))[0]
         cache_tokens = min(tokens for _, tokens in shares)
         if self.group.serving:

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import pickle
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine import group_wire
 from scheduler.contracts import AdapterError, AdapterFiles, AdapterInfo
 from scheduler.request import Request, RequestOutput
 from scheduler.step_budget import SlicePlan
@@ -64,13 +64,14 @@ class Tick:
 
 
 def encode(tick: Tick) -> bytes:
-    # the ranks of one group run one code base and trust each other (the ring
-    # itself is unauthenticated): pickle carries the dataclasses as they are
-    return pickle.dumps(tick, protocol=pickle.HIGHEST_PROTOCOL)
+    return group_wire.dumps(tick)
 
 
 def decode(data: bytes) -> Tick:
-    tick = pickle.loads(data)
+    try:
+        tick = group_wire.loads(data)  # only this project's dataclasses: the ring is open
+    except Exception as exc:  # noqa: BLE001 - whatever the bytes were, they are no tick
+        raise LockstepError(f"not a tick: {type(exc).__name__}: {exc}") from exc
     if not isinstance(tick, Tick):
         raise LockstepError(f"not a tick: {type(tick).__name__}")
     return tick

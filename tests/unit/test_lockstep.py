@@ -179,3 +179,53 @@ def test_unknown_bytes_are_refused():
 
     with pytest.raises(LockstepError):
         decode(encode(["not a tick"]))  # type: ignore[arg-type]
+
+
+def test_bytes_that_would_run_code_are_refused_before_anything_runs(tmp_path):
+    """decode unpickled whatever reached a rank, then checked it was a tick: bytes
+    sent to a rank's (unauthenticated) ring port ran code there, as root."""
+    import os
+    import pickle
+
+    from engine.lockstep import decode
+
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    for payload in (Evil(), {"f": Evil()}):
+        with pytest.raises(LockstepError):
+            decode(pickle.dumps(payload))
+    assert not marker.exists()
+
+
+def test_a_full_tick_round_trips():
+    from engine.lockstep import Op, Tick, decode, encode
+    from kvcache.prompt_key import PromptKey
+    from scheduler.request import CacheHints, SamplingParams
+
+    key = PromptKey.build([1, 2, 3, 4])
+    request = Request(
+        [1, 2, 3, 4],
+        5,
+        SamplingParams(temperature=0.5, seed=3, logit_bias={7: 1.5}),
+        stop=["x"],
+        request_id="r1",
+        cache=CacheHints(key, "s", ("h",)),
+    )
+    plan = SlicePlan(8, ("r1",), budgeted=True)
+    tick = Tick((Op("add", 1.0, request=request, cached=2), Op("step", 2.0, plan=plan)), "ab")
+    assert repr(decode(encode(tick))) == repr(tick)  # Request compares by identity
+
+
+def test_a_budget_share_round_trips():
+    """What ranks gather at start-up (engine.group_boot.tightest) reads back whole."""
+    from engine import group_wire
+    from kvcache.layout import KVLayout, LayerKind, LayerKV
+    from scheduler.admission import MemoryBudget
+
+    layout = KVLayout((LayerKV(LayerKind.WINDOW, 64, 512), LayerKV(LayerKind.STATE, state_bytes=9)))
+    share = (MemoryBudget(10**9, 10**8, 10**7, 64, layout=layout), 1234)
+    assert group_wire.loads(group_wire.dumps(share)) == share

@@ -1,0 +1,60 @@
+"""What the ranks of a group send each other, as bytes, read back safely.
+
+The ranks run one code base, and pickle carries the dataclasses of a tick or a
+budget as they are. But the ring is unauthenticated: unpickled as is, bytes any
+host could send to a rank's port ran code there. Reading them back builds only
+this project's dataclasses and enums and plain values; anything else (a function
+to call, a module's attribute) is refused before it is looked up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import io
+import pickle
+from typing import Any
+
+# the packages whose dataclasses and enums cross the ring
+OWN_PACKAGES = ("scheduler.", "kvcache.", "engine.")
+PLAIN_BUILTINS = frozenset(
+    {
+        "bool",
+        "bytes",
+        "complex",
+        "dict",
+        "float",
+        "frozenset",
+        "int",
+        "list",
+        "set",
+        "slice",
+        "str",
+        "tuple",
+    }
+)
+
+
+class UnsafeBytes(pickle.UnpicklingError):
+    """Bytes naming something a rank never sends."""
+
+
+class _GroupUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "builtins" and name in PLAIN_BUILTINS:
+            return super().find_class(module, name)
+        if "." not in name and module.startswith(OWN_PACKAGES):
+            found = super().find_class(module, name)
+            if isinstance(found, type) and (
+                dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)
+            ):
+                return found
+        raise UnsafeBytes(f"{module}.{name} is nothing a rank sends")
+
+
+def dumps(value: Any) -> bytes:
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads(data: bytes) -> Any:
+    return _GroupUnpickler(io.BytesIO(data)).load()
