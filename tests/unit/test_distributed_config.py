@@ -153,3 +153,15 @@ def test_ranks_sharing_a_machine_share_its_blas_threads(clean_env, tmp_path):
     assert share_cpu_threads(loopback) is None  # the user's (or an earlier) setting wins
     two_macs = DistributedConfig(rank=0, world_size=2, hosts=("mac1", "mac2"))
     assert ranks_on_this_host(two_macs) == 1
+
+
+def test_a_rank_timeout_under_a_second_is_refused():
+    """Heartbeats go out every 50 ms at most: a 0.04 s timeout counted a healthy,
+    idle group's worker as lost on both sides."""
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
+    with pytest.raises(ValidationError, match="rank_timeout"):
+        Settings(_env_file=None, rank_timeout=0.04)
+    assert Settings(_env_file=None, rank_timeout=1).rank_timeout == 1
