@@ -34,6 +34,7 @@ from kvcache.entries import (
 from kvcache.eviction import EVICTION_POLICIES, EvictionPolicy
 from kvcache.image_ids import image_start
 from kvcache.prompt_key import Alignment, PromptKey, align, chain_hashes
+from kvcache.sessions import is_explicit
 
 # the index's data types are imported from here by callers that use the index
 __all__ = [
@@ -175,6 +176,7 @@ class PrefixIndex:
         max_growth: int | None = None,
         variant: str = "",
         count_hit: bool = True,
+        session: str | None = None,
     ) -> Lookup:
         """The deepest reusable entry for ``key``. The block-hash chain is searched
         first; when it reuses less than ``promised`` tokens (what the session
@@ -192,7 +194,7 @@ class PrefixIndex:
         self.counters.tokens_queried += len(key.model_tokens)
         result = Lookup()
         candidates = self._candidates(key, result, variant)
-        best = self._best(candidates, key, result, max_growth)
+        best = self._best(candidates, key, result, max_growth, session)
         reused = best.alignment.request_depth if best else 0
         if reused < min(promised, len(key.model_tokens) - 1):
             extra = [
@@ -204,7 +206,7 @@ class PrefixIndex:
                 and not self._entries[e].forgotten
                 and self._entries[e].variant == variant
             ]
-            deeper = self._best(extra, key, result, max_growth)
+            deeper = self._best(extra, key, result, max_growth, session)
             if deeper is not None and deeper.alignment.request_depth > reused:
                 best = deeper
                 result.layer = "session"
@@ -253,6 +255,7 @@ class PrefixIndex:
         key: PromptKey,
         result: Lookup,
         max_growth: int | None,
+        session: str | None = None,
     ) -> CacheHit | None:
         skip = self.policy is VolatilePolicy.REUSE
         best: CacheHit | None = None
@@ -260,7 +263,11 @@ class PrefixIndex:
             entry = self._entries[entry_id]
             result.candidates += 1
             result.judged.add(entry_id)
-            al = align(entry.key, key, skip_volatile=skip)
+            # a reminder only the entry has was read by its own conversation: one the
+            # client names (a fallback id is shared by every conversation whose first
+            # tokens agree); another conversation's is never read by this one
+            own = session is not None and entry.session == session and is_explicit(session)
+            al = align(entry.key, key, skip_volatile=skip, entry_only_read=own)
             if skip and blocks:
                 self._check_key_agreement(entry, key, al, blocks, result)
             growth = al.entry_depth - al.request_depth

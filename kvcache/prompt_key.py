@@ -181,7 +181,11 @@ def _common_run(a: Sequence[int], i: int, b: Sequence[int], j: int, limit: int) 
 
 
 def align(
-    entry: PromptKey, request: PromptKey, skip_volatile: bool, entry_len: int | None = None
+    entry: PromptKey,
+    request: PromptKey,
+    skip_volatile: bool,
+    entry_len: int | None = None,
+    entry_only_read: bool = True,
 ) -> Alignment:
     """How far ``entry``'s KV stands for ``request``.
 
@@ -189,8 +193,9 @@ def align(
     of the same rule at the same aligned place is stepped over in both (their
     lengths may differ: a new timestamp may tokenise differently) unless its
     rule is not ``stale_ok`` and the two differ, and a
-    droppable span only the entry has is stepped over; the model then keeps the
-    entry's stale values there. A droppable span only the request has ends the
+    droppable span only the entry has is stepped over (one whose rule is not
+    ``stale_ok``, a reminder, only with ``entry_only_read``: the request's own
+    conversation read it before); the model then keeps the entry's stale values there. A droppable span only the request has ends the
     alignment: its text must be prefilled, or the model would never read it.
     Without it only an exact model-token prefix counts. Never consumes the
     request's last token.
@@ -236,7 +241,9 @@ def align(
             ib += 1
             if same:
                 best = (i, j, stale)
-        elif at_a and sa[ia].droppable and sa[ia].end <= n_a:
+        elif (
+            at_a and sa[ia].droppable and sa[ia].end <= n_a and (entry_only_read or sa[ia].stale_ok)
+        ):
             stale += sa[ia].end - sa[ia].start
             i = sa[ia].end
             ia += 1

@@ -513,3 +513,24 @@ def test_victims_leave_in_the_order_a_scan_per_victim_chose(tier, specs, need):
         expected = _scan_per_victim(index, where, 0, need, sizes)
         index.begin_persist(big)
     assert order.left[tier] == expected
+
+
+@pytest.mark.parametrize(
+    "session, reused",
+    [("conv-a", 20), ("conv-b", 8), ("auto-1234", 8), (None, 8)],
+)
+def test_a_reminder_only_the_entry_has_is_read_only_by_its_own_conversation(session, reused):
+    """Another conversation with the same system prompt and the same words, minus
+    the reminder (its plan mode, a file's secrets), hit the entry and read it. Its
+    own conversation read it on an earlier turn: that one still steps over it. A
+    fallback session id is no conversation's own (every conversation whose first
+    tokens agree shares it)."""
+    from kvcache.volatile_rules import RULES
+
+    reminder = next(i for i, r in enumerate(RULES) if r.name == "system_reminder")
+    index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m")
+    head, tail = list(range(100, 108)), list(range(200, 212))
+    entry = _key(head + [7, 7, 7, 7] + tail, [TokenSpan(8, 12, reminder)])
+    index.insert(entry, 24, True, session="conv-a")
+    hit = index.lookup(_key(head + tail + [5]), session=session).hit
+    assert hit is not None and hit.alignment.request_depth == reused

@@ -119,6 +119,11 @@ def test_droppable_block_present_on_one_side_only():
     assert with_block.canonical[:4] == without.canonical[:4]
     al = align(with_block, without, skip_volatile=True)
     assert (al.entry_depth, al.request_depth) == (7, 4)
+    # a reminder only the entry has is the request's own conversation's (it read it
+    # on an earlier turn) or nobody's: another conversation's reminder (its plan
+    # mode, its secrets) was read by a conversation that never sent it
+    al = align(with_block, without, skip_volatile=True, entry_only_read=False)
+    assert (al.entry_depth, al.request_depth) == (2, 2)
     # a block only the request has is prefilled: stepping over it, the model never
     # read it (a new <system-reminder> in the history, hidden by the hit)
     al = align(without, with_block, skip_volatile=True)
