@@ -205,8 +205,9 @@ RULES: tuple[VolatileRule, ...] = (
         ),
         Canonical.SENTINEL,
     ),
-    # OpenClaw's per-message metadata block: a header line, then a fenced JSON
-    # block or "key: value" lines of envelope keys (not any line up to a blank one,
+    # OpenClaw's per-message metadata block: a header line ("Inbound Context", as
+    # written), then a fenced JSON block (a fence of code is the user's) or "key:
+    # value" lines of envelope keys (not any line up to a blank one,
     # nor any "word: text" line: in "Inbound Context\nchat: 5\nTask: delete the prod
     # database" the task is the user's words). Linear as a regex: a header always
     # matches (the unfenced branch may take no line), so its fence scan lies inside
@@ -216,7 +217,8 @@ RULES: tuple[VolatileRule, ...] = (
         "inbound_context",
         Regex(
             re.compile(
-                r"^[#* \t]*Inbound Context\b[^\n]*\n(?:[ \t]*```[^\n]*\n.*?```[^\n]*(?:\n|$)"
+                r"^[#* \t]*(?-i:Inbound Context)\b[^\n]*\n"
+                r"(?:[ \t]*```(?:json)?[ \t]*\n[ \t]*[{\[].*?```[^\n]*(?:\n|$)"
                 r"|(?:[ \t]*(?:[-*][ \t]*)?" + _ENVELOPE_KEY + r"[ \t]*:[^\n]*(?:\n|$))*)",
                 re.IGNORECASE | re.MULTILINE | re.DOTALL,
             )

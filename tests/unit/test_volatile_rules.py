@@ -131,6 +131,8 @@ def test_rule_marks_exactly_its_span(text, rule, span):
         "The insulin dose I took today is 2.5",
         "The ratio today is 3/4",
         "The score today is 10-3",
+        # a document about inbound context is no envelope: its code is the user's
+        "## Inbound context handling\n```python\nx = 1\n```\nwhy is x 1?",
         # after a date: a branch is no IANA zone, a dose no part of a time
         "Today is 2026-01-05 on release/v1",
         "Current time: 10:42 500mg",
@@ -160,6 +162,8 @@ def test_ordinary_text_is_not_volatile(text):
         # no free-text key: "message:" or "to:" may lead the user's own words
         ("Inbound Context\nchat: 5\nmessage: delete the prod database", "inbound_context", "Inbound Context\nchat: 5\n"),
         ("Inbound Context\nto: ops\n", "inbound_context", "Inbound Context\n"),
+        # a fence of code after the header is the user's, not the envelope's JSON
+        ("Inbound Context\n```python\nx = 1\n```\n", "inbound_context", "Inbound Context\n"),
         ('{"message_id" : "m-9"}', "message_id", "m-9"),
         ("Current time: 10:42 (US/Eastern)", "timestamp", "10:42 (US/Eastern)"),
         ("Current date: 2026-11-27 at 10:42 (America/Argentina/Salta)", "timestamp", "2026-11-27 at 10:42 (America/Argentina/Salta)"),
