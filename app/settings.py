@@ -409,6 +409,19 @@ class Settings(BaseSettings):
             raise ValueError(f"{value!r} names no host (* answers any)")
         return value
 
+    @field_validator("distributed_hosts")
+    @classmethod
+    def _ring_hosts(cls, value: str | None) -> str | None:
+        # a port or an IPv6 address made a hostfile entry MLX's ring cannot parse,
+        # which read as "peers not up": exit 1, and a supervisor restarted it for ever
+        for host in _comma_list(value):
+            if ":" in host or any(c.isspace() for c in host):
+                raise ValueError(
+                    f"{host!r}: a host name or IPv4 address, without a port (rank r "
+                    "listens on --distributed-port + r; MLX's ring takes no IPv6)"
+                )
+        return value
+
     @field_validator("adapter", "model_dir", mode="before")
     @classmethod
     def _adapter_list(cls, value: object) -> object:

@@ -165,3 +165,16 @@ def test_a_rank_timeout_under_a_second_is_refused():
     with pytest.raises(ValidationError, match="rank_timeout"):
         Settings(_env_file=None, rank_timeout=0.04)
     assert Settings(_env_file=None, rank_timeout=1).rank_timeout == 1
+
+
+@pytest.mark.parametrize("hosts", ["10.0.0.1:5000", "::1", "10.0.0.1,fe80::1", "a b"])
+def test_distributed_hosts_with_a_port_or_an_ipv6_address_are_refused(hosts):
+    """They became "10.0.0.1:5000:39991" in the hostfile: MLX's ring could not parse
+    it, which read as "peers not up" (exit 1) and a supervisor restarted it for ever."""
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
+    with pytest.raises(ValidationError, match="distributed_hosts"):
+        Settings(_env_file=None, distributed_hosts=hosts)
+    assert Settings(_env_file=None, distributed_hosts="10.0.0.1, mac2.local").distributed_hosts
