@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass, replace
+from importlib import metadata
 from typing import Any
 
 import mlx.core as mx
@@ -18,6 +19,17 @@ from engine.rank_health import RankMonitor, own_addresses
 from scheduler.admission import MemoryBudget
 
 log = logging.getLogger("kvwarm.distributed")
+
+
+def software_versions() -> str:
+    """The versions of what a rank runs that its group must share."""
+    found = []
+    for name in ("kvwarm", "mlx", "mlx-lm"):
+        try:
+            found.append(f"{name}={metadata.version(name)}")
+        except metadata.PackageNotFoundError:
+            found.append(f"{name}=?")
+    return " ".join(found)
 
 
 @dataclass
@@ -33,7 +45,10 @@ class GroupBoot:
     monitor_hosts: tuple[str, ...] = ()  # the serving machine's addresses, loopback last
 
     def check_same(self, fingerprint: str, settings: str) -> None:
-        """Ranks refuse to start against other model files or engine settings."""
+        """Ranks refuse to start against other model files, engine settings or
+        software: another mlx-lm may shard (and so communicate) otherwise, another
+        kvwarm send ticks of another form; found only later, or as a hang."""
+        self.group.agree("the software", software_versions())
         self.group.agree("the model files (config + weights fingerprint)", fingerprint)
         self.group.agree("the engine settings", settings)
 

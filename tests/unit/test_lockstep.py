@@ -229,3 +229,19 @@ def test_a_budget_share_round_trips():
     layout = KVLayout((LayerKV(LayerKind.WINDOW, 64, 512), LayerKV(LayerKind.STATE, state_bytes=9)))
     share = (MemoryBudget(10**9, 10**8, 10**7, 64, layout=layout), 1234)
     assert group_wire.loads(group_wire.dumps(share)) == share
+
+
+def test_ranks_agree_on_the_software_before_anything_else():
+    """Another mlx-lm may shard the model (and so talk) otherwise, another kvwarm
+    send ticks of another form: found late, as a token digest mismatch or a hang."""
+    from engine.group_boot import GroupBoot, software_versions
+
+    agreed: list[tuple[str, str]] = []
+
+    class Group:
+        def agree(self, what: str, value: str) -> None:
+            agreed.append((what, value))
+
+    GroupBoot(Group(), "auto", 10.0, TickClock()).check_same("fp", "settings")  # type: ignore[arg-type]
+    assert agreed[0] == ("the software", software_versions())
+    assert "mlx-lm=" in agreed[0][1] and "mlx=" in agreed[0][1]
