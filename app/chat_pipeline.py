@@ -364,7 +364,9 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
         ignore_eos=call.ignore_eos,
         # a reply continuing a prefill keeps its first space ("The answer is" + " 42")
         trim_leading_space=not call.prefill,
-        cache=CacheHints(key, session, rendered.message_hashes, call.kv_bits)
+        cache=CacheHints(
+            key, session, rendered.message_hashes, call.kv_bits, own_conversation=bool(scope)
+        )
         if call.use_kv_cache
         else None,
         adapter=adapter,

@@ -34,7 +34,6 @@ from kvcache.entries import (
 from kvcache.eviction import EVICTION_POLICIES, EvictionPolicy
 from kvcache.image_ids import image_start
 from kvcache.prompt_key import Alignment, PromptKey, align, chain_hashes
-from kvcache.sessions import is_explicit
 
 # the index's data types are imported from here by callers that use the index
 __all__ = [
@@ -263,10 +262,10 @@ class PrefixIndex:
             entry = self._entries[entry_id]
             result.candidates += 1
             result.judged.add(entry_id)
-            # a reminder only the entry has was read by its own conversation: one the
-            # client names (a fallback id is shared by every conversation whose first
-            # tokens agree); another conversation's is never read by this one
-            own = session is not None and entry.session == session and is_explicit(session)
+            # a reminder only the entry has was read by its own conversation (``session``:
+            # a conversation's own id, CacheHints.own_conversation); another
+            # conversation's is never read by this one
+            own = session is not None and entry.session == session
             al = align(entry.key, key, skip_volatile=skip, entry_only_read=own)
             if skip and blocks:
                 self._check_key_agreement(entry, key, al, blocks, result)

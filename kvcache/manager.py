@@ -180,7 +180,7 @@ class TieredKVManager:
             max_growth=max_growth,
             variant=self._variant(self._quant_for(hints.kv_bits), hints.adapter),
             count_hit=False,
-            session=hints.session_id,
+            session=hints.session_id if hints.own_conversation else None,
         )
         for reason in result.rejected:
             log.info("%s: prefix cache rejected %s", request_id, reason)

@@ -36,11 +36,6 @@ def fallback_session_id(canonical_tokens: Sequence[int]) -> str:
     return f"auto-{digest}"
 
 
-def is_explicit(session_id: str) -> bool:
-    """Whether a client named the session (not ``fallback_session_id``'s guess)."""
-    return not session_id.startswith("auto-")
-
-
 @dataclass
 class TurnRecord:
     messages: tuple[str, ...]  # canonical per-message hashes

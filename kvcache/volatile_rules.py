@@ -127,7 +127,7 @@ _DATE_WORD = re.compile(
 # one with a single separator or an upper-case word alone is not one ("The dose
 # today is 20", "... is 2.5", "The answer today is NO" are the user's own words)
 _DATE_PROOF = re.compile(
-    r"\d:\d\d|\d{4}[-/.]\d\d?(?:[-/.]\d|\b)|\d\d?[-/.]\d\d?[-/.]\d\d|\d{8,}|\d[ \t]?[ap]\.?m\b|\d(?:st|nd|rd|th)\b|\d{1,2}h\d\d\b"
+    r"\d:\d\d|(?:19|20)\d\d[-/.](?:0?[1-9]|1[0-2])\b|\d\d?[-/.]\d\d?[-/.]\d\d|\d{8,}|\d[ \t]?[ap]\.?m\b|\d(?:st|nd|rd|th)\b|\d{1,2}h\d\d\b"
     r"|\b(?:" + _MONTHS + "|" + _DAYS + r")\b",
     re.IGNORECASE,
 )
@@ -199,7 +199,7 @@ RULES: tuple[VolatileRule, ...] = (
             r"(?:^[ \t#*>-]*message[_ ]id[\"']?[ \t]*[:=]"
             r"|^[ \t]*\{[ \t]*[\"']message[_ ]id[\"'][ \t]*:"
             r"|(?<=[\[|])[ \t]*message[_ ]id[\"']?[:=]"
-            r"|\b\w*id[:=][\w.:-]+[ \t]+message_id[:=])"
+            r"|(?<![\w.:-])\w*id[:=][\w.:-]+[ \t]+message_id[:=])"
             r"[ \t]*[\"']?([\w.:-]+)[\"']?",
             group=1,
         ),

@@ -62,6 +62,10 @@ class CacheHints:
     # the adapter's cache namespace (id + content fingerprint, set by the engine):
     # KV computed under one adapter is never handed to another; "" = the base model
     adapter: str = ""
+    # session_id is a conversation's own id (not a fallback guess, nor a
+    # prompt_cache_key one app may share among its users): what its earlier turns
+    # read, this one may keep reading (kvcache.index: reminders only an entry has)
+    own_conversation: bool = False
 
 
 @dataclass(frozen=True)

@@ -663,3 +663,16 @@ def test_a_path_in_an_unhandled_error_log_line_cannot_forge_lines(caplog):
         asyncio.run(InternalErrorMiddleware(broken)(scope, receive, send))
     assert sent[0]["status"] == 500
     assert all("\n" not in r.getMessage() for r in caplog.records)
+
+
+def test_only_a_conversations_own_id_makes_its_cache_hints_its_own():
+    """A prompt_cache_key may be one app's for all its users, and a fallback id is
+    shared by every conversation whose first tokens agree: neither may read what
+    only another conversation sent (a reminder only a cached entry holds)."""
+    seen = []
+    with serve_app(make_app(eos_after=2, script=seen.append)) as url:
+        for extra in ({"conversation_id": "c-1"}, {"prompt_cache_key": "acme-bot"}, {}):
+            body = {"messages": msgs(), "max_tokens": 2, **extra}
+            assert httpx.post(url + CHAT, json=body).status_code == 200
+    assert [r.cache.own_conversation for r in seen] == [True, False, False]
+    assert seen[1].cache.session_id == "acme-bot"  # still the session layer's key

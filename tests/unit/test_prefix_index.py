@@ -515,16 +515,12 @@ def test_victims_leave_in_the_order_a_scan_per_victim_chose(tier, specs, need):
     assert order.left[tier] == expected
 
 
-@pytest.mark.parametrize(
-    "session, reused",
-    [("conv-a", 20), ("conv-b", 8), ("auto-1234", 8), (None, 8)],
-)
+@pytest.mark.parametrize("session, reused", [("conv-a", 20), ("conv-b", 8), (None, 8)])
 def test_a_reminder_only_the_entry_has_is_read_only_by_its_own_conversation(session, reused):
     """Another conversation with the same system prompt and the same words, minus
     the reminder (its plan mode, a file's secrets), hit the entry and read it. Its
-    own conversation read it on an earlier turn: that one still steps over it. A
-    fallback session id is no conversation's own (every conversation whose first
-    tokens agree shares it)."""
+    own conversation read it on an earlier turn: that one still steps over it
+    (None: the request has no id of its own, see CacheHints.own_conversation)."""
     from kvcache.volatile_rules import RULES
 
     reminder = next(i for i, r in enumerate(RULES) if r.name == "system_reminder")

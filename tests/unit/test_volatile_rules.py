@@ -131,6 +131,8 @@ def test_rule_marks_exactly_its_span(text, rule, span):
         "The insulin dose I took today is 2.5",
         "The ratio today is 3/4",
         "The score today is 10-3",
+        "The price today is 1234.50",
+        "The version today is 2024.13",
         # a document about inbound context is no envelope: its code is the user's
         "## Inbound context handling\n```python\nx = 1\n```\nwhy is x 1?",
         # after a date: a branch is no IANA zone, a dose no part of a time
@@ -184,6 +186,18 @@ def test_blank_lines_after_an_envelope_header_stay_linear():
             ("inbound_context", "Inbound Context\n")
         ]
     assert time.perf_counter() - began < 5  # milliseconds now; a minute before
+
+
+def test_a_line_of_id_pairs_stays_linear():
+    """The id-pair lead of a message_id ("chat_id=5 message_id=77") read ':' as part
+    of a value: on "xid:xid:..." each word start scanned to the line's end (13 s for
+    100 KB of one user message, the GIL held)."""
+    import time
+
+    began = time.perf_counter()
+    for unit in ("xid:", "id:", "a_id=1:"):
+        assert marked(unit * (100_000 // len(unit))) == []
+    assert time.perf_counter() - began < 5  # milliseconds now; 40 s before
 
 
 def test_a_label_followed_by_words_that_read_as_two_kinds_stays_linear():
