@@ -39,7 +39,20 @@ class UnsafeBytes(pickle.UnpicklingError):
     """Bytes naming something a rank never sends."""
 
 
-class _GroupUnpickler(pickle.Unpickler):
+class _GroupUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """Python's own unpickler (the C one's opcodes cannot be checked one by one):
+    a class it hands out is only ever instantiated, never changed (BUILD on a class
+    set its attributes process-wide: ``SamplingParams.temperature = ...``)."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+
+    def _build(self) -> None:
+        if isinstance(self.stack[-2], type):
+            raise UnsafeBytes("bytes that change a class are nothing a rank sends")
+        pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
+
+    dispatch[pickle.BUILD[0]] = _build
+
     def find_class(self, module: str, name: str) -> Any:
         if module == "builtins" and name in PLAIN_BUILTINS:
             return super().find_class(module, name)

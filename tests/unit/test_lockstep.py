@@ -245,3 +245,24 @@ def test_ranks_agree_on_the_software_before_anything_else():
     GroupBoot(Group(), "auto", 10.0, TickClock()).check_same("fp", "settings")  # type: ignore[arg-type]
     assert agreed[0] == ("the software", software_versions())
     assert "mlx-lm=" in agreed[0][1] and "mlx=" in agreed[0][1]
+
+
+def test_bytes_that_would_change_a_class_are_refused():
+    """A class the reader allows was handed out whole: BUILD with slot state set
+    its attributes process-wide (SamplingParams.temperature = "pwned")."""
+    import pickle as p
+
+    from engine import group_wire
+    from scheduler.request import SamplingParams
+
+    before = SamplingParams.temperature
+    payload = (
+        p.PROTO + bytes([4])
+        + p.GLOBAL + b"scheduler.request\nSamplingParams\n"
+        + p.NONE + p.EMPTY_DICT + p.SHORT_BINUNICODE + bytes([11]) + b"temperature"
+        + p.SHORT_BINUNICODE + bytes([5]) + b"pwned" + p.SETITEM + p.TUPLE2
+        + p.BUILD + p.POP + p.NONE + p.STOP
+    )  # fmt: skip
+    with pytest.raises(group_wire.UnsafeBytes):
+        group_wire.loads(payload)
+    assert SamplingParams.temperature == before
