@@ -76,6 +76,10 @@ def marked(text: str) -> list[tuple[str, str]]:
         ("chat_id=5 message_id=77", "message_id", "77"),
         ("[Telegram Bob id:1 message_id: 4411]", "message_id", "4411"),
         ('{"message_id": "abc-12"}', "message_id", "abc-12"),
+        # OpenClaw's pretty-printed conversation info, a bridge's parenthesis, a pair
+        ('{\n  "message_id": "dbce89ac-9ea2",\n  "chat": 5\n}', "message_id", "dbce89ac-9ea2"),
+        ("(message_id: 4411) hi", "message_id", "4411"),
+        ("from=bob message_id=4411", "message_id", "4411"),
         (
             'Hello\n## Inbound Context (trusted metadata)\n```json\n{"chat": 5}\n```\nBye',
             "inbound_context",
