@@ -15,6 +15,16 @@ _BASH = {
         "restart": {"type": "boolean", "description": "Restart the bash session."},
     },
 }
+# what the text editor and memory tools share
+_FILE_EDITS = {
+    "file_text": {"type": "string", "description": "The file's content (create)."},
+    "insert_line": {"type": "integer", "description": "Insert after this line (insert)."},
+    "view_range": {
+        "type": "array",
+        "items": {"type": "integer"},
+        "description": "[start, end] lines (view).",
+    },
+}
 _TEXT_EDITOR = {
     "type": "object",
     "properties": {
@@ -23,18 +33,12 @@ _TEXT_EDITOR = {
             "enum": ["view", "create", "str_replace", "insert", "undo_edit"],
         },
         "path": {"type": "string", "description": "Absolute path to a file or directory."},
-        "file_text": {"type": "string", "description": "The file's content (create)."},
         "old_str": {
             "type": "string",
             "description": "Text to replace, exactly once (str_replace).",
         },
         "new_str": {"type": "string", "description": "Its replacement, or the text to insert."},
-        "insert_line": {"type": "integer", "description": "Insert after this line (insert)."},
-        "view_range": {
-            "type": "array",
-            "items": {"type": "integer"},
-            "description": "[start, end] lines (view).",
-        },
+        **_FILE_EDITS,
     },
     "required": ["command", "path"],
 }
@@ -46,16 +50,10 @@ _MEMORY = {
             "enum": ["view", "create", "str_replace", "insert", "delete", "rename"],
         },
         "path": {"type": "string", "description": "A path under /memories."},
-        "file_text": {"type": "string", "description": "The file's content (create)."},
         "old_str": {"type": "string", "description": "Text to replace (str_replace)."},
         "new_str": {"type": "string", "description": "Its replacement (str_replace)."},
-        "insert_line": {"type": "integer", "description": "Insert after this line (insert)."},
         "insert_text": {"type": "string", "description": "The text to insert (insert)."},
-        "view_range": {
-            "type": "array",
-            "items": {"type": "integer"},
-            "description": "[start, end] lines (view).",
-        },
+        **_FILE_EDITS,
         "old_path": {"type": "string", "description": "The path to rename (rename)."},
         "new_path": {"type": "string", "description": "Its new path (rename)."},
     },
