@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 from engine.gguf_archs import ARCHS as GGUF_ARCHS  # what engine.gguf_convert converts
 from engine.gguf_archs import ROPE_FREQS, ROPE_FREQS_WHY, split_file, unreadable_types
 from engine.vision_families import SERVED_FAMILIES as VISION_FAMILIES
+from kvcache.layout import KVLayout, LayerKind, LayerKV
 from scheduler.fit import ModelFacts
 
 CACHE_S = 30.0
@@ -164,6 +165,7 @@ def dir_facts(
     # few kept float32 by mlx-lm (router biases) do not make a bf16 model's KV float32
     act_bytes = max(float_numel, key=lambda w: float_numel[w]) if float_numel else 2
     model_type = str(config.get("model_type", "?"))
+    per_layer = _kv_per_layer(model_type, text, kv_heads, head_dim) * act_bytes
     vision = "vision_config" in config
     types = _mlx_lm_types() if mlx_types is None else mlx_types
     why = ""
@@ -182,15 +184,50 @@ def dir_facts(
         weights_bytes=weights,
         params=params,
         active_params=active,
-        kv_bytes_per_token=_kv_per_layer(model_type, text, kv_heads, head_dim)
-        * _attention_layers(text, layers)
-        * act_bytes,
+        kv_bytes_per_token=per_layer * _attention_layers(text, layers),
         context_length=_int(text, "max_position_embeddings", "max_seq_len", default=4096),
         num_heads=heads,
         quant_bits=int(bits) if bits else None,
         vision=vision,
         supported=not why,
         why_unsupported=why,
+        layout=_window_layout(str(text.get("model_type", model_type)), text, layers, per_layer),
+    )
+
+
+# mlx-lm families whose make_cache gives sliding-window layers a RotatingKVCache:
+# by "layer_types", or every layer but each n-th (the family's default n)
+WINDOWS_BY_LAYER_TYPE = frozenset({"llama", "ministral3", "gpt_oss", "olmo3"})
+WINDOWS_BY_PATTERN = {"gemma3_text": 6, "gemma3": 6, "cohere2": 4}
+
+
+def _window_layout(
+    model_type: str, text: dict[str, Any], layers: int, per_layer: int
+) -> KVLayout | None:
+    """Per-layer KV where mlx-lm keeps some layers to a sliding window (their KV
+    stops growing there: Gemma 3's 5 of 6 layers at 1024 tokens hold 128k of context
+    in a sixth of the memory); None where every layer grows, or nothing says."""
+    window = _int(text, "sliding_window")
+    kinds = text.get("layer_types")
+    if window <= 0 or layers <= 0:
+        return None
+    if model_type in WINDOWS_BY_LAYER_TYPE and isinstance(kinds, list) and len(kinds) == layers:
+        windowed = [kind == "sliding_attention" for kind in kinds]
+    elif model_type in WINDOWS_BY_PATTERN:
+        every = _int(text, "sliding_window_pattern", default=WINDOWS_BY_PATTERN[model_type])
+        windowed = [every > 0 and i % every != every - 1 for i in range(layers)]
+    else:
+        return None
+    if not any(windowed):
+        return None
+    return KVLayout(
+        tuple(
+            LayerKV(LayerKind.WINDOW, per_layer, window)
+            if slides
+            else LayerKV(LayerKind.ATTENTION, per_layer)
+            for slides in windowed
+        ),
+        ("sliding-window layers (from config)",),
     )
 
 
@@ -218,7 +255,8 @@ def _kv_per_layer(model_type: str, text: dict[str, Any], kv_heads: int, head_dim
 
 def _attention_layers(text: dict[str, Any], layers: int) -> int:
     """Layers that keep a KV cache: hybrid models' linear-attention and state-space
-    layers keep a fixed-size state instead (sliding windows count: an upper bound)."""
+    layers keep a fixed-size state instead (sliding-window layers count here; their
+    window is in ``_window_layout``)."""
     pattern = text.get("hybrid_override_pattern")  # Nemotron-H: "*" is attention
     if isinstance(pattern, (str, list)) and pattern:
         return sum(1 for block in pattern if block == "*")

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kvcache.entries import PromptCacheConfig
+from kvcache.layout import KVLayout
 from scheduler.admission import MemoryBudget, plan_budget
 
 GiB = 2**30
@@ -52,6 +53,9 @@ class ModelFacts:
     # a GGUF as mx.load reads it on Metal/CUDA (Q4_0/Q4_1/Q8_0 stay quantized, the
     # K-quants become float16); 0: not a GGUF
     gpu_weights_bytes: int = 0
+    # per layer, where some keep a sliding window only (Gemma 3, gpt-oss): their KV
+    # stops growing at the window; None: every attention layer grows with the context
+    layout: KVLayout | None = None
 
     @property
     def active_weight_bytes(self) -> int:
@@ -146,9 +150,13 @@ def assess_budget(
     rate = None
     if bandwidth_bytes_s:
         weights = budget.weights_bytes if active_weight_bytes is None else active_weight_bytes
-        rate = predicted_decode_tok_s(
-            weights, budget.kv_bytes_per_token, typical, bandwidth_bytes_s
+        # what one token's decode streams of the KV at that context (windows stop)
+        per_token = (
+            budget.layout.sequence_bytes(typical) // typical
+            if budget.layout is not None
+            else budget.kv_bytes_per_token
         )
+        rate = predicted_decode_tok_s(weights, per_token, typical, bandwidth_bytes_s)
     notes = []
     if verdict == "no":
         need = budget.weights_bytes + budget.adapter_bytes + budget.reserve_bytes
@@ -184,6 +192,7 @@ def budget_for(model: ModelFacts, budget_bytes: int) -> MemoryBudget:
         model.num_heads,
         PREFILL_CHUNK,
         source="fit",
+        layout=model.layout,
         prompt_cache=PromptCacheConfig().resolve_bytes,
     )
 

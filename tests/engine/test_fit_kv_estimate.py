@@ -110,3 +110,45 @@ def test_the_kv_estimate_is_what_mlx_lm_caches(tmp_path, module, config, quantiz
     real = cached_bytes_per_token(model)
     path = save(model, config, tmp_path / config["model_type"], quantize, f32)
     assert dir_facts(path).kv_bytes_per_token == real
+
+
+GEMMA3 = dict(
+    model_type="gemma3_text", vocab_size=256, hidden_size=64, intermediate_size=128,
+    num_hidden_layers=7, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+    sliding_window=64,
+)  # fmt: skip
+GPT_OSS = dict(
+    model_type="gpt_oss", vocab_size=256, hidden_size=64, intermediate_size=64,
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    num_local_experts=4, num_experts_per_tok=2, sliding_window=32,
+    layer_types=["sliding_attention", "full_attention"] * 2,
+)  # fmt: skip
+LLAMA_SWA = dict(
+    LLAMA, num_hidden_layers=3, sliding_window=16,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config",
+    [GEMMA3, dict(GEMMA3, sliding_window_pattern=2), GPT_OSS, LLAMA_SWA],
+    ids=["gemma3-default-pattern", "gemma3-pattern-2", "gpt-oss", "llama-layer-types"],
+)
+def test_sliding_window_layers_are_what_mlx_lm_caches(tmp_path, config):
+    """Fit counted every layer as growing with the context: Gemma 3 keeps five of
+    six at a 1024-token window, so its 128k context was said to need six times the
+    KV it does."""
+    from importlib import import_module
+
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from kvcache.layout import LayerKind
+
+    module = import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    real = [c.max_size if isinstance(c, RotatingKVCache) else 0 for c in make_prompt_cache(model)]
+    facts = dir_facts(save(model, config, tmp_path / "m", quantize=False))
+    assert facts.layout is not None
+    layers = facts.layout.layers
+    assert [la.window if la.kind is LayerKind.WINDOW else 0 for la in layers] == real
+    assert sum(la.bytes_per_token for la in layers) == facts.kv_bytes_per_token

@@ -471,3 +471,29 @@ def test_a_rescan_reads_a_ggufs_header_again_only_when_the_file_changed(tmp_path
     _llama_gguf(path, {"llama.context_length": 8192})  # rewritten
     lib._at = -library.CACHE_S  # noqa: SLF001
     assert lib.scan()[0].context_length == 8192 and len(parsed) == 2
+
+
+def test_sliding_window_layers_stop_growing_at_their_window():
+    """Five of six layers at a 1024-token window (Gemma 3): fit gave the context
+    that six growing layers allow, a sixth of what admission then gave."""
+    from kvcache.layout import KVLayout, LayerKind, LayerKV
+
+    per_layer = 16_000
+    windowed = KVLayout(
+        tuple(
+            LayerKV(LayerKind.ATTENTION, per_layer)
+            if i % 6 == 5
+            else LayerKV(LayerKind.WINDOW, per_layer, 1024)
+            for i in range(12)
+        )
+    )
+    plain = facts(kv=12 * per_layer, context=131072)
+    gemma = facts(kv=12 * per_layer, context=131072, layout=windowed)
+    budget = 12 * GB
+    a, b = assess(plain, budget, 400e9), assess(gemma, budget, 400e9)
+    assert b.max_context > 3 * a.max_context  # 119808 against 32000
+    assert b.predicted_decode_tok_s > a.predicted_decode_tok_s
+    # what admission enforces, as for every model
+    assert AdmissionController(budget_for(gemma, budget), 131072).budget.ceiling_tokens == (
+        b.ceiling_tokens
+    )
