@@ -41,16 +41,33 @@ class UnsafeBytes(pickle.UnpicklingError):
 
 class _GroupUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     """Python's own unpickler (the C one's opcodes cannot be checked one by one):
-    a class it hands out is only ever instantiated, never changed (BUILD on a class
-    set its attributes process-wide: ``SamplingParams.temperature = ...``)."""
+    a class it hands out is only ever instantiated, and only objects it made get a
+    state (BUILD on a class or an enum member changed it process-wide:
+    ``SamplingParams.temperature = ...``, ``FinishReason.STOP.value = ...``)."""
 
     dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
 
+    def __init__(self, file: io.BytesIO):
+        super().__init__(file)
+        self._made: set[int] = set()  # ids of the objects this load created
+
+    def _newobj(self) -> None:
+        pickle._Unpickler.load_newobj(self)  # type: ignore[attr-defined]
+        self._made.add(id(self.stack[-1]))
+
+    def _newobj_ex(self) -> None:
+        pickle._Unpickler.load_newobj_ex(self)  # type: ignore[attr-defined]
+        self._made.add(id(self.stack[-1]))
+
     def _build(self) -> None:
-        if isinstance(self.stack[-2], type):
-            raise UnsafeBytes("bytes that change a class are nothing a rank sends")
+        # only what this load made gets its state: a class, or an enum member (a
+        # process-wide singleton), set by a stranger's bytes changed every rank's
+        if id(self.stack[-2]) not in self._made:
+            raise UnsafeBytes("bytes that change an existing object are nothing a rank sends")
         pickle._Unpickler.load_build(self)  # type: ignore[attr-defined]
 
+    dispatch[pickle.NEWOBJ[0]] = _newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = _newobj_ex
     dispatch[pickle.BUILD[0]] = _build
 
     def find_class(self, module: str, name: str) -> Any:

@@ -54,7 +54,7 @@ def store_checkpoint(cache: TieredKVManager, row: Row, caches: list) -> None:
     assert row.kv_key is not None and row.request.cache is not None
     key = row.kv_key.truncated(row.kv_offset + row.checkpoints.pop(0))
     hints = row.request.cache
-    cache.store(key, kv_only(caches), hints.session_id, hints.kv_bits, hints.adapter)
+    _store(cache, key, caches, hints)
 
 
 def store_final(
@@ -69,5 +69,16 @@ def store_final(
     key = row.kv_key.extended(all_tokens[len(base) :])
     hints = row.request.cache
     assert hints is not None
-    entry_id = cache.store(key, kv_only(caches), hints.session_id, hints.kv_bits, hints.adapter)
+    entry_id = _store(cache, key, caches, hints)
     cache.record_turn(hints, entry_id)
+
+
+def _store(cache: TieredKVManager, key, caches: list, hints) -> int | None:
+    return cache.store(
+        key,
+        kv_only(caches),
+        hints.session_id,
+        hints.kv_bits,
+        hints.adapter,
+        own_session=hints.own_conversation,
+    )

@@ -45,6 +45,9 @@ class CacheEntry:
     hashes: list[bytes]
     session: str | None = None
     created: float = 0.0
+    # ``session`` is the id its conversation named itself by (CacheHints.own_conversation),
+    # not a fallback guess or a shared prompt_cache_key another client may send too
+    own_session: bool = False
     last_used: float = 0.0
     hits: int = 0
     refs: int = 0  # requests currently reading this entry's KV

@@ -265,7 +265,7 @@ class PrefixIndex:
             # a reminder only the entry has was read by its own conversation (``session``:
             # a conversation's own id, CacheHints.own_conversation); another
             # conversation's is never read by this one
-            own = session is not None and entry.session == session
+            own = session is not None and entry.own_session and entry.session == session
             al = align(entry.key, key, skip_volatile=skip, entry_only_read=own)
             if skip and blocks:
                 self._check_key_agreement(entry, key, al, blocks, result)
@@ -344,6 +344,7 @@ class PrefixIndex:
         session: str | None = None,
         variant: str = "",
         persist: bool = False,
+        own_session: bool = False,
     ) -> int | None:
         """Index a new payload in RAM; returns its id, or None if it is not worth
         keeping or cannot fit (the caller then drops the payload). ``persist``
@@ -380,7 +381,9 @@ class PrefixIndex:
                 self.remove(old.entry_id)
             if not self._make_room(held):
                 return None
-        entry = self._new_entry(key, held, trimmable, hashes, session, variant=variant)
+        entry = self._new_entry(
+            key, held, trimmable, hashes, session, variant=variant, own_session=own_session
+        )
         self.ram.add(held)
         self._ram_entries += 1
         self.counters.inserts += 1

@@ -77,6 +77,7 @@ class KVCacheManager(Protocol):
         session: str | None = None,
         kv_bits: int | None = None,
         adapter: str = "",
+        own_session: bool = False,
     ) -> int | None: ...
 
     def record_turn(self, hints: CacheHints, entry_id: int | None) -> None: ...

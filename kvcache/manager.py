@@ -320,6 +320,7 @@ class TieredKVManager:
         session: str | None = None,
         kv_bits: int | None = None,
         adapter: str = "",
+        own_session: bool = False,
     ) -> int | None:
         """Keep ``caches`` (KV of exactly ``key.model_tokens``) for later requests,
         at the precision ``kv_bits`` asks for (None: the server's --kv-bits),
@@ -340,7 +341,9 @@ class TieredKVManager:
         # write-through: disk room is reserved with the insert, before the shorter
         # entries it supersedes leave (their blocks are this entry's: kept, not rewritten)
         persist = disk is not None and disk.usable and disk.room_for(nbytes)
-        entry_id = self.index.insert(key, held, ops.trimmable, session, variant, persist)
+        entry_id = self.index.insert(
+            key, held, ops.trimmable, session, variant, persist, own_session=own_session
+        )
         if entry_id is not None:
             try:
                 self._keep(entry_id, ops, caches, length, held)

@@ -188,18 +188,21 @@ RULES: tuple[VolatileRule, ...] = (
     VolatileRule("cch_nonce", _line(r"\bcch=[0-9a-f]+;"), Canonical.SENTINEL),
     # "Current time is 10:42", "Current date: 2026-11-26", "Today's date is ..."
     VolatileRule("timestamp", timestamps, Canonical.SENTINEL),
-    # Channel envelopes: "message_id = abc" opening a line, as a JSON key too (a
-    # pretty-printed or one-line object's first); "[message_id: 8812]", "| message_id:
-    # m-7", "(message_id: 7)" opening a field; "chat_id=5 message_id=77" after another
-    # pair. Not the user's SQL or code: "WHERE message_id = 4411", "SET
-    # message_id=4411", "delete_message(chat_id=5, message_id=4411)", "send(message_id=
-    # 4411)", "json={'message_id': 4411}"
+    # Channel envelopes: "message_id = abc" opening a line; as a JSON key, the first
+    # of an object opening a line or under a "{" line of its own (OpenClaw's
+    # pretty-printed conversation info); "[message_id: 8812]", "| message_id: m-7",
+    # "(message_id: 7)" opening a field; "chat_id=5 message_id=77" after another id's
+    # pair. Not the user's SQL, code or logs: "WHERE message_id = 4411", "SET
+    # message_id=4411", "delete_message(chat_id=5, message_id=4411)",
+    # "json={'message_id': 4411}", "payload = {\n  'message_id': 4411", "msg=sent
+    # message_id=4411"
     VolatileRule(
         "message_id",
         _line(
-            r"(?:^[ \t#*>-]*(?:\{[ \t]*)?[\"']?message[_ ]id[\"']?[ \t]*[:=]"
+            r"(?:^[ \t#*>-]*message[_ ]id[ \t]*[:=]"
+            r"|(?:^\{|(?<=\A\{\n)|(?<=\n\{\n))[ \t]*[\"']message[_ ]id[\"'][ \t]*:"
             r"|(?<=[\[|])[ \t]*message[_ ]id[\"']?[:=]|(?<=\()[ \t]*message[_ ]id:"
-            r"|(?<![\w.:-])\w+[:=][\w.:-]+[ \t]+message_id[:=])"
+            r"|(?<![\w.:-])\w*id[:=][\w.:-]+[ \t]+message_id[:=])"
             r"[ \t]*[\"']?([\w.:-]+)[\"']?",
             group=1,
         ),

@@ -266,3 +266,24 @@ def test_bytes_that_would_change_a_class_are_refused():
     with pytest.raises(group_wire.UnsafeBytes):
         group_wire.loads(payload)
     assert SamplingParams.temperature == before
+
+
+def test_bytes_that_would_change_an_enum_member_are_refused():
+    """An enum member, reached by calling its class, is a process-wide singleton:
+    BUILD on it set FinishReason.STOP's value for the whole rank."""
+    import pickle as p
+
+    from engine import group_wire
+    from scheduler.request import FinishReason
+
+    def text(s: str) -> bytes:
+        return p.SHORT_BINUNICODE + bytes([len(s)]) + s.encode()
+
+    payload = (
+        p.PROTO + bytes([4]) + p.GLOBAL + b"scheduler.request\nFinishReason\n" + text("stop")
+        + p.TUPLE1 + p.REDUCE + p.EMPTY_DICT + text("_value_") + text("pwned") + p.SETITEM
+        + p.BUILD + p.STOP
+    )  # fmt: skip
+    with pytest.raises(group_wire.UnsafeBytes):
+        group_wire.loads(payload)
+    assert FinishReason.STOP.value == "stop"

@@ -515,18 +515,42 @@ def test_victims_leave_in_the_order_a_scan_per_victim_chose(tier, specs, need):
     assert order.left[tier] == expected
 
 
-@pytest.mark.parametrize("session, reused", [("conv-a", 20), ("conv-b", 8), (None, 8)])
-def test_a_reminder_only_the_entry_has_is_read_only_by_its_own_conversation(session, reused):
+@pytest.mark.parametrize(
+    "own_entry, session, reused",
+    [(True, "conv-a", 20), (True, "conv-b", 8), (True, None, 8), (False, "conv-a", 8)],
+)
+def test_a_reminder_only_the_entry_has_is_read_only_by_its_own_conversation(
+    own_entry, session, reused
+):
     """Another conversation with the same system prompt and the same words, minus
     the reminder (its plan mode, a file's secrets), hit the entry and read it. Its
     own conversation read it on an earlier turn: that one still steps over it
-    (None: the request has no id of its own, see CacheHints.own_conversation)."""
+    (None: the request has no id of its own, see CacheHints.own_conversation). An
+    entry stored under a shared prompt_cache_key or a fallback id is nobody's own:
+    a client naming its conversation by that string read the other's reminder."""
     from kvcache.volatile_rules import RULES
 
     reminder = next(i for i, r in enumerate(RULES) if r.name == "system_reminder")
     index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m")
     head, tail = list(range(100, 108)), list(range(200, 212))
     entry = _key(head + [7, 7, 7, 7] + tail, [TokenSpan(8, 12, reminder)])
-    index.insert(entry, 24, True, session="conv-a")
+    index.insert(entry, 24, True, session="conv-a", own_session=own_entry)
     hit = index.lookup(_key(head + tail + [5]), session=session).hit
     assert hit is not None and hit.alignment.request_depth == reused
+
+
+def test_stored_kv_carries_whether_its_session_was_its_conversations_own():
+    from engine import row_kv
+    from scheduler.request import CacheHints
+
+    seen = {}
+
+    class Cache:
+        def store(self, key, caches, session, kv_bits, adapter, own_session=False):
+            seen.update(session=session, own_session=own_session)
+            return 1
+
+    for own in (True, False):
+        hints = CacheHints(_key([1, 2, 3]), "c-1", own_conversation=own)
+        row_kv._store(Cache(), _key([1, 2, 3]), [], hints)  # noqa: SLF001
+        assert seen == {"session": "c-1", "own_session": own}

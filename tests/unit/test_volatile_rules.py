@@ -79,7 +79,7 @@ def marked(text: str) -> list[tuple[str, str]]:
         # OpenClaw's pretty-printed conversation info, a bridge's parenthesis, a pair
         ('{\n  "message_id": "dbce89ac-9ea2",\n  "chat": 5\n}', "message_id", "dbce89ac-9ea2"),
         ("(message_id: 4411) hi", "message_id", "4411"),
-        ("from=bob message_id=4411", "message_id", "4411"),
+        ("chat_id=5 message_id=4411", "message_id", "4411"),
         (
             'Hello\n## Inbound Context (trusted metadata)\n```json\n{"chat": 5}\n```\nBye',
             "inbound_context",
@@ -131,6 +131,9 @@ def test_rule_marks_exactly_its_span(text, rule, span):
         "bot.delete_message(chat_id=5, message_id=4411)",
         "requests.post(url, json={'message_id': 4411})",
         "send(message_id=4411)",
+        'payload = {\n    "message_id": 4411,\n    "chat": 5\n}',
+        "    'message_id': 4411,",
+        "level=info msg=sent message_id=4411 chat=5",
         # a number with one separator is no date: the user's dose, not a stale value
         "The insulin dose I took today is 2.5",
         "The ratio today is 3/4",
