@@ -45,9 +45,6 @@ class CacheEntry:
     hashes: list[bytes]
     session: str | None = None
     created: float = 0.0
-    # ``session`` is the id its conversation named itself by (CacheHints.own_conversation),
-    # not a fallback guess or a shared prompt_cache_key another client may send too
-    own_session: bool = False
     last_used: float = 0.0
     hits: int = 0
     refs: int = 0  # requests currently reading this entry's KV
@@ -68,6 +65,9 @@ class CacheEntry:
     writes: int = 0
     pinned: bool = False  # saved by a user: never evicted from disk
     variant: str = ""  # how its KV is stored ("" full precision, "q8g64s0", ...)
+    # ``session`` is the id its conversation named itself by (CacheHints.own_conversation),
+    # not a fallback guess or a shared prompt_cache_key another client may send too
+    own_session: bool = False
 
     @property
     def length(self) -> int:
