@@ -122,6 +122,20 @@ def _round(value: float | None) -> float | None:
     return round(value, 1) if value is not None else None
 
 
+def listed_entry(facts: ModelFacts, machine: MachineFacts, budget_bytes: int) -> dict[str, Any]:
+    """``library_entry``, or the model as unsupported with why: one config's odd
+    values must not take the whole listing (every other model) down with it."""
+    try:
+        return library_entry(facts, machine, budget_bytes)
+    except Exception as exc:  # noqa: BLE001 - a config nothing else checked
+        return {
+            "id": facts.name,
+            "path": facts.path,
+            "supported": False,
+            "why_unsupported": f"could not be assessed: {type(exc).__name__}: {exc}",
+        }
+
+
 def library_entry(facts: ModelFacts, machine: MachineFacts, budget_bytes: int) -> dict[str, Any]:
     loaded = as_loaded(facts, machine.device)
     a = assess(loaded, budget_bytes, machine.bandwidth_bytes_s)
@@ -154,7 +168,7 @@ def library_view(state: AppState, library: ModelLibrary) -> dict[str, Any]:
             name, path, why = found
             data.append({"id": name, "path": path, "supported": False, "why_unsupported": why})
             continue
-        entry = library_entry(found, machine, info.budget.total_bytes)
+        entry = listed_entry(found, machine, info.budget.total_bytes)
         entry["serving"] = real_path(Path(found.path)) in serving
         data.append(entry)
     return {"object": "list", "machine": machine.public(), "data": data}

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from app.fit_api import library_entry
+from app.fit_api import listed_entry
 from app.machine import machine_facts
 from app.model_library import Found, ModelLibrary, read_entry
 from scheduler.fit import apple_matrix
@@ -84,8 +84,8 @@ def run_fit(models: list[str], folders: list[Path], as_json: bool, matrix: bool)
         if isinstance(item, tuple):
             entries.append({"id": item[0], "path": item[1], "why_unsupported": item[2]})
             continue
-        entry = library_entry(item, machine, budget.total_bytes)
-        if matrix:
+        entry = listed_entry(item, machine, budget.total_bytes)
+        if matrix and "fit" in entry:  # assessed: its matrix is the same arithmetic
             entry["apple_matrix"] = apple_matrix(item)
         entries.append(entry)
     if as_json:

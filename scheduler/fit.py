@@ -138,7 +138,7 @@ def assess_budget(
     """The verdict for a budget admission already uses (the loaded model)."""
     ceiling = budget.ceiling_tokens
     max_context = min(ceiling, context_length)
-    typical = min(TYPICAL_CONTEXT, context_length)
+    typical = max(1, min(TYPICAL_CONTEXT, context_length))  # a config may say 0
     per_seq = budget.sequence_bytes(typical)
     sequences = budget.kv_budget_bytes // per_seq if per_seq and ceiling >= typical else 0
     if budget.kv_budget_bytes <= 0 or ceiling == 0:

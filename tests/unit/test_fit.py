@@ -497,3 +497,20 @@ def test_sliding_window_layers_stop_growing_at_their_window():
     assert AdmissionController(budget_for(gemma, budget), 131072).budget.ceiling_tokens == (
         b.ceiling_tokens
     )
+
+
+def test_one_model_that_cannot_be_assessed_does_not_hide_the_others():
+    """A windowed model whose config says a context of 0 divided by zero in the
+    decode estimate, and /library and `kvwarm fit` failed for every model."""
+    from app.fit_api import listed_entry
+    from kvcache.layout import KVLayout, LayerKind, LayerKV
+    from scheduler.fit import MachineFacts
+
+    machine = MachineFacts("cpu", 64 * GB, 100e9, "known")
+    windowed = KVLayout((LayerKV(LayerKind.WINDOW, 1000, 512), LayerKV(LayerKind.ATTENTION, 1000)))
+    zero = listed_entry(facts(kv=2000, context=0, layout=windowed), machine, 16 * GB)
+    assert "fit" in zero  # assessed: the estimate no longer divides by its context
+    broken = facts(kv=2000)
+    object.__setattr__(broken, "weights_bytes", "not a number")
+    entry = listed_entry(broken, machine, 16 * GB)
+    assert entry["supported"] is False and "could not be assessed" in entry["why_unsupported"]
