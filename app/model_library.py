@@ -199,6 +199,7 @@ def dir_facts(
 # by "layer_types", or every layer but each n-th (the family's default n)
 WINDOWS_BY_LAYER_TYPE = frozenset({"llama", "ministral3", "gpt_oss", "olmo3"})
 WINDOWS_BY_PATTERN = {"gemma3_text": 6, "gemma3": 6, "cohere2": 4}
+MAX_LAYERS = 4096  # past this a layout would only cost the listing time
 
 
 def _window_layout(
@@ -209,7 +210,7 @@ def _window_layout(
     in a sixth of the memory); None where every layer grows, or nothing says."""
     window = _int(text, "sliding_window")
     kinds = text.get("layer_types")
-    if window <= 0 or layers <= 0:
+    if window <= 0 or not 0 < layers <= MAX_LAYERS:  # a config is only a file anyone wrote
         return None
     if model_type in WINDOWS_BY_LAYER_TYPE and isinstance(kinds, list) and len(kinds) == layers:
         windowed = [kind == "sliding_attention" for kind in kinds]
