@@ -52,12 +52,20 @@ class _GroupUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         self._made: set[int] = set()  # ids of the objects this load created
 
     def _newobj(self) -> None:
+        self._not_an_enum(self.stack[-2])  # NEWOBJ: cls, args
         pickle._Unpickler.load_newobj(self)  # type: ignore[attr-defined]
         self._made.add(id(self.stack[-1]))
 
     def _newobj_ex(self) -> None:
+        self._not_an_enum(self.stack[-3])  # NEWOBJ_EX: cls, args, kwargs
         pickle._Unpickler.load_newobj_ex(self)  # type: ignore[attr-defined]
         self._made.add(id(self.stack[-1]))
+
+    @staticmethod
+    def _not_an_enum(cls: Any) -> None:
+        # Enum.__new__ returns the existing member: "made", it would take a state
+        if isinstance(cls, type) and issubclass(cls, enum.Enum):
+            raise UnsafeBytes("an enum member is looked up, never made")
 
     def _build(self) -> None:
         # only what this load made gets its state: a class, or an enum member (a

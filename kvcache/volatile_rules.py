@@ -201,7 +201,7 @@ RULES: tuple[VolatileRule, ...] = (
         _line(
             r"(?:^[ \t#*>-]*message[_ ]id[ \t]*[:=]"
             r"|(?:^\{|(?<=\A\{\n)|(?<=\n\{\n))[ \t]*[\"']message[_ ]id[\"'][ \t]*:"
-            r"|(?<=[\[|])[ \t]*message[_ ]id[\"']?[:=]|(?<=\()[ \t]*message[_ ]id:"
+            r"|(?<=[\[|])[ \t]*message[_ ]id[\"']?[:=]|(?<=\()(?<!\w\()[ \t]*message[_ ]id:"
             r"|(?<![\w.:-])\w*id[:=][\w.:-]+[ \t]+message_id[:=])"
             r"[ \t]*[\"']?([\w.:-]+)[\"']?",
             group=1,

@@ -279,11 +279,10 @@ def test_bytes_that_would_change_an_enum_member_are_refused():
     def text(s: str) -> bytes:
         return p.SHORT_BINUNICODE + bytes([len(s)]) + s.encode()
 
-    payload = (
-        p.PROTO + bytes([4]) + p.GLOBAL + b"scheduler.request\nFinishReason\n" + text("stop")
-        + p.TUPLE1 + p.REDUCE + p.EMPTY_DICT + text("_value_") + text("pwned") + p.SETITEM
-        + p.BUILD + p.STOP
-    )  # fmt: skip
-    with pytest.raises(group_wire.UnsafeBytes):
-        group_wire.loads(payload)
+    state = p.EMPTY_DICT + text("_value_") + text("pwned") + p.SETITEM + p.BUILD + p.STOP
+    head = p.PROTO + bytes([4]) + p.GLOBAL + b"scheduler.request\nFinishReason\n" + text("stop")
+    # called (REDUCE), or "made" (NEWOBJ: Enum.__new__ hands back the existing member)
+    for payload in (head + p.TUPLE1 + p.REDUCE + state, head + p.TUPLE1 + p.NEWOBJ + state):
+        with pytest.raises(group_wire.UnsafeBytes):
+            group_wire.loads(payload)
     assert FinishReason.STOP.value == "stop"

@@ -134,6 +134,8 @@ def test_rule_marks_exactly_its_span(text, rule, span):
         'payload = {\n    "message_id": 4411,\n    "chat": 5\n}',
         "    'message_id': 4411,",
         "level=info msg=sent message_id=4411 chat=5",
+        "def delete(message_id: int) -> None:",
+        "fn get(message_id: u64) -> Msg {",
         # a number with one separator is no date: the user's dose, not a stale value
         "The insulin dose I took today is 2.5",
         "The ratio today is 3/4",
