@@ -426,6 +426,7 @@ class PrefixIndex:
         uid: str,
         pinned: bool = False,
         variant: str = "",
+        own_session: bool = False,
     ) -> int | None:
         """Index an entry found on disk at start (not in RAM); None if the disk
         tier has no room for it (the caller deletes its files)."""
@@ -442,6 +443,7 @@ class PrefixIndex:
             on_disk=True,
             pinned=pinned,
             variant=variant,
+            own_session=own_session,
         )
         self.disk.add(held)
         return entry.entry_id

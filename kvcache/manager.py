@@ -405,6 +405,7 @@ class TieredKVManager:
             "private_meta": private.meta(),
             "trimmable": entry.trimmable,
             "session": entry.session,
+            "own_session": entry.own_session,
             "variant": entry.variant,
             "created": time.time(),
         }
@@ -462,6 +463,7 @@ class TieredKVManager:
                         found.uid,
                         pinned=found.uid in pinned_uids,
                         variant=variant,
+                        own_session=m.get("own_session") is True,
                     )
             except Exception:  # noqa: BLE001 - a damaged manifest is discarded, never raised on
                 log.warning("KV disk tier: entry %s discarded: its manifest is damaged", found.uid)

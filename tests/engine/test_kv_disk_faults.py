@@ -876,3 +876,17 @@ def test_tensors_must_tile_the_data_within_sane_shapes(tmp_path, tensors, nbytes
     _crafted(path, tensors, bytes(nbytes))
     with pytest.raises(safetensors_io.CorruptFile, match="bad tensor entry"):
         safetensors_io.read_verified(path, "n")
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_whether_an_entrys_session_was_its_own_survives_a_restart(tmp_path, own):
+    """Restored entries read back as nobody's own: after a restart a conversation
+    prefilled again the reminders only its entry held (a miss, not a wrong answer)."""
+    tokens = list(range(1000, 1100))
+    m = manager(tmp_path)
+    m.store(PromptKey.build(tokens), caches_for(tokens), session="c-1", own_session=own)
+    m.close()
+    again = manager(tmp_path)
+    (entry,) = again.index.entries()
+    assert (entry.session, entry.own_session) == ("c-1", own)
+    again.close()
