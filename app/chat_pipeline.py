@@ -159,7 +159,7 @@ def one_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]] |
     n = 0
     while n < len(messages) and messages[n].get("role") in INSTRUCTION_ROLES:
         n += 1
-    later = [i for i in range(n, len(messages)) if messages[i].get("role") in INSTRUCTION_ROLES]
+    later = any(m.get("role") in INSTRUCTION_ROLES for m in messages[n:])
     if n < 2 and not later:
         return None
     head = messages[:n]

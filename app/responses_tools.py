@@ -20,7 +20,6 @@ from app.protocol.tool_schema import ToolChoice
 from app.responses_schemas import ResponsesTool, ResponsesToolChoice
 from app.schemas import MAX_TOOLS
 
-CHAT_CHOICES = ("none", "auto", "required", "function")
 # tool_choice types naming a tool kvwarm does not run (OpenAI's hosted tools, MCP,
 # custom tools): the model chooses freely; any other type is a 400
 UNSERVED_CHOICES = frozenset(
@@ -66,15 +65,13 @@ def read_tools(
 ) -> ResponsesTools:
     functions = function_tools(tools)
     kind = getattr(choice, "type", None)
-    if kind is None or kind in CHAT_CHOICES:
-        return ResponsesTools(functions, parse_openai_tool_choice(choice, functions))
     if kind == "allowed_tools":
         mode, names = _allowed(choice.model_extra or {})
         allowed = [t for t in functions if t["function"]["name"] in names]
         return ResponsesTools(allowed, choice_of(mode, allowed))
     if kind in UNSERVED_CHOICES:  # that tool is not served: the model chooses freely
         return ResponsesTools(functions, choice_of("auto", functions), (f"tool_choice.{kind}",))
-    # parse_openai_tool_choice's own 400
+    # chat's choices, and the 400 for any other type
     return ResponsesTools(functions, parse_openai_tool_choice(choice, functions))
 
 

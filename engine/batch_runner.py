@@ -276,14 +276,20 @@ class BatchRunner:
         if waiting is not None:
             self._release(waiting.row)
             return waiting.row
-        uid = self._uids.pop(request_id, None)
+        uid = self._uids.get(request_id)
         if uid is None:
             return None
+        row = self._forget_row(uid, request_id)
+        self._generator.remove([uid])
+        return row
+
+    def _forget_row(self, uid: int, request_id: str) -> Row | None:
+        """The runner's own record of a batch row gone (the generator's is the caller's)."""
+        self._uids.pop(request_id, None)
         row = self._rows.pop(uid, None)
         if row is not None:
             self._release(row)
         self._prefilled.pop(uid, None)
-        self._generator.remove([uid])
         return row
 
     def cut_short(self, request_id: str) -> RequestOutput | None:
@@ -587,10 +593,7 @@ class BatchRunner:
                 continue
             log.error("%s: failed alone in the engine: %s", row.request.request_id, error)
             if detached:
-                del self._rows[uid]
-                self._uids.pop(row.request.request_id, None)
-                self._prefilled.pop(uid, None)
-                self._release(row)
+                self._forget_row(uid, row.request.request_id)
             else:
                 self.remove(row.request.request_id)
             self.row_faults += 1

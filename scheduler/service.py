@@ -65,7 +65,6 @@ class OutputStream:
         self.request_id = request_id
         self._queue = queue
         self._service = service
-        self._router = service.router
         loop = asyncio.get_running_loop()
         self._cancel = weakref.finalize(self, _cancel_on, loop, service.cancel, request_id)
         self._cancel.atexit = False  # at exit the loop is gone: nothing to free
@@ -79,7 +78,7 @@ class OutputStream:
         output = await self._queue.get()
         if output.finished:
             self._cancel.detach()
-            self._router.close(self.request_id)
+            self._service.router.close(self.request_id)
         return output
 
     async def aclose(self) -> None:
