@@ -86,6 +86,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "distributed_hosts": {"metavar": "HOSTS"},
     "distributed_port": {"type": int, "metavar": "PORT"},
     "rank_timeout": {"type": float, "metavar": "SECONDS"},
+    "distributed_boot_timeout": {"type": float, "metavar": "SECONDS"},
 }
 
 
@@ -333,15 +334,21 @@ def cmd_serve(settings: Settings) -> int:
             return _fail("--adapter is not available on a distributed group")
         if settings.vision == "on":
             return _fail("--vision on is not available on a distributed group")
+        from engine.boot_deadline import BootDeadline
         from engine.distributed import RankGroup
 
         log.info(
-            "joining a distributed group (%s mode, rank %s serves HTTP): waiting for every rank",
+            "joining a distributed group (%s mode, rank %s serves HTTP): waiting for every rank%s",
             dist.mode,
             dist.server_rank,
+            f" (at most {dist.boot_timeout_s:.0f} s until the group is up)"
+            if dist.boot_timeout_s
+            else "",
         )
+        boot = BootDeadline(dist.boot_timeout_s)
+        boot.start()
         try:
-            group = RankGroup.join(dist)
+            group = RankGroup.join(dist, boot)
         except ValueError as exc:  # its rank, world size or hosts: the settings
             return _fail(f"cannot join the distributed group: {exc}")
         except RuntimeError as exc:  # the transport: its peers are not up yet

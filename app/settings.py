@@ -393,6 +393,14 @@ class Settings(BaseSettings):
         description="seconds without a rank's heartbeat before the group counts as broken: "
         "/health turns 503, open requests fail and the process exits non-zero (at least 1)",
     )
+    distributed_boot_timeout: float = Field(
+        1800.0,
+        ge=0,
+        description="seconds a rank waits for its group to come up (every rank joined, "
+        "loaded and connected) before it exits non-zero for a supervisor to restart the "
+        "group: a rank missing, hung, or started with another world size otherwise left "
+        "the others waiting for ever (0: no limit; allow for the slowest model load)",
+    )
 
     @field_validator("cache_trace_dir", "cache_dir")
     @classmethod
@@ -632,6 +640,7 @@ class Settings(BaseSettings):
             server_rank=self.distributed_server_rank,
             backend="ring" if self.distributed and not launched() else self.distributed_backend,
             rank_timeout_s=self.rank_timeout,
+            boot_timeout_s=self.distributed_boot_timeout,
             rank=self.distributed_rank,
             world_size=self.distributed_world_size,
             hosts=_comma_list(self.distributed_hosts),

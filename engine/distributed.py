@@ -15,6 +15,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import generation_stream
 
+from engine.boot_deadline import BootDeadline
 from engine.distributed_config import DistributedConfig, launched, write_hostfile
 
 
@@ -30,8 +31,10 @@ def _as_the_model() -> Any:
 class RankGroup:
     """This process's place in the group, and byte collectives over it (engine thread)."""
 
-    def __init__(self, group: Any, server_rank: int = 0):
+    def __init__(self, group: Any, server_rank: int = 0, boot: BootDeadline | None = None):
         self.group = group
+        # start-up's time limit: each stage named, ended once this rank is ready
+        self.boot = boot or BootDeadline(0)
         self.rank = group.rank()
         self.size = group.size()
         if not 0 <= server_rank < self.size:
@@ -42,13 +45,17 @@ class RankGroup:
         self._pending: list[mx.array] = []  # the serving rank's sends, kept alive
 
     @classmethod
-    def join(cls, config: DistributedConfig) -> RankGroup:
+    def join(cls, config: DistributedConfig, boot: BootDeadline | None = None) -> RankGroup:
+        """Wait for every rank to connect (``boot`` already running: a rank that
+        never comes holds this up for ever)."""
         if not launched():
             write_hostfile(config)
+        if boot is not None:
+            boot.stage("joining the group (waiting for every rank to connect)")
         group = mx.distributed.init(strict=True, backend=config.backend)
         if group.size() < 2:
             raise ValueError("a distributed group needs at least two ranks")
-        return cls(group, config.server_rank)
+        return cls(group, config.server_rank, boot)
 
     @property
     def serving(self) -> bool:

@@ -21,6 +21,7 @@ class DistributedConfig:
     server_rank: int = 0  # the rank that serves HTTP and decides every step
     backend: str = "any"  # mlx.distributed backend: any, ring, jaccl, mpi
     rank_timeout_s: float = 10.0  # heartbeats missed this long: the rank is lost
+    boot_timeout_s: float = 1800.0  # the group not up by then: exit (0: wait for ever)
     # set without mlx.launch (the Kamiwaza seed's RANK / WORLD_SIZE / PAIRED_HOST):
     rank: int | None = None
     world_size: int | None = None

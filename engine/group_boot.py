@@ -48,9 +48,11 @@ class GroupBoot:
         """Ranks refuse to start against other model files, engine settings or
         software: another mlx-lm may shard (and so communicate) otherwise, another
         kvwarm send ticks of another form; found only later, or as a hang."""
+        self.group.boot.stage("agreeing with the other ranks on software, model files and settings")
         self.group.agree("the software", software_versions())
         self.group.agree("the model files (config + weights fingerprint)", fingerprint)
         self.group.agree("the engine settings", settings)
+        self.group.boot.stage("loading its shard of the model")
 
     def shard(self, model: Any) -> None:
         self.used = shard_model(model, self.group.group, self.mode)
@@ -72,11 +74,13 @@ class GroupBoot:
         """The budget admission enforces (the rank with the least room for KV decides:
         every rank holds every row's shard) and the prompt cache's size in tokens,
         the same on every rank so their caches take the same decisions."""
+        self.group.boot.stage("sharing its memory budget with the other ranks")
         per_token = max(1, budget.kv_bytes_per_token)
         mine = (budget, budget.prompt_cache_bytes // per_token)
         shares = [group_wire.loads(b) for b in self.group.gather(group_wire.dumps(mine))]
         tight = min(shares, key=lambda s: (s[0].ceiling_tokens, s[0].kv_budget_bytes))[0]
         cache_tokens = min(tokens for _, tokens in shares)
+        self.group.boot.stage("building its engine")
         if self.group.serving:
             budget = replace(tight, source=f"{tight.source}, tightest of {self.group.size} ranks")
         return budget, cache_tokens * per_token
@@ -90,6 +94,7 @@ class GroupBoot:
     def lead(self, runner: Any) -> tuple[LeaderRunner, RankMonitor]:
         """The serving rank: a monitor for the workers' heartbeats, and the runner
         that sends each step's ops to them."""
+        self.group.boot.stage("waiting for every worker's heartbeat connection")
         workers = [r for r in range(self.group.size) if r != self.group.rank]
         monitor = RankMonitor(workers, self.timeout_s)
         monitor.listen()
@@ -98,11 +103,13 @@ class GroupBoot:
         # ready only once every worker is booted and beating (each connects as its
         # last step of booting): a rank lost later is then always a loss, never "late"
         monitor.wait_connected()
+        self.group.boot.done()
         self.monitor = monitor
         return LeaderRunner(runner, self.group.broadcast, self.clock, monitor.step_running), monitor
 
     def follow(self) -> None:
         """A worker: learn where the serving rank's monitor listens."""
+        self.group.boot.stage("waiting for the serving rank's start-up")
         port, token, hosts = self.group.broadcast(None).decode().split(" ")
         self.heartbeat_to, self.monitor_token = int(port), token
         self.monitor_hosts = tuple(h for h in hosts.split(",") if h)

@@ -88,7 +88,9 @@ def run_worker(config: EngineConfig, drain_s: float) -> int:
         lost,
         token=ranks.monitor_token,
     )
+    group.boot.stage("connecting to the serving rank's monitor")
     heartbeat.start()
+    group.boot.done()
     log.info("rank %d ready: following rank %d", group.rank, group.server_rank)
     follow_through_stop_signals(drain_s + STOP_GRACE_S + dist.rank_timeout_s, done)
     follower = Follower(booted.runner, lambda: group.broadcast(None), ranks.clock)

@@ -328,3 +328,33 @@ def test_ranks_started_against_different_weights_refuse_to_start(model_cache, ti
     assert codes[0] != 0 and codes[1] != 0
     for rank in (0, 1):
         assert "the ranks disagree on the model files" in (tmp_path / f"rank{rank}.log").read_text()
+
+
+def test_a_rank_whose_group_never_comes_up_exits_within_the_boot_timeout(
+    model_cache, tiny, tmp_path
+):
+    """A rank waited for a missing peer for ever (every collective blocks until
+    each rank joins it): a supervisor saw nothing wrong and restarted nothing."""
+    ring = _ring_ports(2)
+    flags = ["--distributed", "--distributed-rank", "0", "--distributed-world-size", "2"]
+    flags += ["--distributed-port", str(ring), "--distributed-boot-timeout", "3"]
+    log = tmp_path / "rank0.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [KVWARM, "serve", "--port", str(free_port()), "--model", str(tiny), *TINY, *flags],
+            env=_env(model_cache),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=tmp_path,
+        )
+    try:
+        assert proc.wait(60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    # mlx.distributed.init waits holding the GIL: the GIL-free watchdog ends it,
+    # the stage it was in logged as it began
+    text = log.read_text()
+    assert "start-up: joining the group" in text and "Timeout" in text, text[-2000:]
+    assert "in join" in text, text[-2000:]  # the stack it hung in
