@@ -206,6 +206,52 @@ def _functions(inner: str) -> list[str]:
     return pieces
 
 
+_GEMMA4_TOKENS = re.compile(r'<\|"\|>|call:[\w-]+\{|[{}]')
+
+
+def _gemma4_spans(inner: str) -> list[tuple[int, int]]:
+    """Where each ``call:NAME{...}`` is, braces balanced and ``<|"|>`` strings
+    skipped, found in one pass: mlx-lm's Gemma 4 regex matches nested braces
+    recursively from every ``call:`` and, given calls never closed, reads to the
+    end from each (28 KB of ``call:f{`` held the event loop 7 s, whatever the
+    model: every markup is recognised for every family). The outermost calls,
+    in order; on well-formed markup what the regex finds."""
+    spans: list[tuple[int, int]] = []
+    opened: list[int | None] = []  # per open brace: where its call starts, if it opens one
+    in_string = False
+    for token in _GEMMA4_TOKENS.finditer(inner):
+        text = token.group()
+        if text == '<|"|>':
+            in_string = not in_string
+        elif in_string:
+            continue
+        elif text == "}":
+            start = opened.pop() if opened else None
+            if start is not None:
+                spans.append((start, token.end()))
+        else:
+            opened.append(token.start() if text != "{" else None)
+    # a call closes before the one around it: the outer one, found later, wins
+    return _outermost(spans)
+
+
+def _outermost(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    kept: list[tuple[int, int]] = []
+    for span in sorted(spans):
+        if not kept or span[0] >= kept[-1][1]:
+            kept.append(span)
+    return kept
+
+
+def _gemma4(inner: str) -> list[Any]:
+    """mlx-lm's Gemma 4 parser on each call alone (see ``_gemma4_spans``)."""
+    parse = _mlx_parser("gemma4")
+    spans = _gemma4_spans(inner)
+    if not spans:
+        raise ValueError("no balanced call")
+    return [parse(inner[a:b]) for a, b in spans]
+
+
 def _glm_pairs(inner: str) -> str:
     """GLM markup rebuilt from its well-formed ``<arg_key>K</arg_key> <arg_value>V
     </arg_value>`` pairs, found in one pass: mlx-lm's pair regex, given pairs left
@@ -380,6 +426,8 @@ class ToolCallDecoder:
             ]
         if markup is MINICPM:
             return [("minicpm5", _minicpm)]
+        if markup is GEMMA4:
+            return [("gemma4", _gemma4)]
         if markup not in MARKED:  # the family's own markup and parser
             return [(markup.kind, lambda text: _mlx_parser(markup.kind)(text, self.tools))]
         return [(markup.kind, _mlx_parser(markup.kind))]

@@ -220,6 +220,54 @@ def test_gemma4_calls():
     ]
 
 
+_G4_TEXT = st.text(alphabet='ab {}:,<|">\n', max_size=12).filter(lambda t: '<|"|>' not in t)
+_G4_VALUE = st.one_of(
+    st.integers(-5, 500).map(str),
+    st.sampled_from(["true", "false", "null"]),
+    _G4_TEXT.map(lambda t: f'<|"|>{t}<|"|>'),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["read_file", "run", "x-y"]),
+            st.lists(st.tuples(st.sampled_from(["path", "limit", "k_2"]), _G4_VALUE), max_size=3),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    st.sampled_from(["", "\n", " then "]),
+)
+def test_gemma4_spans_read_what_mlx_lms_regex_reads_on_well_formed_markup(calls, gap):
+    import importlib
+
+    from app.protocol.tool_formats import _gemma4_spans
+
+    inner = gap.join(
+        f"call:{name}{{" + ",".join(f"{k}:{v}" for k, v in args) + "}" for name, args in calls
+    )
+    regex = importlib.import_module("mlx_lm.tool_parsers.gemma4")._tool_call_regex
+    assert _gemma4_spans(inner) == [m.span() for m in regex.finditer(inner)]
+
+
+def test_gemma4_calls_never_closed_never_reach_mlx_lms_regex(monkeypatch):
+    """Its recursive regex read to the end from every ``call:`` left open: 28 KB
+    of them held the event loop 7 s, for a model of any family (every markup is
+    recognised whatever the family)."""
+    import app.protocol.tool_formats as tf
+
+    seen: list[str] = []
+    monkeypatch.setattr(
+        tf, "_mlx_parser", lambda name: lambda text: seen.append(text) or {"name": "run"}
+    )
+    looping = 'call:run{command:<|"|>ls<|"|>}' + "call:run{" * 4000
+    calls = ToolCallDecoder(TOOLS, "qwen3_coder").decode(tf.GEMMA4, looping)
+    assert seen == ['call:run{command:<|"|>ls<|"|>}']  # the one closed call, alone
+    assert calls is not None and len(calls) == 1
+
+
 def test_qwen3_coder_two_functions_in_one_block_are_two_calls():
     """mlx-lm's parser reads a block as one function: the first one's name with
     the last one's arguments, here reading the wrong file and losing the run."""
