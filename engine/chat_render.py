@@ -102,11 +102,19 @@ def locate(
     """
     budget = fallback_budget(text)
     n = len(messages)
+    # each message's latest user message before it, in one pass: looked for from
+    # each message, one user prompt before thousands of agent turns was quadratic
+    queries: list[int | None] = []
+    latest = None
+    for i, m in enumerate(messages):
+        queries.append(latest)
+        if m.get("role") == "user":
+            latest = i
     while walk.placed < n and not walk.stopped:
         k = walk.placed
         pos, horizon, spent = walk.bounds[-1], walk.horizon[-1], walk.spent[-1]
         end = None
-        for probe in _probes(render, messages, k, kwargs):
+        for probe in _probes(render, messages, k, kwargs, queries[k]):
             horizon = max(horizon, pos + len(probe.piece))
             if text.startswith(probe.piece, pos):
                 end = pos + len(probe.piece)
@@ -126,7 +134,11 @@ def locate(
 
 
 def _probes(
-    render: Render, messages: Sequence[dict[str, Any]], k: int, kwargs: dict[str, Any]
+    render: Render,
+    messages: Sequence[dict[str, Any]],
+    k: int,
+    kwargs: dict[str, Any],
+    query: int | None,
 ) -> Iterator[_Probe]:
     """Renderings of message k's own text, cheapest first. Message 0's is exact
     (the first cumulative rendering). A later one is its rendering after one
@@ -148,8 +160,7 @@ def _probes(
     if kwargs.get("tools"):
         ladder.append((messages[max(0, k - 2) : k], kwargs))
     # templates that refuse a rendering with no user query (Qwen3.5/3.6): the
-    # latest user message before k leads the context (as it does in the full one)
-    query = next((i for i in range(k - 1, -1, -1) if messages[i].get("role") == "user"), None)
+    # latest user message before k (``query``) leads the context (as in the full one)
     if query is not None and query < k - 2:
         ladder.append(([messages[query], *messages[k - 1 : k]], bare))
     for context, kw in ladder:
