@@ -234,11 +234,14 @@ def test_a_budget_share_round_trips():
 def test_ranks_agree_on_the_software_before_anything_else():
     """Another mlx-lm may shard the model (and so talk) otherwise, another kvwarm
     send ticks of another form: found late, as a token digest mismatch or a hang."""
+    from engine.boot_deadline import BootDeadline
     from engine.group_boot import GroupBoot, software_versions
 
     agreed: list[tuple[str, str]] = []
 
     class Group:
+        boot = BootDeadline(0)
+
         def agree(self, what: str, value: str) -> None:
             agreed.append((what, value))
 
