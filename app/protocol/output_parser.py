@@ -18,6 +18,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from app.protocol.open_values import OpenValue
 from app.protocol.tool_formats import BARE_JSON, Markup, ToolCall, ToolCallDecoder
 
 
@@ -43,6 +44,10 @@ class Syntax:
     # the prompt ends inside an opened think block (Qwen3/DeepSeek/GLM templates
     # put the opening tag in the generation prompt): the output starts as reasoning
     starts_in_reasoning: bool = False
+
+
+# the most text one drain reads at once (see OutputParser._feed)
+PIECE = 1024
 
 
 class _Mode(enum.Enum):
@@ -90,6 +95,15 @@ class OutputParser:
         self._tool_parts: list[str] = []
         self._tool_len = 0
         self._tail = ""
+        # whether the call is inside an argument value (an end tag there is text),
+        # the call's characters it has read, and where the first such tag was
+        self._values = OpenValue()
+        self._valued = 0
+        self._skipped: int | None = None
+        # set once a value never closed: from then on an end tag always ends its call
+        # (read again, the rest could skip tags anew: a reply re-read per call)
+        self._track_values = True
+        self._replay = ""
         self._out: list[Event] = []
         self._truncated = False
         self._stopped_at: str | None = None
@@ -107,9 +121,16 @@ class OutputParser:
 
     # -- public ----------------------------------------------------------------
     def feed(self, text: str) -> list[Event]:
-        self._buf += text
-        self._drain(final=False)
+        self._feed(text)
         return self._flush()
+
+    def _feed(self, text: str) -> None:
+        # a long text in bounded pieces (any chunking reads alike): each call or tag
+        # found slices what is buffered, and one buffer of thousands of calls was
+        # sliced once per call (quadratic)
+        for at in range(0, len(text), PIECE):
+            self._buf += text[at : at + PIECE]
+            self._drain(final=False)
 
     def finish(self, truncated: bool = False, stopped_at: str | None = None) -> list[Event]:
         """The end of the reply. ``truncated``: max_tokens cut it, so a call whose
@@ -120,12 +141,18 @@ class OutputParser:
         self._truncated = truncated
         self._stopped_at = stopped_at
         self._drain(final=True)
+        while self._replay:  # what followed a call's end tag first read as a value's text
+            rest, self._replay = self._replay, ""
+            self._feed(rest)
+            self._drain(final=True)
         return self._flush()
 
     def open_tool(self, markup: Markup, seed: str) -> None:
         """Start inside a call whose opening the prompt already wrote (forced tool choice)."""
         self._start_tool(markup)
         self._tool_parts, self._tool_len, self._tail = [seed], len(seed), seed
+        self._values.feed(seed)
+        self._valued = len(seed)
 
     def parse(self, text: str) -> list[Event]:
         """The whole text at once (non-streaming)."""
@@ -253,6 +280,7 @@ class OutputParser:
         self._mode = _Mode.TOOL
         self._tool = markup
         self._tool_parts, self._tool_len, self._tail = [], 0, ""
+        self._values, self._valued, self._skipped = OpenValue(), 0, None
 
     def _tool_markup(self, final: bool) -> bool:
         markup = self._tool
@@ -262,23 +290,45 @@ class OutputParser:
             # search only what is new, plus the tail an end tag split across tokens
             # may begin in: linear time however long the call
             window = self._tail + new
-            i = window.find(markup.end)
-            if i >= 0:
-                cut = self._tool_len - len(self._tail) + i
-                text = "".join(self._tool_parts) + new
-                self._buf = text[cut + len(markup.end) :]
-                self._close_tool(markup, text[:cut], markup.end)
-                return True
-            self._tail = window[max(0, len(window) - len(markup.end) + 1) :]
+            base = self._tool_len - len(self._tail)  # where the window starts in the call
+            search = 0
+            while (i := window.find(markup.end, search)) >= 0:
+                self._read_values(window, base, i)
+                if not self._track_values or not self._values.open:
+                    return self._end_tool(markup, new, base + i)
+                if self._skipped is None:
+                    self._skipped = base + i
+                search = i + len(markup.end)
+            self._read_values(window, base, len(window))
+            self._tail = window[max(search, len(window) - len(markup.end) + 1) :]
         self._tool_parts.append(new)
         self._tool_len += len(new)
-        if final and (self._truncated or self._cut_by_stop(markup)):
+        if final and self._skipped is not None:
+            # a value never closed: the end tag read as its text was the call's after
+            # all; what followed it is read again (by finish, in pieces)
+            text, cut = "".join(self._tool_parts), self._skipped
+            self._replay = text[cut + len(markup.end) :]
+            self._track_values = False
+            self._close_tool(markup, text[:cut], markup.end)
+        elif final and (self._truncated or self._cut_by_stop(markup)):
             self._tool = None
             self._emit(Content, markup.start + "".join(self._tool_parts))
             self._mode = _Mode.CONTENT
         elif final:
             self._close_tool(markup, "".join(self._tool_parts), "")
         return False
+
+    def _read_values(self, window: str, base: int, upto: int) -> None:
+        """Feed the value scanner the call's text up to ``base + upto``."""
+        if self._track_values:
+            self._values.feed(window[self._valued - base : upto])
+        self._valued = max(self._valued, base + upto)
+
+    def _end_tool(self, markup: Markup, new: str, cut: int) -> bool:
+        text = "".join(self._tool_parts) + new
+        self._buf = text[cut + len(markup.end) :]
+        self._close_tool(markup, text[:cut], markup.end)
+        return True
 
     def _close_tool(self, markup: Markup, inner: str, end: str) -> None:
         assert self.tools is not None

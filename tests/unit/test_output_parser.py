@@ -53,6 +53,10 @@ FRAGMENTS = st.sampled_from(
         "😀",
         "call:get_weather{city:2}",
         "hello",
+        '"',
+        "\\",
+        "<arg_value>",
+        '<|"|>',
     ]
 )
 TEXTS = st.lists(st.one_of(FRAGMENTS, st.text(max_size=5)), max_size=25).map("".join)
@@ -114,6 +118,76 @@ def test_an_end_tag_fed_in_small_pieces_closes_a_short_call(markup, inner, sizes
         at += size
     events = [e for piece in pieces for e in parser.feed(piece)] + parser.finish()
     assert merge(events) == whole
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "end a call with '
+        '</tool_call> then"}}\n</tool_call>',
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nend a call with </tool_call> "
+        "then\n</parameter>\n</function>\n</tool_call>",
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>end a call with "
+        "</tool_call> then</arg_value>\n</tool_call>",
+        '<|tool_call>call:get_weather{city:<|"|>end a call with <tool_call|> then<|"|>}<tool_call|>',
+    ],
+)
+def test_a_closing_tag_inside_an_argument_is_its_text_not_the_calls_end(call):
+    """An agent writing a file that mentions the tag: the call was cut at it, did
+    not parse, and went out as plain text (the write was lost)."""
+    text = call + " done"
+    whole = _parser(True, False).parse(text)
+    city = (
+        "end a call with </tool_call> then"
+        if "<|" not in call
+        else "end a call with <tool_call|> then"
+    )
+    assert [(e.name, e.arguments_dict()) for e in whole if isinstance(e, ToolCall)] == [
+        ("get_weather", {"city": city})
+    ]
+    assert _text_of(whole, Content) == "done"
+    parser = _parser(True, False)
+    streamed = [e for ch in text for e in parser.feed(ch)] + parser.finish()
+    assert merge(streamed) == whole
+
+
+def test_a_call_whose_string_never_closes_still_ends_at_its_tag():
+    """Read as inside a value to the end, the end tag it skipped was the call's
+    end after all: the broken call is text again and the next call is a call."""
+    broken = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo}}</tool_call>'
+    good = '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}}</tool_call>'
+    whole = _parser(True, False).parse(broken + " and " + good)
+    assert whole == [Content(broken + " and "), ToolCall("get_weather", '{"city": "Rome"}')]
+
+
+def test_a_qwen_call_without_its_parameter_end_tag_is_decided_at_its_end_tag():
+    """Models leave out </parameter>: the value ends with its function, so the
+    call's end tag still ends it there; it is not withheld to the end of the reply."""
+    parser = _parser(True, False)
+    markup = (
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\nOslo\n</function>\n</tool_call>"
+    )
+    events = parser.feed(markup + " and")
+    assert events and parser._tool is None  # noqa: SLF001
+    assert merge(events + parser.finish()) == _parser(True, False).parse(markup + " and")
+
+
+def test_one_long_text_is_read_in_bounded_pieces(monkeypatch):
+    """A reply of thousands of calls read at once was sliced once per call, each
+    slice as long as the rest of the reply (quadratic: 384 KB took 3 s)."""
+    parser = _parser(True, False)
+    longest = [0]
+    drain = parser._drain  # noqa: SLF001
+
+    def watched(final: bool) -> None:
+        longest[0] = max(longest[0], len(parser._buf))  # noqa: SLF001
+        drain(final)
+
+    monkeypatch.setattr(parser, "_drain", watched)
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    events = parser.parse(call * 2000)
+    assert len([e for e in events if isinstance(e, ToolCall)]) == 2000
+    assert longest[0] <= 2 * len(call) + 1024
 
 
 @settings(max_examples=300, deadline=None)
