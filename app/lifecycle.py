@@ -44,6 +44,8 @@ def unbindable(host: str, port: int) -> Unbindable | None:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:  # the network may not be up yet at boot
         return Unbindable(f"cannot resolve --host {host!r}: {exc.strerror}", lasting=False)
+    except UnicodeError:  # a name IDNA cannot encode: no later start encodes it either
+        return Unbindable(f"--host {host!r} is no address or host name", lasting=True)
     for family, kind, proto, _, address in addresses:
         with socket.socket(family, kind, proto) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio binds

@@ -83,6 +83,12 @@ class Settings(BaseSettings):
             host = host[1:-1]
         if not host or any(c.isspace() for c in host):
             raise ValueError(f"{value!r} is no address or host name")
+        try:  # as getaddrinfo encodes it: an empty or over-63-character label raised there
+            host.encode("idna")
+        except UnicodeError:
+            raise ValueError(
+                f"{value!r} is no address or host name (an empty label or one over 63 characters)"
+            ) from None
         return host
 
     @field_validator("port", mode="before")
