@@ -257,9 +257,8 @@ def cmd_prepare(settings: Settings) -> int:
     except UnsupportedModelError as exc:
         return _fail(str(exc))
     except OSError as exc:  # a cache folder it cannot write, a full disk: said, no traceback
-        where = f" {exc.filename}" if exc.filename else ""
         return _fail(
-            f"cannot prepare the model:{where}: {exc.strerror or exc} (converted models are "
+            f"cannot prepare the model: {_os_problem(exc)} (converted models are "
             f"kept under --cache-dir, now {settings.cache_root})",
             NOT_NOW,
         )
@@ -268,6 +267,12 @@ def cmd_prepare(settings: Settings) -> int:
         return _fail(problem)
     print(path)
     return 0
+
+
+def _os_problem(exc: OSError, path: str | None = None) -> str:
+    """An OSError as one line: the file it names (a read names none: ``path``), then why."""
+    where = exc.filename or path
+    return f"{where}: {exc.strerror or exc}" if where else str(exc.strerror or exc)
 
 
 def _unloadable(path: Path) -> str | None:
@@ -310,6 +315,8 @@ def cmd_serve(settings: Settings) -> int:
         blas, source = _prepare_runtime(settings)
     except UnsupportedModelError as exc:
         return _fail(str(exc))
+    except OSError as exc:  # the model file unreadable (EIO, a permission): exit 1, as prepare
+        return _fail(f"cannot read the model: {_os_problem(exc, settings.model)}", NOT_NOW)
     if shared:
         log.info("distributed: %s", shared)
 
