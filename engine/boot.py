@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from engine.engine_thread import Booted, EngineConfig
 from engine.model_errors import NoRoomForKV
-from scheduler.admission import AdmissionController, plan_budget
+from scheduler.admission import AdmissionController, MemoryBudget, plan_budget
 from scheduler.contracts import ModelInfo, Runner
 
 if TYPE_CHECKING:
@@ -27,6 +28,31 @@ def step_budget_ms(configured: float | None, device: str) -> float:
     if configured is not None:
         return configured
     return AUTO_STEP_MS["cpu" if "cpu" in device.lower() else "gpu"]
+
+
+def no_room_for_kv(budget: MemoryBudget, cache_set: bool, auto: bool) -> MemoryError | None:
+    """Why ``budget`` leaves requests no KV, as the error to raise; None: it leaves some.
+    ``cache_set``: --prompt-cache-bytes is a size (not auto); ``auto``: --memory-budget
+    auto, measured from what was free at this start."""
+    if budget.kv_budget_bytes > 0:
+        return None
+    message = (
+        f"memory budget {budget.total_bytes / 2**20:.0f} MiB leaves no room for KV after "
+        f"{budget.weights_bytes / 2**20:.0f} MiB of weights and "
+        f"{budget.reserve_bytes / 2**20:.0f} MiB reserve"
+    )
+    if cache_set and replace(budget, prompt_cache_bytes=0).kv_budget_bytes > 0:
+        # the cache size the user set took the room: lasting, however much is free
+        return NoRoomForKV(
+            f"{message}, once --prompt-cache-bytes (KVWARM_PROMPT_CACHE_BYTES) takes its "
+            f"{budget.prompt_cache_bytes / 2**20:.0f} MiB: lower it (0 turns the prefix "
+            "cache off) or raise --memory-budget"
+        )
+    # --memory-budget auto measured what was free at this start: another
+    # moment (a job finished) may leave room, so only a set budget is lasting
+    if auto:
+        return MemoryError(message + " (auto: what memory was free now)")
+    return NoRoomForKV(message)
 
 
 def boot_mlx(config: EngineConfig) -> Booted:
@@ -179,17 +205,13 @@ def boot_mlx(config: EngineConfig) -> Booted:
             if st.disk_enabled
             else "off",
         )
-    if budget.kv_budget_bytes <= 0:
-        message = (
-            f"memory budget {total / 2**20:.0f} MiB leaves no room for KV after "
-            f"{loaded.weights_bytes / 2**20:.0f} MiB of weights and "
-            f"{budget.reserve_bytes / 2**20:.0f} MiB reserve"
-        )
-        # --memory-budget auto measured what was free at this start: another
-        # moment (a job finished) may leave room, so only a set budget is lasting
-        if cfg.memory_budget_bytes is None:
-            raise MemoryError(message + " (auto: what memory was free now)")
-        raise NoRoomForKV(message)
+    no_room = no_room_for_kv(
+        budget,
+        cache_set=pc is not None and pc.max_bytes is not None,
+        auto=cfg.memory_budget_bytes is None,
+    )
+    if no_room is not None:
+        raise no_room
     engine_runner: Runner = runner
     monitor = None
     if ranks is not None:

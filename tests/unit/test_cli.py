@@ -37,3 +37,40 @@ def test_a_model_file_it_cannot_read_is_one_line_in_serve_as_in_prepare(monkeypa
     err = capsys.readouterr().err
     assert "kvwarm: error: cannot read the model: /m/x.gguf: Input/output error" in err
     assert "Traceback" not in err
+
+
+def _budget(weights_mib: int, cache_bytes: int | None):
+    from kvcache.entries import PromptCacheConfig
+    from scheduler.admission import plan_budget
+
+    cache = PromptCacheConfig(max_bytes=cache_bytes)
+    return plan_budget(
+        2**30, weights_mib * 2**20, 4096, 4096, 8, 512, prompt_cache=cache.resolve_bytes
+    )
+
+
+@pytest.mark.parametrize("auto", [True, False])
+def test_a_prompt_cache_too_large_for_the_budget_is_named_and_lasting(auto):
+    """A --prompt-cache-bytes the budget could not hold was accepted and, once the
+    model had loaded, "no room for KV after W MiB of weights and R MiB reserve"
+    named no cache; under --memory-budget auto a MemoryError: exit 1, and the
+    supervisor restarted it into the same wall for ever."""
+    from engine.boot import no_room_for_kv
+    from engine.model_errors import NoRoomForKV
+
+    budget = _budget(300, 2 * 2**30)
+    assert budget.kv_budget_bytes == 0 and budget.prompt_cache_bytes == 2 * 2**30
+    error = no_room_for_kv(budget, cache_set=True, auto=auto)
+    assert isinstance(error, NoRoomForKV)
+    assert "--prompt-cache-bytes (KVWARM_PROMPT_CACHE_BYTES) takes its 2048 MiB" in str(error)
+
+
+def test_no_room_the_prompt_cache_did_not_take_keeps_its_old_verdicts():
+    from engine.boot import no_room_for_kv
+    from engine.model_errors import NoRoomForKV
+
+    weights = _budget(2048, 64 * 2**20)  # the weights alone overflow: not the cache's doing
+    auto = no_room_for_kv(weights, cache_set=True, auto=True)
+    assert type(auto) is MemoryError and "prompt-cache" not in str(auto)
+    assert isinstance(no_room_for_kv(weights, cache_set=True, auto=False), NoRoomForKV)
+    assert no_room_for_kv(_budget(300, 64 * 2**20), cache_set=True, auto=True) is None
