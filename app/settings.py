@@ -370,17 +370,17 @@ class Settings(BaseSettings):
     distributed_backend: Literal["any", "ring", "jaccl", "mpi"] = Field(
         "any", description="mlx.distributed backend (with --distributed: ring)"
     )
-    # the Kamiwaza seed's plain RANK / WORLD_SIZE work too, in the environment or .env
     distributed_rank: int | None = Field(
-        None,
-        validation_alias=AliasChoices("KVWARM_DISTRIBUTED_RANK", "RANK"),
-        description="this process's rank (with --distributed; env RANK works too)",
+        None, description="this process's rank (with --distributed; env RANK works too)"
     )
     distributed_world_size: int | None = Field(
-        None,
-        validation_alias=AliasChoices("KVWARM_DISTRIBUTED_WORLD_SIZE", "WORLD_SIZE"),
-        description="how many ranks (with --distributed; env WORLD_SIZE works too)",
+        None, description="how many ranks (with --distributed; env WORLD_SIZE works too)"
     )
+    # the Kamiwaza seed's plain RANK / WORLD_SIZE, in the environment or .env: fields of
+    # their own, as pydantic-settings hides which alias a value came by, so that only
+    # these (other tools' names too) may be no count, and KVWARM_* ones are read strictly
+    plain_rank: str | None = Field(None, validation_alias="RANK", exclude=True)
+    plain_world_size: str | None = Field(None, validation_alias="WORLD_SIZE", exclude=True)
     # the seed's PAIRED_HOST named only the other machine: read so as to refuse it clearly
     paired_host: str | None = Field(
         None, validation_alias=AliasChoices("KVWARM_PAIRED_HOST", "PAIRED_HOST")
@@ -479,17 +479,14 @@ class Settings(BaseSettings):
         pairs = (item.partition("=") for item in self.adapter)
         return tuple((i, Path(p).expanduser()) for i, _, p in pairs)
 
-    @field_validator("distributed_rank", "distributed_world_size", mode="before")
-    @classmethod
-    def _plain_rank_vars(cls, value: object) -> object:
-        # RANK / WORLD_SIZE are also other tools' variables: one that is no count is
-        # theirs, not a reason to refuse to start a server that is not distributed
-        if isinstance(value, str) and not value.strip().isdigit():
-            return None
-        return value
-
     @model_validator(mode="after")
     def _distributed_group(self) -> Settings:
+        # RANK / WORLD_SIZE are also other tools' variables: one that is no count is
+        # theirs, not a reason to refuse to start a server that is not distributed
+        if self.distributed_rank is None:
+            self.distributed_rank = _plain_count(self.plain_rank)
+        if self.distributed_world_size is None:
+            self.distributed_world_size = _plain_count(self.plain_world_size)
         # bounds only when distributed: WORLD_SIZE=1 in a launcher's or a container's
         # environment is no reason for a server on its own to refuse to start
         if self.joins_group:
@@ -657,3 +654,9 @@ class Settings(BaseSettings):
 def _comma_list(value: str | None) -> tuple[str, ...]:
     """A comma-separated setting's items, blanks dropped."""
     return tuple(item.strip() for item in (value or "").split(",") if item.strip())
+
+
+def _plain_count(value: str | None) -> int | None:
+    """A plain RANK / WORLD_SIZE as a count; None: none, or another tool's value."""
+    text = (value or "").strip()
+    return int(text) if text.isdecimal() else None

@@ -74,3 +74,31 @@ def test_no_room_the_prompt_cache_did_not_take_keeps_its_old_verdicts():
     assert type(auto) is MemoryError and "prompt-cache" not in str(auto)
     assert isinstance(no_room_for_kv(weights, cache_set=True, auto=False), NoRoomForKV)
     assert no_room_for_kv(_budget(300, 64 * 2**20), cache_set=True, auto=True) is None
+
+
+@pytest.mark.parametrize(
+    "name, value, said",
+    [
+        ("KVWARM_DISTRIBUTED_RANK", "-1", "--distributed-rank -1 is negative"),
+        ("KVWARM_DISTRIBUTED_WORLD_SIZE", "abc", "--distributed-world-size (KVWARM_DIST"),
+    ],
+)
+def test_a_malformed_kvwarm_rank_variable_is_refused_not_dropped(
+    name, value, said, monkeypatch, capsys
+):
+    """The leniency meant for other tools' plain RANK / WORLD_SIZE swallowed the
+    KVWARM_ names too: the value was dropped and the user told to set what they had."""
+    for plain in ("RANK", "WORLD_SIZE", "MLX_RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        monkeypatch.delenv(plain, raising=False)
+    monkeypatch.setenv("KVWARM_DISTRIBUTED_RANK", "0")
+    monkeypatch.setenv("KVWARM_DISTRIBUTED_WORLD_SIZE", "2")
+    monkeypatch.setenv(name, value)
+    argv = ["serve", "--distributed", "--distributed-hosts", "127.0.0.1", "--no-log-json"]
+    assert main(argv) == 2
+    assert said in capsys.readouterr().err
+    monkeypatch.setenv(name.removeprefix("KVWARM_DISTRIBUTED_"), value)  # another tool's
+    monkeypatch.delenv(name)
+    from app.settings import Settings
+
+    settings = Settings(_env_file=None)  # not distributed: theirs, ignored
+    assert settings.distributed_rank in (None, 0) and settings.distributed_world_size in (None, 2)
