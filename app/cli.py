@@ -306,7 +306,7 @@ def cmd_serve(settings: Settings) -> int:
     from engine.engine_thread import EngineConfig, EngineThread
     from engine.model_errors import UnsupportedModelError
 
-    problem = _unwritable(settings.cache_trace_dir)
+    problem = _stray_variables() or _unwritable(settings.cache_trace_dir)
     if problem is not None:
         return _fail(problem)
     dist = settings.distributed_config
@@ -419,6 +419,44 @@ def cmd_serve(settings: Settings) -> int:
     if server.exit_code:
         log.error("exiting with status %d: the engine died", server.exit_code)
     return _leave_group(server.exit_code) if dist is not None else server.exit_code
+
+
+def _stray_variables() -> str | None:
+    """The KVWARM_* variables of the environment and .env that set nothing, each with
+    the setting it may have meant: a misspelt one was ignored (KVWARM_APIKEY served
+    without a key)."""
+    import difflib
+
+    from dotenv import dotenv_values
+
+    from app.settings import OTHER_VARIABLES, service_link, setting_variables
+
+    sources: list[tuple[str, dict[str, str | None]]] = [("the environment", dict(os.environ))]
+    env_file = Settings.model_config.get("env_file")
+    if isinstance(env_file, str) and Path(env_file).is_file():
+        sources.append((env_file, dict(dotenv_values(env_file))))
+    known = setting_variables()
+    # matched without the prefix all share, which made any name look close to any other
+    suffixes = {n.removeprefix("KVWARM_"): n for n in known if n.startswith("KVWARM_")}
+    stray: list[str] = []
+    for where, variables in sources:
+        for name, value in variables.items():
+            upper = name.upper()  # pydantic-settings reads names in any case
+            if not upper.startswith("KVWARM_") or upper in known or upper in OTHER_VARIABLES:
+                continue
+            if service_link(upper, value or ""):
+                continue
+            close = difflib.get_close_matches(upper.removeprefix("KVWARM_"), suffixes, n=1)
+            hint = ""
+            if close:
+                meant = suffixes[close[0]]
+                field = known[meant]
+                flag = f"--{field.replace('_', '-')} / " if field in _FLAGS else ""
+                hint = f" (did you mean {flag}{meant}?)"
+            stray.append(f"{name} in {where}{hint}")
+    if not stray:
+        return None
+    return f"unknown KVWARM_* variable: {'; '.join(stray)} (no setting reads it: fix or unset it)"
 
 
 def _unwritable(trace_dir: str | None) -> str | None:

@@ -102,3 +102,47 @@ def test_a_malformed_kvwarm_rank_variable_is_refused_not_dropped(
 
     settings = Settings(_env_file=None)  # not distributed: theirs, ignored
     assert settings.distributed_rank in (None, 0) and settings.distributed_world_size in (None, 2)
+
+
+def test_a_misspelt_kvwarm_variable_is_refused_with_the_setting_it_may_mean(
+    tmp_path, monkeypatch, capsys
+):
+    """extra="ignore" dropped every KVWARM_* name that is no setting: KVWARM_APIKEY
+    served with no key at all, and nothing said so."""
+    from app import cli
+
+    def loads(settings):
+        raise AssertionError("serve went on to load the model")
+
+    monkeypatch.setattr(cli, "_prepare_runtime", loads)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text("KVWARM_MAXQUEUE=3\n")
+    monkeypatch.setenv("KVWARM_APIKEY", "secret")
+    assert main(["serve", "--no-log-json"]) == 2
+    err = capsys.readouterr().err
+    assert "KVWARM_APIKEY in the environment (did you mean --api-key / KVWARM_API_KEY?)" in err
+    assert "KVWARM_MAXQUEUE in .env (did you mean --max-queue / KVWARM_MAX_QUEUE?)" in err
+
+
+def test_kvwarm_variables_that_are_no_misspelling_pass():
+    """Settings (by any alias), what kvwarm and its tools read outside Settings,
+    and a Kubernetes Service's links: none is refused."""
+    from app.cli import _stray_variables
+
+    env = {
+        "KVWARM_API_KEY": "k",
+        "KVWARM_PAIRED_HOST": "10.0.0.1",
+        "KVWARM_NO_OPENBLAS": "1",
+        "KVWARM_REQUIRE_TEST_TOOLS": "1",
+        "KVWARM_UPSTREAM_KEY": "k",
+        "KVWARM_PORT": "tcp://10.96.0.12:8080",
+        "KVWARM_SERVICE_HOST": "10.96.0.12",
+        "KVWARM_SERVICE_PORT_HTTP": "8080",
+        "KVWARM_PORT_8080_TCP_ADDR": "10.96.0.12",
+        "KVWARM_METRICS_PORT": "tcp://10.96.0.13:9090",  # a Service named kvwarm-metrics
+    }
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("os.environ", env)
+        assert _stray_variables() is None
+        env["KVWARM_METRICS_PORT"] = "9090"  # a number: no link, a setting misspelt
+        assert "KVWARM_METRICS_PORT" in str(_stray_variables())
