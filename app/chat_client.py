@@ -37,6 +37,9 @@ def base_url(host: str) -> str:
     url = host.strip().rstrip("/")
     if "://" not in url:
         url = "http://" + url
+    scheme = httpx.URL(url).scheme
+    if scheme not in ("http", "https"):  # no later turn could reach it: not "will retry"
+        raise ValueError(f"a {scheme}:// URL; the server speaks http:// or https://")
     # A URL that already names a path (`.../v1`, `.../openai/v1`) is taken as the API root.
     if httpx.URL(url).path in ("", "/"):
         url += "/v1"

@@ -107,6 +107,17 @@ def _add_settings_flags(parser: argparse.ArgumentParser, names: list[str]) -> No
         parser.add_argument(flag, dest=name, default=None, help=help_text, **_FLAGS[name])
 
 
+def _positive_int(text: str) -> int:
+    """A count of at least 1 (chat's --max-tokens 0 or -5 had every turn refused)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvwarm",
@@ -169,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument(
         "--max-tokens",
-        type=int,
+        type=_positive_int,
         default=1024,
         metavar="N",
         help="reply length limit [default: %(default)s]",

@@ -146,3 +146,30 @@ def test_kvwarm_variables_that_are_no_misspelling_pass():
         assert _stray_variables() is None
         env["KVWARM_METRICS_PORT"] = "9090"  # a number: no link, a setting misspelt
         assert "KVWARM_METRICS_PORT" in str(_stray_variables())
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "many"])
+def test_chat_refuses_a_reply_limit_no_server_takes(value, capsys):
+    """--max-tokens -5 started the REPL, and every turn then came back a 400."""
+    from app.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["chat", "--max-tokens", value])
+    assert exit_.value.code == 2
+    assert f"--max-tokens: {value!r} is not a whole number of at least 1" in (
+        capsys.readouterr().err
+    )
+
+
+@pytest.mark.parametrize("host", ["ftp://127.0.0.1:1", "file:///tmp/x", "ws://h:1"])
+def test_chat_refuses_a_url_it_could_never_reach(host, monkeypatch, capsys):
+    """ftp://... said "will retry on the next message", of a URL no turn can reach."""
+    from app import chat_repl
+
+    def repl(*args):
+        raise AssertionError("the REPL started")
+
+    monkeypatch.setattr(chat_repl, "ChatRepl", repl)
+    assert main(["chat", "--host", host]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvwarm: error: --host {host!r}: a ") and "http://" in err
