@@ -14,11 +14,14 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ByteSize, ValidationError
 
 from app.settings import Settings
+
+if TYPE_CHECKING:
+    from engine.boot_deadline import BootDeadline
 
 log = logging.getLogger("kvwarm")
 LEAVE_GROUP_S = 0.5  # a distributed rank waits this long for its last sends before exiting
@@ -311,6 +314,16 @@ def cmd_fit(settings: Settings, models: list[str], as_json: bool, matrix: bool) 
 
 
 def cmd_serve(settings: Settings) -> int:
+    from engine.boot_deadline import BootDeadline
+
+    boot = BootDeadline()  # armed once a distributed rank starts to join its group
+    try:
+        return _serve(settings, boot)
+    finally:
+        boot.done()  # however the start ended: no watchdog left armed behind it
+
+
+def _serve(settings: Settings, boot: BootDeadline) -> int:
     from app.lifecycle import GracefulServer, raise_open_files_limit, server_config, unbindable
     from app.server import create_app
     from engine.distributed_config import share_cpu_threads
@@ -352,7 +365,6 @@ def cmd_serve(settings: Settings) -> int:
             return _fail("--adapter is not available on a distributed group")
         if settings.vision == "on":
             return _fail("--vision on is not available on a distributed group")
-        from engine.boot_deadline import BootDeadline
         from engine.distributed import RankGroup
 
         log.info(
@@ -363,8 +375,7 @@ def cmd_serve(settings: Settings) -> int:
             if dist.boot_timeout_s
             else "",
         )
-        boot = BootDeadline(dist.boot_timeout_s)
-        boot.start()
+        boot.start(dist.boot_timeout_s)
         try:
             group = RankGroup.join(dist, boot)
         except ValueError as exc:  # its rank, world size or hosts: the settings

@@ -31,26 +31,26 @@ BACKSTOP_S = 2.0
 
 
 class BootDeadline:
-    """Started before joining the group; ``done`` once this rank is ready."""
+    """Started before joining the group; ``done`` once this rank is ready (and
+    whenever its start ends otherwise: nothing may stay armed after)."""
 
-    def __init__(
-        self,
-        limit_s: float,
-        expire: Callable[[int], None] = exit_now,
-        backstop: bool = True,
-    ):
-        self.limit_s = limit_s  # 0: no limit
+    def __init__(self, expire: Callable[[int], None] = exit_now, backstop: bool = True):
+        self.limit_s = 0.0  # 0: no limit (or not started)
         self._expire = expire  # an exit: the thread that hangs is in a collective
-        self._backstop = backstop and limit_s > 0
+        self._backstop = backstop
+        self._armed = False  # faulthandler's watchdog, process-wide
         self._stage = "starting"
         self._done = threading.Event()
 
-    def start(self) -> None:
-        if self.limit_s <= 0:
+    def start(self, limit_s: float) -> None:
+        if limit_s <= 0 or self._done.is_set():
             return
+        self.limit_s = limit_s
         threading.Thread(target=self._watch, name="kvwarm-boot-deadline", daemon=True).start()
-        if self._backstop:
-            faulthandler.dump_traceback_later(self.limit_s + BACKSTOP_S, exit=True, file=sys.stderr)
+        fd = _stderr_fd() if self._backstop else None
+        if fd is not None:
+            faulthandler.dump_traceback_later(limit_s + BACKSTOP_S, exit=True, file=fd)
+            self._armed = True
 
     def stage(self, what: str) -> None:
         """What this rank does now: logged, and named should it never finish."""
@@ -60,7 +60,8 @@ class BootDeadline:
 
     def done(self) -> None:
         self._done.set()
-        if self._backstop:
+        if self._armed:
+            self._armed = False
             faulthandler.cancel_dump_traceback_later()
 
     def _watch(self) -> None:
@@ -74,3 +75,14 @@ class BootDeadline:
             self._stage,
         )
         self._expire(1)
+
+
+def _stderr_fd() -> int | None:
+    """Where the GIL-free watchdog writes: stderr's descriptor, if it has one (a
+    captured or replaced stderr may not; then only the Python watchdog runs)."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            return stream.fileno() if stream is not None else None
+        except (AttributeError, OSError, ValueError):
+            continue
+    return None

@@ -34,7 +34,7 @@ class RankGroup:
     def __init__(self, group: Any, server_rank: int = 0, boot: BootDeadline | None = None):
         self.group = group
         # start-up's time limit: each stage named, ended once this rank is ready
-        self.boot = boot or BootDeadline(0)
+        self.boot = boot or BootDeadline()
         self.rank = group.rank()
         self.size = group.size()
         if not 0 <= server_rank < self.size:

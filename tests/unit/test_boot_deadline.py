@@ -17,13 +17,15 @@ def _deadline(limit_s: float) -> tuple[BootDeadline, threading.Event, list[int]]
         codes.append(code)
         expired.set()
 
-    return BootDeadline(limit_s, expire, backstop=False), expired, codes
+    deadline = BootDeadline(expire, backstop=False)
+    deadline.limit_s = limit_s  # read by the tests as start's argument
+    return deadline, expired, codes
 
 
 def test_a_start_up_that_never_finishes_exits_non_zero_naming_its_stage(caplog):
     deadline, expired, codes = _deadline(0.2)
     with caplog.at_level(logging.ERROR, logger="kvwarm.distributed"):
-        deadline.start()
+        deadline.start(deadline.limit_s)
         deadline.stage("loading its shard of the model")
         assert expired.wait(5)
     assert codes == [1]
@@ -33,7 +35,7 @@ def test_a_start_up_that_never_finishes_exits_non_zero_naming_its_stage(caplog):
 
 def test_a_rank_ready_in_time_is_left_alone():
     deadline, expired, codes = _deadline(0.3)
-    deadline.start()
+    deadline.start(deadline.limit_s)
     deadline.done()
     assert not expired.wait(0.6)
     assert codes == []
@@ -41,6 +43,6 @@ def test_a_rank_ready_in_time_is_left_alone():
 
 def test_no_limit_waits_for_ever():
     deadline, expired, _ = _deadline(0)
-    deadline.start()
+    deadline.start(deadline.limit_s)
     assert not expired.wait(0.3)
     assert not any(t.name == "kvwarm-boot-deadline" for t in threading.enumerate())

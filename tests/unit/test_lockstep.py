@@ -240,7 +240,7 @@ def test_ranks_agree_on_the_software_before_anything_else():
     agreed: list[tuple[str, str]] = []
 
     class Group:
-        boot = BootDeadline(0)
+        boot = BootDeadline()
 
         def agree(self, what: str, value: str) -> None:
             agreed.append((what, value))

@@ -270,7 +270,9 @@ def test_a_worker_rank_interrupted_leaves_the_group_as_the_others_do(tmp_path, m
         raise KeyboardInterrupt
 
     left: list[int] = []
-    monkeypatch.setattr(distributed.RankGroup, "join", classmethod(lambda cls, c: WorkerGroup()))
+    monkeypatch.setattr(
+        distributed.RankGroup, "join", classmethod(lambda cls, c, boot: WorkerGroup())
+    )
     monkeypatch.setattr(rank_worker, "run_worker", interrupted)
     monkeypatch.setattr(cli, "_leave_group", lambda code: left.append(code) or code)
     model = write_tiny_llama(tmp_path / "tiny", seed=1)
@@ -322,7 +324,7 @@ def test_a_rank_whose_peers_are_not_up_exits_1_for_its_supervisor_to_retry(
     from engine import distributed
     from tests.helpers.tiny_models import write_tiny_llama
 
-    def no_peer(cls, config):
+    def no_peer(cls, config, boot):
         raise RuntimeError("[ring] Couldn't connect (error: 111)")
 
     monkeypatch.setattr(distributed.RankGroup, "join", classmethod(no_peer))
