@@ -9,9 +9,10 @@ tokens since the last emitted text plus a few before them as context (a
 decoder may treat a sequence's first token differently, e.g. drop its leading
 space), and emits what the window's text adds past what was emitted.
 
-Held back as mlx-lm holds them: an incomplete character (the text ends in
-U+FFFD; once a few more tokens have not completed it, it is a real one), and a
-trailing space where the tokenizer cleans up spaces before punctuation.
+Held back: an incomplete character (the text ends in U+FFFD; once a few more
+tokens have not completed it, it is a real one), and, where the tokenizer
+cleans up spaces (``"a ,"`` decodes to ``"a,"``), a tail the cleanup may
+still rewrite once the next token comes (a space, ``" '"``, ``" n'"``...).
 """
 
 from __future__ import annotations
@@ -25,6 +26,19 @@ WINDOW = 16  # tokens a window may reach before it restarts from its last CONTEX
 MAX_HELD = 8  # tokens held for an incomplete character before real U+FFFDs are looked for
 # the bytes an incomplete UTF-8 character has so far: at most this many tokens
 PENDING = 3
+# what Hugging Face's clean_up_tokenization rewrites; a text ending in the start
+# of one may change when the next token comes (" '" + " " is "'", " n" + "'t" "n't")
+CLEANUPS = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
+_OPEN_CLEANUPS = frozenset(c[:k] for c in CLEANUPS for k in range(1, len(c)))
+_LONGEST_OPEN = max(map(len, _OPEN_CLEANUPS))
+
+
+def cleanup_tail(text: str) -> int:
+    """Characters at the end of ``text`` a space cleanup may still rewrite."""
+    for k in range(min(_LONGEST_OPEN, len(text)), 0, -1):
+        if text[-k:] in _OPEN_CLEANUPS:
+            return k
+    return 0
 
 
 class WindowDetokenizer:
@@ -68,25 +82,39 @@ class WindowDetokenizer:
                 settled = self._settled(window)
                 if settled > safe:
                     safe, held = settled, PENDING
-        elif self._clean_spaces and window.endswith(" "):
-            safe -= 1  # "a ," becomes "a," once the comma comes
-            # the space is the last token's (a run of them): the window may restart
-            before = self._tokenizer.decode(self.tokens[self._start : n - 1])
-            held = 1 if len(before) == safe else None
+        elif self._clean_spaces and (tail := cleanup_tail(window)):
+            safe -= tail
+            held = None
         if safe > self._done:
             self._out.emit(window[self._done : safe])
             self._done = safe
             self._emitted_at = n
-        if held is not None and n - self._start >= WINDOW:
+        if n - self._start < WINDOW:
+            return
+        if held is not None:
             self._restart(n - held)
+        else:
+            self._restart_in_cleanup(window, safe)
 
-    def _restart(self, end: int) -> None:
+    def _restart_in_cleanup(self, window: str, safe: int) -> None:
+        """Restart before the last tokens that hold the cleanup tail (a run of space
+        tokens holds one for ever: the window grew with the run, each token
+        decoding it all again), carrying what of their text was emitted."""
+        n = len(self.tokens)
+        for held in range(1, PENDING + 1):
+            before = self._tokenizer.decode(self.tokens[self._start : n - held])
+            if len(before) <= safe and window.startswith(before):
+                self._restart(n - held, window[len(before) : safe])
+                return
+
+    def _restart(self, end: int, carried: str = "") -> None:
         """Start the window ``CONTEXT`` tokens before ``end`` (all text before
-        ``end`` emitted), if the longer window's text begins with the context's."""
+        ``end`` emitted, and ``carried`` of what follows), if the longer window's
+        text begins with the context's and that."""
         start = max(self._start, end - CONTEXT)
         context = self._tokenizer.decode(self.tokens[start:end])
-        if self._tokenizer.decode(self.tokens[start:]).startswith(context):
-            self._start, self._done = start, len(context)
+        if self._tokenizer.decode(self.tokens[start:]).startswith(context + carried):
+            self._start, self._done = start, len(context) + len(carried)
 
     def _settled(self, window: str) -> int:
         """How much of a window ending in U+FFFD is text: what all but its last

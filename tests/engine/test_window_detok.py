@@ -118,3 +118,53 @@ def test_a_run_of_spaces_held_for_clean_up_still_restarts_the_window(metaspace):
     detok.finalize()
     assert detok.text == hf.decode(ids)
     assert counting.longest <= WINDOW + MAX_HELD
+
+
+CLEAN_WORDS = ["it", "'", "s", "n't", "do", ",", ".", "x", "\u2581\u2581\u2581"]
+
+
+@pytest.fixture(scope="module")
+def metaspace_clean(tmp_path_factory):
+    """A Metaspace tokenizer that cleans up spaces ("it ' s" decodes to "it's"),
+    with a token of several spaces."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "\u2581": 1, **{f"\u2581{w}": i + 2 for i, w in enumerate(CLEAN_WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    path = Path(tmp_path_factory.mktemp("metaspace_clean"))
+    (path / "tokenizer.json").write_text(tok.to_str())
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": "<unk>",
+        "clean_up_tokenization_spaces": True,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return load_tokenizer(path)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(1, len(CLEAN_WORDS) + 1), max_size=60))
+def test_text_the_space_cleanup_rewrites_streams_as_decoding_it_all_gives(metaspace_clean, ids):
+    """Only a trailing space was held: " '" streamed, then " ' s" decoded to "'s"
+    and the window's offsets lost the "s" ("it ' x" for "it's x")."""
+    make = detokenizer_factory(metaspace_clean)
+    assert isinstance(make(), WindowDetokenizer)
+    _, whole = stream(make, ids)
+    assert whole == metaspace_clean.decode(ids)
+
+
+def test_a_run_of_multi_space_tokens_still_restarts_the_window(metaspace_clean):
+    """Only a last token of exactly one space let the window restart: a run of
+    several-space tokens decoded the whole run per token (quadratic)."""
+    hf = metaspace_clean._tokenizer
+    counting = Counting(hf)
+    many = CLEAN_WORDS.index("\u2581\u2581\u2581") + 2
+    ids = [2] + [many] * 2000 + [9]  # "it", 2,000 runs of spaces, "x"
+    detok = WindowDetokenizer(counting, clean_spaces=True)
+    for t in ids:
+        detok.add_token(t)
+    detok.finalize()
+    assert detok.text == hf.decode(ids)
+    assert counting.longest <= WINDOW + MAX_HELD
