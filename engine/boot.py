@@ -8,11 +8,12 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from engine.engine_thread import Booted, EngineConfig
-from engine.model_errors import NoRoomForKV
+from engine.model_errors import BudgetBeyondMachine, NoRoomForKV
 from scheduler.admission import AdmissionController, MemoryBudget, plan_budget
 from scheduler.contracts import ModelInfo, Runner
 
 if TYPE_CHECKING:
+    from engine.device_memory import DeviceMemory
     from engine.group_boot import GroupBoot
 
 log = logging.getLogger("kvwarm.engine")
@@ -55,13 +56,25 @@ def no_room_for_kv(budget: MemoryBudget, cache_set: bool, auto: bool) -> MemoryE
     return NoRoomForKV(message)
 
 
+def check_budget(budget_bytes: int | None, machine: DeviceMemory) -> None:
+    """A set --memory-budget must fit the machine: admission holds requests to it,
+    and one beyond the memory there is let them grow until the OOM killer (or
+    swap) ended the server instead of refusing them."""
+    if budget_bytes is not None and budget_bytes > machine.total_bytes:
+        raise BudgetBeyondMachine(
+            f"--memory-budget {budget_bytes / 2**30:.1f} GiB is more than this machine's "
+            f"{machine.total_bytes / 2**30:.1f} GiB of {machine.source}: set at most that "
+            "(less what else runs), or auto"
+        )
+
+
 def boot_mlx(config: EngineConfig) -> Booted:
     """Load the model with mlx-lm and build the batch runner and its KV store (engine thread)."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     from engine.batch_runner import BatchRunner
-    from engine.device_memory import auto_budget, measure_bandwidth
+    from engine.device_memory import auto_budget, machine_memory, measure_bandwidth
     from engine.loader import group_fingerprint, kv_namespace, load_model, prepare_model_dir
     from engine.prompt_format import ChatFormatter
     from engine.text_syntax import probe_syntax
@@ -69,6 +82,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
     from kvcache.manager import DiskConfig, TieredKVManager
 
     device = str(mx.default_device())
+    check_budget(config.memory_budget_bytes, machine_memory())  # before any weight is read
     measured = auto_budget() if config.memory_budget_bytes is None else None
     started = time.monotonic()
     log.info("loading model %s (%s) on %s", config.source.path, config.source.kind, device)

@@ -43,6 +43,19 @@ def auto_budget() -> DeviceMemory:
     return DeviceMemory(int(available * LINUX_RAM_FRACTION), "75% of available RAM")
 
 
+def machine_memory() -> DeviceMemory:
+    """All the memory there is to budget: unified memory on a Mac, device memory
+    on CUDA, RAM on the CPU backend."""
+    info = _device_info()
+    if mx.metal.is_available() and info.get("memory_size"):
+        return DeviceMemory(int(info["memory_size"]), "unified memory")
+    if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
+        total = info.get("total_memory") or info.get("memory_size")
+        if total:
+            return DeviceMemory(int(total), "CUDA device memory")
+    return DeviceMemory(psutil.virtual_memory().total, "RAM")
+
+
 @dataclass(frozen=True)
 class MemorySample:
     """MLX's allocator, read on the engine thread (MLX calls belong there)."""

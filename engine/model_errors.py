@@ -14,5 +14,9 @@ class NoRoomForKV(LastingLoadError, MemoryError):
     """The memory budget leaves nothing for KV once the weights are in."""
 
 
+class BudgetBeyondMachine(LastingLoadError, ValueError):
+    """A --memory-budget larger than all the memory the machine has."""
+
+
 class AdapterSettingError(LastingLoadError, RuntimeError):
     """An --adapter that cannot be mounted on this model."""

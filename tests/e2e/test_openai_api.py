@@ -229,6 +229,23 @@ def test_model_that_fails_to_load_exits_nonzero(tmp_path):
     assert "model load failed" in proc.stderr and "no_such_architecture" in proc.stderr
 
 
+def test_a_memory_budget_beyond_the_machine_is_refused_before_loading(tmp_path):
+    """99 TB was accepted: admission then let requests grow into the OOM killer."""
+    from tests.helpers.tiny_models import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "tiny", seed=1)
+    proc = subprocess.run(
+        [KVWARM, "serve", "--model", str(model), "--port", str(free_port())]
+        + ["--memory-budget", "99TB"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--memory-budget 92200.9 GiB is more than this machine's" in proc.stderr
+
+
 def test_completion_continues_the_prompt_with_its_own_spacing(client):
     prompt = "The capital of France is"
     r = client.completions.create(model="m", prompt=prompt, max_tokens=4, temperature=0, echo=True)

@@ -65,6 +65,18 @@ def test_a_prompt_cache_too_large_for_the_budget_is_named_and_lasting(auto):
     assert "--prompt-cache-bytes (KVWARM_PROMPT_CACHE_BYTES) takes its 2048 MiB" in str(error)
 
 
+def test_a_memory_budget_is_checked_against_all_the_machine_has():
+    from engine.boot import check_budget
+    from engine.device_memory import DeviceMemory
+    from engine.model_errors import BudgetBeyondMachine
+
+    machine = DeviceMemory(16 * 2**30, "RAM")
+    check_budget(None, machine)  # auto
+    check_budget(16 * 2**30, machine)  # all of it: the user's call
+    with pytest.raises(BudgetBeyondMachine, match="more than this machine's 16.0 GiB of RAM"):
+        check_budget(16 * 2**30 + 1, machine)
+
+
 def test_no_room_the_prompt_cache_did_not_take_keeps_its_old_verdicts():
     from engine.boot import no_room_for_kv
     from engine.model_errors import NoRoomForKV
