@@ -31,6 +31,15 @@ IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP")
 # write about ten, a crafted file thousands in a few KB (minutes of a preparation
 # slot every request shares). Markers inside an EXIF thumbnail count too: still few.
 MAX_JPEG_SCANS = 100
+# before the first scan Pillow's JPEG header parser reads each segment and each
+# stray byte in Python: 6 MB of empty APP segments cost 1.8 s and 197 MiB for an
+# 8x8 image. Encoders write a few dozen segments, and no stray bytes.
+MAX_JPEG_SEGMENTS = 256  # before any one scan (fill bytes and 0xFF00 pairs count)
+MAX_JPEG_STRAY = 64 * 1024  # bytes outside any segment, all told
+# the marker that ends a scan's entropy-coded data: 0xFF not before a stuffed
+# 0x00, a restart marker or a fill byte (searched in C: a Python loop per
+# 0xFF00 pair cost 0.55 s for 10 MB of them)
+_SCAN_END = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
 _DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?((?:;[\w.+-]+=[^;,]*)*)(;base64)?,", re.I)
 
 
@@ -151,6 +160,11 @@ def _video(raw: bytes, limits: ImageLimits, where: str) -> list[LoadedImage]:
 def decode_image(raw: bytes, limits: ImageLimits, where: str = "image") -> LoadedImage:
     from PIL import Image, ImageOps
 
+    # what Pillow would walk in Python, walked in bytes first (an MPO, a phone's
+    # multi-picture JPEG, opens as JPEG too and decodes its first picture)
+    refusal = _jpeg_refusal(raw) if raw[:3] == b"\xff\xd8\xff" else None
+    if refusal:
+        raise APIError(400, f"{where}: a JPEG of {refusal}; it is not read.")
     try:
         image = Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)
         width, height = image.size  # the header only: nothing decoded yet
@@ -167,13 +181,6 @@ def decode_image(raw: bytes, limits: ImageLimits, where: str = "image") -> Loade
             400,
             f"{where}: {width}x{height} = {width * height} pixels; the limit is "
             f"{limits.max_pixels} (--max-image-pixels).",
-        )
-    # an MPO (a phone's multi-picture JPEG) decodes its first picture as a JPEG
-    if image.format in ("JPEG", "MPO") and jpeg_scans(raw) > MAX_JPEG_SCANS:
-        raise APIError(
-            400,
-            f"{where}: a JPEG of more than {MAX_JPEG_SCANS} scans; no more are read "
-            "(each one is a pass over the whole image).",
         )
     # Pillow's RLE BMP decoder is Python, a loop a pixel: 4 KB of end-of-line
     # escapes over 40M pixels cost 6 s, holding the GIL the engine thread needs
@@ -206,42 +213,40 @@ def _upright(image: Any, image_ops: Any) -> None:
         image_ops.exif_transpose(image, in_place=True)
 
 
-def jpeg_scans(raw: bytes) -> int:
-    """The scans of a JPEG's first picture, walked marker by marker to its end
-    (EOI): what an APP segment holds (an EXIF thumbnail) and what follows the
-    picture (a motion photo's video) is not counted. Stops once past the limit.
-    Between segments it skips what libjpeg skips (stray bytes, fill bytes, a
-    0xFF00 pair): stopping there, one junk byte hid thousands of scans the
-    decoder then ran."""
-    scans, pos, n = 0, 2, len(raw)  # after SOI
-    while scans <= MAX_JPEG_SCANS:
-        pos = raw.find(b"\xff", pos)
-        if pos < 0 or pos + 1 >= n:
-            break
-        marker = raw[pos + 1]
-        if marker in (0x00, 0xFF):  # a bogus pair, or a fill byte before the marker
-            pos += 2 if marker == 0x00 else 1
-            continue
+def _jpeg_refusal(raw: bytes) -> str | None:
+    """Why a JPEG's first picture is not decoded (too many scans, segments or
+    stray bytes), or None. Walked marker by marker to its end (EOI): what an APP
+    segment holds (an EXIF thumbnail) and what follows the picture (a motion
+    photo's video) is not counted. Between segments it skips what libjpeg skips
+    (stray bytes, fill bytes, a 0xFF00 pair): stopping there, one junk byte hid
+    thousands of scans the decoder then ran. Every step is bounded by a limit."""
+    scans, segments, stray, pos, n = 0, 0, 0, 2, len(raw)  # after SOI
+    while (at := raw.find(b"\xff", pos)) >= 0 and at + 1 < n:
+        stray += at - pos
+        segments += 1
+        if stray > MAX_JPEG_STRAY:
+            return f"more than {MAX_JPEG_STRAY} stray bytes between its segments"
+        if segments > MAX_JPEG_SEGMENTS:
+            return f"more than {MAX_JPEG_SEGMENTS} segments before a scan"
+        marker = raw[at + 1]
         if marker == 0xD9:  # EOI
             break
-        if marker == 0x01 or 0xD0 <= marker <= 0xD7:  # no length
-            pos += 2
-            continue
-        pos += 2 + int.from_bytes(raw[pos + 2 : pos + 4], "big")
+        if marker == 0xFF:  # a fill byte before the marker
+            pos = at + 1
+        elif marker == 0x00 or marker == 0x01 or 0xD0 <= marker <= 0xD7:  # no length
+            pos = at + 2
+        else:
+            pos = at + 2 + int.from_bytes(raw[at + 2 : at + 4], "big")
         if marker != 0xDA:
             continue
         scans += 1
-        while (pos := raw.find(b"\xff", pos)) >= 0 and pos + 1 < n:  # its entropy-coded data
-            follower = raw[pos + 1]
-            if follower == 0 or 0xD0 <= follower <= 0xD7:  # a stuffed 0xFF or a restart
-                pos += 2
-            elif follower == 0xFF:
-                pos += 1
-            else:
-                break  # the next marker
-        if pos < 0:
+        if scans > MAX_JPEG_SCANS:
+            return f"more than {MAX_JPEG_SCANS} scans (each one a pass over the whole image)"
+        segments = 0
+        if (end := _SCAN_END.search(raw, pos)) is None:  # past its entropy-coded data
             break
-    return scans
+        pos = end.start()
+    return None
 
 
 @dataclass(frozen=True)
