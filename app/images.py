@@ -40,6 +40,11 @@ MAX_JPEG_STRAY = 64 * 1024  # bytes outside any segment, all told
 # 0x00, a restart marker or a fill byte (searched in C: a Python loop per
 # 0xFF00 pair cost 0.55 s for 10 MB of them)
 _SCAN_END = re.compile(rb"\xff[^\x00\xd0-\xd7\xff]")
+# Pillow reads a PNG's chunks, and a GIF's extension sub-blocks and stray bytes
+# before its first image, one at a time in Python holding the GIL: 10 MB of empty
+# PNG chunks cost 3.5 s. Files hold a few dozen, or libpng's 8 KiB IDAT chunks:
+# this many are read, or one a KiB in a larger file.
+MAX_BLOCKS = 4096
 _DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?((?:;[\w.+-]+=[^;,]*)*)(;base64)?,", re.I)
 
 
@@ -160,11 +165,9 @@ def _video(raw: bytes, limits: ImageLimits, where: str) -> list[LoadedImage]:
 def decode_image(raw: bytes, limits: ImageLimits, where: str = "image") -> LoadedImage:
     from PIL import Image, ImageOps
 
-    # what Pillow would walk in Python, walked in bytes first (an MPO, a phone's
-    # multi-picture JPEG, opens as JPEG too and decodes its first picture)
-    refusal = _jpeg_refusal(raw) if raw[:3] == b"\xff\xd8\xff" else None
+    refusal = _structure_refusal(raw)
     if refusal:
-        raise APIError(400, f"{where}: a JPEG of {refusal}; it is not read.")
+        raise APIError(400, f"{where}: {refusal}; it is not read.")
     try:
         image = Image.open(io.BytesIO(raw), formats=IMAGE_FORMATS)
         width, height = image.size  # the header only: nothing decoded yet
@@ -211,6 +214,54 @@ def _upright(image: Any, image_ops: Any) -> None:
         return
     if orientation != 1:
         image_ops.exif_transpose(image, in_place=True)
+
+
+def _structure_refusal(raw: bytes) -> str | None:
+    """Why the file is not handed to Pillow, or None: what its parser would walk
+    in Python, walked first in bytes, linearly and within the limits above. An
+    MPO (a phone's multi-picture JPEG) opens as JPEG too, and decodes its first
+    picture."""
+    if raw[:3] == b"\xff\xd8\xff":
+        refusal = _jpeg_refusal(raw)
+        return f"a JPEG of {refusal}" if refusal else None
+    cap = max(MAX_BLOCKS, len(raw) // 1024)
+    if raw[:8] == b"\x89PNG\r\n\x1a\n" and _png_chunks(raw, cap) > cap:
+        return f"a PNG of more than {cap} chunks"
+    if raw[:6] in (b"GIF87a", b"GIF89a") and _gif_blocks(raw, cap) > cap:
+        return f"a GIF of more than {cap} blocks before its image"
+    return None
+
+
+def _png_chunks(raw: bytes, cap: int) -> int:
+    """A PNG's chunks to its end (IEND), counted to one past ``cap``."""
+    chunks, pos = 0, 8  # after the signature
+    while pos + 8 <= len(raw) and chunks <= cap:
+        chunks += 1
+        if raw[pos + 4 : pos + 8] == b"IEND":
+            break
+        pos += 12 + int.from_bytes(raw[pos : pos + 4], "big")  # length, type, data, CRC
+    return chunks
+
+
+def _gif_blocks(raw: bytes, cap: int) -> int:
+    """The extension sub-blocks and stray bytes ahead of a GIF's first image
+    (whose data Pillow's C decoder reads), counted to one past ``cap``."""
+    flags = raw[10] if len(raw) > 10 else 0
+    pos = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)  # after the global palette
+    blocks = 0
+    while pos < len(raw) and blocks <= cap and raw[pos] not in b",;":  # an image, the end
+        blocks += 1
+        if raw[pos] != 0x21:  # a stray byte: skipped
+            pos += 1
+            continue
+        pos += 2  # "!" and the extension's label
+        while pos < len(raw) and blocks <= cap:  # its sub-blocks, to an empty one
+            blocks += 1
+            size = raw[pos]
+            pos += 1 + size
+            if not size:
+                break
+    return blocks
 
 
 def _jpeg_refusal(raw: bytes) -> str | None:
