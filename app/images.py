@@ -138,7 +138,7 @@ def load_images(sources: list[ImageSource], limits: ImageLimits) -> list[list[Lo
         where = f"{'video' if source.video else 'image'} {i + 1}"
         if source.video and limits.video_frames <= 0:
             raise APIError(400, f"{where}: this server does not read videos (--video-frames 0).")
-        raw = _encoded(source, limits, where)
+        raw = _encoded(source, limits, where, limits.max_total_bytes - total)
         total += len(raw)  # a video's bytes count too: one budget a request
         if total > limits.max_total_bytes:
             raise APIError(
@@ -333,7 +333,9 @@ def _b64(data: str, cap: _Cap, where: str) -> bytes:
     return raw
 
 
-def _encoded(source: ImageSource, limits: ImageLimits, where: str) -> bytes:
+def _encoded(source: ImageSource, limits: ImageLimits, where: str, room: int) -> bytes:
+    """The source's bytes; a download stops one byte past ``room``, what the
+    request's total has left (the caller then names that limit)."""
     cap = _cap(source, limits)
     if source.base64 is not None:
         return _b64(source.base64, cap, where)
@@ -353,7 +355,7 @@ def _encoded(source: ImageSource, limits: ImageLimits, where: str) -> bytes:
         policy = FetchPolicy(
             limits.fetch_timeout, limits.allowed_media_domains, limits.fetch_private_urls
         )
-        raw = fetch(url, policy, cap.nbytes, where)
+        raw = fetch(url, policy, min(cap.nbytes, room), where)
         if len(raw) > cap.nbytes:
             raise _too_big(len(raw), cap, where)
         return raw

@@ -340,3 +340,28 @@ def test_a_gif_of_thousands_of_extension_blocks_is_refused_before_pillow_parses_
         with pytest.raises(APIError, match="a GIF of more than 4096 blocks") as refused:
             decode_image(_gif_with(crafted), ImageLimits())
         assert refused.value.status == 400 and not opened
+
+
+def test_a_url_is_read_no_further_than_the_requests_total_bytes_left(monkeypatch):
+    """A URL was read up to the per-image limit (20 MB) even with a few bytes of
+    the request's total left: the total's refusal came after the download."""
+    import base64
+
+    import app.images as images
+    from app.images import ImageSource, load_images
+
+    buf = io.BytesIO()
+    Image.new("RGB", (6, 4)).save(buf, format="PNG")
+    raw = buf.getvalue()
+    asked: list[int] = []
+
+    def fetched(url, policy, max_bytes, where):
+        asked.append(max_bytes)
+        return b"x" * (max_bytes + 1)  # a body longer than it may be: read one past
+
+    monkeypatch.setattr(images, "fetch", fetched)
+    inline = ImageSource(base64=base64.b64encode(raw).decode())
+    limits = ImageLimits(max_total_bytes=len(raw) + 100)
+    with pytest.raises(APIError, match="--max-images-bytes") as refused:
+        load_images([inline, ImageSource(url="https://example.com/a.png")], limits)
+    assert refused.value.status == 400 and asked == [100]
