@@ -191,6 +191,10 @@ def decode_image(raw: bytes, limits: ImageLimits, where: str = "image") -> Loade
         raise APIError(400, f"{where}: an RLE-compressed BMP is not read; send PNG or JPEG.")
     try:
         _upright(image, ImageOps)
+        if image.mode.startswith("I;16"):  # 16-bit grey: convert() clips it, near white
+            import numpy as np
+
+            image = Image.fromarray((np.asarray(image) >> 8).astype(np.uint8))
         rgb = image.convert("RGB")  # decodes: corrupt data fails here
     except MemoryError:
         raise

@@ -365,3 +365,18 @@ def test_a_url_is_read_no_further_than_the_requests_total_bytes_left(monkeypatch
     with pytest.raises(APIError, match="--max-images-bytes") as refused:
         load_images([inline, ImageSource(url="https://example.com/a.png")], limits)
     assert refused.value.status == 400 and asked == [100]
+
+
+def test_a_16_bit_grayscale_png_keeps_its_greys():
+    """Pillow opens it as I;16, whose convert("RGB") clips every value over 255:
+    a mid-grey picture reached the model near white."""
+    import numpy as np
+
+    grey = np.full((4, 6), 0x8000, dtype=np.uint16)
+    grey[0, 0] = 0xFFFF
+    buf = io.BytesIO()
+    Image.fromarray(grey).save(buf, "PNG")
+    assert Image.open(io.BytesIO(buf.getvalue())).mode == "I;16"
+    loaded = decode_image(buf.getvalue(), ImageLimits())
+    assert loaded.image.getpixel((1, 1)) == (128, 128, 128)
+    assert loaded.image.getpixel((0, 0)) == (255, 255, 255)
