@@ -18,13 +18,16 @@ conversation): a picture re-sent three times is "image 1" each time.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 from app.content_parts import IMAGE_OMITTED
 from app.errors import APIError
 from app.images import ImageLimits, ImageSource, LoadedImage, load_images
+from engine.control_tokens import plain_word
 from kvcache.image_ids import expand_images, image_run
 from kvcache.prompt_key import PromptKey
 from scheduler.contracts import ImageFront, ImageRejected
@@ -61,8 +64,8 @@ def resolve_images(
 ) -> tuple[list[dict[str, Any]], ResolvedImages]:
     """Messages with string contents, and the images the model will read; ``param``
     names the client's field holding message ``i`` in errors."""
-    if front is not None:  # before any image is fetched; with no image part all the same
-        _refuse_markers(messages, front, param)
+    if front is not None:  # with no image part all the same
+        messages = _plain_markers(messages, front.markers)
     sources = _sources(messages)
     resolved = ResolvedImages()
     if not sources:
@@ -121,26 +124,43 @@ def _join(pieces: list[str], front: ImageFront | None) -> str:
     return text
 
 
-def _refuse_markers(
-    messages: list[dict[str, Any]], front: ImageFront, param: Callable[[int], str]
-) -> None:
-    """Message text holding the model's image marker: images come as image parts."""
-    for index, message in enumerate(messages):
+def _plain_markers(
+    messages: list[dict[str, Any]], markers: tuple[str, ...]
+) -> list[dict[str, Any]]:
+    """Message text holding the model's image markers keeps them as the characters
+    they are, as other control tokens in client text (``engine.control_tokens``):
+    refused (400), a tool result holding an RSS feed's ``<image>`` left the agent's
+    conversation unservable from then on; kept as tokens, the model would read
+    image tokens with no image behind them. Every role's: a reply the model wrote
+    with those characters comes back as text too. Linear in the text."""
+    if not markers:
+        return messages
+    pattern = _marker_pattern(markers)
+
+    def plain(text: Any) -> Any:
+        if not isinstance(text, str) or not pattern.search(text):
+            return text
+        return pattern.sub(lambda m: plain_word(m[0]), text)
+
+    out = []
+    for message in messages:
         content = message.get("content")
-        texts = (
-            [content]
-            if isinstance(content, str)
-            else [p.get("text", "") for p in content if isinstance(p, dict)]
-            if isinstance(content, list)
-            else []
-        )
-        if any(isinstance(t, str) and front.image_token in t for t in texts):
-            raise APIError(
-                400,
-                f"Message text contains this model's image marker {front.image_token!r}: "
-                "send images as image parts.",
-                param=param(index),
-            )
+        if isinstance(content, str):
+            message = {**message, "content": plain(content)}
+        elif isinstance(content, list):
+            parts = [
+                {**p, "text": plain(p["text"])} if isinstance(p, dict) and "text" in p else p
+                for p in content
+            ]
+            message = {**message, "content": parts}
+        out.append(message)
+    return out
+
+
+@cache
+def _marker_pattern(markers: tuple[str, ...]) -> re.Pattern[str]:
+    # longest first: one marker may begin another
+    return re.compile("|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)))
 
 
 def attach_images(
@@ -150,7 +170,7 @@ def attach_images(
     view), the model's prompt tokens, and the engine's image inputs."""
     at = [i for i, t in enumerate(key.model_tokens) if t == front.placeholder_id]
     if len(at) != len(resolved.images):
-        # message text was checked; the marker can still come in through reasoning,
+        # message text was made plain; the marker can still come in through reasoning,
         # tool calls or tool definitions, and the model would read image tokens
         # with no image behind them
         raise APIError(

@@ -20,6 +20,11 @@ from typing import Any
 JOINER = "\u2060"
 
 
+def plain_word(word: str) -> str:
+    """``word`` as the characters it is: no tokenizer matches it as a token."""
+    return word[0] + JOINER + word[1:]
+
+
 class ControlTokens:
     """The special tokens of one tokenizer, and how to make them plain text."""
 
@@ -44,7 +49,7 @@ class ControlTokens:
 
         def plain(m: re.Match[str]) -> str:
             word = m[0]
-            return word if word in kept else word[0] + JOINER + word[1:]
+            return word if word in kept else plain_word(word)
 
         return self._pattern.sub(plain, value)
 
@@ -52,7 +57,7 @@ class ControlTokens:
         """Every string in a JSON-like value (messages, tools) made plain; dict keys
         and other objects (an image's source) as they are. ``keep``: the image
         placeholder the server itself put in, its control tokens left as they are
-        (a client's placeholder is refused before)."""
+        (a client's were made plain before: ``app.image_prompt``)."""
         if self._pattern is None:
             return value
         if isinstance(value, str):

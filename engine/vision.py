@@ -219,6 +219,7 @@ class VisionFront:
         self.image_token = str(getattr(processor, _MARKER.get(model_type, "image_token")))
         before, after = _IMAGE_TEXT.get(model_type, ("", ""))
         self.placeholder = before + self.image_token + after
+        self.markers = tuple(m for m in (before, self.image_token, after) if m)
         self.placeholder_id = int(tokenizer.convert_tokens_to_ids(self.image_token))
         self._merge = merge  # multimodal RoPE: the tokens span a grid of positions
         self._bos = getattr(tokenizer, "bos_token_id", None)

@@ -60,6 +60,7 @@ class ImageFront(Protocol):
 
     placeholder: str  # the text the chat template gets where an image goes
     image_token: str  # the token in it that the processor widens to the image
+    markers: tuple[str, ...]  # the tokens the placeholder is made of (image_token among them)
     placeholder_id: int  # that token's id
 
     def image_input(self, image: Any, digest: bytes, start: int) -> ImageInput:

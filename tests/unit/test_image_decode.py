@@ -47,8 +47,9 @@ def test_images_over_the_requests_total_bytes_are_refused_naming_the_limit():
 
 
 class _Front:
-    placeholder = "<image>"
+    placeholder = "<|vision_start|><image><|vision_end|>"
     image_token = "<image>"
+    markers = ("<|vision_start|>", "<image>", "<|vision_end|>")
     placeholder_id = 7
 
 
@@ -56,14 +57,19 @@ class _Front:
     "content",
     ["a <image> here", [{"type": "text", "text": "a <image> here"}]],
 )
-def test_the_image_marker_in_text_is_refused_with_no_image_part_too(content):
-    """A request with no image part skipped the check: its text reached the model
-    as image tokens with no image behind them (one with an image part got a 400)."""
-    messages = [{"role": "user", "content": "hi"}, {"role": "user", "content": content}]
-    with pytest.raises(APIError) as err:
-        resolve_images(messages, _Front(), ImageLimits(), placeholder_notes=False)
-    assert err.value.status == 400 and "image marker" in err.value.message
-    assert err.value.param == "messages.1.content"
+def test_the_image_marker_in_text_is_kept_as_text(content):
+    """Refused (400), a tool result holding an RSS feed's <image> left the agent's
+    whole conversation unservable; kept as a token, the model read image tokens
+    with no image behind them. It is the characters it is, in every role."""
+    messages = [
+        {"role": "assistant", "content": "<|vision_end|> x"},
+        {"role": "tool", "content": content},
+    ]
+    out, resolved = resolve_images(messages, _Front(), ImageLimits(), placeholder_notes=False)
+    assert not resolved.images
+    assert out[0]["content"] == "<\u2060|vision_end|> x"
+    tool = out[1]["content"]
+    assert (tool if isinstance(tool, str) else tool[0]["text"]) == "a <\u2060image> here"
     fine = [{"role": "user", "content": "a picture, please"}]
     assert resolve_images(fine, _Front(), ImageLimits(), placeholder_notes=False)[0] == fine
 
