@@ -88,6 +88,9 @@ system-deps:
 # Real peers the monitoring tests run against: Prometheus (Debian package) and the
 # LiteLLM proxy (its own venv: its pins must not bend kvwarm's).
 LITELLM_VENV ?= .venv-litellm
+# the release the LiteLLM test was last proven with: unpinned, a new one could
+# break CI on a clean machine overnight (make LITELLM_SPEC=litellm[proxy] for the newest)
+LITELLM_SPEC ?= litellm[proxy]==1.108.7
 test-tools:
 	@if ! command -v prometheus >/dev/null && command -v apt-get >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=skip; fi; \
@@ -98,8 +101,8 @@ test-tools:
 	    echo "warning: could not install prometheus"; \
 	  fi; \
 	fi
-	@test -x $(LITELLM_VENV)/bin/litellm || { echo "installing litellm[proxy] into $(LITELLM_VENV) (LiteLLM test)"; \
-	  $(PYTHON) -m venv $(LITELLM_VENV) && $(LITELLM_VENV)/bin/pip install -q --disable-pip-version-check 'litellm[proxy]' || \
+	@test -x $(LITELLM_VENV)/bin/litellm || { echo "installing $(LITELLM_SPEC) into $(LITELLM_VENV) (LiteLLM test)"; \
+	  $(PYTHON) -m venv $(LITELLM_VENV) && $(LITELLM_VENV)/bin/pip install -q --disable-pip-version-check '$(LITELLM_SPEC)' || \
 	  echo "warning: could not install litellm[proxy]; the LiteLLM test will not run"; }
 
 $(STAMP): pyproject.toml deploy/pip_requirements.py Makefile
