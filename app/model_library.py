@@ -44,9 +44,23 @@ class NotAModel(ValueError):
     """The path holds no model kvwarm can read."""
 
 
+# what mlx-lm's model classes fill in where a config is silent: Gemma 3's vision
+# checkpoints name neither heads nor head size in text_config (mlx-lm's wrapper
+# gives 8 and 4 heads, gemma3_text a head size of 256), which read as one head of
+# the whole hidden size (KV a quarter too large, attention reserve an eighth)
+_ARG_DEFAULTS: dict[str, dict[str, int]] = {
+    "gemma3": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256},
+    "gemma3_text": {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256},
+}
+
+
 def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     text = config.get("text_config")
-    return {**config, **text} if isinstance(text, dict) else config
+    merged = {**config, **text} if isinstance(text, dict) else config
+    # the wrapper's first: it fills text_config before the text model reads its own
+    for model_type in (config.get("model_type"), merged.get("model_type")):
+        merged = {**_ARG_DEFAULTS.get(str(model_type), {}), **merged}
+    return merged
 
 
 def _int(config: dict[str, Any], *keys: str, default: int = 0) -> int:

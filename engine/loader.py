@@ -201,8 +201,11 @@ def kv_namespace(
 
 def _num_heads(model: Any, config: dict[str, Any]) -> int:
     args = getattr(model, "args", None)
+    # a wrapper's (Gemma 3) text_config, with the defaults mlx-lm filled in
+    text_args = getattr(args, "text_config", None)
     heads = (
         getattr(args, "num_attention_heads", 0)
+        or (text_args.get("num_attention_heads", 0) if isinstance(text_args, dict) else 0)
         or config.get("num_attention_heads", 0)
         or (config.get("text_config") or {}).get("num_attention_heads", 0)  # a VLM's
     )

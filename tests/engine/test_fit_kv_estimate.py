@@ -152,3 +152,23 @@ def test_sliding_window_layers_are_what_mlx_lm_caches(tmp_path, config):
     layers = facts.layout.layers
     assert [la.window if la.kind is LayerKind.WINDOW else 0 for la in layers] == real
     assert sum(la.bytes_per_token for la in layers) == facts.kv_bytes_per_token
+
+
+def test_a_gemma3_vision_checkpoint_silent_on_heads_is_read_with_mlx_lms_defaults(tmp_path):
+    """Its text_config names neither heads nor head size: read as one head of the
+    whole hidden size, fit's KV was a quarter too large and the server's attention
+    reserve (scores per head) an eighth of what it holds."""
+    from mlx_lm.models import gemma3
+
+    from engine.loader import _num_heads
+
+    text = dict(
+        model_type="gemma3_text", hidden_size=64, intermediate_size=128, num_hidden_layers=7,
+        sliding_window=64,
+    )  # fmt: skip
+    config = dict(model_type="gemma3", vocab_size=256, text_config=text)
+    model = gemma3.Model(gemma3.ModelArgs.from_dict(json.loads(json.dumps(config))))
+    facts = dir_facts(save(model, config, tmp_path / "g", quantize=False))
+    assert facts.num_heads == 8 and _num_heads(model, config) == 8
+    real = cached_bytes_per_token(model, tokens=8)  # inside every window: all grow alike
+    assert facts.kv_bytes_per_token == real
