@@ -330,7 +330,13 @@ def _serve(settings: Settings, boot: BootDeadline) -> int:
     from engine.engine_thread import EngineConfig, EngineThread
     from engine.model_errors import UnsupportedModelError
 
-    problem = _stray_variables() or _unwritable(settings.cache_trace_dir)
+    problem = _stray_variables() or _unwritable("--cache-trace-dir", settings.cache_trace_dir)
+    kv_problem = _unusable_kv_dir(settings)
+    # a place or size the user chose is refused now, not once the model has loaded
+    # (exit 1, restarted for ever); the default place only said, as it served before
+    chosen = {"kv_dir", "cache_dir", "kv_disk_bytes"} & settings.model_fields_set
+    if problem is None and kv_problem is not None and chosen:
+        problem = f"{kv_problem} (name a folder it can write, or --kv-disk-bytes 0 for RAM only)"
     if problem is not None:
         return _fail(problem)
     dist = settings.distributed_config
@@ -343,6 +349,11 @@ def _serve(settings: Settings, boot: BootDeadline) -> int:
         return _fail(f"cannot read the model: {_os_problem(exc, settings.model)}", NOT_NOW)
     if shared:
         log.info("distributed: %s", shared)
+    if kv_problem is not None:
+        log.warning(
+            "KV SSD tier off, prefix cache in RAM only: %s (--kv-dir names another folder)",
+            kv_problem,
+        )
 
     config = EngineConfig(
         source=source,
@@ -481,18 +492,33 @@ def _stray_variables() -> str | None:
     return f"unknown KVWARM_* variable: {'; '.join(stray)} (no setting reads it: fix or unset it)"
 
 
-def _unwritable(trace_dir: str | None) -> str | None:
-    """Why --cache-trace-dir cannot take traces (said at once, not as a start-up
-    traceback from inside the application)."""
-    if not trace_dir:
+def _unwritable(flag: str, folder: str | Path | None) -> str | None:
+    """Why ``folder`` (made as its user would) cannot be written, named by its
+    ``flag``: said at once, not as a traceback or a failure once the model loaded."""
+    if not folder:
+        return None
+    if os.path.lexists(folder) and not os.path.isdir(folder):
+        return f"{flag} {folder}: not a folder"  # mkdir's "File exists" said nothing
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"{flag} {folder}: {exc.strerror or exc}"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"{flag} {folder}: not writable"
+    return None
+
+
+def _unusable_kv_dir(settings: Settings) -> str | None:
+    """Why the SSD tier could not use its folder, when it would be on (engine.boot:
+    a prefix cache, --kv-disk-bytes not 0, no distributed group); None otherwise.
+    Under auto sizing such a folder came to 0 bytes and the tier was quietly off."""
+    if settings.prompt_cache is None or settings.kv_disk_limit == 0 or settings.joins_group:
         return None
     try:
-        Path(trace_dir).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        return f"--cache-trace-dir {trace_dir}: {exc.strerror or exc}"
-    if not os.access(trace_dir, os.W_OK | os.X_OK):
-        return f"--cache-trace-dir {trace_dir}: not writable"
-    return None
+        folder = settings.kv_disk_path
+    except RuntimeError:  # expanduser: "~name" of a user this machine does not have
+        return f"--kv-dir {settings.kv_dir or '(default)'}: no such home directory"
+    return _unwritable("--kv-dir", folder)
 
 
 def _leave_group(code: int) -> int:

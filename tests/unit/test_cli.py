@@ -185,3 +185,69 @@ def test_chat_refuses_a_url_it_could_never_reach(host, monkeypatch, capsys):
     assert main(["chat", "--host", host]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"kvwarm: error: --host {host!r}: a ") and "http://" in err
+
+
+class _Started(Exception):
+    """serve got past its checks to where it binds the port (the model not loaded)."""
+
+
+def _serve_stubbed(monkeypatch, tmp_path) -> None:
+    """serve up to the port check, with no model, BLAS or logging set up; no .env,
+    launcher or cache-dir variable of this machine's in the way."""
+    from types import SimpleNamespace
+
+    from app import cli, lifecycle
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("KVWARM_CACHE_DIR", "RANK", "WORLD_SIZE", "MLX_RANK", "PMI_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    blas = SimpleNamespace(describe=lambda: "stub")
+    source = SimpleNamespace(path=tmp_path / "model", kind="mlx")
+    monkeypatch.setattr(cli, "_prepare_runtime", lambda settings: (blas, source))
+
+    def unbindable(host, port):
+        raise _Started
+
+    monkeypatch.setattr(lifecycle, "unbindable", unbindable)
+
+
+@pytest.mark.parametrize("size", [[], ["--kv-disk-bytes", "1GB"]])
+def test_a_kv_dir_it_cannot_make_is_refused_before_the_model_loads(
+    size, tmp_path, monkeypatch, capsys
+):
+    """Under auto sizing a --kv-dir it cannot make came to 0 bytes: the SSD tier
+    quietly off; with a size the folder failed only once the model had loaded
+    (exit 1, which a supervisor restarted for ever)."""
+    _serve_stubbed(monkeypatch, tmp_path)
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    for kv_dir in (blocker, blocker / "kv"):
+        assert main(["serve", "--no-log-json", "--kv-dir", str(kv_dir), *size]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvwarm: error: --kv-dir {kv_dir}: ") and "--kv-disk-bytes 0" in err
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))  # the default place, chosen by size
+    if size:
+        assert main(["serve", "--no-log-json", *size]) == 2
+        assert f"--kv-dir {blocker / 'kvwarm' / 'kv'}: " in capsys.readouterr().err
+    for off in (["--kv-disk-bytes", "0"], ["--prompt-cache-bytes", "0"]):  # no SSD tier
+        with pytest.raises(_Started):
+            main(["serve", "--no-log-json", "--kv-dir", str(blocker / "kv"), *off])
+    made = tmp_path / "new" / "kv"
+    with pytest.raises(_Started):
+        main(["serve", "--no-log-json", "--kv-dir", str(made), *size])
+    assert made.is_dir()  # made as the engine would have
+
+
+def test_the_default_kv_dir_unusable_is_said_not_refused(tmp_path, monkeypatch, caplog):
+    """Nothing chosen (no --kv-dir, --cache-dir or size): a home it cannot write keeps
+    serving with KV in RAM only, as before, but says so at start."""
+    _serve_stubbed(monkeypatch, tmp_path)
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    with caplog.at_level("WARNING", logger="kvwarm"), pytest.raises(_Started):
+        main(["serve", "--no-log-json"])
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("SSD tier" in m and str(blocker / "kvwarm" / "kv") in m for m in said), said
