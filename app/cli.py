@@ -330,7 +330,11 @@ def _serve(settings: Settings, boot: BootDeadline) -> int:
     from engine.engine_thread import EngineConfig, EngineThread
     from engine.model_errors import UnsupportedModelError
 
-    problem = _stray_variables() or _unwritable("--cache-trace-dir", settings.cache_trace_dir)
+    problem = (
+        _stray_variables()
+        or _unwritable("--cache-trace-dir", settings.cache_trace_dir)
+        or _unmountable(settings.adapter)
+    )
     kv_problem = _unusable_kv_dir(settings)
     # a place or size the user chose is refused now, not once the model has loaded
     # (exit 1, restarted for ever); the default place only said, as it served before
@@ -519,6 +523,20 @@ def _unusable_kv_dir(settings: Settings) -> str | None:
     except RuntimeError:  # expanduser: "~name" of a user this machine does not have
         return f"--kv-dir {settings.kv_dir or '(default)'}: no such home directory"
     return _unwritable("--kv-dir", folder)
+
+
+def _unmountable(adapters: list[str]) -> str | None:
+    """Why an --adapter ID=PATH could not be mounted, as far as its files tell
+    without reading the weights: at once, not once the model has loaded (exit 1)."""
+    from engine.adapter_files import check_adapter_dir
+    from scheduler.contracts import AdapterError
+
+    for item in adapters:  # the raw pairs: Settings.adapters raises on "~nobody/x"
+        try:
+            check_adapter_dir(item.partition("=")[2])
+        except AdapterError as exc:
+            return f"--adapter {item}: {exc}"
+    return None
 
 
 def _leave_group(code: int) -> int:

@@ -45,10 +45,15 @@ def _finite(value: float) -> bool:
         return False
 
 
-def read_adapter_files(path: Path, max_weights_bytes: int | None = None) -> AdapterFiles:
-    """Check and fingerprint an ``mlx_lm.lora`` adapter directory (AdapterError: a 400);
-    weights over ``max_weights_bytes`` (what KV the budget has at all) are refused
-    before they are read into memory."""
+def check_adapter_dir(path: Path | str) -> None:
+    """All read_adapter_files checks short of the weights' size and bytes (AdapterError):
+    serve's start refuses an --adapter before the model loads, not after (exit 1)."""
+    _adapter_config(path)
+
+
+def _adapter_config(path: Path | str) -> tuple[Path, str, bytes, dict[str, Any], Path]:
+    """The expanded path, its shown form, the config's bytes and contents, the
+    weights file (present, not read)."""
     try:
         path = Path(path).expanduser()
     except RuntimeError:  # "~name" for a user this machine does not have
@@ -74,6 +79,17 @@ def read_adapter_files(path: Path, max_weights_bytes: int | None = None) -> Adap
         weights = path / WEIGHTS_FILE
         if not weights.is_file():
             raise AdapterError(f"{shown} has no {WEIGHTS_FILE}")
+    except OSError as exc:  # a name too long, no permission, ...
+        raise AdapterError(f"cannot read the adapter at {shown!r}: {exc.strerror}") from None
+    return path, shown, raw_config, config, weights
+
+
+def read_adapter_files(path: Path, max_weights_bytes: int | None = None) -> AdapterFiles:
+    """Check and fingerprint an ``mlx_lm.lora`` adapter directory (AdapterError: a 400);
+    weights over ``max_weights_bytes`` (what KV the budget has at all) are refused
+    before they are read into memory."""
+    path, shown, raw_config, config, weights = _adapter_config(path)
+    try:
         size = weights.stat().st_size
         if max_weights_bytes is not None and size > max_weights_bytes:
             raise AdapterTooLarge(

@@ -251,3 +251,35 @@ def test_the_default_kv_dir_unusable_is_said_not_refused(tmp_path, monkeypatch, 
         main(["serve", "--no-log-json"])
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("SSD tier" in m and str(blocker / "kvwarm" / "kv") in m for m in said), said
+
+
+def test_an_adapter_it_could_not_mount_is_refused_before_the_model_loads(
+    tmp_path, monkeypatch, capsys
+):
+    """--adapter ID=/nonexistent was read only once the model had loaded: exit 1,
+    which a supervisor restarted for ever into the same missing folder."""
+    import json
+
+    _serve_stubbed(monkeypatch, tmp_path)
+    good = tmp_path / "good"
+    good.mkdir()
+    config = {"fine_tune_type": "lora", "lora_parameters": {"rank": 8, "scale": 20.0}}
+    (good / "adapter_config.json").write_text(json.dumps(config))
+    (good / "adapters.safetensors").write_bytes(b"")  # its tensors are the mount's to check
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "adapter_config.json").write_text(json.dumps(config))
+    cases = {
+        str(tmp_path / "nonexistent"): "is not a directory",
+        str(no_weights): "has no adapters.safetensors",
+        str(tmp_path): "has no adapter_config.json",
+        "~no-such-user-kvwarm/a": "no such home directory",
+    }
+    for path, why in cases.items():
+        argv = ["serve", "--no-log-json", "--adapter", f"ok={good}", "--adapter", f"sql={path}"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvwarm: error: --adapter sql={path}: ") and why in err, err
+        assert "Traceback" not in err
+    with pytest.raises(_Started):
+        main(["serve", "--no-log-json", "--adapter", f"ok={good}"])
