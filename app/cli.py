@@ -220,6 +220,11 @@ def load_settings(args: argparse.Namespace) -> Settings:
         return Settings(**{**defaults, **overrides})
 
 
+def _named(field: str) -> str:
+    """A setting under the names a user sets it by: flag and variable."""
+    return f"--{field.replace('_', '-')} (KVWARM_{field.upper()})"
+
+
 def describe_invalid(exc: ValidationError) -> str:
     """Each bad setting under the names a user sets it by (flag and variable), once:
     not pydantic's field paths and one line per branch of a union."""
@@ -229,7 +234,7 @@ def describe_invalid(exc: ValidationError) -> str:
         name = ""
         if error["loc"]:
             field = str(error["loc"][0])
-            name = f"--{field.replace('_', '-')} (KVWARM_{field.upper()})"
+            name = _named(field)
         if message not in said.setdefault(name, []):
             said[name].append(message)
     return "; ".join(
@@ -353,6 +358,15 @@ def _serve(settings: Settings, boot: BootDeadline) -> int:
         return _fail(f"cannot read the model: {_os_problem(exc, settings.model)}", NOT_NOW)
     if shared:
         log.info("distributed: %s", shared)
+    ignored = settings.ignored_settings()
+    if ignored:  # a warning, not a refusal: a .env shared with a group's ranks may hold them
+        log.warning(
+            "ignored: %s",
+            "; ".join(
+                f"{', '.join(_named(f) for f in fields)} (only with {need})"
+                for need, fields in ignored.items()
+            ),
+        )
     if kv_problem is not None:
         log.warning(
             "KV SSD tier off, prefix cache in RAM only: %s (--kv-dir names another folder)",

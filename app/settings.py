@@ -11,6 +11,7 @@ from pydantic import (
     BeforeValidator,
     ByteSize,
     Field,
+    PrivateAttr,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -430,6 +431,10 @@ class Settings(BaseSettings):
         "the others waiting for ever (0: no limit; allow for the slowest model load)",
     )
 
+    # the fields _distributed_group filled from plain RANK / WORLD_SIZE: assigning marks
+    # a field set, and a launcher's variables are not the user's choice (ignored_settings)
+    _filled: frozenset[str] = PrivateAttr(frozenset())
+
     @field_validator("cache_trace_dir", "cache_dir")
     @classmethod
     def _trace_dir(cls, value: str | None) -> str | None:
@@ -505,10 +510,14 @@ class Settings(BaseSettings):
     def _distributed_group(self) -> Settings:
         # RANK / WORLD_SIZE are also other tools' variables: one that is no count is
         # theirs, not a reason to refuse to start a server that is not distributed
+        filled: set[str] = set()
         if self.distributed_rank is None:
             self.distributed_rank = _plain_count(self.plain_rank)
+            filled.add("distributed_rank")
         if self.distributed_world_size is None:
             self.distributed_world_size = _plain_count(self.plain_world_size)
+            filled.add("distributed_world_size")
+        self._filled = frozenset(filled)
         # bounds only when distributed: WORLD_SIZE=1 in a launcher's or a container's
         # environment is no reason for a server on its own to refuse to start
         if self.joins_group:
@@ -655,6 +664,17 @@ class Settings(BaseSettings):
         (PMI_RANK from Slurm or MPICH, set for another reason, forced a group)."""
         return self.distributed if self.distributed is not None else launched()
 
+    def ignored_settings(self) -> dict[str, list[str]]:
+        """The settings the user set (flag, environment or .env) that nothing reads as
+        the others stand, by what they need: set alone they were dropped without a word."""
+        chosen = self.model_fields_set - self._filled
+        needs = {
+            "--kv-bits": _KV_QUANT_ONLY if self.kv_bits is None else (),
+            "--distributed or mlx.launch": () if self.joins_group else _GROUP_ONLY,
+        }
+        found = {need: [f for f in fields if f in chosen] for need, fields in needs.items()}
+        return {need: fields for need, fields in found.items() if fields}
+
     @property
     def distributed_config(self) -> DistributedConfig | None:
         """How this process joins a group; None: it serves alone."""
@@ -671,6 +691,21 @@ class Settings(BaseSettings):
             hosts=_comma_list(self.distributed_hosts),
             port=self.distributed_port,
         )
+
+
+# settings read only beside another one (Settings.ignored_settings)
+_KV_QUANT_ONLY = ("kv_group_size", "quantized_kv_start")  # kv_quant: with --kv-bits
+_GROUP_ONLY = (  # distributed_config: when joining a group
+    "distributed_mode",
+    "distributed_server_rank",
+    "distributed_backend",
+    "distributed_rank",
+    "distributed_world_size",
+    "distributed_hosts",
+    "distributed_port",
+    "rank_timeout",
+    "distributed_boot_timeout",
+)
 
 
 def _comma_list(value: str | None) -> tuple[str, ...]:

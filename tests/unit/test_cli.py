@@ -283,3 +283,38 @@ def test_an_adapter_it_could_not_mount_is_refused_before_the_model_loads(
         assert "Traceback" not in err
     with pytest.raises(_Started):
         main(["serve", "--no-log-json", "--adapter", f"ok={good}"])
+
+
+def _warnings(caplog, argv: list[str]) -> list[str]:
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvwarm"), pytest.raises(_Started):
+        main(["serve", "--no-log-json", *argv])
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+def test_flags_that_need_another_are_named_once_when_it_is_missing(tmp_path, monkeypatch, caplog):
+    """--kv-group-size and --quantized-kv-start without --kv-bits, or a --distributed-*
+    flag on a server alone, were dropped without a word: the user believed them on."""
+    _serve_stubbed(monkeypatch, tmp_path)
+    monkeypatch.setenv("KVWARM_DISTRIBUTED_PORT", "4000")  # the environment is set too
+    said = _warnings(
+        caplog,
+        ["--kv-group-size", "32", "--quantized-kv-start", "128", "--distributed-mode", "tensor"],
+    )
+    ignored = [m for m in said if "ignored" in m]
+    assert len(ignored) == 1, said
+    for flag in ("--kv-group-size", "--quantized-kv-start", "--distributed-mode"):
+        assert flag in ignored[0]
+    assert "--distributed-port (KVWARM_DISTRIBUTED_PORT)" in ignored[0]
+    assert "--kv-bits" in ignored[0] and "--distributed" in ignored[0]
+    assert "--distributed-rank" not in ignored[0] and "--batch" not in ignored[0]
+    monkeypatch.delenv("KVWARM_DISTRIBUTED_PORT")
+    # what they need is there, or nothing was set: not a word
+    assert _warnings(caplog, ["--kv-bits", "8", "--kv-group-size", "32"]) == []
+    # a launcher's or another tool's RANK / WORLD_SIZE are read leniently, not the user's
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _warnings(caplog, []) == []
+    said = _warnings(caplog, ["--no-distributed", "--distributed-rank", "1"])
+    assert len(said) == 1 and "--distributed-rank" in said[0]
+    assert "--distributed-world-size" not in said[0]
