@@ -504,11 +504,12 @@ class BatchRunner:
         # only EOS tokens are token-level stops; with ignore_eos one is generated
         # past, and its text ("<|im_end|>") is no part of the reply either
         eos = resp.finish_reason == "stop" or token in self._eos_ids
+        first = not row.text.started  # its text may differ mid-reply (token_pieces)
         text = "" if eos else row.text.add_token(token)
         out = row.output(text, (token,), at=now)
         top = row.request.logprobs
         if top is not None and not eos:  # an EOS adds no text: it has no entry
-            self._asked.append((out, Asked(resp.logprobs, token, top)))
+            self._asked.append((out, Asked(resp.logprobs, token, top, first)))
         if row.first_token_at is None:
             row.first_token_at = now
             out.ttft = now - row.request.started_at

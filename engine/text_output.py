@@ -23,6 +23,11 @@ class TextOutput:
             _keep_leading_space(detokenizer)
 
     @property
+    def started(self) -> bool:
+        """Whether a token has been added (EOS tokens never are)."""
+        return bool(self._detok.tokens)
+
+    @property
     def stopped(self) -> bool:
         return self._stop.stopped
 

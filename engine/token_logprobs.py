@@ -12,23 +12,41 @@ for the whole forward (1.4 s against 1 ms measured here), stalling every row.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+from mlx_lm.tokenizer_utils import (
+    BPEStreamingDetokenizer,
+    SPMStreamingDetokenizer,
+    _byte_decoder,
+)
 
 from engine.fast_detok import bpe_token_bytes
 from scheduler.request import TokenChoice, TokenLogprob
 
 SPM_SPACE = "\u2581".encode()
+# SentencePiece's byte-fallback tokens: one byte each, named by its value
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+PieceOf = Callable[[int], bytes]
 
 
-def token_pieces(tokenizer: Any) -> Callable[[int], bytes]:
-    """Token id -> its bytes in the text, the way the tokenizer's own streaming
-    detokenizer reads it (byte-level BPE, SentencePiece, or plain decoding)."""
+@dataclass(frozen=True)
+class TokenPieces:
+    """Token id -> the bytes it adds to the text: ``later`` mid-reply, ``first``
+    as a reply's first token (a decoder may drop a sequence's leading space)."""
+
+    later: PieceOf
+    first: PieceOf
+
+
+def token_pieces(tokenizer: Any) -> TokenPieces:
+    """Each token's bytes in the text, the way the tokenizer's own streaming
+    detokenizer reads it (byte-level BPE, SentencePiece, or decoding)."""
     template = tokenizer.detokenizer
     if isinstance(template, BPEStreamingDetokenizer):
         names = template.tokenmap
@@ -37,15 +55,90 @@ def token_pieces(tokenizer: Any) -> Callable[[int], bytes]:
             name = names[token] if token < len(names) else None
             return bpe_token_bytes(name) if isinstance(name, str) else b""
 
-        return bpe
+        return TokenPieces(bpe, bpe)
     if isinstance(template, SPMStreamingDetokenizer):
         table = template.tokenmap
 
         def spm(token: int) -> bytes:
             return table[token].replace(SPM_SPACE, b" ") if token < len(table) else b""
 
-        return spm
-    return lambda token: tokenizer.decode([token]).encode()
+        return TokenPieces(spm, spm)
+    decoded = DecodedPieces(tokenizer)
+    return TokenPieces(decoded.later, decoded.first)
+
+
+class DecodedPieces:
+    """Pieces of a tokenizer read by decoding (engine.window_detok streams its
+    text): a token's text after a neutral token, since decoded alone a Metaspace
+    token loses the space it has mid-reply; alone only as a reply's first, as
+    decoding the reply reads it. Where that text has U+FFFD, a byte token inside
+    a UTF-8 character, the byte itself. Decoded once per token id, when first
+    asked for: a vocabulary's worth at most, whatever the replies' lengths.
+
+    A reply's pieces join to its text's UTF-8, or, where the text has U+FFFD for
+    bytes that are no character, to those bytes (decoding them gives the text);
+    not where the decoder rewrites across tokens (a space clean-up: "it ' s"
+    decodes to "it's"), which no piece per token can say."""
+
+    def __init__(self, tokenizer: Any):
+        self._tokenizer = tokenizer
+        self._size = len(tokenizer)
+        self._anchor = _anchor(tokenizer)
+        self._later: dict[int, bytes] = {}
+        self._first: dict[int, bytes] = {}
+
+    def later(self, token: int) -> bytes:
+        piece = self._later.get(token)
+        if piece is None:
+            piece = self._later[token] = self._piece(token, self._anchor)
+        return piece
+
+    def first(self, token: int) -> bytes:
+        piece = self._first.get(token)
+        if piece is None:
+            piece = self._first[token] = self._piece(token, None)
+        return piece
+
+    def _piece(self, token: int, anchor: tuple[int, str] | None) -> bytes:
+        if not 0 <= token < self._size:  # a padded head's ids name nothing
+            return b""
+        decode = self._tokenizer.decode
+        after = decode([anchor[0], token]) if anchor is not None else ""
+        if anchor is not None and after.startswith(anchor[1]):
+            text = after[len(anchor[1]) :]
+        else:
+            text = decode([token])
+        if "\ufffd" in text:
+            raw = _raw_bytes(self._tokenizer.convert_ids_to_tokens(token))
+            if raw is not None:
+                return raw
+        return text.encode()
+
+
+def _anchor(tokenizer: Any) -> tuple[int, str] | None:
+    """The token each is decoded after, with its text: the last of "a"'s (a plain
+    word: no space for a decoder to drop, no character left open)."""
+    ids = tokenizer.encode("a", add_special_tokens=False)
+    if not ids:
+        return None
+    head = tokenizer.decode(ids[-1:])
+    return (ids[-1], head) if head and "\ufffd" not in head else None
+
+
+def _raw_bytes(name: object) -> bytes | None:
+    """A byte token's bytes from its vocabulary name: SentencePiece's ``<0xE6>``,
+    byte-level BPE's characters (``æ``), or bytes as tiktoken-style vocabularies
+    hold them; None for any other name (its decoded text stands)."""
+    if isinstance(name, bytes):
+        return name
+    if not isinstance(name, str) or not name:
+        return None
+    if match := BYTE_TOKEN.fullmatch(name):
+        return bytes([int(match[1], 16)])
+    decoder = _byte_decoder()
+    if all(c in decoder for c in name):
+        return bytes(decoder[c] for c in name)
+    return None
 
 
 @dataclass(frozen=True)
@@ -55,10 +148,11 @@ class Asked:
     logprobs: mx.array  # the step's log-softmax for the row (vocabulary-sized, evaluated)
     token: int
     top: int  # alternatives wanted
+    first: bool = False  # the reply's first token (TokenPieces.first names them all)
 
 
 def token_logprobs(
-    asked: list[Asked], piece: Callable[[int], bytes], stream: mx.Stream
+    asked: list[Asked], pieces: TokenPieces, stream: mx.Stream
 ) -> list[TokenLogprob]:
     """Each row's chosen token with its log probability and its ``top`` likeliest
     tokens, most likely first (ties: the lower id first): the rows of one step
@@ -83,6 +177,7 @@ def token_logprobs(
         pairs = sorted(zip(row_values, row_ids), key=lambda p: (-p[0], p[1]))[: a.top]
         if pairs and pairs[-1][0] == min(row_values):
             pairs = _lowest_ids_at_the_cut(values[r], pairs)
+        piece = pieces.first if a.first else pieces.later
         entries.append(
             TokenLogprob(
                 TokenChoice(a.token, value, piece(a.token)),

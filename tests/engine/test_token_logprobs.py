@@ -8,12 +8,19 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mlx_lm import load
 from mlx_lm.generate import generate_step
+from mlx_lm.tokenizer_utils import _byte_decoder
 
+from app.logprobs_format import CompletionLogprobs, chat_logprobs
 from engine.batch_runner import BatchRunner
-from engine.token_logprobs import Asked, token_logprobs, token_pieces
-from scheduler.request import Request, SamplingParams, TokenLogprob
+from engine.fast_detok import detokenizer_factory
+from engine.text_output import TextOutput
+from engine.token_logprobs import Asked, TokenPieces, token_logprobs, token_pieces
+from scheduler.request import Request, SamplingParams, TokenChoice, TokenLogprob
+from tests.helpers.tiny_models import METASPACE_WORDS, ScriptModel
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = list(b"Log probabilities, please: ")
@@ -80,7 +87,7 @@ def test_values_and_alternatives_match_mlx_lms_own_distribution(loaded):
 
 def test_tokens_are_named_by_their_bytes(loaded):
     _, tokenizer = loaded
-    piece = token_pieces(tokenizer)
+    piece = token_pieces(tokenizer).later
     for token in tokenizer.encode("plain ascii, and é"):  # é: two byte tokens
         text = tokenizer.decode([token])
         if text.isascii():
@@ -99,8 +106,101 @@ def test_alternatives_tied_at_the_cut_are_the_lowest_ids():
 
     def top(*wanted: int) -> list[list[int]]:
         asked = [Asked(rows, 3, k) for k in wanted]
-        return [[c.token_id for c in e.top] for e in token_logprobs(asked, lambda t: b"", stream)]
+        empty = TokenPieces(lambda t: b"", lambda t: b"")
+        return [[c.token_id for c in e.top] for e in token_logprobs(asked, empty, stream)]
 
     assert top(2) == [[3, 10]]
     assert top(1, 3) == [[3], [3, 10, 500]]
     assert top(6) == [[3, 10, 500, 700, 900, 0]]
+
+
+# Tokenizers mlx-lm reads by decoding (neither byte-level BPE nor SentencePiece):
+# each token is named by the bytes it adds to the text engine.window_detok streams,
+# so the pieces rebuild the reply and legacy completions' offsets point into it.
+
+
+def pieces_of(tokenizer, tokens: list[int]) -> list[bytes]:
+    """The chosen tokens' pieces as the runner names them, a reply's first marked."""
+    zeros = mx.zeros(len(tokenizer))
+    asked = [Asked(zeros, t, 0, first=i == 0) for i, t in enumerate(tokens)]
+    stream = mx.new_stream(mx.cpu)
+    return [e.chosen.piece for e in token_logprobs(asked, token_pieces(tokenizer), stream)]
+
+
+def streamed(tokenizer, tokens: list[int]) -> str:
+    out = TextOutput(detokenizer_factory(tokenizer)(), (), trim_leading_space=False)
+    return "".join(out.add_token(t) for t in tokens) + out.finish()
+
+
+def assert_offsets_point_at_the_tokens(tokens: list[int], pieces: list[bytes], text: str):
+    entries = [TokenLogprob(TokenChoice(t, -0.1, p)) for t, p in zip(tokens, pieces)]
+    arrays = CompletionLogprobs().take(entries)
+    for key, offset in zip(arrays["tokens"], arrays["text_offset"]):
+        if not key.startswith("bytes:"):
+            assert text[offset : offset + len(key)] == key
+
+
+def test_a_character_split_over_byte_tokens_is_named_by_its_bytes(naive_bytes):
+    """Each byte token decoded alone was U+FFFD: "日本" gave six EF BF BD pieces."""
+    tokens = naive_bytes.encode("日本", add_special_tokens=False)
+    assert b"".join(pieces_of(naive_bytes, tokens)) == "日本".encode()
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from(list(" \nab,.é€😀\ufffd日")), max_size=40))
+def test_byte_token_pieces_rebuild_the_text(naive_bytes, text):
+    tokens = naive_bytes.encode(text, add_special_tokens=False)
+    pieces, whole = pieces_of(naive_bytes, tokens), streamed(naive_bytes, tokens)
+    assert b"".join(pieces) == whole.encode()
+    assert_offsets_point_at_the_tokens(tokens, pieces, whole)
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.binary(max_size=30))
+def test_invalid_utf8_pieces_decode_to_the_text(naive_bytes, data):
+    """Bytes that are no character: the text has U+FFFD where the pieces have the
+    bytes themselves (all a token adds), and decoding those gives the text."""
+    names = {b: c for c, b in _byte_decoder().items()}  # the vocabulary names bytes so
+    tokens = naive_bytes.convert_tokens_to_ids([names[b] for b in data])
+    joined = b"".join(pieces_of(naive_bytes, tokens))
+    assert joined == data
+    assert joined.decode("utf-8", "replace") == streamed(naive_bytes, tokens)
+
+
+@settings(max_examples=150, deadline=None)
+@given(tokens=st.lists(st.integers(1, len(METASPACE_WORDS) + 1), max_size=30))
+def test_metaspace_pieces_rebuild_the_text(metaspace, tokens):
+    """Decoded alone a Metaspace token lost its space ("hello world hello" named
+    hello, world, hello): the offsets drifted and chat tokens did not join to the
+    content. Only a reply's first token drops it, as decoding the reply does."""
+    pieces, whole = pieces_of(metaspace, tokens), streamed(metaspace, tokens)
+    assert b"".join(pieces) == whole.encode()
+    assert_offsets_point_at_the_tokens(tokens, pieces, whole)
+    chat = chat_logprobs([TokenLogprob(TokenChoice(t, -0.1, p)) for t, p in zip(tokens, pieces)])
+    assert "".join(c["token"] for c in chat["content"]) == whole
+
+
+@pytest.mark.parametrize("lead_eos", [False, True])
+def test_the_runner_names_a_replys_first_token_as_decoding_the_reply_does(metaspace, lead_eos):
+    """The runner marks the first token the text has (an EOS generated past with
+    ignore_eos adds none): "hello world" named " hello", " world" had a space
+    the reply has not."""
+    prompt = metaspace.encode("hello world", add_special_tokens=False)
+    words = metaspace.encode("hello world hello", add_special_tokens=False)
+    (eos,) = metaspace.eos_token_ids
+    script = [0] * len(prompt) + [eos] * lead_eos + words
+    runner = BatchRunner(
+        ScriptModel(script), metaspace, max_batch=1, prefill_step_size=16, prefill_batch=1
+    )
+    request = Request(
+        prompt, len(words) + lead_eos, sampling=GREEDY, ignore_eos=lead_eos, logprobs=1
+    )
+    runner.add(request)
+    text, pieces = "", []
+    while runner.active:
+        for out in runner.step():
+            text += out.text
+            pieces += [e.chosen.piece for e in out.logprobs]
+    runner.close()
+    assert text == "hello world hello"
+    assert pieces == [b"hello", b" world", b" hello"]

@@ -10,40 +10,14 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer, TokenizerWrapper
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from engine.fast_detok import detokenizer_factory
 from engine.text_output import TextOutput
 from engine.window_detok import MAX_HELD, WINDOW, WindowDetokenizer
+from tests.helpers.tiny_models import METASPACE_WORDS
 
-WORDS = ["hello", "world", "!", ",", "x", "\n", "日本"]
-
-
-@pytest.fixture(scope="module")
-def naive_bytes(byte_tokenizer):
-    """The tests' byte tokenizer behind mlx-lm's naive detokenizer (multi-byte
-    characters span tokens: the held-back case)."""
-    return TokenizerWrapper(byte_tokenizer._tokenizer, NaiveStreamingDetokenizer)
-
-
-@pytest.fixture(scope="module")
-def metaspace(tmp_path_factory):
-    """A Metaspace decoder (the leading space of a sequence's first word dropped):
-    mlx-lm serves it with its naive detokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "\u2581": 1, **{f"\u2581{w}": i + 2 for i, w in enumerate(WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
-    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
-    path = Path(tmp_path_factory.mktemp("metaspace"))
-    (path / "tokenizer.json").write_text(tok.to_str())
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<unk>"}
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    wrapper = load_tokenizer(path)
-    assert type(wrapper.detokenizer) is NaiveStreamingDetokenizer
-    return wrapper
+WORDS = METASPACE_WORDS
 
 
 class Counting:

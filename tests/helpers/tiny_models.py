@@ -47,6 +47,25 @@ def write_byte_tokenizer(path: Path) -> None:
     )
 
 
+METASPACE_WORDS = ["hello", "world", "!", ",", "x", "\n", "日本"]
+
+
+def write_metaspace_tokenizer(path: Path, words: list[str] = METASPACE_WORDS) -> None:
+    """A word-level tokenizer with a Metaspace decoder (the leading space of a
+    sequence's first word dropped): mlx-lm serves it with its naive detokenizer.
+    Ids: 0 ``<unk>``, 1 a lone space, then one per word (with its space)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "\u2581": 1, **{f"\u2581{w}": i + 2 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_text(tok.to_str())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<unk>"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
 def write_tiny_llama(
     path: Path,
     seed: int = 0,
