@@ -17,6 +17,7 @@ from typing import Any
 from mlx_lm.tokenizer_utils import (
     BPEStreamingDetokenizer,
     NaiveStreamingDetokenizer,
+    SPMStreamingDetokenizer,
     _byte_decoder,
 )
 
@@ -89,6 +90,45 @@ class TableBPEDetokenizer(BPEStreamingDetokenizer):
         self._out.emit(self._maybe_trim_space(current))
 
 
+class PiecewiseSPMDetokenizer(SPMStreamingDetokenizer):
+    """mlx-lm's SentencePiece detokenizer, its text kept as the pieces emitted
+    (engine.emitted_text): its ``self.text += text`` copied the whole reply on
+    every token. Its output is mlx-lm's, segment for segment."""
+
+    def __init__(self, template: SPMStreamingDetokenizer):
+        self.__dict__.update(template.__dict__)  # tokenmap and trim_space, shared
+        self.reset()
+
+    def reset(self) -> None:
+        self.offset = 0
+        self._unflushed = b""
+        self.tokens = []
+        self._out = EmittedText()
+
+    @property  # type: ignore[override]
+    def text(self) -> str:
+        return self._out.text
+
+    @property
+    def last_segment(self) -> str:
+        return self._out.take()
+
+    def push(self, token: int) -> str:
+        """Add ``token``; the text it completes (what ``last_segment`` would give)."""
+        self.add_token(token)
+        return self._out.take()
+
+    def _try_flush(self, force: bool = False) -> None:
+        # mlx-lm's, emitting into the pieces ("not self.text": nothing emitted yet)
+        text = self._unflushed.replace(self._sep, b" ").decode("utf-8", "replace")
+        if not force and text.endswith("\ufffd"):
+            return
+        if not self._out and self.trim_space and text[:1] == " ":
+            text = text[1:]
+        self._out.emit(text)
+        self._unflushed = b""
+
+
 def bpe_token_bytes(token: str) -> bytes:
     """mlx-lm's ``_decode_bytes`` for one token, kept exact (its falsy-0 quirk included)."""
     decoder = _byte_decoder()
@@ -106,11 +146,21 @@ def detokenizer_factory(tokenizer: Any) -> Callable[[], Any]:
     """A maker of fresh streaming detokenizers for ``tokenizer`` (mlx-lm's
     TokenizerWrapper): the table-driven one for byte-level BPE, a windowed one
     where mlx-lm's would decode each whole line per token (engine.window_detok),
-    mlx-lm's own for SentencePiece."""
+    mlx-lm's for SentencePiece with its text held in pieces."""
     template = tokenizer.detokenizer
     if type(template) is NaiveStreamingDetokenizer:
         hf, clean = template._tokenizer, template._clean_spaces  # noqa: SLF001 - its probe
         return lambda: WindowDetokenizer(hf, clean)
+    if type(template) is SPMStreamingDetokenizer:
+        spm = PiecewiseSPMDetokenizer(template)
+
+        def make_spm() -> PiecewiseSPMDetokenizer:
+            fresh = PiecewiseSPMDetokenizer.__new__(PiecewiseSPMDetokenizer)
+            fresh.__dict__.update(spm.__dict__)
+            fresh.reset()
+            return fresh
+
+        return make_spm
     if type(template) is not BPEStreamingDetokenizer:
         return lambda: tokenizer.detokenizer
     decoder = _byte_decoder()

@@ -1,14 +1,17 @@
-"""The table-driven byte-level BPE detokenizer streams exactly what mlx-lm's does."""
+"""The table-driven byte-level BPE detokenizer and the SentencePiece one holding
+its text in pieces stream exactly what mlx-lm's do."""
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer
+from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from engine.fast_detok import TableBPEDetokenizer, detokenizer_factory
-from engine.text_output import _keep_leading_space
+from engine.text_output import TextOutput, _keep_leading_space
+from tests.helpers.tiny_models import write_spm_tokenizer
 
 
 def stream(detok, tokens, push=False):
@@ -63,3 +66,36 @@ def test_other_tokenizer_kinds_keep_mlx_lms_detokenizer():
             return "theirs"
 
     assert detokenizer_factory(Wrapper())() == "theirs"
+
+
+@pytest.fixture(scope="module")
+def spm(tmp_path_factory):
+    path = tmp_path_factory.mktemp("spm")
+    write_spm_tokenizer(path)
+    wrapper = load_tokenizer(path)
+    assert type(wrapper.detokenizer) is SPMStreamingDetokenizer
+    return wrapper
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), trim=st.booleans(), push=st.booleans())
+def test_sentencepiece_streams_the_segments_and_text_mlx_lms_does(spm, data, trim, push):
+    # any ids: words with and without their space, byte tokens (split characters)
+    tokens = data.draw(st.lists(st.integers(0, len(spm) - 1), max_size=40))
+    theirs, ours = spm.detokenizer, detokenizer_factory(spm)()
+    if not trim:
+        _keep_leading_space(theirs)
+        _keep_leading_space(ours)
+    assert stream(ours, tokens, push) == stream(theirs, tokens)
+
+
+def test_a_sentencepiece_reply_is_held_in_pieces_not_copied_per_token(spm):
+    """mlx-lm's ``self.text += text`` copied the whole reply on every token."""
+    words = [spm.convert_tokens_to_ids(w) for w in ("\u2581hello", "\u2581world")]
+    detok = detokenizer_factory(spm)()
+    out = TextOutput(detok, ("STOP",))
+    streamed = "".join(out.add_token(words[i % 2]) for i in range(2000)) + out.finish()
+    assert len(detok._out._parts) == 2000  # noqa: SLF001 - one per token, never joined
+    assert detok.text == streamed == "hello" + " world hello" * 999 + " world"
+    b = detokenizer_factory(spm)()
+    assert b.text == "" and b.tokens == [] and b.tokenmap is detok.tokenmap

@@ -66,6 +66,35 @@ def write_metaspace_tokenizer(path: Path, words: list[str] = METASPACE_WORDS) ->
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
+SPM_WORDS = ["\u2581hello", "\u2581world", "hello", "\u2581", ",", "\u2581日本", "\u2581\u2581"]
+
+
+def write_spm_tokenizer(path: Path) -> None:
+    """A SentencePiece-shaped tokenizer (byte fallback, the decoder mlx-lm reads
+    with its SPMStreamingDetokenizer). Ids: ``<unk>``, ``<s>``, ``</s>``, the 256
+    byte tokens ``<0x00>``..``<0xFF>``, then SPM_WORDS."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    names = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SPM_WORDS]
+    vocab = {name: i for i, name in enumerate(names)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "tokenizer.json").write_text(tok.to_str())
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>"}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
 def write_tiny_llama(
     path: Path,
     seed: int = 0,
