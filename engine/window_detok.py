@@ -29,7 +29,10 @@ PENDING = 3
 # what Hugging Face's clean_up_tokenization rewrites; a text ending in the start
 # of one may change when the next token comes (" '" + " " is "'", " n" + "'t" "n't")
 CLEANUPS = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
-_OPEN_CLEANUPS = frozenset(c[:k] for c in CLEANUPS for k in range(1, len(c)))
+# and in cascade: " ' " made "'", whose " 's" then takes the space before it too
+# ("x  ' s" decodes to "x's": both spaces go)
+CASCADES = ("  ' s", "  ' m", "  ' ve", "  ' re")
+_OPEN_CLEANUPS = frozenset(c[:k] for c in CLEANUPS + CASCADES for k in range(1, len(c)))
 _LONGEST_OPEN = max(map(len, _OPEN_CLEANUPS))
 
 

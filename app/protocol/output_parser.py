@@ -127,10 +127,19 @@ class OutputParser:
     def _feed(self, text: str) -> None:
         # a long text in bounded pieces (any chunking reads alike): each call or tag
         # found slices what is buffered, and one buffer of thousands of calls was
-        # sliced once per call (quadratic)
-        for at in range(0, len(text), PIECE):
-            self._buf += text[at : at + PIECE]
-            self._drain(final=False)
+        # sliced once per call (quadratic). Text a call gave back to be read again
+        # (see _give_back) is read before what follows it.
+        texts = [text]
+        while texts:
+            t, at = texts.pop(), 0
+            while at < len(t):
+                self._buf += t[at : at + PIECE]
+                at += PIECE
+                self._drain(final=False)
+                if self._replay:
+                    texts += [t[at:], self._replay]
+                    self._replay = ""
+                    break
 
     def finish(self, truncated: bool = False, stopped_at: str | None = None) -> list[Event]:
         """The end of the reply. ``truncated``: max_tokens cut it, so a call whose
@@ -295,6 +304,8 @@ class OutputParser:
             while (i := window.find(markup.end, search)) >= 0:
                 self._read_values(window, base, i)
                 if not self._track_values or not self._values.open:
+                    if self._skipped is not None and not self._decodes(markup, new, base + i):
+                        return self._give_back(markup, new)
                     return self._end_tool(markup, new, base + i)
                 if self._skipped is None:
                     self._skipped = base + i
@@ -304,12 +315,7 @@ class OutputParser:
         self._tool_parts.append(new)
         self._tool_len += len(new)
         if final and self._skipped is not None:
-            # a value never closed: the end tag read as its text was the call's after
-            # all; what followed it is read again (by finish, in pieces)
-            text, cut = "".join(self._tool_parts), self._skipped
-            self._replay = text[cut + len(markup.end) :]
-            self._track_values = False
-            self._close_tool(markup, text[:cut], markup.end)
+            self._give_back(markup, "")  # a value never closed
         elif final and (self._truncated or self._cut_by_stop(markup)):
             self._tool = None
             self._emit(Content, markup.start + "".join(self._tool_parts))
@@ -323,6 +329,25 @@ class OutputParser:
         if self._track_values:
             self._values.feed(window[self._valued - base : upto])
         self._valued = max(self._valued, base + upto)
+
+    def _decodes(self, markup: Markup, new: str, cut: int) -> bool:
+        """Whether the call, read through end tags it took for a value's text, is
+        calls (a broken string closed only by a later quote is not)."""
+        assert self.tools is not None
+        return bool(self.tools.decode(markup, ("".join(self._tool_parts) + new)[:cut]))
+
+    def _give_back(self, markup: Markup, new: str) -> bool:
+        """The first end tag read as a value's text was the call's end after all
+        (the value never closed, or what closed it broke the call): the call ends
+        there and what followed is read again, end tags as ends from then on (read
+        again with values, a reply could be re-read per call). A broken call took
+        the valid one after it down with it."""
+        assert self._skipped is not None
+        text, cut = "".join(self._tool_parts) + new, self._skipped
+        self._replay = text[cut + len(markup.end) :]
+        self._track_values = False
+        self._close_tool(markup, text[:cut], markup.end)
+        return False
 
     def _end_tool(self, markup: Markup, new: str, cut: int) -> bool:
         text = "".join(self._tool_parts) + new

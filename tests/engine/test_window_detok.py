@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -120,6 +120,8 @@ def metaspace_clean(tmp_path_factory):
 
 @settings(max_examples=300, deadline=None)
 @given(ids=st.lists(st.integers(1, len(CLEAN_WORDS) + 1), max_size=60))
+@example(ids=[1, 1, 3, 4])  # "  ' s": " ' " then " 's" take both spaces
+@example(ids=[2, 1, 1, 3, 1, 4])
 def test_text_the_space_cleanup_rewrites_streams_as_decoding_it_all_gives(metaspace_clean, ids):
     """Only a trailing space was held: " '" streamed, then " ' s" decoded to "'s"
     and the window's offsets lost the "s" ("it ' x" for "it's x")."""

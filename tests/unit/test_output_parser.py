@@ -160,6 +160,28 @@ def test_a_call_whose_string_never_closes_still_ends_at_its_tag():
     assert whole == [Content(broken + " and "), ToolCall("get_weather", '{"city": "Rome"}')]
 
 
+@pytest.mark.parametrize(
+    "between, good_value",
+    [("\n", '"D:\\\\a \\"b\\""'), (' then the 27" one: ', '"Rome"')],
+    ids=["escaped-quotes-after", "a-lone-quote-after"],
+)
+def test_a_broken_call_does_not_take_the_valid_call_after_it_down(between, good_value):
+    """A string left open ("C:\\") read its end tag as text; a later quote closed
+    it, and the first call was cut at the second's end tag: neither decoded."""
+    broken = '<tool_call>{"name": "get_weather", "arguments": {"city": "C:\\"}}</tool_call>'
+    good = (
+        f'<tool_call>{{"name": "get_weather", "arguments": {{"city": {good_value}}}}}</tool_call>'
+    )
+    whole = _parser(True, False).parse(broken + between + good)
+    assert whole[0] == Content(broken + between)
+    assert [e.arguments_dict()["city"] for e in whole if isinstance(e, ToolCall)] == [
+        json.loads(good_value)
+    ]
+    parser = _parser(True, False)
+    streamed = [e for ch in broken + between + good for e in parser.feed(ch)] + parser.finish()
+    assert merge(streamed) == whole
+
+
 def test_a_qwen_call_without_its_parameter_end_tag_is_decided_at_its_end_tag():
     """Models leave out </parameter>: the value ends with its function, so the
     call's end tag still ends it there; it is not withheld to the end of the reply."""
