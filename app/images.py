@@ -237,13 +237,22 @@ def _structure_refusal(raw: bytes) -> str | None:
 
 
 def _png_chunks(raw: bytes, cap: int) -> int:
-    """A PNG's chunks to its end (IEND), counted to one past ``cap``."""
+    """The PNG chunks Pillow reads, counted to one past ``cap``: to the end
+    (IEND), or for an animation to its second frame (fcTL after the image data:
+    Pillow stops there, only the first frame is read). An APNG of thousands of
+    small frames was refused."""
     chunks, pos = 0, 8  # after the signature
+    animated = image_seen = False
     while pos + 8 <= len(raw) and chunks <= cap:
+        kind = raw[pos + 4 : pos + 8]
+        if kind == b"IEND" or (kind == b"fcTL" and animated and image_seen):
+            return chunks + 1
         chunks += 1
-        if raw[pos + 4 : pos + 8] == b"IEND":
-            break
-        pos += 12 + int.from_bytes(raw[pos : pos + 4], "big")  # length, type, data, CRC
+        length = int.from_bytes(raw[pos : pos + 4], "big")
+        if kind == b"acTL":  # frames > 1: what Pillow calls animated
+            animated = int.from_bytes(raw[pos + 8 : pos + 12], "big") > 1
+        image_seen = image_seen or kind == b"IDAT"
+        pos += 12 + length  # length, type, data, CRC
     return chunks
 
 

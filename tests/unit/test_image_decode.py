@@ -318,6 +318,23 @@ def test_a_png_of_thousands_of_tiny_chunks_is_refused_before_pillow_parses_it(mo
         assert refused.value.status == 400 and not opened
 
 
+def test_an_animated_png_of_thousands_of_frames_is_read_to_its_first(monkeypatch):
+    """Pillow reads an APNG's chunks only up to its second frame: counted to the
+    end, 2,200 small frames were refused. Chunks that come after a still image's
+    data are read all the same, so there an fcTL ends nothing."""
+    frames = [Image.new("RGB", (8, 8), (i % 256, 0, 0)) for i in range(2200)]
+    out = io.BytesIO()
+    frames[0].save(out, "PNG", save_all=True, append_images=frames[1:], duration=33)
+    assert decode_image(out.getvalue(), ImageLimits()).image.getpixel((0, 0)) == (0, 0, 0)
+    still = _png_rechunked(Image.new("RGB", (8, 8)), 8192)
+    tail = _png_chunk(b"fcTL", bytes(26)) + _png_chunk(b"zzZz", b"") * 10_000
+    crafted = still[: -len(_png_chunk(b"IEND", b""))] + tail + _png_chunk(b"IEND", b"")
+    opened = _opens_counted(monkeypatch)
+    with pytest.raises(APIError, match="a PNG of more than 4096 chunks"):
+        decode_image(crafted, ImageLimits())
+    assert not opened
+
+
 def test_a_large_png_of_many_ordinary_chunks_is_still_read():
     """A large PNG holds thousands of libpng's 8 KiB IDAT chunks: allowed one a KiB."""
     noise = Image.frombytes("L", (2300, 2300), bytes(range(256)) * 20_665)
