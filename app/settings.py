@@ -425,6 +425,8 @@ class Settings(BaseSettings):
     distributed_boot_timeout: float = Field(
         1800.0,
         ge=0,
+        # a year at most: faulthandler's watchdog overflows time_t past ~1e10 s
+        le=365 * 86400,
         description="seconds a rank waits for its group to come up (every rank joined, "
         "loaded and connected) before it exits non-zero for a supervisor to restart the "
         "group: a rank missing, hung, or started with another world size otherwise left "

@@ -88,6 +88,11 @@ def boot_mlx(config: EngineConfig) -> Booted:
     log.info("loading model %s (%s) on %s", config.source.path, config.source.kind, device)
     ranks = _group_boot(config)
     if ranks is not None:
+        if config.source.kind == "gguf":  # a first conversion runs within the boot deadline
+            ranks.group.boot.stage(
+                "converting the GGUF model (run `kvwarm prepare` on each machine first to "
+                "keep a long conversion out of the start-up)"
+            )
         ranks.check_same(group_fingerprint(prepare_model_dir(config.source)), _shared(config))
     loaded = load_model(
         config.source, shard=ranks.shard if ranks is not None else None, vision=config.vision

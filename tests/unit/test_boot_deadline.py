@@ -46,3 +46,16 @@ def test_no_limit_waits_for_ever():
     deadline.start(deadline.limit_s)
     assert not expired.wait(0.3)
     assert not any(t.name == "kvwarm-boot-deadline" for t in threading.enumerate())
+
+
+def test_a_boot_timeout_beyond_a_year_is_a_settings_error():
+    """1e10 s overflowed faulthandler's time_t: a traceback at start, exit 1, and a
+    supervisor restarting it; "for ever" is 0."""
+    import pytest
+    from pydantic import ValidationError
+
+    from app.settings import Settings
+
+    with pytest.raises(ValidationError, match="distributed_boot_timeout"):
+        Settings(_env_file=None, distributed_boot_timeout=1e10)
+    assert Settings(_env_file=None, distributed_boot_timeout=0).distributed_boot_timeout == 0
