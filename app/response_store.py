@@ -127,6 +127,12 @@ class ResponseStore:
         while self._bytes > self.max_bytes:
             _, oldest = self._items.popitem(last=False)
             self._release(oldest.item)
+        if len(self._deadlines) > 2 * len(self._items) + 64:
+            # entries of items evicted or deleted since (only expiry removed them): a
+            # small store under steady traffic held one per response for the whole TTL
+            self._deadlines = deque(
+                d for d in self._deadlines if (h := self._items.get(d[1])) and h.expires == d[0]
+            )
 
     def get(self, response_id: str) -> StoredResponse | None:
         self._expire()

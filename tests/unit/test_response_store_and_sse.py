@@ -48,6 +48,19 @@ def test_byte_cap_evicts_least_recently_used():
     assert store.get("huge") is None and len(store) == 3
 
 
+def test_evicted_and_deleted_responses_leave_no_bookkeeping_behind():
+    """Each response's expiry entry was dropped only at its TTL: a 64 KiB store
+    given 200,000 small responses in an hour held 200,000 entries (32 MiB)."""
+    store = ResponseStore(max_bytes=3000)
+    for i in range(20_000):
+        store.put(_resp(f"r{i}", 100), [])
+        if i % 2:
+            store.delete(f"r{i}")
+    assert 0 < len(store) < 30
+    assert len(store._deadlines) <= 2 * len(store._items) + 65  # noqa: SLF001
+    assert store.get("r19998") is not None  # what is kept still expires and reads
+
+
 def test_the_byte_cap_counts_what_is_held():
     """Kept as JSON bytes: many small values weighed ~7x their JSON as objects."""
     store = ResponseStore(max_bytes=200_000)
