@@ -41,7 +41,9 @@ DISCONNECT_POLL_S = 0.25
 # how long a streamed response's headers wait for admission (and the cache's
 # answer) before going out without it: a queued client still gets bytes at once
 HEADER_WAIT_S = 2.0
-RETRYABLE = frozenset({"queue_timeout", "server_shutdown"})
+# the request's own fault it is not: a 503 worth retrying (engine_unavailable: it
+# was still queued when the engine died)
+RETRYABLE = frozenset({"queue_timeout", "server_shutdown", "engine_unavailable"})
 
 
 @dataclass

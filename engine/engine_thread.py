@@ -526,9 +526,13 @@ class EngineThread(threading.Thread):
         self._ready.set()  # unblock anyone waiting for readiness
 
     def _fail_open_requests(self, reason: str, code: str = "engine_error") -> None:
-        """End every waiting and running request with ``reason``; refuse new ones."""
-        dropped = self.scheduler.fail_all(reason, shutdown=code == "server_shutdown")
-        self.router.publish(RequestOutput.failure(r.request_id, reason, code) for r in dropped)
+        """End every waiting and running request with ``reason``; refuse new ones.
+        A request still waiting when the engine died did not fail itself: it gets
+        what a request arriving a moment later gets (503, engine_unavailable)."""
+        running, waiting = self.scheduler.fail_all(reason, shutdown=code == "server_shutdown")
+        queued = "engine_unavailable" if code == "engine_error" else code
+        self.router.publish(RequestOutput.failure(r.request_id, reason, code) for r in running)
+        self.router.publish(RequestOutput.failure(r.request_id, reason, queued) for r in waiting)
 
 
 def exit_now(code: int) -> None:

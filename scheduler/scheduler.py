@@ -184,7 +184,8 @@ class Scheduler:
         with self._lock:
             if self._shutdown_pending:
                 self._shutdown_pending = False
-                plan.shutdown = [r.request_id for r in self._drop_all()]
+                running, waiting = self._drop_all()
+                plan.shutdown = [r.request_id for r in [*running, *waiting]]
                 self._aborted += len(plan.shutdown)
                 return plan
             plan.expired, plan.timed_out = self._expire(time.monotonic())
@@ -266,27 +267,28 @@ class Scheduler:
             req.state = state
         return req is not None
 
-    def fail_all(self, reason: str, shutdown: bool = False) -> list[Request]:
+    def fail_all(self, reason: str, shutdown: bool = False) -> tuple[list[Request], list[Request]]:
         """Drop every waiting and running request and refuse new ones: failed when
-        the engine died, aborted when the server shuts down."""
+        the engine died, aborted when the server shuts down. (running, waiting):
+        one that never started is no failure of its own, worth trying again."""
         with self._lock:
             self._closed = reason
-            dropped = self._drop_all()
+            running, waiting = self._drop_all()
             if shutdown:
-                self._aborted += len(dropped)
+                self._aborted += len(running) + len(waiting)
             else:
-                self._failed += len(dropped)
-            return dropped
+                self._failed += len(running) + len(waiting)
+            return running, waiting
 
-    def _drop_all(self) -> list[Request]:
+    def _drop_all(self) -> tuple[list[Request], list[Request]]:
         """Every running and waiting request, taken out and marked aborted (lock held)."""
-        dropped = [*self._running.values(), *self._waiting]
+        running, waiting = list(self._running.values()), list(self._waiting)
         self._running.clear()
         self._waiting.clear()
         self._pending_aborts.clear()
-        for req in dropped:
+        for req in [*running, *waiting]:
             req.state = RequestState.ABORTED
-        return dropped
+        return running, waiting
 
     def has_work(self) -> bool:
         with self._lock:

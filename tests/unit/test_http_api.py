@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 
 import httpx
@@ -448,6 +449,31 @@ def test_engine_death_ends_streams_with_an_error_and_health_turns_503():
         assert health.status_code == 503 and health.json()["status"] == "error"
         assert_error(httpx.post(url + CHAT, json={"messages": msgs()}), 503, "engine_unavailable")
         assert_error(httpx.get(url + "/v1/models"), 503, "engine_unavailable")
+
+
+def test_a_request_still_queued_when_the_engine_dies_gets_a_503_to_retry():
+    """It failed nothing of its own: it got the running request's 500 "Generation
+    failed", while one sent a moment later got 503 engine_unavailable."""
+    app = make_app(Settings(_env_file=None, batch=1), step_delay=0.05)
+    with serve_app(app) as url:
+        engine = app.state.kvwarm.engine
+        results: dict[str, httpx.Response] = {}
+
+        def ask(name: str) -> None:
+            body = {"messages": msgs(name), "max_tokens": 1000}
+            results[name] = httpx.post(url + CHAT, json=body, timeout=30)
+
+        threads = [threading.Thread(target=ask, args=(n,)) for n in ("running", "queued")]
+        for t in threads:
+            t.start()
+            time.sleep(0.3)
+        _wait(lambda: app.state.kvwarm.service.scheduler.stats().waiting == 1)
+        engine.inject_fault(RuntimeError("GPU fell over"))
+        for t in threads:
+            t.join()
+        assert_error(results["running"], 500, "engine_error")
+        assert_error(results["queued"], 503, "engine_unavailable")
+        assert results["queued"].headers["retry-after"]
 
 
 @pytest.fixture(scope="module")
