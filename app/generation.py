@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -170,6 +171,14 @@ class Outcome:
         return self.finish_reason.value if self.finish_reason else "abort"
 
 
+def _cancel_soon(loop: asyncio.AbstractEventLoop, task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` on its loop, from whichever thread collects its owner."""
+    try:
+        loop.call_soon_threadsafe(task.cancel)
+    except RuntimeError:  # the loop is closed: nothing is left to cancel it on
+        pass
+
+
 def _header_safe(value: str) -> str:
     """A client-chosen id as a header value: ASCII, bounded."""
     return ascii_escaped(value, 256)
@@ -226,6 +235,10 @@ class Generation:
         sent yet, so a queue timeout is still a 503 with Retry-After, not an error
         event inside a 200."""
         self._pending = asyncio.ensure_future(anext(self._outputs, None))
+        # the read-ahead holds the request's stream for as long as it waits: a
+        # response whose body never started (the client left in between) left it
+        # queued, then running, for no one; gone with this generation, it ends
+        weakref.finalize(self, _cancel_soon, asyncio.get_running_loop(), self._pending)
         deadline = time.monotonic() + wait_s
         while True:
             left = deadline - time.monotonic()

@@ -7,6 +7,7 @@ shape, naming the field, whatever envelope carried it; the server stays healthy.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -736,3 +737,56 @@ def test_an_engine_gone_before_a_request_is_queued_leaves_nothing_queued():
     with pytest.raises(EngineUnavailable):
         Generation(state, prepared, "chat")
     assert submitted == []
+
+
+def test_a_streamed_request_whose_body_never_starts_is_cancelled_with_its_generation():
+    """start()'s read-ahead held the request's stream: a client that left before
+    the response body began (Starlette never iterated it) left the request queued,
+    then running for no one, its log record never written."""
+    import gc
+    from types import SimpleNamespace
+
+    from app.generation import Generation
+    from scheduler.request import Request
+    from scheduler.scheduler import Scheduler
+    from scheduler.service import GenerationService
+    from scheduler.streams import OutputRouter
+    from tests.helpers.fake_engine import FakeEngine
+
+    class Http:
+        scope: dict = {}
+        headers: dict = {}
+
+        async def is_disconnected(self) -> bool:
+            return False
+
+    async def scenario() -> None:
+        scheduler = Scheduler(None, max_running=1, max_queue=8)
+        router = OutputRouter(asyncio.get_running_loop())
+        engine = FakeEngine(scheduler, router, step_delay=0.01)
+        engine.start()
+        engine.wait_ready(5)
+        service = GenerationService(scheduler, router, engine)
+        try:
+            blocker = service.submit(Request([1] * 5, 2000, ignore_eos=True))
+            state = SimpleNamespace(
+                settings=SimpleNamespace(strip_thinking=False),
+                model_info=lambda: SimpleNamespace(model_id="m"),
+                service=service,
+            )
+            prepared = SimpleNamespace(request=Request([2] * 5, 300, ignore_eos=True))
+            gen = Generation(state, prepared, "chat", Http())
+            assert await gen.start(Http(), wait_s=0.05)  # still queued: headers go out
+            assert scheduler.stats().waiting == 1
+            del gen
+            gc.collect()
+            async with asyncio.timeout(5):
+                while scheduler.stats().waiting:
+                    await asyncio.sleep(0.02)
+            assert scheduler.stats().aborted_total == 1
+            await blocker.aclose()
+        finally:
+            engine.stop()
+            engine.join(5)
+
+    asyncio.run(scenario())
