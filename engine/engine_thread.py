@@ -351,6 +351,9 @@ class EngineThread(threading.Thread):
             self._load()
         except Exception as exc:
             self._die(f"model load failed: {exc}", exc)
+            # a failure after the boot (an --adapter) has a runner and ranks: its disk
+            # tier is flushed and its other ranks told to stop, not left to time out
+            self._close_quietly()
             if self._on_load_failure is not None:  # lasting: the next start fails alike
                 self._on_load_failure(self._failure or "", isinstance(exc, LastingLoadError))
             return

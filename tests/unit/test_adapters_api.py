@@ -334,6 +334,43 @@ def test_load_failures_say_whether_the_next_start_would_fail_alike(tmp_path):
     assert "--adapter fake-model=" in seen[0][0] and "--adapter a=" in seen[1][0]
 
 
+def test_a_load_that_fails_after_the_boot_closes_what_the_boot_made(tmp_path):
+    """An --adapter that failed to mount returned before the close: the runner's
+    disk tier was not flushed and a group's other ranks, never told to stop, sat
+    until their heartbeat timed out."""
+    import asyncio
+
+    from scheduler.scheduler import Scheduler
+    from scheduler.streams import OutputRouter
+    from tests.helpers.fake_engine import FakeEngine
+
+    class Ranks:
+        closed = False
+
+        def start(self, on_lost) -> None:
+            pass
+
+        def close(self) -> None:
+            Ranks.closed = True
+
+    loop = asyncio.new_event_loop()
+    closed: list[bool] = []
+    try:
+        engine = FakeEngine(
+            Scheduler(None, max_running=1, max_queue=4),
+            OutputRouter(loop),
+            adapters=(("fake-model", tmp_path),),  # the base model's id: refused
+            ranks=Ranks(),
+        )
+        engine.fake.close = lambda: closed.append(True)  # type: ignore[method-assign]
+        engine.start()
+        engine.join(30)
+    finally:
+        loop.close()
+    assert engine._failure and "--adapter fake-model=" in engine._failure  # noqa: SLF001
+    assert closed == [True] and Ranks.closed
+
+
 def test_a_start_that_fails_leaves_no_idle_wait_while_requests_queue():
     """The slot a failed start frees goes to the queue's next request at once: the
     engine waited out its idle timeout first (a run of failing requests got 2 a second)."""
