@@ -26,7 +26,7 @@ from engine.model_source import ModelSource
 from kvcache.index import PromptCacheConfig
 from kvcache.interface import KVCacheDisabled, KVCacheManager
 from kvcache.layout import KVQuant
-from scheduler.admission import AdmissionController, EngineUnavailable
+from scheduler.admission import RETRY_AFTER_S, AdmissionController, EngineUnavailable
 from scheduler.contracts import (
     AdapterError,
     AdapterExists,
@@ -55,6 +55,11 @@ NOT_ON_A_GROUP = (
 # after a lost rank, how long open streams get to see their error before the
 # process exits (its engine thread may be stuck in a collective for good)
 RANK_LOST_EXIT_S = 5.0
+# control operations (saved-conversation loads, adapter mounts) run between two
+# steps: while rows decode, a few per step (a flood of loads from one client
+# stalled every stream's tokens), and a bounded queue of them (503 past it)
+CONTROLS_PER_STEP = 4
+MAX_PENDING_CONTROLS = 64
 MEMORY_SAMPLE_S = 1.0
 T = TypeVar("T")  # allocator readings for /metrics; a scrape needs no fresher
 
@@ -205,6 +210,14 @@ class EngineThread(threading.Thread):
                 if self.alive
                 else EngineUnavailable(f"The inference engine is not running: {self._failure}")
             )
+        elif self._controls.qsize() >= MAX_PENDING_CONTROLS:
+            future.set_exception(
+                EngineUnavailable(
+                    f"The engine has {MAX_PENDING_CONTROLS} operations waiting; retry shortly.",
+                    RETRY_AFTER_S,
+                    "engine_busy",
+                )
+            )
         else:
             self._controls.put((op, future))
             self.scheduler.wake()
@@ -302,8 +315,11 @@ class EngineThread(threading.Thread):
         admission.budget = budget
         self._model_info = replace(info, budget=budget)
 
-    def _run_controls(self) -> None:
-        while True:
+    def _run_controls(self, limit: int | None = None) -> None:
+        """Pending control operations, at most ``limit`` (None: all)."""
+        ran = 0
+        while limit is None or ran < limit:
+            ran += 1
             try:
                 op, future = self._controls.get_nowait()
             except queue.Empty:
@@ -424,7 +440,7 @@ class EngineThread(threading.Thread):
         while not self._stopping.is_set():
             if self._fault is not None:
                 raise self._fault
-            self._run_controls()
+            self._run_controls(CONTROLS_PER_STEP if runner.active else None)
             if runner.prefix_cache is not None:
                 runner.prefix_cache.poll()  # finished disk writes show in /stats promptly
             plan = scheduler.schedule()

@@ -790,3 +790,51 @@ def test_a_streamed_request_whose_body_never_starts_is_cancelled_with_its_genera
             engine.join(5)
 
     asyncio.run(scenario())
+
+
+def test_control_operations_run_a_few_per_step_and_queue_to_a_bound():
+    """Every /v1/conv_kv load and adapter call ran before the next decode step: a
+    flood of them from one client stalled every stream's tokens, and their queue
+    had no end."""
+    from engine.engine_thread import CONTROLS_PER_STEP, MAX_PENDING_CONTROLS
+    from scheduler.admission import EngineUnavailable
+    from scheduler.request import Request
+    from scheduler.scheduler import Scheduler
+    from scheduler.service import GenerationService
+    from scheduler.streams import OutputRouter
+    from tests.helpers.fake_engine import FakeEngine
+
+    async def scenario() -> None:
+        scheduler = Scheduler(None, max_running=1, max_queue=8)
+        router = OutputRouter(asyncio.get_running_loop())
+        engine = FakeEngine(scheduler, router, step_delay=0.002)
+        engine.start()
+        engine.wait_ready(5)
+        service = GenerationService(scheduler, router, engine)
+        try:
+            stream = service.submit(Request([1] * 5, 2000, ignore_eos=True))
+            await stream.__anext__()  # decoding
+            held = threading.Event()
+            blocker = engine.control(lambda runner: held.wait(5))
+            while not blocker.running():
+                await asyncio.sleep(0.005)
+            at_steps: list[int] = []
+            queued = [
+                engine.control(lambda runner: at_steps.append(engine._steps))  # noqa: SLF001
+                for _ in range(MAX_PENDING_CONTROLS)
+            ]
+            refused = engine.control(lambda runner: None)
+            with pytest.raises(EngineUnavailable) as busy:
+                refused.result(1)
+            assert busy.value.code == "engine_busy" and busy.value.retry_after
+            held.set()
+            for future in queued:
+                future.result(10)
+            per_step = {s: at_steps.count(s) for s in at_steps}
+            assert max(per_step.values()) <= CONTROLS_PER_STEP
+            await stream.aclose()
+        finally:
+            engine.stop()
+            engine.join(5)
+
+    asyncio.run(scenario())
