@@ -438,6 +438,9 @@ def test_a_control_sent_as_the_engine_dies_is_answered():
         def get_nowait(self):
             return controls.get_nowait()
 
+        def qsize(self) -> int:
+            return controls.qsize()
+
     engine._controls = LateQueue()  # noqa: SLF001
     try:
         future = engine.control(lambda runner: "ran")
