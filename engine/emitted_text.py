@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class EmittedText:
     """Pieces kept as emitted and joined only when ``text`` is read (``+=`` on the
@@ -30,3 +32,25 @@ class EmittedText:
     def take(self) -> str:
         segment, self._segment = self._segment, ""
         return segment
+
+
+class EmittedOutput:
+    """The reading side of mlx-lm's ``StreamingDetokenizer`` interface over an
+    ``EmittedText`` (``_out``), shared by kvwarm's detokenizers; each adds tokens
+    with its own ``add_token``."""
+
+    _out: EmittedText
+    add_token: Callable[[int], None]  # the detokenizer's own (annotated: none defined here)
+
+    @property
+    def text(self) -> str:
+        return self._out.text
+
+    @property
+    def last_segment(self) -> str:
+        return self._out.take()
+
+    def push(self, token: int) -> str:
+        """Add ``token``; the text it completes (what ``last_segment`` would give)."""
+        self.add_token(token)
+        return self._out.take()

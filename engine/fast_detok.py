@@ -21,13 +21,13 @@ from mlx_lm.tokenizer_utils import (
     _byte_decoder,
 )
 
-from engine.emitted_text import EmittedText
+from engine.emitted_text import EmittedOutput, EmittedText
 from engine.window_detok import WindowDetokenizer
 
 SPACE = 32
 
 
-class TableBPEDetokenizer(BPEStreamingDetokenizer):
+class TableBPEDetokenizer(EmittedOutput, BPEStreamingDetokenizer):
     """A BPEStreamingDetokenizer reading token bytes from a precomputed table.
 
     Text is kept as the pieces emitted (joined only when ``text`` is read) and
@@ -48,23 +48,10 @@ class TableBPEDetokenizer(BPEStreamingDetokenizer):
         self._held = b""  # held tokens' bytes (an incomplete character, a lone space)
         self._out = EmittedText()
 
-    @property  # type: ignore[override]
-    def text(self) -> str:
-        return self._out.text
-
-    @property
-    def last_segment(self) -> str:
-        return self._out.take()
-
     def _maybe_trim_space(self, current_text: str) -> str:
         if current_text[:1] == " " and not self._out:
             return current_text[1:]
         return current_text
-
-    def push(self, token: int) -> str:
-        """Add ``token``; the text it completes (what ``last_segment`` would give)."""
-        self.add_token(token)
-        return self._out.take()
 
     def add_token(self, token: int) -> None:
         self.tokens.append(token)
@@ -90,7 +77,7 @@ class TableBPEDetokenizer(BPEStreamingDetokenizer):
         self._out.emit(self._maybe_trim_space(current))
 
 
-class PiecewiseSPMDetokenizer(SPMStreamingDetokenizer):
+class PiecewiseSPMDetokenizer(EmittedOutput, SPMStreamingDetokenizer):
     """mlx-lm's SentencePiece detokenizer, its text kept as the pieces emitted
     (engine.emitted_text): its ``self.text += text`` copied the whole reply on
     every token. Its output is mlx-lm's, segment for segment."""
@@ -104,19 +91,6 @@ class PiecewiseSPMDetokenizer(SPMStreamingDetokenizer):
         self._unflushed = b""
         self.tokens = []
         self._out = EmittedText()
-
-    @property  # type: ignore[override]
-    def text(self) -> str:
-        return self._out.text
-
-    @property
-    def last_segment(self) -> str:
-        return self._out.take()
-
-    def push(self, token: int) -> str:
-        """Add ``token``; the text it completes (what ``last_segment`` would give)."""
-        self.add_token(token)
-        return self._out.take()
 
     def _try_flush(self, force: bool = False) -> None:
         # mlx-lm's, emitting into the pieces ("not self.text": nothing emitted yet)

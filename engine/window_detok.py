@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.emitted_text import EmittedText
+from engine.emitted_text import EmittedOutput, EmittedText
 
 CONTEXT = 4  # tokens decoded before the new ones, never emitted again
 WINDOW = 16  # tokens a window may reach before it restarts from its last CONTEXT
@@ -44,7 +44,7 @@ def cleanup_tail(text: str) -> int:
     return 0
 
 
-class WindowDetokenizer:
+class WindowDetokenizer(EmittedOutput):
     """The ``StreamingDetokenizer`` interface ``engine.text_output`` reads, over
     ``tokenizer.decode`` (a Hugging Face tokenizer)."""
 
@@ -60,19 +60,6 @@ class WindowDetokenizer:
         self._done = 0  # characters of the window's text already emitted (or context)
         self._emitted_at = 0  # tokens when text was last emitted
         self._out = EmittedText()
-
-    @property
-    def text(self) -> str:
-        return self._out.text
-
-    @property
-    def last_segment(self) -> str:
-        return self._out.take()
-
-    def push(self, token: int) -> str:
-        """Add ``token``; the text it completes (what ``last_segment`` would give)."""
-        self.add_token(token)
-        return self._out.take()
 
     def add_token(self, token: int) -> None:
         self.tokens.append(token)
