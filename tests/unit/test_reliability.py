@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 import time
+from contextlib import asynccontextmanager
 from dataclasses import replace
 
 import httpx
@@ -739,6 +740,26 @@ def test_an_engine_gone_before_a_request_is_queued_leaves_nothing_queued():
     assert submitted == []
 
 
+@asynccontextmanager
+async def _fake_service(step_delay: float):
+    """A batch-1 FakeEngine behind a GenerationService, on the running loop."""
+    from scheduler.scheduler import Scheduler
+    from scheduler.service import GenerationService
+    from scheduler.streams import OutputRouter
+    from tests.helpers.fake_engine import FakeEngine
+
+    scheduler = Scheduler(None, max_running=1, max_queue=8)
+    router = OutputRouter(asyncio.get_running_loop())
+    engine = FakeEngine(scheduler, router, step_delay=step_delay)
+    engine.start()
+    engine.wait_ready(5)
+    try:
+        yield scheduler, engine, GenerationService(scheduler, router, engine)
+    finally:
+        engine.stop()
+        engine.join(5)
+
+
 def test_a_streamed_request_whose_body_never_starts_is_cancelled_with_its_generation():
     """start()'s read-ahead held the request's stream: a client that left before
     the response body began (Starlette never iterated it) left the request queued,
@@ -748,10 +769,6 @@ def test_a_streamed_request_whose_body_never_starts_is_cancelled_with_its_genera
 
     from app.generation import Generation
     from scheduler.request import Request
-    from scheduler.scheduler import Scheduler
-    from scheduler.service import GenerationService
-    from scheduler.streams import OutputRouter
-    from tests.helpers.fake_engine import FakeEngine
 
     class Http:
         scope: dict = {}
@@ -761,13 +778,7 @@ def test_a_streamed_request_whose_body_never_starts_is_cancelled_with_its_genera
             return False
 
     async def scenario() -> None:
-        scheduler = Scheduler(None, max_running=1, max_queue=8)
-        router = OutputRouter(asyncio.get_running_loop())
-        engine = FakeEngine(scheduler, router, step_delay=0.01)
-        engine.start()
-        engine.wait_ready(5)
-        service = GenerationService(scheduler, router, engine)
-        try:
+        async with _fake_service(step_delay=0.01) as (scheduler, _, service):
             blocker = service.submit(Request([1] * 5, 2000, ignore_eos=True))
             state = SimpleNamespace(
                 settings=SimpleNamespace(strip_thinking=False),
@@ -785,9 +796,6 @@ def test_a_streamed_request_whose_body_never_starts_is_cancelled_with_its_genera
                     await asyncio.sleep(0.02)
             assert scheduler.stats().aborted_total == 1
             await blocker.aclose()
-        finally:
-            engine.stop()
-            engine.join(5)
 
     asyncio.run(scenario())
 
@@ -799,19 +807,9 @@ def test_control_operations_run_a_few_per_step_and_queue_to_a_bound():
     from engine.engine_thread import CONTROLS_PER_STEP, MAX_PENDING_CONTROLS
     from scheduler.admission import EngineUnavailable
     from scheduler.request import Request
-    from scheduler.scheduler import Scheduler
-    from scheduler.service import GenerationService
-    from scheduler.streams import OutputRouter
-    from tests.helpers.fake_engine import FakeEngine
 
     async def scenario() -> None:
-        scheduler = Scheduler(None, max_running=1, max_queue=8)
-        router = OutputRouter(asyncio.get_running_loop())
-        engine = FakeEngine(scheduler, router, step_delay=0.002)
-        engine.start()
-        engine.wait_ready(5)
-        service = GenerationService(scheduler, router, engine)
-        try:
+        async with _fake_service(step_delay=0.002) as (_, engine, service):
             stream = service.submit(Request([1] * 5, 2000, ignore_eos=True))
             await stream.__anext__()  # decoding
             held = threading.Event()
@@ -833,8 +831,5 @@ def test_control_operations_run_a_few_per_step_and_queue_to_a_bound():
             per_step = {s: at_steps.count(s) for s in at_steps}
             assert max(per_step.values()) <= CONTROLS_PER_STEP
             await stream.aclose()
-        finally:
-            engine.stop()
-            engine.join(5)
 
     asyncio.run(scenario())
