@@ -4,7 +4,6 @@ each token decoding a bounded window."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from engine.fast_detok import detokenizer_factory
 from engine.text_output import TextOutput
 from engine.window_detok import MAX_HELD, WINDOW, WindowDetokenizer
-from tests.helpers.tiny_models import METASPACE_WORDS
+from tests.helpers.tiny_models import METASPACE_WORDS, write_metaspace_tokenizer
 
 WORDS = METASPACE_WORDS
 
@@ -101,20 +100,8 @@ CLEAN_WORDS = ["it", "'", "s", "n't", "do", ",", ".", "x", "\u2581\u2581\u2581"]
 def metaspace_clean(tmp_path_factory):
     """A Metaspace tokenizer that cleans up spaces ("it ' s" decodes to "it's"),
     with a token of several spaces."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {"<unk>": 0, "\u2581": 1, **{f"\u2581{w}": i + 2 for i, w in enumerate(CLEAN_WORDS)}}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
-    tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
     path = Path(tmp_path_factory.mktemp("metaspace_clean"))
-    (path / "tokenizer.json").write_text(tok.to_str())
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": "<unk>",
-        "clean_up_tokenization_spaces": True,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    write_metaspace_tokenizer(path, CLEAN_WORDS, clean_spaces=True)
     return load_tokenizer(path)
 
 

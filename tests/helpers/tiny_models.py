@@ -50,10 +50,13 @@ def write_byte_tokenizer(path: Path) -> None:
 METASPACE_WORDS = ["hello", "world", "!", ",", "x", "\n", "日本"]
 
 
-def write_metaspace_tokenizer(path: Path, words: list[str] = METASPACE_WORDS) -> None:
+def write_metaspace_tokenizer(
+    path: Path, words: list[str] = METASPACE_WORDS, clean_spaces: bool = False
+) -> None:
     """A word-level tokenizer with a Metaspace decoder (the leading space of a
     sequence's first word dropped): mlx-lm serves it with its naive detokenizer.
-    Ids: 0 ``<unk>``, 1 a lone space, then one per word (with its space)."""
+    Ids: 0 ``<unk>``, 1 a lone space, then one per word (with its space).
+    ``clean_spaces``: Hugging Face's clean-up too ("it ' s" decodes to "it's")."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {"<unk>": 0, "\u2581": 1, **{f"\u2581{w}": i + 2 for i, w in enumerate(words)}}
@@ -63,6 +66,8 @@ def write_metaspace_tokenizer(path: Path, words: list[str] = METASPACE_WORDS) ->
     path.mkdir(parents=True, exist_ok=True)
     (path / "tokenizer.json").write_text(tok.to_str())
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<unk>"}
+    if clean_spaces:
+        config["clean_up_tokenization_spaces"] = True
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
