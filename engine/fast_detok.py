@@ -12,7 +12,7 @@ mlx-lm's own per-character rule, and finalisation is mlx-lm's.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from mlx_lm.tokenizer_utils import (
     BPEStreamingDetokenizer,
@@ -23,6 +23,8 @@ from mlx_lm.tokenizer_utils import (
 
 from engine.emitted_text import EmittedOutput, EmittedText
 from engine.window_detok import WindowDetokenizer
+
+D = TypeVar("D", "TableBPEDetokenizer", "PiecewiseSPMDetokenizer")
 
 SPACE = 32
 
@@ -126,25 +128,21 @@ def detokenizer_factory(tokenizer: Any) -> Callable[[], Any]:
         hf, clean = template._tokenizer, template._clean_spaces  # noqa: SLF001 - its probe
         return lambda: WindowDetokenizer(hf, clean)
     if type(template) is SPMStreamingDetokenizer:
-        spm = PiecewiseSPMDetokenizer(template)
-
-        def make_spm() -> PiecewiseSPMDetokenizer:
-            fresh = PiecewiseSPMDetokenizer.__new__(PiecewiseSPMDetokenizer)
-            fresh.__dict__.update(spm.__dict__)
-            fresh.reset()
-            return fresh
-
-        return make_spm
+        return _copies(PiecewiseSPMDetokenizer(template))
     if type(template) is not BPEStreamingDetokenizer:
         return lambda: tokenizer.detokenizer
     decoder = _byte_decoder()
     tokens = [t if isinstance(t, str) else "" for t in template.tokenmap]
     table = [bpe_token_bytes(t) for t in tokens]
     lone = [len(t) == 1 and decoder.get(t) == SPACE for t in tokens]
-    proto = TableBPEDetokenizer(template, table, lone)
+    return _copies(TableBPEDetokenizer(template, table, lone))
 
-    def make() -> TableBPEDetokenizer:
-        fresh = TableBPEDetokenizer.__new__(TableBPEDetokenizer)
+
+def _copies(proto: D) -> Callable[[], D]:
+    """Fresh detokenizers sharing ``proto``'s tables (built once per tokenizer)."""
+
+    def make() -> D:
+        fresh = type(proto).__new__(type(proto))
         fresh.__dict__.update(proto.__dict__)
         fresh.reset()
         return fresh

@@ -58,15 +58,19 @@ def test_metaspace_words_stream_the_text_decoding_them_all_gives(metaspace, ids)
 def test_each_token_decodes_a_bounded_window_however_long_the_line(naive_bytes):
     """mlx-lm's naive detokenizer decoded the whole line per token: 5 s of
     engine-thread time for 8k tokens without a newline."""
-    hf = naive_bytes._tokenizer
-    counting = Counting(hf)
     text = "ab" * 3000 + "\ufffd" * 1000 + "日本" * 500
-    tokens = naive_bytes.encode(text, add_special_tokens=False)
-    detok = WindowDetokenizer(counting, clean_spaces=False)
-    for t in tokens:
+    _bounded_pass(naive_bytes, naive_bytes.encode(text, add_special_tokens=False), False)
+
+
+def _bounded_pass(wrapper, ids: list[int], clean_spaces: bool) -> None:
+    """``ids`` through a WindowDetokenizer: all of their text, each token decoding
+    a bounded window."""
+    counting = Counting(wrapper._tokenizer)
+    detok = WindowDetokenizer(counting, clean_spaces)
+    for t in ids:
         detok.add_token(t)
     detok.finalize()
-    assert detok.text == hf.decode(tokens)
+    assert detok.text == wrapper._tokenizer.decode(ids)
     assert counting.longest <= WINDOW + MAX_HELD
 
 
@@ -82,15 +86,7 @@ def test_a_real_replacement_character_is_streamed_not_held_to_the_end(naive_byte
 def test_a_run_of_spaces_held_for_clean_up_still_restarts_the_window(metaspace):
     """A trailing space held (the tokenizer cleans "a ," into "a,") kept the window
     from restarting: a model looping on spaces decoded the whole run per token."""
-    hf = metaspace._tokenizer
-    counting = Counting(hf)
-    ids = [2] + [1] * 2000 + [3]  # "hello", 2,000 spaces, "world"
-    detok = WindowDetokenizer(counting, clean_spaces=True)
-    for t in ids:
-        detok.add_token(t)
-    detok.finalize()
-    assert detok.text == hf.decode(ids)
-    assert counting.longest <= WINDOW + MAX_HELD
+    _bounded_pass(metaspace, [2] + [1] * 2000 + [3], True)  # "hello", 2,000 spaces, "world"
 
 
 CLEAN_WORDS = ["it", "'", "s", "n't", "do", ",", ".", "x", "\u2581\u2581\u2581"]
@@ -121,13 +117,5 @@ def test_text_the_space_cleanup_rewrites_streams_as_decoding_it_all_gives(metasp
 def test_a_run_of_multi_space_tokens_still_restarts_the_window(metaspace_clean):
     """Only a last token of exactly one space let the window restart: a run of
     several-space tokens decoded the whole run per token (quadratic)."""
-    hf = metaspace_clean._tokenizer
-    counting = Counting(hf)
     many = CLEAN_WORDS.index("\u2581\u2581\u2581") + 2
-    ids = [2] + [many] * 2000 + [9]  # "it", 2,000 runs of spaces, "x"
-    detok = WindowDetokenizer(counting, clean_spaces=True)
-    for t in ids:
-        detok.add_token(t)
-    detok.finalize()
-    assert detok.text == hf.decode(ids)
-    assert counting.longest <= WINDOW + MAX_HELD
+    _bounded_pass(metaspace_clean, [2] + [many] * 2000 + [9], True)  # "it", spaces, "x"
