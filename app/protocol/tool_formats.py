@@ -23,7 +23,12 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from app.protocol.tool_schema import coerce_arguments, parameter_schemas, wants_text
+from app.protocol.tool_schema import (
+    coerce_arguments,
+    parameter_schemas,
+    parameter_types,
+    wants_text,
+)
 
 log = logging.getLogger("kvwarm.tools")
 
@@ -379,6 +384,7 @@ class ToolCallDecoder:
         self.tools = list(tools)
         self.family = family
         self._schemas = parameter_schemas(self.tools)
+        self._types = parameter_types(self._schemas)  # here, in the request's preparation
         self.markups: tuple[Markup, ...] = MARKED
         if family and family not in BUILT_IN_FAMILIES and family_markup and family_markup[0]:
             own = Markup(family, family_markup[0], family_markup[1] or "")
@@ -436,6 +442,7 @@ class ToolCallDecoder:
         self, call: dict[str, Any], nulls: dict[str, list[str]], from_text: bool
     ) -> ToolCall:
         schemas = self._schemas.get(call["name"], {})
+        types = self._types.get(call["name"], {})
         arguments = dict(call["arguments"])
         for key, value in call["arguments"].items():
             # mlx-lm's XML parsers read any casing of "null" as null before looking at a
@@ -443,9 +450,9 @@ class ToolCallDecoder:
             texts = nulls.get(key)
             if value is None and texts:
                 text = texts.pop(0)  # parameters in order: the n-th null of this name
-                if wants_text(schemas.get(key)):
+                if wants_text(schemas.get(key), types.get(key)):
                     arguments[key] = text
-        args = coerce_arguments(arguments, schemas, from_text)
+        args = coerce_arguments(arguments, schemas, from_text, types)
         call_id = _whole_chars(call["id"]) if isinstance(call.get("id"), str) else None
         # NaN or Infinity is no JSON a client could parse: not a call, its text stays
         arguments = json.dumps(args, ensure_ascii=False, allow_nan=False)

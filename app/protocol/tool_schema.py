@@ -50,6 +50,18 @@ def parameter_schemas(tools: Sequence[Mapping[str, Any]]) -> dict[str, dict[str,
     return out
 
 
+def parameter_types(
+    schemas: Mapping[str, Mapping[str, Any]],
+) -> dict[str, dict[str, frozenset[str]]]:
+    """Each function's parameters' types, worked out once per request (in its
+    preparation): walked again for every decoded call, on the event loop, a
+    client's schema of 120,000 anyOf branches cost 60 ms a call."""
+    return {
+        name: {key: frozenset(_types(schema)) for key, schema in props.items()}
+        for name, props in schemas.items()
+    }
+
+
 def _types(schema: Any) -> set[str]:
     if not isinstance(schema, Mapping):
         return set()
@@ -94,9 +106,10 @@ def _number(text: str, integer_only: bool) -> int | float | None:
     return value if math.isfinite(value) else None
 
 
-def wants_text(schema: Any) -> bool:
-    """A parameter whose value must be a string (null not allowed)."""
-    types = _types(schema)
+def wants_text(schema: Any, types: frozenset[str] | None = None) -> bool:
+    """A parameter whose value must be a string (null not allowed); ``types``:
+    its schema's, if worked out already."""
+    types = frozenset(_types(schema)) if types is None else types
     return "string" in types and "null" not in types
 
 
@@ -109,12 +122,15 @@ def _container(text: str) -> dict[str, Any] | list[Any] | None:
     return decoded if isinstance(decoded, (dict, list)) else None
 
 
-def coerce_value(value: Any, schema: Any, from_text: bool = True) -> Any:
+def coerce_value(
+    value: Any, schema: Any, from_text: bool = True, types: frozenset[str] | None = None
+) -> Any:
     """One argument value decoded against its schema. Never raises: a value that
     does not fit its declared type is passed on as the model wrote it.
     ``from_text``: the markup writes every value as text (XML parameters), so a
-    string is all a value can be; in JSON markup the model typed its values."""
-    types = _types(schema)
+    string is all a value can be; in JSON markup the model typed its values.
+    ``types``: the schema's (``parameter_types``), if worked out already."""
+    types = frozenset(_types(schema)) if types is None else types
     untyped = not types - {"null"} and isinstance(schema, Mapping)
     if untyped and from_text and isinstance(value, str):
         # declared, but its type is elsewhere (a $ref): JSON the model wrote for an
@@ -151,8 +167,13 @@ def coerce_value(value: Any, schema: Any, from_text: bool = True) -> Any:
 
 
 def coerce_arguments(
-    arguments: Mapping[str, Any], properties: Mapping[str, Any], from_text: bool = True
+    arguments: Mapping[str, Any],
+    properties: Mapping[str, Any],
+    from_text: bool = True,
+    types: Mapping[str, frozenset[str]] | None = None,
 ) -> dict[str, Any]:
+    known = types or {}
     return {
-        key: coerce_value(value, properties.get(key), from_text) for key, value in arguments.items()
+        key: coerce_value(value, properties.get(key), from_text, known.get(key))
+        for key, value in arguments.items()
     }

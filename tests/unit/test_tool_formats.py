@@ -570,3 +570,32 @@ def test_decoding_calls_imports_no_mlx():
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_a_clients_schema_is_walked_once_per_request_not_per_decoded_call(monkeypatch):
+    """Decoding runs on the event loop: a parameter of 120,000 anyOf branches was
+    walked again for every call the model made (60 ms each)."""
+    import app.protocol.tool_schema as ts
+
+    tools = function_tools(
+        [
+            {
+                "type": "function",
+                "function": {
+                    "name": "f",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"a": {"anyOf": [{"type": "integer"}, {}] * 500}},
+                    },
+                },
+            }
+        ]
+    )
+    decoder = ToolCallDecoder(tools, "qwen3_coder")  # in the request's preparation
+    walked = []
+    real = ts._types
+    monkeypatch.setattr(ts, "_types", lambda schema: walked.append(1) or real(schema))
+    call = "<tool_call>\n<function=f>\n<parameter=a>\n7\n</parameter>\n</function>\n</tool_call>"
+    parser = OutputParser(Syntax(), decoder)
+    assert parser.parse(call * 8) == [ToolCall("f", '{"a": 7}')] * 8
+    assert walked == []
