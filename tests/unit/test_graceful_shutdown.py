@@ -77,15 +77,17 @@ def data(lines: list[str]) -> list:
     return out
 
 
-def assert_each_stream_failed(lines: dict[str, list[str]], code: str) -> None:
-    """Every stream was written to its end, which is its dialect's error event."""
+def assert_each_stream_failed(lines: dict[str, list[str]], *codes: str) -> None:
+    """Every stream was written to its end, which is its dialect's error event
+    with one of ``codes``."""
     assert not any(CUT in v for v in lines.values())
     chat = data(lines["chat"])
-    assert chat[-1] == "[DONE]" and chat[-2]["error"]["code"] == code
+    assert chat[-1] == "[DONE]" and chat[-2]["error"]["code"] in codes
     assert events(lines["messages"])[-1] == "error"
     assert events(lines["responses"])[-1] == "response.failed"
     failed = data(lines["responses"])[-1]["response"]["error"]
-    assert failed["code"] == "server_error" and f"({code})" in failed["message"]  # its schema's
+    assert failed["code"] == "server_error"
+    assert any(f"({c})" in failed["message"] for c in codes)  # its schema's own code
 
 
 def test_sigterm_lets_running_streams_finish_and_exits_zero(tmp_path):
@@ -177,7 +179,9 @@ def test_engine_death_ends_every_stream_and_exits_nonzero(tmp_path):
         assert proc.wait(30) == 1, log.read_text()[-2000:]  # a supervisor restarts it
     finally:
         proc.kill()
-    assert_each_stream_failed(lines, "engine_error")
+    # a stream still queued for memory (the fake budget runs one at a time) did not
+    # fail itself: it is told the engine is unavailable, worth retrying
+    assert_each_stream_failed(lines, "engine_error", "engine_unavailable")
 
 
 def test_the_open_files_limit_is_raised_toward_the_hard_limit():
