@@ -289,6 +289,19 @@ def _sampling(call: ChatCall, info: ModelInfo) -> SamplingParams:
     return resolve_sampling(call.sampling, info.generation_defaults, info.vocab_size)
 
 
+def _message_texts(messages: list[dict[str, Any]]) -> list[str]:
+    texts = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            texts.append(content)
+        elif isinstance(content, list):
+            texts += [
+                p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+            ]
+    return texts
+
+
 def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) -> Prepared:
     info = state.model_info()
     settings = state.settings
@@ -312,12 +325,10 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
             f"{call.messages_field}.{i}.content" if call.same_indices else call.messages_field
         ),
     )
-    for message in messages:
-        # every template renders what the user and tools said: a message longer than
-        # any prompt that fits is refused before it is rendered (copying 30 MB through
-        # a template holds the GIL for tens of ms)
-        if message["role"] in ("user", "tool") and isinstance(message.get("content"), str):
-            info.formatter.check_length(message["content"])
+    # every template renders what the messages say: a conversation that cannot fit
+    # is refused before it is scanned or rendered (copying 30 MB through a template,
+    # or a regex pass over it, holds the GIL for tens to hundreds of ms)
+    info.formatter.check_texts(_message_texts(messages), call.count_only)
     explicit_session = session_id_from(call.fields, headers)
     # healing is scoped by a conversation's own id only: a prompt_cache_key may be
     # one app's for all its users, whose replies must never heal into each other's

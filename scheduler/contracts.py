@@ -49,6 +49,11 @@ class PromptFormatter(Protocol):
         """Raise ContextLengthExceeded if no tokenisation of ``text`` fits the context."""
         ...
 
+    def check_texts(self, texts: Sequence[str], count_only: bool = False) -> None:
+        """Raise ContextLengthExceeded if the messages' ``texts`` together cannot fit,
+        before anything scans them (``count_only``: a count, answered over the context)."""
+        ...
+
 
 class ImageRejected(ValueError):
     """The model's processor cannot turn this image into tokens (an extreme aspect

@@ -662,6 +662,25 @@ def test_a_prompt_whose_head_is_over_the_context_is_refused_before_tokenising_it
     assert fits.encode_prompt(spaces)
 
 
+def test_messages_that_together_cannot_fit_are_refused_before_any_scan(tokenizers):
+    """Only user and tool messages were checked, each alone, before the healing,
+    volatile-rule and control-token passes: 8 MB of system text held the GIL 0.9 s
+    in them before the rendered prompt was found too long."""
+    from engine.prompt_format import PROBE_CHARS_PER_TOKEN
+
+    tokenizer = tokenizers["smollm2"]
+    formatter = ChatFormatter(tokenizer, context_length=64)
+    longest = max(map(len, tokenizer._tokenizer.get_vocab()))
+    half = "x" * (32 * longest + 1)
+    with pytest.raises(ContextLengthExceeded, match="your messages hold"):
+        formatter.check_texts([half, half])  # each alone could fit: together not
+    head = PROBE_CHARS_PER_TOKEN * 65
+    with pytest.raises(ContextLengthExceeded, match=f"first {head} characters"):
+        formatter.check_texts(["7" * 300, "8" * 300])  # a token a digit, over two texts
+    formatter.check_texts(["7" * 300, "8" * 300], count_only=True)  # counted: an answer
+    formatter.check_texts(["word " * 10, "more words"])
+
+
 def test_a_prompt_no_context_could_hold_is_refused_before_tokenising(tokenizers):
     tokenizer = tokenizers["smollm2"]
     formatter = ChatFormatter(tokenizer, context_length=64)

@@ -63,6 +63,9 @@ class CharFormatter:
     def check_length(self, text: str) -> None:
         pass  # one token per character: the context check after rendering is exact
 
+    def check_texts(self, texts: Sequence[str], count_only: bool = False) -> None:
+        pass
+
     encode_prompt = encode
 
 
