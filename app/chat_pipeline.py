@@ -290,8 +290,13 @@ def _sampling(call: ChatCall, info: ModelInfo) -> SamplingParams:
 
 
 def _message_texts(messages: list[dict[str, Any]]) -> list[str]:
+    """What every template renders whole: the model's own turns are left out, as
+    templates drop their past reasoning (Qwen3's), which a chain of stored
+    Responses carries along, counted, a conversation that fits was refused."""
     texts = []
     for message in messages:
+        if message.get("role") == "assistant":
+            continue
         content = message.get("content")
         if isinstance(content, str):
             texts.append(content)

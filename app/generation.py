@@ -42,9 +42,7 @@ DISCONNECT_POLL_S = 0.25
 # how long a streamed response's headers wait for admission (and the cache's
 # answer) before going out without it: a queued client still gets bytes at once
 HEADER_WAIT_S = 2.0
-# the request's own fault it is not: a 503 worth retrying (engine_unavailable: it
-# was still queued when the engine died)
-RETRYABLE = frozenset({"queue_timeout", "server_shutdown", "engine_unavailable"})
+RETRYABLE = frozenset({"queue_timeout", "server_shutdown"})
 
 
 @dataclass
@@ -157,6 +155,11 @@ class Outcome:
                 self.error_code,
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
+        if self.error_code == "engine_unavailable":  # queued when the engine died
+            # what a request arriving a moment later gets: no Retry-After, as the
+            # engine's return is nobody's to promise (a supervisor restarts it)
+            message = f"The inference engine is not running: {self.error}"
+            return APIError(503, message, "server_error", "engine_unavailable")
         if self.error_code == "adapter_not_found":  # unmounted between validation and start
             return APIError(400, self.error or "", code="adapter_not_found", param="adapter")
         if self.error_code == "context_over_budget":  # the budget shrank while it was queued
@@ -238,7 +241,9 @@ class Generation:
         # the read-ahead holds the request's stream for as long as it waits: a
         # response whose body never started (the client left in between) left it
         # queued, then running, for no one; gone with this generation, it ends
-        weakref.finalize(self, _cancel_soon, asyncio.get_running_loop(), self._pending)
+        self._unread = weakref.finalize(
+            self, _cancel_soon, asyncio.get_running_loop(), self._pending
+        )
         deadline = time.monotonic() + wait_s
         while True:
             left = deadline - time.monotonic()
@@ -267,6 +272,7 @@ class Generation:
         if self._pending is not None:
             first = await self._pending
             self._pending = None
+            self._unread.detach()  # read: nothing to cancel when this goes
             if first is None:
                 return
             yield first

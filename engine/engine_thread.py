@@ -368,7 +368,10 @@ class EngineThread(threading.Thread):
         except Exception as exc:
             self._die(f"model load failed: {exc}", exc)
             # a failure after the boot (an --adapter) has a runner and ranks: its disk
-            # tier is flushed and its other ranks told to stop, not left to time out
+            # tier is flushed and its other ranks told to stop as failed, not left to
+            # time out (nor told all was well)
+            if self._runner is not None and hasattr(self._runner, "failure"):
+                self._runner.failure = self._failure
             self._close_quietly()
             if self._on_load_failure is not None:  # lasting: the next start fails alike
                 self._on_load_failure(self._failure or "", isinstance(exc, LastingLoadError))

@@ -363,12 +363,14 @@ def test_a_load_that_fails_after_the_boot_closes_what_the_boot_made(tmp_path):
             ranks=Ranks(),
         )
         engine.fake.close = lambda: closed.append(True)  # type: ignore[method-assign]
+        engine.fake.failure = None  # type: ignore[attr-defined]  # a group's runner has one
         engine.start()
         engine.join(30)
     finally:
         loop.close()
     assert engine._failure and "--adapter fake-model=" in engine._failure  # noqa: SLF001
     assert closed == [True] and Ranks.closed
+    assert "--adapter fake-model=" in engine.fake.failure  # the others stop as failed
 
 
 def test_a_start_that_fails_leaves_no_idle_wait_while_requests_queue():
