@@ -833,3 +833,25 @@ def test_control_operations_run_a_few_per_step_and_queue_to_a_bound():
             await stream.aclose()
 
     asyncio.run(scenario())
+
+
+def test_a_replys_events_are_merged_once_however_often_they_are_read(monkeypatch):
+    """content, tool_calls and the stop kind each read the events, and each read
+    merged them all again: 5,000 calls beside text cost tens of ms on the loop."""
+    import app.generation as generation
+    from app.generation import Outcome
+    from app.protocol.output_parser import Content
+    from app.protocol.tool_formats import ToolCall
+
+    merged: list[int] = []
+    real = generation.merge
+    monkeypatch.setattr(generation, "merge", lambda ev: merged.append(len(ev)) or real(ev))
+    outcome = Outcome()
+    for i in range(100):
+        outcome.add_event(Content("a"))
+        outcome.add_event(Content("b"))
+        outcome.add_event(ToolCall("f", "{}", f"call_{i}"))
+    assert len(outcome.tool_calls) == 100 and outcome.content == "ab" * 100
+    assert outcome.events and merged == [300]
+    outcome.add_event(Content("c"))
+    assert outcome.content.endswith("c") and len(merged) == 2
