@@ -304,8 +304,6 @@ class OutputParser:
             while (i := window.find(markup.end, search)) >= 0:
                 self._read_values(window, base, i)
                 if not self._track_values or not self._values.open:
-                    if self._skipped is not None and not self._decodes(markup, new, base + i):
-                        return self._give_back(markup, new)
                     return self._end_tool(markup, new, base + i)
                 if self._skipped is None:
                     self._skipped = base + i
@@ -315,7 +313,7 @@ class OutputParser:
         self._tool_parts.append(new)
         self._tool_len += len(new)
         if final and self._skipped is not None:
-            self._give_back(markup, "")  # a value never closed
+            self._give_back(markup, "".join(self._tool_parts))  # a value never closed
         elif final and (self._truncated or self._cut_by_stop(markup)):
             self._tool = None
             self._emit(Content, markup.start + "".join(self._tool_parts))
@@ -330,34 +328,41 @@ class OutputParser:
             self._values.feed(window[self._valued - base : upto])
         self._valued = max(self._valued, base + upto)
 
-    def _decodes(self, markup: Markup, new: str, cut: int) -> bool:
-        """Whether the call, read through end tags it took for a value's text, is
-        calls (a broken string closed only by a later quote is not)."""
+    def _end_tool(self, markup: Markup, new: str, cut: int) -> bool:
+        """The call ends at ``cut``, unless it was read through end tags it took for
+        a value's text and then does not decode (a broken string closed only by a
+        later quote): then the first of those was its end (``_give_back``)."""
         assert self.tools is not None
-        return bool(self.tools.decode(markup, ("".join(self._tool_parts) + new)[:cut]))
+        text = "".join(self._tool_parts) + new
+        calls = None
+        if self._skipped is not None:
+            calls = self.tools.decode(markup, text[:cut])
+            if not calls:
+                return self._give_back(markup, text)
+        self._buf = text[cut + len(markup.end) :]
+        self._close_tool(markup, text[:cut], markup.end, calls)
+        return True
 
-    def _give_back(self, markup: Markup, new: str) -> bool:
+    def _give_back(self, markup: Markup, text: str) -> bool:
         """The first end tag read as a value's text was the call's end after all
-        (the value never closed, or what closed it broke the call): the call ends
-        there and what followed is read again, end tags as ends from then on (read
-        again with values, a reply could be re-read per call). A broken call took
-        the valid one after it down with it."""
+        (the value never closed, or what closed it broke the call): the call, whose
+        markup so far is ``text``, ends there and what followed is read again, end
+        tags as ends from then on (read again with values, a reply could be re-read
+        per call). A broken call took the valid one after it down with it."""
         assert self._skipped is not None
-        text, cut = "".join(self._tool_parts) + new, self._skipped
+        cut = self._skipped
         self._replay = text[cut + len(markup.end) :]
         self._track_values = False
         self._close_tool(markup, text[:cut], markup.end)
         return False
 
-    def _end_tool(self, markup: Markup, new: str, cut: int) -> bool:
-        text = "".join(self._tool_parts) + new
-        self._buf = text[cut + len(markup.end) :]
-        self._close_tool(markup, text[:cut], markup.end)
-        return True
-
-    def _close_tool(self, markup: Markup, inner: str, end: str) -> None:
+    def _close_tool(
+        self, markup: Markup, inner: str, end: str, calls: list[ToolCall] | None = None
+    ) -> None:
+        """``calls``: ``inner`` decoded already."""
         assert self.tools is not None
-        calls = self.tools.decode(markup, inner)
+        if calls is None:
+            calls = self.tools.decode(markup, inner)
         self._tool = None
         if calls:
             if self.max_calls is not None:
