@@ -35,6 +35,7 @@ from scheduler.request import (
     RequestStats,
     TokenLogprob,
 )
+from scheduler.service import call_soon_on
 
 log = logging.getLogger("kvwarm.http")
 
@@ -178,14 +179,6 @@ class Outcome:
         return self.finish_reason.value if self.finish_reason else "abort"
 
 
-def _cancel_soon(loop: asyncio.AbstractEventLoop, task: asyncio.Future[Any]) -> None:
-    """Cancel ``task`` on its loop, from whichever thread collects its owner."""
-    try:
-        loop.call_soon_threadsafe(task.cancel)
-    except RuntimeError:  # the loop is closed: nothing is left to cancel it on
-        pass
-
-
 def _header_safe(value: str) -> str:
     """A client-chosen id as a header value: ASCII, bounded."""
     return ascii_escaped(value, 256)
@@ -246,8 +239,9 @@ class Generation:
         # response whose body never started (the client left in between) left it
         # queued, then running, for no one; gone with this generation, it ends
         self._unread = weakref.finalize(
-            self, _cancel_soon, asyncio.get_running_loop(), self._pending
+            self, call_soon_on, asyncio.get_running_loop(), self._pending.cancel
         )
+        self._unread.atexit = False  # at exit the loop is gone: nothing to cancel
         deadline = time.monotonic() + wait_s
         while True:
             left = deadline - time.monotonic()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 from scheduler.admission import EngineUnavailable
 from scheduler.contracts import EngineHandle
@@ -66,7 +67,7 @@ class OutputStream:
         self._queue = queue
         self._service = service
         loop = asyncio.get_running_loop()
-        self._cancel = weakref.finalize(self, _cancel_on, loop, service.cancel, request_id)
+        self._cancel = weakref.finalize(self, call_soon_on, loop, service.cancel, request_id)
         self._cancel.atexit = False  # at exit the loop is gone: nothing to free
 
     def __aiter__(self) -> OutputStream:
@@ -86,13 +87,11 @@ class OutputStream:
             self._service.cancel(self.request_id)
 
 
-def _cancel_on(
-    loop: asyncio.AbstractEventLoop, cancel: Callable[[str], None], request_id: str
-) -> None:
-    """``cancel(request_id)``, later, on ``loop``'s thread: a collection runs on any
-    thread and at any allocation, the loop's own included, possibly while it holds
-    the scheduler's lock (cancelling inline there would wait on it for ever)."""
+def call_soon_on(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: Any) -> None:
+    """``fn(*args)``, later, on ``loop``'s thread, for a finalizer: a collection runs
+    on any thread and at any allocation, the loop's own included, possibly while it
+    holds the scheduler's lock (cancelling inline there would wait on it for ever)."""
     try:
-        loop.call_soon_threadsafe(cancel, request_id)
+        loop.call_soon_threadsafe(fn, *args)
     except RuntimeError:  # the loop closed (the server exited): nothing left to free
         pass

@@ -270,11 +270,11 @@ def test_a_collected_stream_cancels_later_on_the_loop_never_inline():
     lock for ever (the whole server hung)."""
     import asyncio
 
-    from scheduler.service import _cancel_on
+    from scheduler.service import call_soon_on
 
     async def main():
         cancelled: list[str] = []
-        _cancel_on(asyncio.get_running_loop(), cancelled.append, "r1")
+        call_soon_on(asyncio.get_running_loop(), cancelled.append, "r1")
         inline = list(cancelled)
         await asyncio.sleep(0)
         return inline, cancelled
