@@ -18,7 +18,6 @@ conversation): a picture re-sent three times is "image 1" each time.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -27,7 +26,7 @@ from typing import Any
 from app.content_parts import IMAGE_OMITTED
 from app.errors import APIError
 from app.images import ImageLimits, ImageSource, LoadedImage, load_images
-from engine.control_tokens import plain_word
+from engine.control_tokens import ControlTokens
 from kvcache.image_ids import expand_images, image_run
 from kvcache.prompt_key import PromptKey
 from scheduler.contracts import ImageFront, ImageRejected
@@ -133,15 +132,7 @@ def _plain_markers(
     conversation unservable from then on; kept as tokens, the model would read
     image tokens with no image behind them. Every role's: a reply the model wrote
     with those characters comes back as text too. Linear in the text."""
-    if not markers:
-        return messages
-    pattern = _marker_pattern(markers)
-
-    def plain(text: Any) -> Any:
-        if not isinstance(text, str) or not pattern.search(text):
-            return text
-        return pattern.sub(lambda m: plain_word(m[0]), text)
-
+    plain = _marker_tokens(markers).text
     out = []
     for message in messages:
         content = message.get("content")
@@ -149,7 +140,9 @@ def _plain_markers(
             message = {**message, "content": plain(content)}
         elif isinstance(content, list):
             parts = [
-                {**p, "text": plain(p["text"])} if isinstance(p, dict) and "text" in p else p
+                {**p, "text": plain(p["text"])}
+                if isinstance(p, dict) and isinstance(p.get("text"), str)
+                else p
                 for p in content
             ]
             message = {**message, "content": parts}
@@ -158,9 +151,8 @@ def _plain_markers(
 
 
 @cache
-def _marker_pattern(markers: tuple[str, ...]) -> re.Pattern[str]:
-    # longest first: one marker may begin another
-    return re.compile("|".join(re.escape(m) for m in sorted(markers, key=len, reverse=True)))
+def _marker_tokens(markers: tuple[str, ...]) -> ControlTokens:
+    return ControlTokens(markers)
 
 
 def attach_images(

@@ -20,11 +20,6 @@ from typing import Any
 JOINER = "\u2060"
 
 
-def plain_word(word: str) -> str:
-    """``word`` as the characters it is: no tokenizer matches it as a token."""
-    return word[0] + JOINER + word[1:]
-
-
 class ControlTokens:
     """The special tokens of one tokenizer, and how to make them plain text."""
 
@@ -49,7 +44,7 @@ class ControlTokens:
 
         def plain(m: re.Match[str]) -> str:
             word = m[0]
-            return word if word in kept else plain_word(word)
+            return word if word in kept else word[0] + JOINER + word[1:]
 
         return self._pattern.sub(plain, value)
 
