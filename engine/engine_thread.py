@@ -368,10 +368,8 @@ class EngineThread(threading.Thread):
         except Exception as exc:
             self._die(f"model load failed: {exc}", exc)
             # a failure after the boot (an --adapter) has a runner and ranks: its disk
-            # tier is flushed and its other ranks told to stop as failed, not left to
-            # time out (nor told all was well)
-            if self._runner is not None and hasattr(self._runner, "failure"):
-                self._runner.failure = self._failure
+            # tier is flushed and its other ranks told to stop (as failed: _die), not
+            # left to time out
             self._close_quietly()
             if self._on_load_failure is not None:  # lasting: the next start fails alike
                 self._on_load_failure(self._failure or "", isinstance(exc, LastingLoadError))
@@ -380,8 +378,6 @@ class EngineThread(threading.Thread):
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - any escape kills the engine
             self._die(f"engine step failed: {type(exc).__name__}: {exc}", exc)
-            if self._runner is not None and hasattr(self._runner, "failure"):
-                self._runner.failure = self._failure  # the other ranks stop as failed too
             if self._on_fatal is not None:
                 self._on_fatal(self._failure or "")
         finally:
@@ -544,6 +540,8 @@ class EngineThread(threading.Thread):
     def _die(self, reason: str, exc: BaseException) -> None:
         log.error("%s", reason, exc_info=exc)
         self._failure = reason
+        if self._runner is not None and hasattr(self._runner, "failure"):
+            self._runner.failure = reason  # a group's other ranks stop as failed too
         self._fail_open_requests(reason)
         self._ready.set()  # unblock anyone waiting for readiness
 
