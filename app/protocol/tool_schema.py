@@ -57,19 +57,19 @@ def parameter_types(
     preparation): walked again for every decoded call, on the event loop, a
     client's schema of 120,000 anyOf branches cost 60 ms a call."""
     return {
-        name: {key: frozenset(_types(schema)) for key, schema in props.items()}
+        name: {key: _types(schema) for key, schema in props.items()}
         for name, props in schemas.items()
     }
 
 
-def _types(schema: Any) -> set[str]:
+def _types(schema: Any) -> frozenset[str]:
     if not isinstance(schema, Mapping):
-        return set()
+        return frozenset()
     typ = schema.get("type")
     if isinstance(typ, str):
-        return {typ}
+        return frozenset({typ})
     if isinstance(typ, list):
-        return {t for t in typ if isinstance(t, str)}
+        return frozenset(t for t in typ if isinstance(t, str))
     found: set[str] = set()
     for key in ("anyOf", "oneOf", "allOf"):
         subs = schema.get(key)
@@ -83,7 +83,7 @@ def _types(schema: Any) -> set[str]:
     enum = schema.get("enum")
     if not found and isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
         found = {"string"}
-    return found
+    return frozenset(found)
 
 
 def _number(text: str, integer_only: bool) -> int | float | None:
@@ -109,7 +109,7 @@ def _number(text: str, integer_only: bool) -> int | float | None:
 def wants_text(schema: Any, types: frozenset[str] | None = None) -> bool:
     """A parameter whose value must be a string (null not allowed); ``types``:
     its schema's, if worked out already."""
-    types = frozenset(_types(schema)) if types is None else types
+    types = _types(schema) if types is None else types
     return "string" in types and "null" not in types
 
 
@@ -130,7 +130,7 @@ def coerce_value(
     ``from_text``: the markup writes every value as text (XML parameters), so a
     string is all a value can be; in JSON markup the model typed its values.
     ``types``: the schema's (``parameter_types``), if worked out already."""
-    types = frozenset(_types(schema)) if types is None else types
+    types = _types(schema) if types is None else types
     untyped = not types - {"null"} and isinstance(schema, Mapping)
     if untyped and from_text and isinstance(value, str):
         # declared, but its type is elsewhere (a $ref): JSON the model wrote for an
