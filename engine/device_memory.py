@@ -35,10 +35,8 @@ def auto_budget() -> DeviceMemory:
         return DeviceMemory(
             int(info["max_recommended_working_set_size"]), "Metal recommended working set"
         )
-    if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
-        total = info.get("total_memory") or info.get("memory_size")
-        if total:
-            return DeviceMemory(int(int(total) * GPU_FRACTION), "90% of CUDA device memory")
+    if total := _cuda_total(info):
+        return DeviceMemory(int(total * GPU_FRACTION), "90% of CUDA device memory")
     available = psutil.virtual_memory().available
     return DeviceMemory(int(available * LINUX_RAM_FRACTION), "75% of available RAM")
 
@@ -49,11 +47,16 @@ def machine_memory() -> DeviceMemory:
     info = _device_info()
     if mx.metal.is_available() and info.get("memory_size"):
         return DeviceMemory(int(info["memory_size"]), "unified memory")
-    if getattr(mx, "cuda", None) is not None and mx.cuda.is_available():
-        total = info.get("total_memory") or info.get("memory_size")
-        if total:
-            return DeviceMemory(int(total), "CUDA device memory")
+    if total := _cuda_total(info):
+        return DeviceMemory(total, "CUDA device memory")
     return DeviceMemory(psutil.virtual_memory().total, "RAM")
+
+
+def _cuda_total(info: dict) -> int:
+    """The CUDA device's memory (0: not on CUDA, or it does not say)."""
+    if getattr(mx, "cuda", None) is None or not mx.cuda.is_available():
+        return 0
+    return int(info.get("total_memory") or info.get("memory_size") or 0)
 
 
 @dataclass(frozen=True)
