@@ -88,15 +88,15 @@ class DecodedPieces:
         self._first: dict[int, bytes] = {}
 
     def later(self, token: int) -> bytes:
-        piece = self._later.get(token)
-        if piece is None:
-            piece = self._later[token] = self._piece(token, self._anchor)
-        return piece
+        return self._cached(self._later, token, self._anchor)
 
     def first(self, token: int) -> bytes:
-        piece = self._first.get(token)
+        return self._cached(self._first, token, None)
+
+    def _cached(self, known: dict[int, bytes], token: int, anchor: tuple[int, str] | None) -> bytes:
+        piece = known.get(token)
         if piece is None:
-            piece = self._first[token] = self._piece(token, None)
+            piece = known[token] = self._piece(token, anchor)
         return piece
 
     def _piece(self, token: int, anchor: tuple[int, str] | None) -> bytes:
