@@ -96,7 +96,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
 def _add_settings_flags(parser: argparse.ArgumentParser, names: list[str]) -> None:
     for name in names:
         field = Settings.model_fields[name]
-        flag = "--" + name.replace("_", "-")
+        flag = _flag(name)
         default = field.default if field.default_factory is None else "none"
         if default is None:
             default = "none"
@@ -220,9 +220,13 @@ def load_settings(args: argparse.Namespace) -> Settings:
         return Settings(**{**defaults, **overrides})
 
 
+def _flag(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
 def _named(field: str) -> str:
     """A setting under the names a user sets it by: flag and variable."""
-    return f"--{field.replace('_', '-')} (KVWARM_{field.upper()})"
+    return f"{_flag(field)} (KVWARM_{field.upper()})"
 
 
 def describe_invalid(exc: ValidationError) -> str:
@@ -331,12 +335,13 @@ def cmd_serve(settings: Settings) -> int:
 def _serve(settings: Settings, boot: BootDeadline) -> int:
     from app.lifecycle import GracefulServer, raise_open_files_limit, server_config, unbindable
     from app.server import create_app
+    from app.stray_variables import stray_variables
     from engine.distributed_config import share_cpu_threads
     from engine.engine_thread import EngineConfig, EngineThread
     from engine.model_errors import UnsupportedModelError
 
     problem = (
-        _stray_variables()
+        stray_variables({field: _flag(field) for field in _FLAGS})
         or _unwritable("--cache-trace-dir", settings.cache_trace_dir)
         or _unmountable(settings.adapter)
     )
@@ -470,44 +475,6 @@ def _serve(settings: Settings, boot: BootDeadline) -> int:
     if server.exit_code:
         log.error("exiting with status %d: the engine died", server.exit_code)
     return _leave_group(server.exit_code) if dist is not None else server.exit_code
-
-
-def _stray_variables() -> str | None:
-    """The KVWARM_* variables of the environment and .env that set nothing, each with
-    the setting it may have meant: a misspelt one was ignored (KVWARM_APIKEY served
-    without a key)."""
-    import difflib
-
-    from dotenv import dotenv_values
-
-    from app.settings import OTHER_VARIABLES, service_link, setting_variables
-
-    sources: list[tuple[str, dict[str, str | None]]] = [("the environment", dict(os.environ))]
-    env_file = Settings.model_config.get("env_file")
-    if isinstance(env_file, str) and Path(env_file).is_file():
-        sources.append((env_file, dict(dotenv_values(env_file))))
-    known = setting_variables()
-    # matched without the prefix all share, which made any name look close to any other
-    suffixes = {n.removeprefix("KVWARM_"): n for n in known if n.startswith("KVWARM_")}
-    stray: list[str] = []
-    for where, variables in sources:
-        for name, value in variables.items():
-            upper = name.upper()  # pydantic-settings reads names in any case
-            if not upper.startswith("KVWARM_") or upper in known or upper in OTHER_VARIABLES:
-                continue
-            if service_link(upper, value or ""):
-                continue
-            close = difflib.get_close_matches(upper.removeprefix("KVWARM_"), suffixes, n=1)
-            hint = ""
-            if close:
-                meant = suffixes[close[0]]
-                field = known[meant]
-                flag = f"--{field.replace('_', '-')} / " if field in _FLAGS else ""
-                hint = f" (did you mean {flag}{meant}?)"
-            stray.append(f"{name} in {where}{hint}")
-    if not stray:
-        return None
-    return f"unknown KVWARM_* variable: {'; '.join(stray)} (no setting reads it: fix or unset it)"
 
 
 def _unwritable(flag: str, folder: str | Path | None) -> str | None:

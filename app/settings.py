@@ -46,28 +46,6 @@ def _whole_size(value: object) -> object:
 
 Size = Annotated[ByteSize, BeforeValidator(_whole_size)]
 
-# KVWARM_* names kvwarm and its tools read outside Settings: not misspelt settings
-# (serve refuses any other KVWARM_* name that is no setting: app.cli)
-OTHER_VARIABLES = frozenset(
-    {
-        "KVWARM_NO_OPENBLAS",  # engine/blas.py: read before anything imports mlx
-        "KVWARM_API_BASE",  # deploy/litellm: LiteLLM's config reads these two
-        "KVWARM_UPSTREAM_KEY",
-        "KVWARM_REQUIRE_TEST_TOOLS",  # set by .ci/run for tests/helpers/tools.py
-        "KVWARM_TEST_CACHE_DIR",  # tests/e2e/conftest.py
-    }
-)
-# what a Kubernetes Service named kvwarm(-*) puts in every pod beside it, besides
-# its X_PORT=tcp://... (KVWARM_PORT is the port setting, which takes that as unset)
-_SERVICE_LINK = re.compile(
-    r"^KVWARM_(\w+_)?(SERVICE_(HOST|PORT)(_\w+)?|PORT_\d+_(TCP|UDP|SCTP)\w*)$"
-)
-
-
-def service_link(name: str, value: str) -> bool:
-    """Whether KVWARM_* variable ``name`` is a Service's link, not a setting of ours."""
-    return bool(_SERVICE_LINK.match(name)) or (name.endswith("_PORT") and "://" in value)
-
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
@@ -719,14 +697,3 @@ def _plain_count(value: str | None) -> int | None:
     """A plain RANK / WORLD_SIZE as a count; None: none, or another tool's value."""
     text = (value or "").strip()
     return int(text) if text.isdecimal() else None
-
-
-def setting_variables() -> dict[str, str]:
-    """Each variable that sets a field, upper-case: the field it sets."""
-    names: dict[str, str] = {}
-    for field, info in Settings.model_fields.items():
-        alias = info.validation_alias
-        choices = alias.choices if isinstance(alias, AliasChoices) else [alias] if alias else []
-        for name in choices or [f"KVWARM_{field}"]:
-            names[str(name).upper()] = field
-    return names

@@ -139,7 +139,8 @@ def test_a_misspelt_kvwarm_variable_is_refused_with_the_setting_it_may_mean(
 def test_kvwarm_variables_that_are_no_misspelling_pass():
     """Settings (by any alias), what kvwarm and its tools read outside Settings,
     and a Kubernetes Service's links: none is refused."""
-    from app.cli import _stray_variables
+    from app.cli import _FLAGS, _flag
+    from app.stray_variables import stray_variables
 
     env = {
         "KVWARM_API_KEY": "k",
@@ -155,9 +156,9 @@ def test_kvwarm_variables_that_are_no_misspelling_pass():
     }
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("os.environ", env)
-        assert _stray_variables() is None
+        assert stray_variables({f: _flag(f) for f in _FLAGS}) is None
         env["KVWARM_METRICS_PORT"] = "9090"  # a number: no link, a setting misspelt
-        assert "KVWARM_METRICS_PORT" in str(_stray_variables())
+        assert "KVWARM_METRICS_PORT" in str(stray_variables({f: _flag(f) for f in _FLAGS}))
 
 
 @pytest.mark.parametrize("value", ["-5", "0", "many"])
