@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 from engine.batch_rows import Row, kv_only
 from kvcache.manager import TieredKVManager
+from kvcache.prompt_key import PromptKey
 from scheduler.admission import round_up
 from scheduler.request import CacheHints
 
@@ -73,7 +74,7 @@ def store_final(
     cache.record_turn(hints, entry_id)
 
 
-def _store(cache: TieredKVManager, key, caches: list, hints) -> int | None:
+def _store(cache: TieredKVManager, key: PromptKey, caches: list, hints: CacheHints) -> int | None:
     return cache.store(
         key,
         kv_only(caches),

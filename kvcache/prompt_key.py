@@ -192,11 +192,12 @@ def align(
     Tokens outside volatile spans must be equal. With ``skip_volatile`` a span
     of the same rule at the same aligned place is stepped over in both (their
     lengths may differ: a new timestamp may tokenise differently) unless its
-    rule is not ``stale_ok`` and the two differ, and a
-    droppable span only the entry has is stepped over (one whose rule is not
-    ``stale_ok``, a reminder, only with ``entry_only_read``: the request's own
-    conversation read it before); the model then keeps the entry's stale values there. A droppable span only the request has ends the
-    alignment: its text must be prefilled, or the model would never read it.
+    rule is not ``stale_ok`` and the two differ, and a droppable span only the
+    entry has is stepped over (one whose rule is not ``stale_ok``, a reminder,
+    only with ``entry_only_read``: the request's own conversation read it
+    before); the model then keeps the entry's stale values there. A droppable
+    span only the request has ends the alignment: its text must be prefilled,
+    or the model would never read it.
     Without it only an exact model-token prefix counts. Never consumes the
     request's last token.
     """
