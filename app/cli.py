@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"invalid settings: {describe_invalid(exc)}")
     except OSError as exc:  # a .env this user may not read (the server's, mode 600)
         return _fail(f"cannot read the settings: {exc}")
-    if settings.cache_dir:  # from a flag or .env: where engine.gguf_convert.cache_root looks
+    if settings.cache_dir:  # from a flag or .env: where engine.cache_dir.cache_root looks
         os.environ["KVWARM_CACHE_DIR"] = settings.cache_dir
     if args.command == "prepare":
         return cmd_prepare(settings)

@@ -474,10 +474,12 @@ class Settings(BaseSettings):
 
     @property
     def cache_root(self) -> Path:
-        """--cache-dir, else where engine.gguf_convert.cache_root looks by default."""
+        """--cache-dir, else where engine.cache_dir.cache_root looks by default."""
         if self.cache_dir:
             return Path(self.cache_dir)
-        from engine.gguf_convert import cache_root  # the one place the default is decided
+        # the one place the default is decided (a module importing no MLX: this is
+        # read before the OpenBLAS preload, which must precede MLX's first import)
+        from engine.cache_dir import cache_root
 
         return cache_root()
 

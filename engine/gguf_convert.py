@@ -26,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from engine.cache_dir import cache_root
 from engine.file_digest import content_digest
 from engine.gguf_archs import (
     READABLE_NAMES,
@@ -250,13 +251,6 @@ def _float(value: mx.array, dequantize: bool, keep_float32: bool = False) -> mx.
     if value.dtype == mx.float32 and not keep_float32:
         return value.astype(mx.float16)
     return value
-
-
-def cache_root() -> Path:
-    if env := os.environ.get("KVWARM_CACHE_DIR"):
-        return Path(env).expanduser()  # "~/kvc" from a unit file's Environment=
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kvwarm"
 
 
 def converted_dir(gguf: Path, dequantize: bool) -> Path:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -113,7 +114,7 @@ def test_the_cache_dir_comes_from_dotenv_or_a_flag_with_the_home_folder_expanded
 ):
     """KVWARM_CACHE_DIR was read from the process environment only (a .env line was
     ignored) and "~/kvc" from a unit file made a folder named "~"."""
-    from engine.gguf_convert import cache_root
+    from engine.cache_dir import cache_root
 
     monkeypatch.delenv("KVWARM_CACHE_DIR", raising=False)
     (tmp_path / ".env").write_text(f"KVWARM_CACHE_DIR={tmp_path}/cache\n")
@@ -253,6 +254,38 @@ def test_no_openblas_is_a_switch_not_any_value(monkeypatch, value, reference):
     monkeypatch.setattr(platform, "system", lambda: "Linux")
     monkeypatch.setenv("KVWARM_NO_OPENBLAS", value)
     assert ("KVWARM_NO_OPENBLAS" in preload_openblas(()).reason) is reference
+
+
+@pytest.mark.parametrize("flags", [[], ["--kv-dir", "kv"], ["--kv-disk-bytes", "0"]])
+def test_serve_reaches_the_blas_preload_before_anything_imports_mlx(tmp_path, flags):
+    """The default settings' KV folder was found through engine.gguf_convert, which
+    imports MLX: a plain ``kvwarm serve`` then ran on the reference BLAS (7.9
+    against 213 GFLOP/s for a 1024x1024 matmul) unless --kv-dir was given."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "from app import cli\n"
+        "def runtime(settings):\n"
+        "    print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))\n"
+        "    raise SystemExit(0)\n"
+        "cli._prepare_runtime = runtime\n"
+        f"cli.main(['serve', '--model', 'missing.gguf', *{flags!r}])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVWARM_")}
+    env["HOME"] = str(tmp_path)  # no .env, the default cache folder under it
+    env.pop("XDG_CACHE_HOME", None)
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": str(Path(__file__).resolve().parents[2])},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_a_worker_rank_interrupted_leaves_the_group_as_the_others_do(tmp_path, monkeypatch):
