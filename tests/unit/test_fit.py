@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -514,3 +515,30 @@ def test_one_model_that_cannot_be_assessed_does_not_hide_the_others():
     object.__setattr__(broken, "weights_bytes", "not a number")
     entry = listed_entry(broken, machine, 16 * GB)
     assert entry["supported"] is False and "could not be assessed" in entry["why_unsupported"]
+
+
+def test_a_partly_downloaded_snapshot_is_refused_naming_the_missing_shards(tmp_path):
+    """The index names two shards and one is there: fit priced the half present
+    as a model that fits, and prepare (and serve) took it for one."""
+    from app.model_library import NotAModel
+    from engine.model_errors import UnsupportedModelError
+    from engine.model_source import resolve_model
+
+    snap = write_model(tmp_path / "snap", LLAMA, {"w": ("F16", [64, 64])})
+    (snap / "model.safetensors").rename(snap / "model-00001-of-00002.safetensors")
+    index = {
+        "weight_map": {
+            "w": "model-00001-of-00002.safetensors",
+            "v": "model-00002-of-00002.safetensors",
+        }
+    }
+    (snap / "model.safetensors.index.json").write_text(json.dumps(index))
+    why = "incomplete download: 1 of 2 weight shards missing (model-00002-of-00002.safetensors)"
+    with pytest.raises(NotAModel, match=re.escape(why)):
+        dir_facts(snap)
+    with pytest.raises(UnsupportedModelError, match="incomplete download: 1 of 2"):
+        resolve_model(str(snap))
+    found = ModelLibrary([tmp_path], hub=[]).scan()
+    assert [f[2] for f in found] == [f"{snap}: {why}"]  # listed as unreadable, one line
+    write_safetensors(snap / "model-00002-of-00002.safetensors", {"v": ("F16", [64, 64])})
+    assert dir_facts(snap).params == 2 * 64 * 64 and resolve_model(str(snap)).kind == "mlx"
