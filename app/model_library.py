@@ -210,6 +210,7 @@ def dir_facts(
         supported=not why,
         why_unsupported=why,
         layout=_window_layout(str(text.get("model_type", model_type)), text, layers, per_layer),
+        kv_value_bytes=act_bytes,
     )
 
 
@@ -416,6 +417,7 @@ def gguf_facts(path: Path) -> ModelFacts:
     head_dim = arch_int("attention.key_length", arch_int("embedding_length") // heads)
     layers = arch_int("block_count")
     experts, per_token = arch_int("expert_count"), arch_int("expert_used_count")
+    act_bytes = _gguf_act_bytes(arch)
     why = _gguf_problem(meta, arch, types, rope_freqs)
     supported = why is None
     return ModelFacts(
@@ -430,13 +432,14 @@ def gguf_facts(path: Path) -> ModelFacts:
         if experts and per_token
         else params,
         # float16 KV beside quantized weights; float32 where norms stay float32
-        kv_bytes_per_token=layers * kv_heads * head_dim * 2 * _gguf_act_bytes(arch),
+        kv_bytes_per_token=layers * kv_heads * head_dim * 2 * act_bytes,
         context_length=arch_int("context_length", 4096),
         num_heads=heads,
         quant_bits=quant_bits or None,
         supported=supported,
         why_unsupported=why or "",
         gpu_weights_bytes=gpu_bytes,
+        kv_value_bytes=act_bytes,
     )
 
 

@@ -56,6 +56,9 @@ class ModelFacts:
     # per layer, where some keep a sliding window only (Gemma 3, gpt-oss): their KV
     # stops growing at the window; None: every attention layer grows with the context
     layout: KVLayout | None = None
+    # bytes per cached key/value element the KV above is priced at (a GGUF's width
+    # beside its weights: float32 for Gemma and Gemma 2, float16 otherwise)
+    kv_value_bytes: int = 2
 
     @property
     def active_weight_bytes(self) -> int:
@@ -113,12 +116,31 @@ def as_loaded(model: ModelFacts, device: str) -> ModelFacts:
         return model
     if "cpu" not in device.lower():
         return replace(model, weights_bytes=model.gpu_weights_bytes or model.weights_bytes)
+    # float32 KV, from whatever width it was priced at (Gemma's is float32 already)
+    width = max(1, model.kv_value_bytes)
     return replace(
         model,
         weights_bytes=model.params * 4,
-        kv_bytes_per_token=model.kv_bytes_per_token * 2,
+        kv_bytes_per_token=model.kv_bytes_per_token * 4 // width,
+        layout=_rescaled(model.layout, 4, width),
+        kv_value_bytes=4,
         quant_bits=None,
     )
+
+
+def _rescaled(layout: KVLayout | None, to: int, width: int) -> KVLayout | None:
+    """``layout`` with each value ``to`` bytes wide instead of ``width``."""
+    if layout is None:
+        return None
+    layers = tuple(
+        replace(
+            la,
+            bytes_per_token=la.bytes_per_token * to // width,
+            state_bytes=la.state_bytes * to // width,
+        )
+        for la in layout.layers
+    )
+    return replace(layout, layers=layers)
 
 
 def predicted_decode_tok_s(

@@ -323,7 +323,12 @@ def test_k_quant_ggufs_are_costed_as_float16_on_metal():
     assert as_loaded(f, "Device(gpu, 0)").weights_bytes == f.gpu_weights_bytes
 
 
-def _gguf(path: Path, meta: dict[str, int], tensors: list[tuple[str, tuple[int, ...]]]) -> Path:
+def _gguf(
+    path: Path,
+    meta: dict[str, int],
+    tensors: list[tuple[str, tuple[int, ...]]],
+    arch: str = "qwen3moe",
+) -> Path:
     """A GGUF header (u32 values, F16 tensors) with no tensor data: all facts read."""
 
     def text(value: str) -> bytes:
@@ -331,9 +336,9 @@ def _gguf(path: Path, meta: dict[str, int], tensors: list[tuple[str, tuple[int, 
         return struct.pack("<Q", len(raw)) + raw
 
     out = bytearray(b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(meta) + 1))
-    out += text("general.architecture") + struct.pack("<I", 8) + text("qwen3moe")
+    out += text("general.architecture") + struct.pack("<I", 8) + text(arch)
     for key, value in meta.items():
-        out += text(f"qwen3moe.{key}") + struct.pack("<II", 4, value)
+        out += text(f"{arch}.{key}") + struct.pack("<II", 4, value)
     for name, dims in tensors:
         out += text(name) + struct.pack("<I", len(dims))
         out += b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", 1, 0)
@@ -542,3 +547,22 @@ def test_a_partly_downloaded_snapshot_is_refused_naming_the_missing_shards(tmp_p
     assert [f[2] for f in found] == [f"{snap}: {why}"]  # listed as unreadable, one line
     write_safetensors(snap / "model-00002-of-00002.safetensors", {"v": ("F16", [64, 64])})
     assert dir_facts(snap).params == 2 * 64 * 64 and resolve_model(str(snap)).kind == "mlx"
+
+
+@pytest.mark.parametrize("arch, gpu_bytes", [("gemma", 4), ("gemma2", 4), ("qwen3", 2)])
+def test_a_ggufs_kv_on_the_cpu_is_float32_counted_once(tmp_path, arch, gpu_bytes):
+    """Gemma and Gemma 2 GGUFs keep float32 activations, so their KV is priced at
+    4 bytes a value already: the CPU's float32 doubled it again (8 bytes a value)
+    and fit gave half the context the server holds."""
+    meta = {
+        "block_count": 2,
+        "attention.head_count": 4,
+        "attention.head_count_kv": 2,
+        "attention.key_length": 16,
+    }
+    path = _gguf(tmp_path / "m.gguf", meta, [("blk.0.attn_q.weight", (64, 64))], arch)
+    f = gguf_facts(path)
+    values = 2 * 2 * 16 * 2  # layers * kv heads * head_dim * K,V
+    assert f.kv_bytes_per_token == values * gpu_bytes
+    assert as_loaded(f, "Device(gpu, 0)").kv_bytes_per_token == values * gpu_bytes
+    assert as_loaded(f, "Device(cpu, 0)").kv_bytes_per_token == values * 4
