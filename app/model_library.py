@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 
 from engine.gguf_archs import ARCHS as GGUF_ARCHS  # what engine.gguf_convert converts
 from engine.gguf_archs import ROPE_FREQS, ROPE_FREQS_WHY, split_file, unreadable_types
+from engine.model_errors import UnsupportedModelError
 from engine.model_source import missing_shards
 from engine.vision_families import SERVED_FAMILIES as VISION_FAMILIES
 from kvcache.layout import KVLayout, LayerKind, LayerKV
@@ -420,6 +421,10 @@ def gguf_facts(path: Path) -> ModelFacts:
     act_bytes = _gguf_act_bytes(arch)
     why = _gguf_problem(meta, arch, types, rope_freqs)
     supported = why is None
+    per_layer = kv_heads * head_dim * 2 * act_bytes
+    shape = {"num_hidden_layers": layers, "num_attention_heads": heads, "head_dim": head_dim}
+    shape["hidden_size"] = arch_int("embedding_length")  # Gemma's attention scale reads it
+    layout = _gguf_layout(meta, arch, shape, per_layer)
     return ModelFacts(
         name=path.name,
         path=str(path),
@@ -432,7 +437,7 @@ def gguf_facts(path: Path) -> ModelFacts:
         if experts and per_token
         else params,
         # float16 KV beside quantized weights; float32 where norms stay float32
-        kv_bytes_per_token=layers * kv_heads * head_dim * 2 * act_bytes,
+        kv_bytes_per_token=layers * per_layer,
         context_length=arch_int("context_length", 4096),
         num_heads=heads,
         quant_bits=quant_bits or None,
@@ -440,7 +445,23 @@ def gguf_facts(path: Path) -> ModelFacts:
         why_unsupported=why or "",
         gpu_weights_bytes=gpu_bytes,
         kv_value_bytes=act_bytes,
+        layout=layout,
     )
+
+
+def _gguf_layout(
+    meta: dict[str, Any], arch: str, config: dict[str, int], per_layer: int
+) -> KVLayout | None:
+    """The sliding-window layers of the model the GGUF converts to (Gemma 3: five
+    of six), from the very config fields engine.gguf_convert writes for it."""
+    known = GGUF_ARCHS.get(arch)
+    if known is None:
+        return None
+    try:
+        fields = known.extra(lambda key, default: meta.get(f"{arch}.{key}", default), config)
+    except (UnsupportedModelError, TypeError, ValueError, OverflowError):
+        return None  # what serve refuses, or metadata no model has: priced as growing
+    return _window_layout(known.model_type, fields, config["num_hidden_layers"], per_layer)
 
 
 def _gguf_act_bytes(arch: str) -> int:

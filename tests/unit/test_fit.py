@@ -566,3 +566,34 @@ def test_a_ggufs_kv_on_the_cpu_is_float32_counted_once(tmp_path, arch, gpu_bytes
     assert f.kv_bytes_per_token == values * gpu_bytes
     assert as_loaded(f, "Device(gpu, 0)").kv_bytes_per_token == values * gpu_bytes
     assert as_loaded(f, "Device(cpu, 0)").kv_bytes_per_token == values * 4
+
+
+@pytest.mark.parametrize("window, want", [(1024, 1024), (None, 512)])  # 512: the converter's
+def test_a_gemma3_ggufs_sliding_window_layers_are_priced_as_windows(tmp_path, window, want):
+    """The converted model keeps five of six layers to the window (what the
+    converter writes: sliding_window, pattern 6): every layer was priced as
+    growing with the context, a sixth of the context the server gives."""
+    from kvcache.layout import LayerKind
+
+    meta = {
+        "block_count": 12,
+        "attention.head_count": 8,
+        "attention.head_count_kv": 8,
+        "attention.key_length": 256,
+        "context_length": 131072,
+    }
+    if window:
+        meta["attention.sliding_window"] = window
+    f = gguf_facts(_gguf(tmp_path / "g.gguf", meta, [("blk.0.attn_q.weight", (64, 64))], "gemma3"))
+    assert f.layout is not None
+    kinds = [(la.kind, la.window) for la in f.layout.layers]
+    slides = (LayerKind.WINDOW, want)
+    assert kinds == ([slides] * 5 + [(LayerKind.ATTENTION, 0)]) * 2
+    assert f.layout.bytes_per_token == f.kv_bytes_per_token
+    cpu = as_loaded(f, "Device(cpu, 0)")  # float32 there: the layout too
+    assert cpu.layout is not None and cpu.layout.bytes_per_token == cpu.kv_bytes_per_token
+    plain = gguf_facts(
+        _gguf(tmp_path / "q.gguf", meta, [("blk.0.attn_q.weight", (64, 64))], "qwen3")
+    )
+    assert plain.layout is None  # no sliding window in the model it converts to
+    assert assess(f, 4 * GB, None).max_context > 3 * assess(plain, 4 * GB, None).max_context
