@@ -523,11 +523,43 @@ def real_path(path: Path) -> str:
 
 
 def hub_roots() -> list[Path]:
-    hub = os.environ.get("HF_HUB_CACHE")
-    if hub:
-        return [Path(hub)]
-    home = os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface"
-    return [Path(home) / "hub"]
+    """The hub cache by huggingface_hub's rules (its constants.HF_HUB_CACHE, where
+    mlx-lm and `hf download` put models): HF_HUB_CACHE, the older
+    HUGGINGFACE_HUB_CACHE, else $HF_HOME/hub with HF_HOME defaulting to
+    $XDG_CACHE_HOME/huggingface; ~ and $VARS expanded. Read on each call, not
+    frozen at import as that constant is."""
+
+    def expand(path: str) -> str:
+        return os.path.expandvars(os.path.expanduser(path))
+
+    env = os.environ
+    cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    home = expand(env.get("HF_HOME") or os.path.join(cache, "huggingface"))
+    hub = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
+    return [Path(expand(hub))]
+
+
+def _snapshots(repo: Path) -> list[Path]:
+    """A hub repo's revisions, the one that loads by the repo's name first (the
+    snapshot refs/main names, else the newest), then the rest newest first."""
+    try:
+        main = (repo / "refs" / "main").read_text().strip()
+    except (OSError, ValueError):
+        main = ""  # only revisions fetched by hash or branch
+    try:
+        snaps = [s for s in (repo / "snapshots").iterdir() if s.is_dir()]
+        snaps.sort(key=lambda s: s.stat().st_mtime, reverse=True)
+    except OSError:
+        return []
+    return sorted(snaps, key=lambda s: s.name != main)  # stable: main's first
+
+
+def _listing(folder: Path) -> list[Path]:
+    """``folder``'s entries, sorted; none where it cannot be listed."""
+    try:
+        return sorted(folder.iterdir())
+    except OSError:
+        return []
 
 
 def _model_dir(path: Path) -> bool:
@@ -541,12 +573,17 @@ def _model_dir(path: Path) -> bool:
 
 def _candidates(hub: list[Path], folders: list[Path]) -> Iterable[tuple[str, Path]]:
     for root in hub:  # models--org--name/snapshots/<rev>/
-        for snap in sorted(root.glob("models--*/snapshots/*")):
-            name = snap.parent.parent.name.removeprefix("models--").replace("--", "/")
-            if _model_dir(snap):
-                yield name, snap
-            ggufs = (g for g in sorted(snap.iterdir()) if g.suffix.lower() == ".gguf")
-            yield from ((f"{name}/{g.name}", g) for g in ggufs)
+        for repo in sorted(root.glob("models--*")):
+            name = repo.name.removeprefix("models--").replace("--", "/")
+            snaps = _snapshots(repo)
+            if snaps and _model_dir(snaps[0]):  # one revision: each was listed as a model
+                yield name, snaps[0]
+            ggufs: dict[str, Path] = {}  # a quant fetched at an older revision is still there
+            for snap in snaps:
+                for g in _listing(snap):
+                    if g.suffix.lower() == ".gguf":
+                        ggufs.setdefault(g.name, g)
+            yield from ((f"{name}/{g}", path) for g, path in sorted(ggufs.items()))
     for folder in folders:
         try:
             children = sorted(folder.iterdir()) if folder.is_dir() else []

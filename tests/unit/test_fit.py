@@ -597,3 +597,72 @@ def test_a_gemma3_ggufs_sliding_window_layers_are_priced_as_windows(tmp_path, wi
     )
     assert plain.layout is None  # no sliding window in the model it converts to
     assert assess(f, 4 * GB, None).max_context > 3 * assess(plain, 4 * GB, None).max_context
+
+
+HF_VARS = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME")
+
+
+@pytest.mark.parametrize(
+    "env, want",
+    [
+        ({}, "~/.cache/huggingface/hub"),
+        ({"XDG_CACHE_HOME": "/xdg"}, "/xdg/huggingface/hub"),
+        ({"HF_HOME": "~/hf"}, "~/hf/hub"),
+        ({"HF_HOME": "/h", "HUGGINGFACE_HUB_CACHE": "/legacy"}, "/legacy"),
+        ({"HUGGINGFACE_HUB_CACHE": "/legacy", "HF_HUB_CACHE": "~/new"}, "~/new"),
+    ],
+)
+def test_the_hub_cache_is_where_huggingface_hub_puts_it(tmp_path, monkeypatch, env, want):
+    """HUGGINGFACE_HUB_CACHE and XDG_CACHE_HOME were ignored and a ~ in HF_HOME
+    kept: the models `hf download` had fetched were not listed."""
+    import os
+    import subprocess
+    import sys
+
+    from app.model_library import hub_roots
+
+    for var in HF_VARS:
+        monkeypatch.delenv(var, raising=False)
+    for var, value in {**env, "HOME": str(tmp_path)}.items():
+        monkeypatch.setenv(var, value)
+    assert hub_roots() == [Path(want.replace("~", str(tmp_path)))]
+    theirs = subprocess.run(  # read when huggingface_hub is imported: a fresh process
+        [sys.executable, "-c", "from huggingface_hub import constants as c; print(c.HF_HUB_CACHE)"],
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert hub_roots() == [Path(theirs.stdout.strip())]
+
+
+def test_a_hub_repo_is_listed_once_at_the_revision_refs_main_names(tmp_path):
+    """A repo with two snapshots (an update downloaded) was listed twice."""
+    import os
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    for rev, mtime in (("aaa", 2000), ("bbb", 1000)):
+        write_model(repo / "snapshots" / rev, LLAMA, {"w": ("F16", [8])})
+        os.utime(repo / "snapshots" / rev, (mtime, mtime))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("bbb")
+    found = ModelLibrary([], hub=[tmp_path / "hub"]).scan()
+    assert [(f.name, Path(f.path).name) for f in found] == [("org/tiny", "bbb")]
+    (repo / "refs" / "main").unlink()  # no main: the newest snapshot
+    found = ModelLibrary([], hub=[tmp_path / "hub"]).scan()
+    assert [(f.name, Path(f.path).name) for f in found] == [("org/tiny", "aaa")]
+    # a GGUF repo: each file once, main's copy first; one fetched only earlier stays
+    ggufs = tmp_path / "hub" / "models--org--q"
+    for rev, files in (("old", ("a.gguf", "b.gguf")), ("new", ("b.gguf",))):
+        for file in files:
+            _llama_gguf(_mkdirs(ggufs / "snapshots" / rev) / file)
+    (ggufs / "refs").mkdir()
+    (ggufs / "refs" / "main").write_text("new")
+    found = ModelLibrary([], hub=[tmp_path / "hub"]).scan()
+    listed = [(f.name, Path(f.path).parent.name) for f in found if f.kind == "gguf"]
+    assert listed == [("org/q/a.gguf", "old"), ("org/q/b.gguf", "new")]
+
+
+def _mkdirs(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
