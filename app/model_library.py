@@ -585,14 +585,31 @@ def _candidates(hub: list[Path], folders: list[Path]) -> Iterable[tuple[str, Pat
                         ggufs.setdefault(g.name, g)
             yield from ((f"{name}/{g}", path) for g, path in sorted(ggufs.items()))
     for folder in folders:
+        if _model_dir(folder):  # --model-dir naming one model
+            yield folder.name, folder
+            continue
         try:
             children = sorted(folder.iterdir()) if folder.is_dir() else []
         except OSError:  # one this user may not list: shown as unreadable, not skipped
             yield folder.name, folder
             continue
-        for child in children:
-            if child.suffix.lower() == ".gguf" or _model_dir(child):
-                yield child.name, child
+        yield from _in_folder(children, "", FOLDER_DEPTH)
+
+
+# plain folders looked into below a --model-dir: publisher/repo/ (LM Studio's
+# layout, `hf download --local-dir models/org/name`'s); a whole tree is not walked
+FOLDER_DEPTH = 2
+
+
+def _in_folder(entries: list[Path], prefix: str, levels: int) -> Iterable[tuple[str, Path]]:
+    """GGUFs and model folders among ``entries``, then in the plain folders among
+    them, ``levels`` levels down (hidden ones, such as hf's .cache, skipped)."""
+    for entry in entries:
+        name = prefix + entry.name
+        if entry.suffix.lower() == ".gguf" or _model_dir(entry):
+            yield name, entry
+        elif levels > 0 and not entry.name.startswith(".") and entry.is_dir():
+            yield from _in_folder(_listing(entry), f"{name}/", levels - 1)
 
 
 class ModelLibrary:

@@ -666,3 +666,18 @@ def test_a_hub_repo_is_listed_once_at_the_revision_refs_main_names(tmp_path):
 def _mkdirs(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def test_a_model_dir_may_be_a_model_itself_or_hold_publisher_folders(tmp_path):
+    """A --model-dir naming one model's folder found nothing, nor did one holding
+    publisher/repo folders (LM Studio's, `hf download --local-dir models/org/name`)."""
+    one = write_model(tmp_path / "one", LLAMA, {"w": ("F16", [8])})
+    assert [f.name for f in ModelLibrary([one], hub=[]).scan()] == ["one"]
+    models = tmp_path / "models"
+    write_model(models / "org" / "name", LLAMA, {"w": ("F16", [8])})
+    _mkdirs(models / "org" / "name" / ".cache" / "huggingface")  # hf download's own
+    _llama_gguf(_mkdirs(models / "lmstudio-community" / "Qwen-GGUF") / "q.Q4_K_M.gguf")
+    _llama_gguf(_mkdirs(models / "a" / "b" / "c") / "deep.gguf")  # too deep: not walked
+    write_model(models / "a" / "b" / "c" / "d", LLAMA, {"w": ("F16", [8])})
+    names = [f.name for f in ModelLibrary([models], hub=[]).scan()]
+    assert names == ["lmstudio-community/Qwen-GGUF/q.Q4_K_M.gguf", "org/name"]
