@@ -7,7 +7,7 @@ by hand, so it works against kvwarm, mlx_lm.server, llama.cpp, vLLM or OpenAI al
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,8 +94,10 @@ class ChatClient:
         Closing the generator (as Ctrl-C does) closes the HTTP stream, which tells
         the server to stop generating.
         """
+        answering = False  # headers in: a transport failure now is no unreachable server
         try:
             with self._http.stream("POST", "/chat/completions", json=body) as response:
+                answering = True
                 if response.is_error:
                     response.read()
                     raise ChatError(_error_message(response))
@@ -108,28 +110,38 @@ class ChatClient:
                         + (f"redirecting to {where}" if where else f"with {kind or 'no type'}")
                         + ", not an event stream"
                     )
+                finished = False  # a finish_reason: complete even if [DONE] never comes
                 for line in response.iter_lines():
                     if not line.startswith("data:"):
                         continue  # blank separators, `event:` lines, `: keep-alive` comments
                     data = line[5:].strip()
                     if data == "[DONE]":
                         return
-                    yield from _parse_chunk(data)
+                    finished = (yield from _parse_chunk(data)) or finished
         except httpx.TransportError as exc:
+            if answering:  # it was reached: "cannot reach" would send the user the wrong way
+                raise ChatError(f"the connection closed mid-reply: {exc}") from exc
             raise ChatError(f"cannot reach {self.base}: {exc}") from exc
+        # a server that crashed (or a proxy that timed out) just closes the stream:
+        # what came so far is no whole reply, and must not join the conversation
+        if not finished:
+            raise ChatError("the stream ended before the reply was complete")
 
 
-def _parse_chunk(data: str) -> Iterator[Delta | Usage]:
+def _parse_chunk(data: str) -> Generator[Delta | Usage, None, bool]:
+    """Yield a chunk's deltas and usage; return whether it carried a finish_reason."""
     try:
         chunk = json.loads(data)
     except ValueError as exc:
         raise ChatError(f"unreadable stream chunk: {data[:200]}") from exc
     if not isinstance(chunk, dict):
-        return
+        return False
     if chunk.get("error"):  # some servers report mid-stream failures as a data chunk
         error = chunk["error"]
         raise ChatError(str(error.get("message", error) if isinstance(error, dict) else error))
+    finished = False
     for choice in chunk.get("choices") or []:
+        finished = finished or bool(choice.get("finish_reason"))
         delta = choice.get("delta") or {}
         # `reasoning_content` (DeepSeek, vLLM, kvwarm) or `reasoning` (OpenRouter, Ollama)
         reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
@@ -143,3 +155,4 @@ def _parse_chunk(data: str) -> Iterator[Delta | Usage]:
             completion_tokens=usage.get("completion_tokens"),
             cached_tokens=int(details.get("cached_tokens") or 0),
         )
+    return finished

@@ -108,6 +108,9 @@ class _Handler(BaseHTTPRequestHandler):
                     time.sleep(0.1)
                     self._event(delta(content="."))
                 return
+            if "cut" in text:  # the connection closes before [DONE]: a crashed server
+                self._event(delta(role="assistant", content="a partial"))
+                return
             time.sleep(0.05)  # a measurable TTFT
             # both spellings servers use: `reasoning_content`, and `reasoning` on even turns
             key = "reasoning" if turn % 2 == 0 else "reasoning_content"
@@ -508,3 +511,14 @@ def test_a_malformed_host_is_a_usage_error_not_a_traceback(host: str) -> None:
     )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert result.stderr.startswith("kvwarm: error: --host")
+
+
+def test_a_stream_cut_short_is_an_error_and_no_part_of_the_conversation(fake) -> None:
+    """A server that closed the stream without `data: [DONE]` (it crashed, a proxy
+    timed out) looked like a finished turn: a normal stats line, and the partial
+    answer went into the history sent with every later turn."""
+    result = piped_chat(fake, "cut short\nhello\n/quit\n")
+    assert result.returncode == 0, result.stderr
+    assert "error: the stream ended before the reply was complete" in result.stderr
+    assert "a partial\n[ttft" not in result.stdout
+    assert fake.bodies[1]["messages"] == [{"role": "user", "content": "hello"}]

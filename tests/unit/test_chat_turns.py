@@ -89,3 +89,50 @@ def test_a_redirect_or_a_reply_that_is_no_stream_is_an_error_not_an_empty_turn(r
     with pytest.raises(ChatError, match="not an event stream"):
         list(client.stream({"messages": []}))
     client.close()
+
+
+class _CutStream(httpx.SyncByteStream):
+    """A body that breaks off after its first event, as a dropped connection does."""
+
+    def __iter__(self):
+        yield b'data: {"choices": [{"delta": {"content": "Hel"}}]}\n\n'
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete body")
+
+
+def _mock_client(response: httpx.Response) -> ChatClient:
+    client = ChatClient("localhost:1")
+    client._http = httpx.Client(  # noqa: SLF001 - the transport is the seam here
+        base_url=client.base, transport=httpx.MockTransport(lambda _request: response)
+    )
+    return client
+
+
+SSE = {"content-type": "text/event-stream"}
+
+
+def test_a_connection_dropped_mid_reply_is_not_said_to_be_unreachable():
+    """A Content-Length body cut short read "cannot reach http://...": the server
+    had been reached and had started answering."""
+    client = _mock_client(httpx.Response(200, headers=SSE, stream=_CutStream()))
+    with pytest.raises(ChatError, match=r"^the connection closed mid-reply") as caught:
+        list(client.stream({"messages": []}))
+    assert "cannot reach" not in str(caught.value)
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("body", "complete"),
+    [
+        (b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\n', False),
+        (b'data: {"choices": [{"delta": {"content": "Hi"}, "finish_reason": "stop"}]}\n\n', True),
+        (b'data: {"choices": [{"delta": {"content": "Hi"}}]}\n\ndata: [DONE]\n\n', True),
+    ],
+)
+def test_a_stream_without_done_or_a_finish_reason_is_incomplete(body: bytes, complete: bool):
+    client = _mock_client(httpx.Response(200, headers=SSE, content=body))
+    if complete:  # a finish_reason is the end, even from a server that sends no [DONE]
+        assert list(client.stream({"messages": []})) == [Delta(content="Hi")]
+    else:
+        with pytest.raises(ChatError, match="the stream ended before the reply was complete"):
+            list(client.stream({"messages": []}))
+    client.close()
