@@ -140,9 +140,16 @@ def _parse_chunk(data: str) -> Generator[Delta | Usage, None, bool]:
         error = chunk["error"]
         raise ChatError(str(error.get("message", error) if isinstance(error, dict) else error))
     finished = False
-    for choice in chunk.get("choices") or []:
+    # what is not shaped as the spec says (`"choices": [null]`) is passed over: one
+    # odd chunk from some server is no reason to lose the conversation
+    choices = chunk.get("choices")
+    for choice in choices if isinstance(choices, list) else []:
+        if not isinstance(choice, dict):
+            continue
         finished = finished or bool(choice.get("finish_reason"))
-        delta = choice.get("delta") or {}
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            continue
         # `reasoning_content` (DeepSeek, vLLM, kvwarm) or `reasoning` (OpenRouter, Ollama)
         reasoning = delta.get("reasoning_content") or delta.get("reasoning") or ""
         content = delta.get("content") or ""
@@ -150,9 +157,15 @@ def _parse_chunk(data: str) -> Generator[Delta | Usage, None, bool]:
             yield Delta(reasoning=str(reasoning), content=str(content))
     usage = chunk.get("usage")
     if isinstance(usage, dict):
-        details = usage.get("prompt_tokens_details") or {}
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
         yield Usage(
-            completion_tokens=usage.get("completion_tokens"),
-            cached_tokens=int(details.get("cached_tokens") or 0),
+            completion_tokens=_count(usage.get("completion_tokens")),
+            cached_tokens=_count(cached) or 0,
         )
     return finished
+
+
+def _count(value: object) -> int | None:
+    """A token count, or None for what is none (the stats line does sums with it)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

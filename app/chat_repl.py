@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import io
 import mimetypes
 import os
 import sys
@@ -60,6 +61,12 @@ def image_data_url(path: str) -> str:
         raise ChatError(f"cannot read image {file}: {exc.strerror or exc}") from exc
     mime = mimetypes.guess_type(file.name)[0] or "application/octet-stream"
     return f"data:{mime};base64,{base64.b64encode(raw).decode('ascii')}"
+
+
+def clean_text(text: str) -> str:
+    """``text`` as UTF-8 can carry it: bytes that were not UTF-8 (held as surrogates
+    by surrogateescape) become U+FFFD; httpx cannot encode surrogates into a body."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def style(text: str, code: str, enabled: bool) -> str:
@@ -169,6 +176,10 @@ class ChatRepl:
     def run(self) -> int:
         if sys.stdin.isatty():
             setup_readline()
+        if isinstance(sys.stdin, io.TextIOWrapper):
+            # a line that is not UTF-8 (a Latin-1 terminal, a file) is kept as
+            # surrogates for clean_text, not a UnicodeDecodeError that loses the buffer
+            sys.stdin.reconfigure(errors="surrogateescape")
         if self.model is None:
             try:
                 self.model = self.client.first_model()
@@ -178,10 +189,13 @@ class ChatRepl:
         self.print(style(HELP, STATS_STYLE, self.colour))
         while True:
             try:
-                line = input(PROMPT)
+                line = clean_text(input(PROMPT))
             except (EOFError, KeyboardInterrupt):  # Ctrl-D / Ctrl-C at the prompt
                 self.print("")
                 return 0
+            except UnicodeDecodeError as exc:  # a stdin that could not be reconfigured
+                self.error(f"that line is not {exc.encoding} text; nothing was sent")
+                continue
             command = line.strip()
             if command in ("/quit", "/exit"):
                 return 0
@@ -277,7 +291,8 @@ def run_chat(args: argparse.Namespace) -> int:
         print(f"kvwarm: error: --host {args.host!r}: {exc}", file=sys.stderr)
         return 2
     try:
-        return ChatRepl(client, args.model, args.max_tokens, args.system).run()
+        model, system = (clean_text(t) if t else t for t in (args.model, args.system))
+        return ChatRepl(client, model, args.max_tokens, system).run()
     except KeyboardInterrupt:  # e.g. while the start-up model lookup waits
         return 130
     finally:

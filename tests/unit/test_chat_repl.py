@@ -522,3 +522,23 @@ def test_a_stream_cut_short_is_an_error_and_no_part_of_the_conversation(fake) ->
     assert "error: the stream ended before the reply was complete" in result.stderr
     assert "a partial\n[ttft" not in result.stdout
     assert fake.bodies[1]["messages"] == [{"role": "user", "content": "hello"}]
+
+
+@pytest.mark.parametrize("io_encoding", ["", "utf-8:strict"], ids=["utf8-mode", "strict"])
+def test_a_line_that_is_no_utf8_is_sent_with_replacement_characters(fake, io_encoding) -> None:
+    """`printf 'h\\xe9llo'` (a Latin-1 terminal, a file) was a traceback and exit 1,
+    the conversation lost: surrogates httpx could not encode (UTF-8 mode), or a
+    UnicodeDecodeError out of input() (a strict stdin)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "app.cli", "chat", "--host", fake.url, "--model", "m"]
+        + ["--system", os.fsdecode(b"be br\xe9f")],
+        input=b"h\xe9llo\nsecond\n/quit\n",
+        capture_output=True,
+        cwd=ROOT,
+        env=child_env(PYTHONIOENCODING=io_encoding),
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr.decode()
+    assert b"Traceback" not in result.stderr
+    assert [user_turns(b) for b in fake.bodies] == [["h\ufffdllo"], ["h\ufffdllo", "second"]]
+    assert fake.bodies[0]["messages"][0] == {"role": "system", "content": "be br\ufffdf"}

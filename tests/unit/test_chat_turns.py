@@ -136,3 +136,40 @@ def test_a_stream_without_done_or_a_finish_reason_is_incomplete(body: bytes, com
         with pytest.raises(ChatError, match="the stream ended before the reply was complete"):
             list(client.stream({"messages": []}))
     client.close()
+
+
+@pytest.mark.parametrize(
+    "chunk",
+    [
+        '{"choices": [null]}',
+        '{"choices": [{"delta": "Hi"}]}',
+        '{"choices": 5}',
+        '{"choices": [], "usage": {"completion_tokens": "7", "prompt_tokens_details": 3}}',
+        '{"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": "many"}}}',
+    ],
+)
+def test_a_malformed_chunk_is_passed_over_not_a_traceback(chunk: str):
+    """`{"choices": [null]}` was an AttributeError out of the REPL: exit 1, the
+    conversation lost."""
+    body = f'data: {chunk}\n\ndata: {{"choices": [{{"delta": {{"content": "Hi"}}}}]}}\n\n'
+    client = _mock_client(httpx.Response(200, headers=SSE, content=body + "data: [DONE]\n\n"))
+    events = list(client.stream({"messages": []}))
+    assert Delta(content="Hi") in events
+    for usage in (e for e in events if isinstance(e, Usage)):
+        assert usage == Usage(completion_tokens=None, cached_tokens=0)
+    client.close()
+
+
+def test_a_line_input_could_not_decode_is_one_error_and_the_repl_stays(monkeypatch, capsys):
+    lines: list[Any] = [UnicodeDecodeError("utf-8", b"\xe9", 0, 1, "invalid"), "/quit"]
+
+    def typed(_prompt: str) -> str:
+        line = lines.pop(0)
+        if isinstance(line, BaseException):
+            raise line
+        return line
+
+    monkeypatch.setattr("builtins.input", typed)
+    repl = ChatRepl(_Client([]), "m", 8, None, out=io.StringIO())  # type: ignore[arg-type]
+    assert repl.run() == 0
+    assert "error: that line is not utf-8 text; nothing was sent" in capsys.readouterr().err
