@@ -63,8 +63,10 @@ def _error_message(response: httpx.Response) -> str:
 
 
 class ChatClient:
-    def __init__(self, host: str, api_key: str | None = None) -> None:
+    def __init__(self, host: str, api_key: str | None = None, origin: str = "") -> None:
+        """``origin``: where ``host`` came from, said when it cannot be reached."""
         self.base = base_url(host)
+        self._unreachable = f"cannot reach {self.base}" + (f" ({origin})" if origin else "")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # No read timeout: a long prompt's prefill can keep the first byte away for
         # minutes on a CPU; Ctrl-C is the way out.
@@ -80,7 +82,7 @@ class ChatClient:
         try:
             response = self._http.get("/models")
         except httpx.TransportError as exc:
-            raise ChatError(f"cannot reach {self.base}: {exc}") from exc
+            raise ChatError(f"{self._unreachable}: {exc}") from exc
         if response.is_error:
             raise ChatError(_error_message(response))
         try:
@@ -121,7 +123,7 @@ class ChatClient:
         except httpx.TransportError as exc:
             if answering:  # it was reached: "cannot reach" would send the user the wrong way
                 raise ChatError(f"the connection closed mid-reply: {exc}") from exc
-            raise ChatError(f"cannot reach {self.base}: {exc}") from exc
+            raise ChatError(f"{self._unreachable}: {exc}") from exc
         # a server that crashed (or a proxy that timed out) just closes the stream:
         # what came so far is no whole reply, and must not join the conversation
         if not finished:

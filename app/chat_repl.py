@@ -267,13 +267,51 @@ class ChatRepl:
         print(style(f"error: {message}", ERROR_STYLE, colour), file=sys.stderr, flush=True)
 
 
-def _dotenv_key() -> str | None:
-    """KVWARM_API_KEY from ./.env; a .env this user may not read (the server's,
-    mode 600) is passed over: the key can still come from --api-key."""
+DEFAULT_HOST, DEFAULT_PORT = "127.0.0.1", 8080
+# a server bound to every interface is reached over loopback
+BIND_ALL = {"0.0.0.0": "127.0.0.1", "::": "::1"}
+
+
+def _dotenv() -> dict[str, str | None]:
+    """./.env, where the server reads its settings; one this user may not read (the
+    server's, mode 600) is passed over: flags and the environment still work."""
     try:
-        return dotenv_values(".env").get("KVWARM_API_KEY")
+        return dotenv_values(".env")
     except OSError:
-        return None
+        return {}
+
+
+def _setting(name: str, dotenv: dict[str, str | None]) -> tuple[str, str] | None:
+    """A KVWARM_* value as the server reads it (environment over ./.env, blank is
+    unset) and where it was found."""
+    if value := os.environ.get(name, "").strip():
+        return value, "the environment"
+    if value := (dotenv.get(name) or "").strip():
+        return value, "./.env"
+    return None
+
+
+def server_address(flag: str | None) -> tuple[str, str]:
+    """The server to talk to, and where that came from ("" for --host): --host, else
+    the KVWARM_HOST/KVWARM_PORT the server beside it reads, else 127.0.0.1:8080."""
+    if flag:
+        return flag, ""
+    dotenv = _dotenv()
+    host, port = _setting("KVWARM_HOST", dotenv), _setting("KVWARM_PORT", dotenv)
+    if port and "://" in port[0]:  # Kubernetes' service link, which the server ignores
+        port = None
+    name = (host[0] if host else DEFAULT_HOST).removeprefix("[").removesuffix("]")
+    name = BIND_ALL.get(name, name)
+    name = f"[{name}]" if ":" in name else name  # an IPv6 address, as a URL writes it
+    found = {n: v[1] for n, v in (("KVWARM_HOST", host), ("KVWARM_PORT", port)) if v}
+    places = set(found.values())
+    if not found:
+        origin = "the default; --host names another"
+    elif len(places) == 1:  # "from KVWARM_HOST and KVWARM_PORT in ./.env"
+        origin = f"from {' and '.join(found)} in {places.pop()}"
+    else:
+        origin = "from " + " and ".join(f"{n} in {where}" for n, where in found.items())
+    return f"{name}:{port[0] if port else DEFAULT_PORT}", origin
 
 
 def run_chat(args: argparse.Namespace) -> int:
@@ -282,13 +320,15 @@ def run_chat(args: argparse.Namespace) -> int:
     api_key = (
         args.api_key
         or os.environ.get("KVWARM_API_KEY")
-        or _dotenv_key()
+        or _dotenv().get("KVWARM_API_KEY")
         or os.environ.get("OPENAI_API_KEY")
     )
+    host, origin = server_address(args.host)
     try:
-        client = ChatClient(args.host, api_key)
+        client = ChatClient(host, api_key, origin)
     except (httpx.InvalidURL, ValueError) as exc:  # "localhost:80a": a usage error
-        print(f"kvwarm: error: --host {args.host!r}: {exc}", file=sys.stderr)
+        named = f"{host!r} ({origin})" if origin else f"--host {host!r}"
+        print(f"kvwarm: error: {named}: {exc}", file=sys.stderr)
         return 2
     try:
         model, system = (clean_text(t) if t else t for t in (args.model, args.system))

@@ -168,15 +168,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument(
         "--host",
-        default="http://127.0.0.1:8080",
         metavar="URL",
         help="server base URL or HOST:PORT; /v1 is appended to a URL without a path "
-        "[default: %(default)s]",
+        "[default: KVWARM_HOST and KVWARM_PORT from the environment or ./.env, as the "
+        "server reads them, else http://127.0.0.1:8080]",
     )
     chat.add_argument(
         "--api-key",
         metavar="KEY",
-        help="bearer token [default: env KVWARM_API_KEY or OPENAI_API_KEY]",
+        help="bearer token [default: KVWARM_API_KEY from the environment or ./.env, else "
+        "OPENAI_API_KEY]",
     )
     chat.add_argument(
         "--model", metavar="ID", help="model to ask for [default: the first id of GET /v1/models]"

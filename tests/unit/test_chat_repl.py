@@ -160,8 +160,11 @@ def fake(fake_server: FakeOpenAI) -> FakeOpenAI:
 ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b[()][0-9A-Za-z]|\x1b[=>]")
 
 
+KVWARM_CLIENT_VARIABLES = ("KVWARM_API_KEY", "OPENAI_API_KEY", "KVWARM_HOST", "KVWARM_PORT")
+
+
 def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("KVWARM_API_KEY", "OPENAI_API_KEY")}
+    env = {k: v for k, v in os.environ.items() if k not in KVWARM_CLIENT_VARIABLES}
     env.pop("NO_COLOR", None)
     # INPUTRC=/dev/null: the tester's own ~/.inputrc must not change the key bindings
     env.update(TERM="xterm", INPUTRC="/dev/null", PYTHONUTF8="1", **extra)
@@ -450,10 +453,12 @@ def test_an_unreachable_server_is_one_line_and_the_repl_stays(chat, fake) -> Non
     assert term.wait() == 0
 
 
-def piped_chat(fake: FakeOpenAI, typed: str, cwd: Path = ROOT, **env: str):
-    """`kvwarm chat` with its input from a pipe, not a terminal."""
+def piped_chat(fake: FakeOpenAI, typed: str, cwd: Path = ROOT, host: str | None = None, **env: str):
+    """`kvwarm chat` with its input from a pipe, not a terminal; host "": no --host."""
+    host = fake.url if host is None else host
     return subprocess.run(
-        [sys.executable, "-m", "app.cli", "chat", "--host", fake.url, "--model", "m"],
+        [sys.executable, "-m", "app.cli", "chat", *(["--host", host] if host else []), "--model"]
+        + ["m"],
         input=typed,
         capture_output=True,
         text=True,
@@ -495,7 +500,7 @@ def test_a_dotenv_it_may_not_read_is_passed_over(monkeypatch) -> None:
         raise PermissionError(13, "Permission denied", path)
 
     monkeypatch.setattr(chat_repl, "dotenv_values", unreadable)
-    assert chat_repl._dotenv_key() is None
+    assert chat_repl._dotenv() == {}
 
 
 @pytest.mark.parametrize("host", ["localhost:80a", "http://[::1"])
@@ -542,3 +547,51 @@ def test_a_line_that_is_no_utf8_is_sent_with_replacement_characters(fake, io_enc
     assert b"Traceback" not in result.stderr
     assert [user_turns(b) for b in fake.bodies] == [["h\ufffdllo"], ["h\ufffdllo", "second"]]
     assert fake.bodies[0]["messages"][0] == {"role": "system", "content": "be br\ufffdf"}
+
+
+def test_the_servers_address_from_its_dotenv_file(fake, tmp_path) -> None:
+    """`kvwarm chat` read the key from the server's ./.env but not its port: a server
+    on KVWARM_PORT=9000 there gave "cannot reach 127.0.0.1:8080"."""
+    port = fake.url.rsplit(":", 1)[1]
+    (tmp_path / ".env").write_text(f"KVWARM_HOST=0.0.0.0\nKVWARM_PORT={port}\n")
+    result = piped_chat(fake, "hello\n/quit\n", cwd=tmp_path, host="", PYTHONPATH=str(ROOT))
+    assert result.returncode == 0, result.stderr
+    assert f"kvwarm chat · http://127.0.0.1:{port}/v1 ·" in result.stdout
+    assert [user_turns(b) for b in fake.bodies] == [["hello"]]
+
+
+def test_an_unreachable_server_says_where_its_address_came_from(fake, tmp_path) -> None:
+    port = free_port()  # nothing listens there
+    (tmp_path / ".env").write_text(f"KVWARM_PORT={port}\n")
+    result = piped_chat(fake, "hello\n/quit\n", cwd=tmp_path, host="", PYTHONPATH=str(ROOT))
+    assert result.returncode == 0, result.stderr
+    where = f"cannot reach http://127.0.0.1:{port}/v1 (from KVWARM_PORT in ./.env):"
+    assert f"error: {where}" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("environ", "dotenv", "address", "origin"),
+    [
+        ({}, "", "127.0.0.1:8080", "the default"),
+        ({}, "KVWARM_HOST=::\nKVWARM_PORT=9000", "[::1]:9000", "from KVWARM_HOST and KVWARM_PORT"),
+        ({}, "KVWARM_HOST=[::1]\nKVWARM_PORT=", "[::1]:8080", "from KVWARM_HOST in ./.env"),
+        ({"KVWARM_PORT": "9001"}, "KVWARM_PORT=9000", "127.0.0.1:9001", "in the environment"),
+        ({"KVWARM_HOST": "box.lan"}, "", "box.lan:8080", "from KVWARM_HOST in the environment"),
+        # Kubernetes' service link, which the server passes over as well
+        ({"KVWARM_PORT": "tcp://10.0.0.5:8080"}, "", "127.0.0.1:8080", "the default"),
+    ],
+)
+def test_the_address_as_the_server_reads_it(
+    environ, dotenv, address, origin, tmp_path, monkeypatch
+) -> None:
+    from app.chat_repl import server_address
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text(dotenv)
+    for name in KVWARM_CLIENT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    found = server_address(None)
+    assert found[0] == address and origin in found[1]
+    assert server_address("http://elsewhere:1") == ("http://elsewhere:1", "")
