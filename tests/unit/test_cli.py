@@ -319,3 +319,52 @@ def test_flags_that_need_another_are_named_once_when_it_is_missing(tmp_path, mon
     said = _warnings(caplog, ["--no-distributed", "--distributed-rank", "1"])
     assert len(said) == 1 and "--distributed-rank" in said[0]
     assert "--distributed-world-size" not in said[0]
+
+
+def _serve_help(capsys) -> dict[str, str]:
+    """`kvwarm serve --help`, each flag's help on one line, by flag."""
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    lines = capsys.readouterr().out.split("\n  --")[1:]
+    return {line.split()[0]: " ".join(line.split()[1:]) for line in lines}
+
+
+def test_a_flag_whose_help_says_its_default_says_it_once(capsys):
+    """--model read "(default: the embedded SmolLM2 ...) [default: none; ...]": two
+    defaults, and "none" the wrong one (as for --cors-origins, --kv-bits, ...)."""
+    helps = _serve_help(capsys)
+    model = helps["model"]
+    assert model.count("default") == 1 and "SmolLM2-135M-Instruct" in model
+    assert "[env KVWARM_MODEL]" in model
+    for flag in ("cache-dir", "kv-bits", "cors-origins", "min-pixels", "allowed-hosts"):
+        assert "[default: none" not in helps[flag], flag
+    assert "[default: none; env KVWARM_API_KEY]" in helps["api-key"]  # none is its default
+
+
+def test_the_help_names_the_gguf_architectures_as_the_gguf_ones(capsys):
+    """ "(llama, qwen2, ...)" read as all --model could load: it is the GGUF
+    converter's list; an mlx-lm directory takes any architecture mlx-lm has."""
+    from engine.gguf_archs import ARCHS
+
+    model = _serve_help(capsys)["model"]
+    assert f"(GGUF: {', '.join(ARCHS)})" in model and "mlx-lm" in model
+
+
+def test_the_auto_memory_budget_help_says_what_auto_budget_does(capsys):
+    """It said "CUDA memory": auto_budget takes 90% of it."""
+    from engine.device_memory import GPU_FRACTION, LINUX_RAM_FRACTION
+
+    budget = _serve_help(capsys)["memory-budget"]
+    assert f"{GPU_FRACTION:.0%} of CUDA device memory" in budget
+    assert f"{LINUX_RAM_FRACTION:.0%} of the RAM available" in budget
+    assert "Metal's recommended working set" in budget
+
+
+def test_a_settings_description_says_percent_as_it_is_read():
+    """The descriptions wrote "75%%" for argparse's sake, and the CLI's escaping
+    (.replace("%%", "%%")) did nothing: the doubled sign showed wherever else the
+    description is read (the settings' schema)."""
+    from app.settings import Settings
+
+    schema = Settings.model_json_schema()["properties"]
+    assert all("%%" not in str(p.get("description")) for p in schema.values())
