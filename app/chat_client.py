@@ -7,7 +7,7 @@ by hand, so it works against kvwarm, mlx_lm.server, llama.cpp, vLLM or OpenAI al
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,7 +90,7 @@ class ChatClient:
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise ChatError(f"{self.base}/models lists no model") from exc
 
-    def stream(self, body: dict[str, Any]) -> Iterator[Delta | Usage]:
+    def stream(self, body: dict[str, Any]) -> Generator[Delta | Usage, None, None]:
         """POST a streaming chat completion and yield its deltas, then its usage.
 
         Closing the generator (as Ctrl-C does) closes the HTTP stream, which tells
