@@ -27,6 +27,17 @@ MAX_USER_ID_JSON = 4096
 MAX_LEN = 256
 
 
+def _bounded(value: str) -> str:
+    """A session id as valid text of bounded length. JSON escapes may name a lone
+    surrogate (metadata.user_id is JSON this module parses itself; a client cutting
+    a string inside an emoji makes one): kept, such an id failed every use that
+    encodes it (healing's scope hash, the trace file, the span export) after the
+    reply was generated. Escaped rather than dropped or refused: such ids stay
+    apart from each other (one spelling the escape out in plain text joins it, as
+    a client may name any session anyway)."""
+    return value.encode("utf-8", "backslashreplace").decode("utf-8")[:MAX_LEN]
+
+
 def _from_mapping(
     data: Mapping[str, Any] | None, fields: tuple[str, ...] = SESSION_FIELDS
 ) -> str | None:
@@ -37,7 +48,7 @@ def _from_mapping(
         if isinstance(value, Mapping):
             value = value.get("id")
         if isinstance(value, (str, int)) and str(value).strip():
-            return str(value).strip()[:MAX_LEN]
+            return _bounded(str(value).strip())
     return None
 
 
@@ -60,7 +71,7 @@ def session_id_from(
     for name in SESSION_HEADERS:
         value = headers.get(name)
         if value and value.strip():
-            return value.strip()[:MAX_LEN]
+            return _bounded(value.strip())
     if not cache_key:
         return None
     for source in (body, body.get("metadata"), body.get("extra_body")):
@@ -81,5 +92,5 @@ def _claude_code_session(user: str) -> str | None:
         if found:
             return found
     if _CLAUDE_CODE_USER in text:
-        return text.rsplit(_CLAUDE_CODE_USER, 1)[1].strip()[:MAX_LEN] or None
+        return _bounded(text.rsplit(_CLAUDE_CODE_USER, 1)[1].strip()) or None
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -9,6 +10,8 @@ from observability.metrics import Metrics
 from observability.records import RequestRecord, ServerSnapshot
 from observability.request_log import RequestLog
 from observability.tracing import Tracing
+
+log = logging.getLogger("kvwarm.obs")
 
 
 class Observability:
@@ -23,9 +26,19 @@ class Observability:
         self.log = RequestLog(trace_dir)
 
     def request_done(self, rec: RequestRecord, headers: Mapping[str, str]) -> None:
-        self.metrics.observe_request(rec)
-        self.tracing.request_done(rec, headers)
-        self.log.write(rec)
+        """Each observer alone: called as a request ends (after its reply, perhaps
+        inside its stream), a bug in one must neither fail the request nor keep
+        the others from seeing it."""
+        observers: tuple[Callable[[], None], ...] = (
+            lambda: self.metrics.observe_request(rec),
+            lambda: self.tracing.request_done(rec, headers),
+            lambda: self.log.write(rec),
+        )
+        for observe in observers:
+            try:
+                observe()
+            except Exception:  # noqa: BLE001 - observing must never fail a request
+                log.warning("observing %s failed", rec.request_id, exc_info=True)
 
     def adapter_unmounted(self, adapter_id: str) -> None:
         self.metrics.forget_adapter(adapter_id)

@@ -93,7 +93,9 @@ class RequestLog:
             "cache_candidates": cache.candidates if cache else 0,
             "cache_rejected": list(cache.rejected) if cache else [],
         }
-        data = (json.dumps(line, ensure_ascii=False) + "\n").encode()
+        # a lone surrogate (in a session id) cannot be UTF-8: escaped, not raised into
+        # the request that is ending
+        data = (json.dumps(line, ensure_ascii=False) + "\n").encode("utf-8", "backslashreplace")
         with self._lock:
             if self._trace_bytes + len(data) > self.max_trace_bytes:
                 if self._trace_bytes <= self.max_trace_bytes:

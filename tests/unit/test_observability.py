@@ -689,3 +689,61 @@ def test_a_warm_first_token_lands_in_a_bucket_of_its_own():
 
     assert LATENCY_BUCKETS[0] <= 0.005 and list(LATENCY_BUCKETS) == sorted(LATENCY_BUCKETS)
     assert STEP_SECONDS_BOUNDS[0] <= 0.001 and PREFILL_TOKENS_BOUNDS[-1] >= 65536
+
+
+def test_a_session_id_with_a_lone_surrogate_gets_its_reply_and_its_trace_line(tmp_path):
+    """Claude Code's metadata.user_id is JSON the server parses itself: an escaped lone
+    surrogate there made a session id that failed the request after generation (the
+    trace file's encode; on chat and messages already healing's scope hash)."""
+    app = create_app(
+        Settings(_env_file=None, cache_trace_dir=str(tmp_path)),
+        lambda s, r: FakeEngine(s, r, eos_after=3),
+    )
+    metadata = {"user_id": '{"session_id": "\\ud800x"}'}
+    msgs = [{"role": "user", "content": "hi"}]
+    calls = [
+        ("/v1/chat/completions", {"messages": msgs, "max_tokens": 8}),
+        ("/v1/messages", {"model": "c", "messages": msgs, "max_tokens": 8}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 8}),
+    ]
+    with serve_app(app) as url:
+        for path, body in calls:
+            for stream in (False, True):
+                r = httpx.post(url + path, json={**body, "stream": stream, "metadata": metadata})
+                assert r.status_code == 200, (path, r.text)
+                assert "error" not in r.text, (path, r.text)
+        app.state.kvwarm.obs.log.flush()
+        text = httpx.get(url + "/metrics").text
+    assert _value(text, "kvwarm:request_success_total", finished_reason="stop", adapter="") == 6
+    (trace_file,) = tmp_path.iterdir()
+    lines = [json.loads(line) for line in trace_file.read_text().splitlines()]
+    assert [line["dialect"] for line in lines] == [
+        d for d in ("chat", "messages", "completions") for _ in range(2)
+    ]
+    assert {line["session"] for line in lines} == {"\\ud800x"}
+
+
+def test_a_trace_line_for_a_session_that_is_not_valid_text_is_still_written(tmp_path):
+    log = RequestLog(tmp_path)
+    log.write(record(session="a\ud800"))  # raised UnicodeEncodeError on the caller
+    log.close()
+    (trace_file,) = tmp_path.iterdir()
+    assert json.loads(trace_file.read_text())["request_id"] == "req-1"
+
+
+def test_one_observer_that_fails_neither_fails_the_request_nor_silences_the_others(
+    tmp_path, monkeypatch, caplog
+):
+    from observability.hub import Observability
+
+    obs = Observability(trace_dir=tmp_path, env={})
+
+    def broken(rec: RequestRecord) -> None:
+        raise RuntimeError("observer bug")
+
+    monkeypatch.setattr(obs.metrics, "observe_request", broken)
+    with caplog.at_level(logging.WARNING):
+        obs.request_done(record(session="s"), {})  # raised into Generation._close
+    obs.shutdown()
+    assert json.loads((tmp_path / "s.jsonl").read_text())["request_id"] == "req-1"
+    assert any("req-1" in m for m in caplog.messages)

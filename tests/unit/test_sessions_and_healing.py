@@ -426,3 +426,21 @@ def test_an_ambiguous_place_stays_unhealed_after_the_store_turns_over():
     echo = _turns("sys", ["Hello!"])
     echo[1]["content"] = "hi"
     assert store.heal_all(echo)[2]["content"] == "Hello!"
+
+
+def test_a_session_id_with_a_lone_surrogate_is_made_valid_text():
+    """JSON inside Claude Code's metadata.user_id may escape a lone surrogate (a client
+    cutting a string inside an emoji): the id then failed every use that encodes it
+    (healing's scope hash, the trace file) after the reply was generated."""
+    ids = {
+        session_id_from({"metadata": {"user_id": '{"session_id": "' + raw + '"}'}}, {})
+        for raw in ("\\ud800x", "\\udc00x", "\\ud83dx")
+    }
+    assert len(ids) == 3  # distinct ids stay distinct
+    for found in ids:
+        assert found is not None and found.encode("utf-8")  # no UnicodeEncodeError
+    assert "\\ud800x" in ids  # shown as its escape
+    assert session_id_from({"session_id": "a\udfffb"}, {}) == "a\\udfffb"
+    assert session_id_from({}, {"x-session-id": "\ud800"}) == "\\ud800"
+    assert session_id_from({"metadata": {"user_id": "u_session_\ud800"}}, {}) == "\\ud800"
+    assert session_id_from({"session_id": "é-ok"}, {}) == "é-ok"  # valid text unchanged
