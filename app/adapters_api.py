@@ -147,6 +147,7 @@ async def mount(http: HTTPRequest) -> dict[str, Any]:
         raise APIError(400, str(exc), code="invalid_adapter", param="path") from exc
     info = await _on_engine(state.engine.mount_adapter(body.id, files, body.scale))
     state.adapters_seen.add(info.id)
+    state.obs.adapter_mounted(info.id)  # an id unmounted before: its series again
     return info.public()
 
 

@@ -40,6 +40,9 @@ class Observability:
             except Exception:  # noqa: BLE001 - observing must never fail a request
                 log.warning("observing %s failed", rec.request_id, exc_info=True)
 
+    def adapter_mounted(self, adapter_id: str) -> None:
+        self.metrics.adapter_mounted(adapter_id)
+
     def adapter_unmounted(self, adapter_id: str) -> None:
         self.metrics.forget_adapter(adapter_id)
 

@@ -113,6 +113,9 @@ REJECT_REASONS = (
     "unavailable",
 )
 FINISH_REASONS = ("stop", "length", "tool_calls", "abort", "error")
+# unmounted ids remembered (a request can end after its adapter's unmount only
+# while it is in flight: far fewer than this many unmounts ago)
+MAX_FORGOTTEN_ADAPTERS = 1024
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()  # *_created series double the output and no dashboard reads them
 
@@ -439,6 +442,9 @@ class Metrics:
         # up once per model, not per token (``labels`` takes a lock and builds a key)
         self._itl: Any = None
         self._per_adapter = [self.prompt_tokens, self.generation_tokens, self.req_cached]
+        # unmounted adapter ids (insertion order: the oldest go first past the cap): a
+        # request ending after the unmount must not bring back series nothing removes
+        self._forgotten: dict[str, None] = {}
         self._per_model = [
             self.ttft,
             self.itl,
@@ -477,6 +483,10 @@ class Metrics:
     def forget_adapter(self, adapter: str) -> None:
         """An unmounted adapter's series go: its id is a client's name, and mounts
         come and go at run time (every id ever mounted stayed a label value)."""
+        if adapter:
+            self._forgotten[adapter] = None
+            while len(self._forgotten) > MAX_FORGOTTEN_ADAPTERS:
+                del self._forgotten[next(iter(self._forgotten))]
         keys = [(metric, (self._model, adapter)) for metric in self._per_adapter]
         keys += [(self.success, (self._model, reason, adapter)) for reason in FINISH_REASONS]
         for metric, labels in keys:
@@ -485,8 +495,16 @@ class Metrics:
             except KeyError:  # never observed
                 pass
 
+    def adapter_mounted(self, adapter: str) -> None:
+        """Mounted (again): its requests get series of their own."""
+        self._forgotten.pop(adapter, None)
+
     def observe_request(self, rec: RequestRecord) -> None:
-        m, a = rec.model, rec.adapter
+        m = rec.model
+        # one that ran with an adapter unmounted since (it ended after the unmount, or
+        # failed adapter_not_found) counts under the base model: still in the totals,
+        # without a series of its own that would stay for good
+        a = "" if rec.adapter in self._forgotten else rec.adapter
         if rec.reached_engine:  # a request dropped from the queue was never prefilled
             self.prompt_tokens.labels(m, a).inc(rec.prompt_tokens)
         self.generation_tokens.labels(m, a).inc(rec.completion_tokens)

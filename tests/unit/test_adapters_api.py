@@ -91,6 +91,10 @@ def test_an_unmounted_adapters_metric_series_go_with_it(base, adapter_dir):
     metrics = httpx.get(base + "/metrics").text
     assert 'adapter="churn-' not in metrics
     assert 'adapter=""' in metrics  # the base model's series stay
+    # mounted again under a forgotten id: its requests are its own again
+    assert httpx.post(base + ADAPTERS, json={"id": "churn-0", "path": str(adapter_dir)}).is_success
+    assert httpx.post(base + "/v1/chat/completions", json=chat({"adapter": "churn-0"})).is_success
+    assert 'adapter="churn-0"' in httpx.get(base + "/metrics").text
 
 
 @pytest.mark.parametrize(

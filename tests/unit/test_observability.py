@@ -515,6 +515,36 @@ def test_requests_tokens_and_cache_reuse_carry_the_adapter():
     assert sample(metrics, "kvwarm:generation_tokens_total", adapter="sql") is not None
 
 
+def test_a_request_ending_after_its_adapter_is_unmounted_brings_no_series_back():
+    """A request still finishing (engine done, response open) or one failing
+    adapter_not_found after the unmount re-created the adapter's series, which
+    then stayed for good: nothing removes them a second time."""
+    metrics = Metrics()
+    metrics.ensure_model("m")
+    metrics.observe_request(record(adapter="lora-7"))
+    metrics.forget_adapter("lora-7")
+    metrics.observe_request(record(adapter="lora-7", finish="error"))
+    metrics.observe_request(record(adapter="lora-7", completion_tokens=0, stats=None))
+
+    def labelled(adapter: str) -> list[str]:
+        return [
+            s.name
+            for family in metrics.registry.collect()
+            for s in family.samples
+            if s.labels.get("adapter") == adapter
+        ]
+
+    assert labelled("lora-7") == []
+    # still counted: under the base model's series, not dropped from the totals
+    assert sample(metrics, "kvwarm:request_success_total", finished_reason="error", adapter="") == 1
+    metrics.adapter_mounted("lora-7")  # mounted again: its own series again
+    metrics.observe_request(record(adapter="lora-7"))
+    assert (
+        sample(metrics, "kvwarm:request_success_total", finished_reason="stop", adapter="lora-7")
+        == 1
+    )
+
+
 def test_engine_row_faults_and_batch_recoveries_reach_metrics_and_stats():
     """The runner's counts (tests/engine/test_fault_isolation.py makes them move)
     are what /metrics and /stats report."""
