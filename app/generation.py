@@ -208,10 +208,17 @@ class Generation:
         # the client's wait began when its body had arrived: parsing, rendering and
         # tokenising (and waiting for a preparation thread) are part of its latency
         prepared.request.received_at = http.scope.get(BODY_RECEIVED) if http else None
-        self._started = prepared.request.started_at
-        self._started_wall = time.time() - (time.monotonic() - self._started)
+        started = prepared.request.started_at
+        self._end = _Ending(
+            state,
+            prepared,
+            dialect,
+            self.headers,
+            self.outcome,
+            started,
+            time.time() - (time.monotonic() - started),
+        )
         self._last_token_at: float | None = None
-        self._max_gap: float | None = None  # the longest wait between two engine outputs
         # what responses name as the model: the adapter a request ran with (as vLLM
         # names its LoRA modules), else the loaded model. Read before the request is
         # queued: an engine that died in between made the handler raise after it,
@@ -220,7 +227,6 @@ class Generation:
         # admission errors raise here, before any byte of a response is sent
         self._outputs = state.service.submit(prepared.request)
         self._pending: asyncio.Future[RequestOutput | None] | None = None  # start()'s read-ahead
-        self._closed = False
 
     @property
     def request_id(self) -> str:
@@ -237,9 +243,10 @@ class Generation:
         self._pending = asyncio.ensure_future(anext(self._outputs, None))
         # the read-ahead holds the request's stream for as long as it waits: a
         # response whose body never started (the client left in between) left it
-        # queued, then running, for no one; gone with this generation, it ends
+        # queued, then running, for no one; gone with this generation, it ends,
+        # observed as any request that ends (no reader is left to close it)
         self._unread = weakref.finalize(
-            self, call_soon_on, asyncio.get_running_loop(), self._pending.cancel
+            self, call_soon_on, asyncio.get_running_loop(), _abandoned, self._pending, self._end
         )
         self._unread.atexit = False  # at exit the loop is gone: nothing to cancel
         deadline = time.monotonic() + wait_s
@@ -362,8 +369,44 @@ class Generation:
         if self._last_token_at is not None:
             gap = out.at - self._last_token_at
             self.state.obs.metrics.observe_itl(gap, new)
-            self._max_gap = max(gap, self._max_gap or 0.0)
+            self._end.max_gap = max(gap, self._end.max_gap or 0.0)
         self._last_token_at = out.at
+
+    def record(self) -> RequestRecord:
+        return self._end.record()
+
+    def broke(self, exc: Exception) -> None:
+        """A fault while streaming, outside the parser: this request fails alone,
+        ending with its dialect's error event."""
+        log.error("%s: the stream failed", self.request_id, exc_info=exc)
+        if self.outcome.finish_reason is None:
+            self.state.service.cancel(self.request_id)
+        self.outcome.fail(f"the reply could not be streamed: {type(exc).__name__}: {exc}")
+
+    def _close(self) -> None:
+        self._end.close()
+
+
+@dataclass
+class _Ending:
+    """A request's end, observed once whichever way it comes: its reader closing the
+    generation, or the generation's finalizer (a streamed response whose body never
+    started: no reader ever closed it). Holds no reference to the Generation, so
+    that finalizer can call it."""
+
+    state: AppState
+    prepared: Prepared
+    dialect: str
+    headers: Mapping[str, str]
+    outcome: Outcome
+    started: float  # monotonic, when the body had arrived
+    started_wall: float
+    max_gap: float | None = None  # the longest wait between two engine outputs
+    closed: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.prepared.request.request_id
 
     def record(self) -> RequestRecord:
         done, req = self.outcome, self.prepared.request
@@ -375,9 +418,9 @@ class Generation:
             cached_tokens=done.cached_tokens,
             completion_tokens=done.completion_tokens,
             finish=done.stop_kind,
-            e2e_s=time.monotonic() - self._started,
-            started_at=self._started_wall,
-            prepare_s=req.arrival_time - self._started,
+            e2e_s=time.monotonic() - self.started,
+            started_at=self.started_wall,
+            prepare_s=req.arrival_time - self.started,
             # never joined the batch (expired or given up in the queue, or admitted
             # but never started by the step budget): all of its time there was
             # queueing, which the queue histogram must show
@@ -385,7 +428,7 @@ class Generation:
             if done.cache is None or done.error_code == "queue_timeout"
             else None,
             ttft_s=done.ttft,
-            max_itl_s=self._max_gap,
+            max_itl_s=self.max_gap,
             stats=done.stats,
             session=req.cache.session_id if req.cache else None,
             disconnected=done.finish_reason is None,
@@ -399,24 +442,19 @@ class Generation:
             },
         )
 
-    def broke(self, exc: Exception) -> None:
-        """A fault while streaming, outside the parser: this request fails alone,
-        ending with its dialect's error event."""
-        log.error("%s: the stream failed", self.request_id, exc_info=exc)
-        if self.outcome.finish_reason is None:
-            self.state.service.cancel(self.request_id)
-        self.outcome.fail(f"the reply could not be streamed: {type(exc).__name__}: {exc}")
-
-    def _close(self) -> None:
-        if self._closed:
+    def close(self, delivered: bool = True) -> None:
+        """``delivered`` False: no byte of the reply reached the client (nothing to heal
+        back to, even when the engine had finished it)."""
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         done = self.outcome
         if done.finish_reason is None:
             log.info("%s: closed early, aborting", self.request_id)
             self.state.service.cancel(self.request_id)
         elif (
-            self.prepared.answered is not None
+            delivered
+            and self.prepared.answered is not None
             and not done.timed_out  # a reply cut by the watchdog is nothing to heal back to
             and done.finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
         ):
@@ -428,3 +466,11 @@ class Generation:
                 restore_calls=False,
             )
         self.state.obs.request_done(self.record(), self.headers)
+
+
+def _abandoned(pending: asyncio.Future[RequestOutput | None], end: _Ending) -> None:
+    """A generation gone before its start()'s read-ahead was read: the response body
+    never started. Cancelling the read-ahead ends the request; ``end`` observes it
+    (as an abort, unless the engine had already finished it)."""
+    pending.cancel()
+    end.close(delivered=False)

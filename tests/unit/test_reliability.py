@@ -760,6 +760,30 @@ async def _fake_service(step_delay: float):
         engine.join(5)
 
 
+class _Http:
+    """What Generation reads of an HTTP request: a client that stays."""
+
+    scope: dict = {}
+    headers: dict = {}
+
+    async def is_disconnected(self) -> bool:
+        return False
+
+
+def _observed_state(service, done: list) -> object:
+    """The AppState parts a Generation uses, its observers recording each request_done."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        settings=SimpleNamespace(strip_thinking=False),
+        model_info=lambda: SimpleNamespace(model_id="m"),
+        service=service,
+        obs=SimpleNamespace(request_done=lambda rec, headers: done.append(rec)),
+        healing=None,
+        engine=SimpleNamespace(model_info=SimpleNamespace(model_id="m")),
+    )
+
+
 def test_a_streamed_request_whose_body_never_starts_is_cancelled_with_its_generation():
     """start()'s read-ahead held the request's stream: a client that left before
     the response body began (Starlette never iterated it) left the request queued,
@@ -770,30 +794,56 @@ def test_a_streamed_request_whose_body_never_starts_is_cancelled_with_its_genera
     from app.generation import Generation
     from scheduler.request import Request
 
-    class Http:
-        scope: dict = {}
-        headers: dict = {}
-
-        async def is_disconnected(self) -> bool:
-            return False
-
     async def scenario() -> None:
         async with _fake_service(step_delay=0.01) as (scheduler, _, service):
             blocker = service.submit(Request([1] * 5, 2000, ignore_eos=True))
-            state = SimpleNamespace(
-                settings=SimpleNamespace(strip_thinking=False),
-                model_info=lambda: SimpleNamespace(model_id="m"),
-                service=service,
+            done: list = []
+            prepared = SimpleNamespace(
+                request=Request([2] * 5, 300, ignore_eos=True), answered=None
             )
-            prepared = SimpleNamespace(request=Request([2] * 5, 300, ignore_eos=True))
-            gen = Generation(state, prepared, "chat", Http())
-            assert await gen.start(Http(), wait_s=0.05)  # still queued: headers go out
+            gen = Generation(_observed_state(service, done), prepared, "chat", _Http())
+            assert await gen.start(_Http(), wait_s=0.05)  # still queued: headers go out
             assert scheduler.stats().waiting == 1
             del gen
             gc.collect()
             async with asyncio.timeout(5):
                 while scheduler.stats().waiting:
                     await asyncio.sleep(0.02)
+            assert scheduler.stats().aborted_total == 1
+            await blocker.aclose()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("client_left_in_start", [False, True])
+def test_a_streamed_request_whose_body_never_starts_is_observed_once(client_left_in_start):
+    """Aborted by the finalizer, it ended unseen: no request_success{abort}, no
+    client_disconnects, no log line, no span. One that start() already closed (its
+    client left while it waited) is not observed a second time when collected."""
+    import gc
+    from types import SimpleNamespace
+
+    from app.generation import Generation
+    from scheduler.request import Request
+
+    class Leaving(_Http):
+        async def is_disconnected(self) -> bool:
+            return client_left_in_start
+
+    async def scenario() -> None:
+        async with _fake_service(step_delay=0.01) as (scheduler, _, service):
+            blocker = service.submit(Request([1] * 5, 2000, ignore_eos=True))
+            done: list = []
+            prepared = SimpleNamespace(request=Request([2] * 5, 50, ignore_eos=True), answered=None)
+            gen = Generation(_observed_state(service, done), prepared, "chat", _Http())
+            assert await gen.start(Leaving(), wait_s=0.3) is not client_left_in_start
+            del gen
+            gc.collect()
+            async with asyncio.timeout(5):
+                while not done or scheduler.stats().waiting:
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)  # a second observation would have come by now
+            assert [(r.finish, r.disconnected) for r in done] == [("abort", True)]
             assert scheduler.stats().aborted_total == 1
             await blocker.aclose()
 
