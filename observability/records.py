@@ -82,7 +82,8 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "completion_tokens": self.completion_tokens,
-            "queue_s": round(stats.queued_s, 3) if stats else None,
+            # its wait also when it never joined the batch, as /metrics counts it
+            "queue_s": round(self.queued_s, 3) if self.queued_s is not None else None,
             "prefill_s": round(stats.prefill_s, 3) if stats else None,
             "decode_s": round(stats.decode_s, 3) if stats else None,
             "ttft_s": round(self.ttft_s, 3) if self.ttft_s is not None else None,

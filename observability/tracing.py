@@ -219,15 +219,20 @@ class Tracing:
         )
         if rec.finish == "error":
             root.set_status(Status(StatusCode.ERROR, "generation failed"))
+        phases: list[tuple[str, float]] = []
         if rec.stats is not None:
-            inside = trace.set_span_in_context(root)
-            at = start
-            for name, seconds in (
+            phases = [
                 ("prepare", rec.prepare_s),  # parsing, rendering, tokenising
                 ("queue", rec.stats.queued_s),
                 ("prefill", rec.stats.prefill_s),
                 ("decode", rec.stats.decode_s),
-            ):
+            ]
+        elif rec.waited_s is not None:  # never joined the batch (expired, given up): it waited
+            phases = [("prepare", rec.prepare_s), ("queue", rec.waited_s)]
+        if phases:
+            inside = trace.set_span_in_context(root)
+            at = start
+            for name, seconds in phases:
                 span = self._tracer.start_span(f"kvwarm.{name}", context=inside, start_time=at)
                 at = min(end, at + int(seconds * _NS))
                 if name == "prefill" and cache is not None:

@@ -777,3 +777,37 @@ def test_one_observer_that_fails_neither_fails_the_request_nor_silences_the_othe
     obs.shutdown()
     assert json.loads((tmp_path / "s.jsonl").read_text())["request_id"] == "req-1"
     assert any("req-1" in m for m in caplog.messages)
+
+
+def test_a_request_that_timed_out_in_the_queue_shows_its_wait_in_log_and_trace():
+    """It carries its wait (waited_s) and no engine stats: /metrics had its 30 s in
+    the queue histogram while its log line said queue=- and its trace had no child."""
+    from observability.request_log import plain_line
+
+    rec = record(
+        completion_tokens=0,
+        cached_tokens=0,
+        finish="error",
+        e2e_s=30.2,
+        ttft_s=None,
+        stats=None,
+        prepare_s=0.2,
+        waited_s=30.0,
+    )
+    assert rec.fields()["queue_s"] == 30.0
+    assert "queue=30.00s" in plain_line(rec)
+    receiver = OTLPReceiver()
+    try:
+        tracing = Tracing(env={"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.url + "/v1/traces"})
+        tracing.request_done(rec, {})
+        tracing.flush()
+        tracing.shutdown()
+        spans = {s.name: s for s in receiver.spans}
+        assert set(spans) == {"chat m", "kvwarm.prepare", "kvwarm.queue"}
+        queue = spans["kvwarm.queue"]
+        assert queue.parent_span_id == spans["chat m"].span_id
+        assert queue.end_time_unix_nano - queue.start_time_unix_nano == pytest.approx(
+            30e9, rel=0.01
+        )
+    finally:
+        receiver.close()
