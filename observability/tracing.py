@@ -14,6 +14,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
+from urllib.parse import unquote
 
 from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Histogram, Observation
@@ -62,6 +63,20 @@ def _interval_ms(value: str | None, default: float = 15000.0) -> float:
     return default
 
 
+def _service_name(env: Mapping[str, str]) -> str:
+    """The SDK's own choice (OTEL_SERVICE_NAME, else a service.name in
+    OTEL_RESOURCE_ATTRIBUTES), else "kvwarm". Any name handed to Resource.create
+    overrides both: a fixed default put every deployment under "kvwarm"."""
+    name = env.get("OTEL_SERVICE_NAME")
+    if name:
+        return name
+    for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        key, _, value = item.partition("=")
+        if key.strip() == "service.name" and value.strip():
+            name = unquote(value.strip())  # the last one wins, as in the SDK
+    return name or "kvwarm"
+
+
 class Tracing:
     def __init__(
         self,
@@ -70,7 +85,7 @@ class Tracing:
     ):
         env = os.environ if env is None else env
         self.enabled = env.get("OTEL_SDK_DISABLED", "").lower() != "true"
-        resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME", "kvwarm")})
+        resource = Resource.create({"service.name": _service_name(env)})
         self._tracer_provider: TracerProvider | None = None
         self._meter_provider: MeterProvider | None = None
         self._snapshot = snapshot

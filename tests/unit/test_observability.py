@@ -811,3 +811,34 @@ def test_a_request_that_timed_out_in_the_queue_shows_its_wait_in_log_and_trace()
         )
     finally:
         receiver.close()
+
+
+@pytest.mark.parametrize(
+    "env,name",
+    [
+        (
+            {"OTEL_RESOURCE_ATTRIBUTES": "service.name=agents-box,deployment.environment=prod"},
+            "agents-box",
+        ),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=a%20b", "OTEL_SERVICE_NAME": "kv"}, "kv"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=a%20b"}, "a b"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=prod"}, "kvwarm"),
+        ({}, "kvwarm"),
+    ],
+)
+def test_the_service_name_is_kvwarm_only_where_the_environment_names_none(monkeypatch, env, name):
+    """kvwarm's default overrode a service.name set in OTEL_RESOURCE_ATTRIBUTES: its
+    traces and metrics showed up under a service nobody configured."""
+    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
+    monkeypatch.delenv("OTEL_RESOURCE_ATTRIBUTES", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:9/v1/traces")
+    tracing = Tracing()
+    try:
+        resource = tracing._tracer_provider.resource.attributes  # noqa: SLF001
+        assert resource["service.name"] == name
+        if "deployment.environment" in env.get("OTEL_RESOURCE_ATTRIBUTES", ""):
+            assert resource["deployment.environment"] == "prod"  # the others still apply
+    finally:
+        tracing.shutdown()
