@@ -519,7 +519,9 @@ class Metrics:
         self.prepare.labels(m).observe(rec.prepare_s)
         if rec.queued_s is not None:
             self.queue.labels(m).observe(rec.queued_s)
-        if rec.stats is not None:
+        # prefill ends at the first token: one that ended before it (failed or cut off
+        # in prefill) has a prefill time that is its time until then, and no decode
+        if rec.stats is not None and rec.ttft_s is not None:
             self.prefill.labels(m).observe(rec.stats.prefill_s)
             self.decode.labels(m).observe(rec.stats.decode_s)
             self.decoded_tokens += max(0, rec.completion_tokens - 1)

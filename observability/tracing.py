@@ -183,7 +183,7 @@ class Tracing:
             self._m_ttft.record(rec.ttft_s, attrs)
         if rec.queued_s is not None:
             self._m_queue.record(rec.queued_s, attrs)
-        if rec.stats is not None:
+        if rec.stats is not None and rec.ttft_s is not None:  # as Metrics: a first token came
             self._m_prefill.record(rec.stats.prefill_s, attrs)
             if rec.completion_tokens > 1:
                 self._m_tpot.record(rec.stats.decode_s / (rec.completion_tokens - 1), attrs)

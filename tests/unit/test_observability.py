@@ -842,3 +842,31 @@ def test_the_service_name_is_kvwarm_only_where_the_environment_names_none(monkey
             assert resource["deployment.environment"] == "prod"  # the others still apply
     finally:
         tracing.shutdown()
+
+
+def test_a_request_that_ended_before_its_first_token_is_no_prefill_or_decode_time():
+    """One failed or cut off in prefill carries stats whose prefill runs until it
+    ended and whose decode is 0: the prefill histograms took its time until the
+    failure as a prefill time, the decode histogram a 0 s decode."""
+    failed = record(
+        completion_tokens=0, ttft_s=None, finish="error",
+        stats=RequestStats(0.1, 5.0, 0.0, CacheReport()),
+    )  # fmt: skip
+    metrics = Metrics()
+    metrics.ensure_model("m")
+    metrics.observe_request(failed)
+    assert sample(metrics, "kvwarm:request_prefill_time_seconds_count") == 0
+    assert sample(metrics, "kvwarm:request_decode_time_seconds_count") == 0
+    assert sample(metrics, "kvwarm:request_queue_time_seconds_count") == 1  # it did queue
+    tracing = Tracing(env={})
+    reader = InMemoryMetricReader()
+    tracing._meter_provider = MeterProvider(metric_readers=[reader])  # noqa: SLF001
+    tracing._instruments()  # noqa: SLF001
+    tracing.request_done(failed, {})
+    names = {
+        metric.name
+        for resource in reader.get_metrics_data().resource_metrics
+        for scope in resource.scope_metrics
+        for metric in scope.metrics
+    }
+    assert "kvwarm.request.queue_time" in names and "kvwarm.request.prefill_time" not in names
