@@ -6,11 +6,14 @@ on an accelerator that is most of the host time a step costs. The bytes of each
 token never change, so they are computed once per tokenizer (a table shared by
 every request) and a token then costs one concatenation and one UTF-8 decode.
 The text produced is the same, character for character: the table is built by
-mlx-lm's own per-character rule, and finalisation is mlx-lm's.
+mlx-lm's own per-character rule, and finalisation is mlx-lm's. Held tokens (an
+incomplete character, a lone space) are decoded as they come (``HeldRun``),
+not all again per token, and a long run of them streams.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -27,6 +30,8 @@ from engine.window_detok import WindowDetokenizer
 D = TypeVar("D", "TableBPEDetokenizer", "PiecewiseSPMDetokenizer")
 
 SPACE = 32
+# tokens a run is held whole (as mlx-lm holds it) before its text streams as it comes
+HOLD = 64
 
 
 class TableBPEDetokenizer(EmittedOutput, BPEStreamingDetokenizer):
@@ -37,17 +42,23 @@ class TableBPEDetokenizer(EmittedOutput, BPEStreamingDetokenizer):
     ``self.text +=`` copies the whole reply on every token, which grows with
     the reply's length."""
 
-    def __init__(self, template: BPEStreamingDetokenizer, table: list[bytes], lone: list[bool]):
+    def __init__(
+        self,
+        template: BPEStreamingDetokenizer,
+        table: list[bytes],
+        lone: list[bool],
+        exact: list[bool],
+    ):
         self.__dict__.update(template.__dict__)  # tokenmap and settings, shared
         self._table = table
         self._lone_space = lone  # tokens that are a single space: held until the next
+        self._finalize_same = exact  # tokens mlx-lm's finalize maps to their table bytes
         self.reset()
 
     def reset(self) -> None:
         self.offset = 0
         self.tokens = []
-        self._unflushed = ""  # held tokens' strings, for mlx-lm's finalize
-        self._held = b""  # held tokens' bytes (an incomplete character, a lone space)
+        self._run = HeldRun()  # held tokens (an incomplete character, a lone space)
         self._out = EmittedText()
 
     def _maybe_trim_space(self, current_text: str) -> str:
@@ -61,28 +72,45 @@ class TableBPEDetokenizer(EmittedOutput, BPEStreamingDetokenizer):
             raw, lone = self._table[token], self._lone_space[token]
         else:  # mlx-lm's fallback for ids past the vocabulary (a padded head)
             raw, lone = b"!", False
-        held = self._held + raw if self._held else raw
-        text = held.decode("utf-8", "replace")
-        if lone or text.endswith("\ufffd"):
-            self._held = held
-            self._unflushed += self.tokenmap[token] if token < len(self._table) else "!"
-            return
-        self._held = b""
-        self._unflushed = ""
-        self._out.emit(self._maybe_trim_space(text) if not self._out else text)
+        run = self._run
+        if not run.tokens:  # nothing held: the common case, one decode
+            text = raw.decode("utf-8", "replace")
+            if not lone and not text.endswith("\ufffd"):
+                self._out.emit(self._maybe_trim_space(text) if not self._out else text)
+                return
+        run.add(token, raw, token >= len(self._table) or self._finalize_same[token])
+        if not lone and not run.unfinished:
+            self._emit_run(run.take())
+            run.clear()
+        elif run.streams:
+            self._emit_run(run.take())
+
+    def _emit_run(self, text: str) -> None:
+        """The held run's text so far; mlx-lm trims the first character of a run
+        flushed while nothing was emitted (only its first: one run may now be
+        emitted in several pieces)."""
+        if text and not self._run.emitted:
+            self._run.emitted = True
+            text = self._maybe_trim_space(text)
+        self._out.emit(text)
 
     def finalize(self) -> None:
-        decoder = _byte_decoder()  # mlx-lm's finalize, exactly (its strict byte map)
-        current = bytearray(decoder[c] for c in self._unflushed).decode("utf-8", "replace")
-        self._unflushed = ""
-        self._held = b""
-        self._out.emit(self._maybe_trim_space(current))
+        run = self._run
+        if run.streams:  # its tokens so far finalize to their table bytes (HeldRun.add)
+            self._emit_run(run.take() + run.pending.decode("utf-8", "replace"))
+        else:  # mlx-lm's finalize, exactly (its strict byte map)
+            decoder = _byte_decoder()
+            held = "".join(self.tokenmap[t] if t < len(self._table) else "!" for t in run.ids)
+            current = bytearray(decoder[c] for c in held).decode("utf-8", "replace")
+            self._out.emit(self._maybe_trim_space(current))
+        run.clear()
 
 
 class PiecewiseSPMDetokenizer(EmittedOutput, SPMStreamingDetokenizer):
     """mlx-lm's SentencePiece detokenizer, its text kept as the pieces emitted
     (engine.emitted_text): its ``self.text += text`` copied the whole reply on
-    every token. Its output is mlx-lm's, segment for segment."""
+    every token. Its output is mlx-lm's, segment for segment, but for a run held
+    past ``HOLD`` tokens, which streams (its text the same)."""
 
     def __init__(self, template: SPMStreamingDetokenizer):
         self.__dict__.update(template.__dict__)  # tokenmap and trim_space, shared
@@ -90,19 +118,95 @@ class PiecewiseSPMDetokenizer(EmittedOutput, SPMStreamingDetokenizer):
 
     def reset(self) -> None:
         self.offset = 0
-        self._unflushed = b""
         self.tokens = []
+        self._run = HeldRun()  # held tokens: their text ends in U+FFFD
         self._out = EmittedText()
 
-    def _try_flush(self, force: bool = False) -> None:
-        # mlx-lm's, emitting into the pieces ("not self.text": nothing emitted yet)
-        text = self._unflushed.replace(self._sep, b" ").decode("utf-8", "replace")
-        if not force and text.endswith("\ufffd"):
-            return
-        if not self._out and self.trim_space and text[:1] == " ":
-            text = text[1:]
+    def add_token(self, token: int) -> None:
+        # mlx-lm's, but held bytes are decoded as they come (HeldRun), not joined
+        # and decoded again per token
+        self.tokens.append(token)
+        run, raw = self._run, self.tokenmap[token]
+        if not run.tokens:  # nothing held: the common case, one decode
+            text = raw.decode("utf-8", "replace")
+            if not text.endswith("\ufffd"):
+                self._emit_run(text)
+                run.emitted = False  # the next run's first character is its own
+                return
+        run.add(token, raw, True)
+        if not run.unfinished or run.streams:
+            self._emit_run(run.take())
+        if not run.unfinished:
+            run.clear()
+
+    def _emit_run(self, text: str) -> None:
+        # mlx-lm's bytes.replace(sep, b" ") before decoding: the same text, as the
+        # separator's bytes (a lead byte, then two continuations) always decode to it
+        text = text.replace("\u2581", " ")
+        if text and not self._run.emitted:
+            self._run.emitted = True
+            if not self._out and self.trim_space and text[:1] == " ":
+                text = text[1:]
         self._out.emit(text)
-        self._unflushed = b""
+
+    def finalize(self) -> None:
+        run = self._run
+        self._emit_run(run.take() + run.pending.decode("utf-8", "replace"))
+        run.clear()
+
+
+class HeldRun:
+    """Tokens held since the detokenizer last emitted, their text decoded as they
+    come: only an incomplete character's bytes (at most 3) wait undecoded.
+    mlx-lm's detokenizers joined the held bytes and decoded them all again per
+    token, quadratic over a run of real U+FFFDs (a model echoing mojibake) or
+    invalid bytes, and streamed nothing until it ended. Decoding in steps gives
+    the text decoding the run whole does (Python's incremental UTF-8 decoder)."""
+
+    __slots__ = ("emitted", "ids", "pending", "streams", "tokens", "_exact", "_last", "_pieces")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []  # the run's tokens, for mlx-lm's BPE finalize (unless streamed)
+        self._pieces: list[str] = []  # decoded, not yet emitted
+        self.clear()
+
+    def clear(self) -> None:
+        self.ids.clear()
+        self._pieces.clear()
+        self.tokens = 0
+        self.pending = b""  # an incomplete character's bytes so far
+        self.emitted = False  # some of the run's text was emitted (its first character seen)
+        self.streams = False  # the run is long: emit its text as it comes
+        self._last = ""  # the run's last decoded character
+        self._exact = True  # every token finalizes to the bytes it decodes here
+
+    def add(self, token: int, raw: bytes, exact: bool) -> None:
+        data = self.pending + raw if self.pending else raw
+        text, used = codecs.utf_8_decode(data, "replace", False)
+        self.pending = data[used:]
+        if text:
+            self._pieces.append(text)
+            self._last = text[-1]
+        self.tokens += 1
+        self._exact = self._exact and exact
+        # a short run is held whole, as mlx-lm holds it (its segments, exactly),
+        # and one whose BPE finalize would decode other bytes (its strict byte map)
+        if not self.streams and self.tokens > HOLD and self._exact:
+            self.streams = True  # for good: its text so far is emitted
+            self.ids.clear()  # never read again: finalize emits what is decoded
+        if not self.streams:
+            self.ids.append(token)
+
+    @property
+    def unfinished(self) -> bool:
+        """Whether the run's text ends in U+FFFD (mlx-lm's test for holding on):
+        an incomplete character waits, or the last one decoded is U+FFFD."""
+        return bool(self.pending) or self._last == "\ufffd"
+
+    def take(self) -> str:
+        text = "".join(self._pieces)
+        self._pieces.clear()
+        return text
 
 
 def bpe_token_bytes(token: str) -> bytes:
@@ -135,7 +239,11 @@ def detokenizer_factory(tokenizer: Any) -> Callable[[], Any]:
     tokens = [t if isinstance(t, str) else "" for t in template.tokenmap]
     table = [bpe_token_bytes(t) for t in tokens]
     lone = [len(t) == 1 and decoder.get(t) == SPACE for t in tokens]
-    return _copies(TableBPEDetokenizer(template, table, lone))
+    exact = [
+        isinstance(t, str) and all(c in decoder for c in t) and bytes(map(decoder.get, t)) == b
+        for t, b in zip(template.tokenmap, table, strict=True)
+    ]
+    return _copies(TableBPEDetokenizer(template, table, lone, exact))
 
 
 def _copies(proto: D) -> Callable[[], D]:

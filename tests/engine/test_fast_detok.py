@@ -3,12 +3,20 @@ its text in pieces stream exactly what mlx-lm's do."""
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer
+from mlx_lm.tokenizer_utils import (
+    BPEStreamingDetokenizer,
+    SPMStreamingDetokenizer,
+    _byte_decoder,
+)
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+from engine import fast_detok
 from engine.fast_detok import TableBPEDetokenizer, detokenizer_factory
 from engine.text_output import TextOutput, _keep_leading_space
 from tests.helpers.tiny_models import write_spm_tokenizer
@@ -99,3 +107,104 @@ def test_a_sentencepiece_reply_is_held_in_pieces_not_copied_per_token(spm):
     assert detok.text == streamed == "hello" + " world hello" * 999 + " world"
     b = detokenizer_factory(spm)()
     assert b.text == "" and b.tokens == [] and b.tokenmap is detok.tokenmap
+
+
+def _byte_id(wrapper, byte: int) -> int:
+    """The byte tokenizer's id for one raw byte (its byte-level character)."""
+    char = next(c for c, b in _byte_decoder().items() if b == byte)
+    return wrapper.convert_tokens_to_ids(char)
+
+
+def _held_runs(byte_tokenizer, spm) -> dict[str, tuple[Any, list[int]]]:
+    """Runs a detokenizer held whole while its text ended in U+FFFD (or, for
+    byte-level BPE, in a lone space): a maker and the run's repeating ids."""
+    bpe = detokenizer_factory(byte_tokenizer)
+    return {
+        "bpe real U+FFFD": (bpe, byte_tokenizer.encode("\ufffd", add_special_tokens=False)),
+        "bpe 0xFF bytes": (bpe, [_byte_id(byte_tokenizer, 0xFF)]),
+        "bpe lone spaces": (bpe, [_byte_id(byte_tokenizer, 0x20)]),
+        "spm real U+FFFD": (detokenizer_factory(spm), [3 + 0xEF, 3 + 0xBF, 3 + 0xBD]),
+        "spm 0xFF bytes": (detokenizer_factory(spm), [3 + 0xFF]),
+    }
+
+
+RUNS = ["bpe real U+FFFD", "bpe 0xFF bytes", "bpe lone spaces", "spm real U+FFFD", "spm 0xFF bytes"]
+# a lone-space run decodes ASCII: its quadratic cost too small to time reliably
+SLOW_RUNS = [r for r in RUNS if r != "bpe lone spaces"]
+
+
+@pytest.mark.parametrize("run", SLOW_RUNS)
+def test_a_held_run_costs_each_token_the_same_however_long(byte_tokenizer, spm, run):
+    """The held run's bytes were joined and decoded again for every token:
+    quadratic (5k -> 20k 0xFF tokens took 16x as long), the engine thread stalled."""
+    make, unit = _held_runs(byte_tokenizer, spm)[run]
+    a = byte_tokenizer.encode("a", add_special_tokens=False)[0]
+    if run.startswith("spm"):
+        a = spm.convert_tokens_to_ids("\u2581hello")
+
+    def seconds(n: int) -> float:
+        best = float("inf")
+        for _ in range(3):  # the least of three: a noisy machine only adds time
+            detok, ids = make(), [a, *unit * (n // len(unit)), a]
+            start = time.perf_counter()
+            for t in ids:
+                detok.push(t)  # as TextOutput does: each segment taken
+            detok.finalize()
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    n = 8000
+    assert seconds(4 * n) < 8 * seconds(n)  # linear: ~4x; quadratic: ~16x
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_a_long_held_run_streams_before_it_ends(byte_tokenizer, spm, run):
+    """Nothing streamed until a run of U+FFFDs (a model echoing mojibake) ended;
+    the text as a whole stays what it was."""
+    make, unit = _held_runs(byte_tokenizer, spm)[run]
+    ids = unit * (2000 // len(unit))
+    detok = make()
+    streamed = "".join(detok.push(t) for t in ids)
+    detok.finalize()
+    final = streamed + detok.last_segment
+    assert len(streamed) >= len(final) - 300  # all but a bounded tail, while streaming
+    old = {"bpe": BPEStreamingDetokenizer, "spm": SPMStreamingDetokenizer}[run[:3]]
+    theirs = (byte_tokenizer if run.startswith("bpe") else spm).detokenizer
+    assert type(theirs) is old
+    for t in ids:
+        theirs.add_token(t)
+    theirs.finalize()
+    assert final == detok.text == theirs.text  # mlx-lm's text, character for character
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.one_of(words, ids), trim=st.booleans())
+def test_a_run_streamed_past_hold_ends_in_mlx_lms_text(byte_tokenizer, make, data, trim):
+    """With runs streaming after one held token, any ids (invalid bytes, split
+    characters, lone spaces, tokens mlx-lm's finalize maps otherwise) still give
+    mlx-lm's text."""
+    tokens = (
+        byte_tokenizer.encode(data, add_special_tokens=False) if isinstance(data, str) else data
+    )
+    theirs = byte_tokenizer.detokenizer
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fast_detok, "HOLD", 1)
+        ours = make()
+        if not trim:
+            _keep_leading_space(theirs)
+            _keep_leading_space(ours)
+        assert stream(ours, tokens, True)[1] == stream(theirs, tokens)[1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), trim=st.booleans())
+def test_a_sentencepiece_run_streamed_past_hold_ends_in_mlx_lms_text(spm, data, trim):
+    tokens = data.draw(st.lists(st.integers(0, len(spm) - 1), max_size=40))
+    theirs = spm.detokenizer
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fast_detok, "HOLD", 1)
+        ours = detokenizer_factory(spm)()
+        if not trim:
+            _keep_leading_space(theirs)
+            _keep_leading_space(ours)
+        assert stream(ours, tokens, True)[1] == stream(theirs, tokens)[1]
