@@ -22,15 +22,16 @@ from app.chat_pipeline import (
 from app.content_parts import parts_content
 from app.errors import APIError, error_body
 from app.generation import Generation, Outcome, openai_tool_calls
-from app.logprobs_format import chat_logprobs
+from app.logprobs_format import chat_logprobs, logprob_frames
 from app.openapi_doc import CHAT_COMPLETION, generation_route
 from app.protocol.output_parser import Content, Event, Reasoning
 from app.protocol.tool_formats import ToolCall
 from app.protocol.tool_schema import function_tools
 from app.request_fields import ignored_fields
 from app.schemas import ChatCompletionRequest, ChatMessage
-from app.sse import SSE_DONE, SSE_HEADERS, FrameTemplate, framed, sse_data
+from app.sse import SSE_DONE, SSE_HEADERS, Frames, FrameTemplate, frame_parts, framed, sse_data
 from app.state import AppState
+from scheduler.request import TokenLogprob
 
 router = APIRouter()
 
@@ -185,23 +186,27 @@ async def _stream_chunks(
     first = {"role": "assistant", "content": "", "message_id": gen.request_id}
     template = FrameTemplate({**_chunk(meta, FrameTemplate.HOLE, None), **usage_field})
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> Frames:
         if not logprobs:
             return (
                 template(delta)
                 if finish is None
                 else sse_data({**_chunk(meta, delta, finish), **usage_field})
             )
+
+        def build(entries: list[TokenLogprob], own: bool) -> str:
+            # frames before the event's own (a long run of tokens) carry no text
+            payload = _chunk(meta, delta, finish) if own else _chunk(meta, {"content": ""}, None)
+            payload["choices"][0]["logprobs"] = chat_logprobs(entries)
+            return sse_data({**payload, **usage_field})
+
         # the tokens up to this chunk's event (a token whose text the parser held
         # back, think tags and tool markup included); the last chunk: what is left
-        payload = _chunk(meta, delta, finish)
-        entries = done.frame_logprobs(last=finish is not None)
-        payload["choices"][0]["logprobs"] = chat_logprobs(entries)
-        return sse_data({**payload, **usage_field})
+        return logprob_frames(done.frame_logprobs(last=finish is not None), build)
 
     yield sse_data({**_chunk(meta, first, None), **usage_field})
 
-    def frame(event: Event) -> str:
+    def frame(event: Event) -> Frames:
         nonlocal calls
         if isinstance(event, Reasoning):
             delta: dict[str, Any] = {"reasoning_content": event.text}
@@ -219,7 +224,9 @@ async def _stream_chunks(
         err = done.failure()
         yield sse_data(error_body(err.message, err.error_type, err.code))
     elif done.finish_reason is not None:
-        yield chunk({}, done.stop_kind)
+        for part in frame_parts(chunk({}, done.stop_kind)):
+            yield part
+            await asyncio.sleep(0)  # a long run's frames: one built per event-loop turn
         if include_usage:
             yield sse_data(
                 {**meta, "object": "chat.completion.chunk", "choices": [], "usage": usage(done)}

@@ -18,18 +18,18 @@ from app.chat_pipeline import Prepared
 from app.errors import APIError, error_body
 from app.generation import Generation
 from app.generation_params import resolve_max_tokens, resolve_sampling
-from app.logprobs_format import CompletionLogprobs
+from app.logprobs_format import CompletionLogprobs, logprob_frames
 from app.openai_chat import usage
 from app.openapi_doc import TEXT_COMPLETION, generation_route
 from app.protocol.output_parser import Event, OutputParser, Syntax
 from app.request_fields import ignored_fields
 from app.schemas import CompletionRequest
 from app.session_id import session_id_from
-from app.sse import SSE_DONE, SSE_HEADERS, FrameTemplate, framed, sse_data
+from app.sse import SSE_DONE, SSE_HEADERS, Frames, FrameTemplate, frame_parts, framed, sse_data
 from app.state import AppState
 from kvcache.prompt_key import PromptKey
 from kvcache.sessions import fallback_session_id
-from scheduler.request import CacheHints, Request
+from scheduler.request import CacheHints, Request, TokenLogprob
 
 router = APIRouter()
 
@@ -160,18 +160,26 @@ async def _stream(
     done = gen.outcome
     arrays = CompletionLogprobs()
 
-    def chunk(text: str, finish: str | None = None) -> str:
-        if not logprobs and finish is None:
-            return template(text)
-        choice = _choice(text, finish)
-        if logprobs:  # the tokens up to this event; the last chunk carries what is left
-            choice["logprobs"] = arrays.take(done.frame_logprobs(last=finish is not None))
-        return sse_data({**meta, "choices": [choice], **usage_field})
+    def chunk(text: str, finish: str | None = None) -> Frames:
+        if not logprobs:
+            return template(text) if finish is None else sse_data(payload(text, finish))
+
+        def build(entries: list[TokenLogprob], own: bool) -> str:
+            # frames before the event's own (a long run of tokens) carry no text
+            body = payload(text, finish) if own else payload("", None)
+            body["choices"][0]["logprobs"] = arrays.take(entries)
+            return sse_data(body)
+
+        # the tokens up to this event; the last chunk carries what is left
+        return logprob_frames(done.frame_logprobs(last=finish is not None), build)
+
+    def payload(text: str, finish: str | None) -> dict[str, Any]:
+        return {**meta, "choices": [_choice(text, finish)], **usage_field}
 
     if echo:
         yield sse_data({**meta, "choices": [_choice(echo, None)], **usage_field})
 
-    def frame(event: Event) -> str:
+    def frame(event: Event) -> Frames:
         return chunk(event.text)  # type: ignore[union-attr]
 
     async for frames in framed(gen.events(), frame, on_error=gen.broke):
@@ -180,7 +188,9 @@ async def _stream(
         err = done.failure()
         yield sse_data(error_body(err.message, err.error_type, err.code))
     elif done.finish_reason is not None:
-        yield chunk("", done.stop_kind)
+        for part in frame_parts(chunk("", done.stop_kind)):
+            yield part
+            await asyncio.sleep(0)  # a long run's frames: one built per event-loop turn
         if include_usage:
             yield sse_data({**meta, "choices": [], "usage": usage(done)})
     yield SSE_DONE

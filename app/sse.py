@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+# a stream item's frame, or its frames to build one at a time (a long run of logprobs)
+Frames = str | Iterator[str]
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
@@ -113,9 +116,15 @@ def _wake(future: asyncio.Future[None]) -> None:
         future.set_result(None)
 
 
+def frame_parts(frames: Frames) -> Iterator[str]:
+    """``frames`` one at a time: a caller writing several lets the event loop run
+    after each (a long run of them, built in one turn, stalled every stream)."""
+    return iter((frames,)) if isinstance(frames, str) else frames
+
+
 async def framed(
     events: AsyncIterator[T],
-    frame: Callable[[T], str],
+    frame: Callable[[T], Frames],
     keepalive: str = SSE_KEEPALIVE,
     on_error: Callable[[Exception], None] | None = None,
 ) -> AsyncIterator[bytes]:
@@ -126,11 +135,26 @@ async def framed(
     dialect's error event (once the headers are out, nothing else can tell the
     client; the connection was cut mid-chunk). Frames are encoded here, inside
     that guard: text UTF-8 cannot hold failed in the server's write, after it,
-    and cut the stream with no error event."""
+    and cut the stream with no error event. An item framed in parts has each
+    built in an event-loop turn of its own and written as it is built."""
     try:
         async for batch in with_heartbeat(events, KEEPALIVE_S):
-            text = keepalive if batch is None else "".join(map(frame, batch))
-            yield text.encode()
+            if batch is None:
+                yield keepalive.encode()
+                continue
+            text: list[str] = []
+            for item in batch:
+                out = frame(item)
+                if isinstance(out, str):
+                    text.append(out)
+                    continue
+                for part in out:  # built one per event-loop turn, each written as built
+                    text.append(part)
+                    yield "".join(text).encode()
+                    text.clear()
+                    await asyncio.sleep(0)
+            if text:
+                yield "".join(text).encode()
     except Exception as exc:  # noqa: BLE001 - this stream fails alone
         if on_error is None:
             raise

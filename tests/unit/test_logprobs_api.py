@@ -219,3 +219,107 @@ def test_text_offsets_count_a_broken_character_before_the_token_that_breaks_it()
     text = "a\ufffdb\u65e5c"  # what the choice's text holds
     assert lp["text_offset"] == [0, 1, 2, 3, 3, 4, 4]
     assert text[lp["text_offset"][2]] == "b" and text[lp["text_offset"][6]] == "c"
+
+
+CAP = 256  # app.logprobs_format.FRAME_LOGPROBS: the most entries one frame carries
+
+
+class WithheldGeneration:
+    """A reply whose text the parser withholds for a long stretch (a tool call until
+    its end tag, bare JSON until the end), one event for it all, then tokens no
+    event frames (reasoning that strip_thinking drops) before the end."""
+
+    request_id = "r"
+
+    def __init__(self, dialect: str, withheld: int = 1000, after: int = 600) -> None:
+        from app.generation import Outcome
+
+        self.dialect, self.withheld, self.total = dialect, withheld, withheld + after
+        self.outcome = Outcome()
+
+    def broke(self, exc: Exception) -> None:
+        raise exc
+
+    async def events(self):
+        from app.protocol.output_parser import Content
+        from app.protocol.tool_formats import ToolCall
+        from scheduler.request import FinishReason, RequestOutput, TokenChoice, TokenLogprob
+
+        done = self.outcome
+        for i in range(self.total):
+            finish = FinishReason.LENGTH if i == self.total - 1 else None
+            top = tuple(TokenChoice(900 + k, -2.0, b"alt%d" % k) for k in range(3))
+            entry = TokenLogprob(TokenChoice(i, -0.5, f"t{i} ".encode()), top)
+            done.add_output(RequestOutput("r", f"t{i} ", (i,), finish, logprobs=(entry,)))
+            if i == self.withheld - 1:  # the withheld text's one event
+                event = ToolCall("f", "{}") if self.dialect == "chat" else Content("t" * 9)
+                done.add_event(event)
+                done.event_marks.append(len(done.logprobs))
+                yield event
+        done.completion_tokens = self.total
+
+
+@pytest.mark.parametrize("dialect", ["chat", "completions"])
+def test_a_long_withheld_stretch_streams_its_logprobs_in_bounded_frames(dialect):
+    """A frame carried every token since the last one: a tool call withheld to its
+    end tag (or reasoning dropped) built thousands of tokens' logprobs into one
+    frame in one event-loop step (8,000 with 20 alternatives: 0.42 s, 10 MB)."""
+    import asyncio
+
+    from app import openai_chat, openai_completions
+
+    async def writes() -> list[tuple[int, str]]:
+        gen = WithheldGeneration(dialect)
+        if dialect == "chat":
+            stream = openai_chat._stream_chunks(gen, {"id": "x"}, True, True)
+        else:
+            stream = openai_completions._stream(gen, {"id": "x"}, "", True, True)
+        ticks = 0
+
+        async def ticker() -> None:  # counts the event loop's turns
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        try:
+            return [(ticks, f.decode() if isinstance(f, bytes) else f) async for f in stream]
+        finally:
+            task.cancel()
+
+    out = asyncio.run(writes())
+    choices, entries_per_write, turns = [], [], []
+    for tick, text in out:
+        frames = [json.loads(line[6:]) for line in text.split("\n") if line.startswith("data: {")]
+        counted = 0
+        for frame in frames:
+            if not frame["choices"]:
+                assert frame["usage"]["completion_tokens"] == 1600  # usage: the very last
+                assert frame is frames[-1] and text is out[-2][1]
+                continue
+            choice = frame["choices"][0]
+            lp = choice["logprobs"]
+            if lp is None:  # chat's role chunk
+                continue
+            tokens = [e["token"] for e in lp["content"]] if dialect == "chat" else lp["tokens"]
+            assert len(tokens) <= CAP
+            counted += len(tokens)
+            choices.append((choice, tokens))
+        if counted:
+            entries_per_write.append(counted)
+            turns.append(tick)
+    streamed = [t for _, tokens in choices for t in tokens]
+    assert streamed == [f"t{i} " for i in range(1600)]  # each token once, in order
+    finishes = [c["finish_reason"] for c, _ in choices]
+    assert finishes == [None] * (len(choices) - 1) + ["length"]
+    if dialect == "chat":
+        calls = [c["delta"]["tool_calls"] for c, _ in choices if "tool_calls" in c["delta"]]
+        assert len(calls) == 1 and calls[0][0]["function"]["name"] == "f"
+        # the call's frame carries the last of the tokens that wrote it
+        assert next(t for c, t in choices if "tool_calls" in c["delta"])[-1] == "t999 "
+    else:
+        assert "".join(c["text"] for c, _ in choices) == "t" * 9
+    # each write a bounded part, built in an event-loop turn of its own
+    assert max(entries_per_write) <= CAP
+    assert all(a < b for a, b in zip(turns, turns[1:], strict=False))
