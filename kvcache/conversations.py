@@ -179,6 +179,13 @@ class SavedConversations:
                 raise ConversationNotFound(
                     f"the saved KV of {conversation_id!r} was damaged and is discarded ({exc})"
                 ) from exc
+            except Exception as exc:  # noqa: BLE001 - a read that may pass: the save stays
+                log.warning(
+                    "saved conversation %s not loaded this time, kept on disk (%s: %s)",
+                    ascii_escaped(conversation_id),
+                    type(exc).__name__,
+                    exc,
+                )
         return self._describe(conversation_id, entry)
 
     def listing(self) -> list[SavedConversation]:

@@ -206,11 +206,17 @@ class TieredKVManager:
             self.index.unusable_hit(result)
             self.damaged(entry, exc)
             return None, miss
-        except Exception:  # noqa: BLE001 - an entry that cannot be read must not stay the best hit
-            log.exception("%s: cached KV discarded: it could not be assembled", request_id)
+        except Exception as exc:  # noqa: BLE001 - a read that may pass (EMFILE, no memory)
+            # not damage: discarded, a shared block took every entry naming it, saves
+            # and all; this lookup misses and the files stay for the next
+            log.warning(
+                "%s: cached KV on disk not read this time, kept (%s: %s)",
+                request_id,
+                type(exc).__name__,
+                exc,
+            )
             self.index.release(entry.entry_id)
             self.index.unusable_hit(result)
-            self._discard(entry)
             return None, miss
         self.index.served(result)
         log.info(
@@ -266,7 +272,8 @@ class TieredKVManager:
         return self.ops.assemble(blocks, private, keep)
 
     def read_back(self, entry: CacheEntry) -> tuple[list[BlockArrays], PrivatePart]:
-        """Read a disk entry's files (verified), then count it back into RAM."""
+        """Read a disk entry's files (verified), then count it back into RAM.
+        Raises CorruptFile for damage; anything else (OSError, MemoryError) may pass."""
         assert self.disk is not None
         started = time.monotonic()
         nbytes = 0
@@ -280,9 +287,14 @@ class TieredKVManager:
             blocks.append(arrays)
         raw, manifest = self.disk.read_entry(entry.uid)
         nbytes += raw.nbytes
-        private = rebuild_private(
-            self._template, mlx_arrays(raw), manifest["private_meta"], entry.held.private
-        )
+        arrays = mlx_arrays(raw)
+        try:
+            private = rebuild_private(
+                self._template, arrays, manifest["private_meta"], entry.held.private
+            )
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            # a verified file whose arrays its manifest does not describe: damage
+            raise CorruptFile(f"{entry.uid}: its arrays do not fit its manifest: {exc!r}") from exc
         mx.eval([a for blk in blocks for a in blk.values()] + list(private.arrays().values()))
         c = self.disk.counters
         c.loads += 1

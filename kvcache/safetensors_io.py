@@ -36,6 +36,10 @@ DTYPES = {  # numpy dtype name -> safetensors dtype
 NUMPY = {v: k for k, v in DTYPES.items()}
 NUMPY["BF16"] = "uint16"  # numpy has no bfloat16: carried as its bits
 MAX_HEADER = 64 * 2**20
+# the file is not where it was written: damage, never undone by trying again. Any
+# other OSError (EMFILE, EIO, EACCES, ENOMEM...) may pass and is raised as it is:
+# taken for damage, one EMFILE deleted good files and the saves naming them
+GONE = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
 
 
 class CorruptFile(Exception):
@@ -94,10 +98,11 @@ def write_atomic(path: Path, parts: list[bytes | memoryview]) -> int:
 def read_verified(
     path: Path, namespace: str
 ) -> tuple[dict[str, np.ndarray], dict[str, str], frozenset[str]]:
-    """Arrays, metadata and the names stored as bfloat16; raises CorruptFile."""
+    """Arrays, metadata and the names stored as bfloat16; raises CorruptFile for
+    damage, OSError for a read that failed but may work later."""
     try:
         raw = path.read_bytes()
-    except OSError as exc:
+    except GONE as exc:
         raise CorruptFile(f"{path.name}: unreadable: {exc}") from exc
     if len(raw) < 8:
         raise CorruptFile(f"{path.name}: truncated")

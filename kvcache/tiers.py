@@ -45,7 +45,8 @@ class PersistentTier(Protocol):
     def delete_entry(self, uid: str, blocks: list[Digest]) -> None: ...
 
     def read_block(self, digest: Digest) -> Arrays:
-        """A verified block; raises CorruptFile for anything it must not use."""
+        """A verified block; raises CorruptFile for anything it must not use (damage),
+        OSError for a read that failed but may work later."""
         ...
 
     def read_entry(self, uid: str) -> tuple[Arrays, dict[str, Any]]: ...

@@ -6,6 +6,7 @@ cache belongs to (the model must never read KV of text it did not see)."""
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -193,10 +194,10 @@ def test_an_entry_that_cannot_be_assembled_is_dropped_not_leaked(tmp_path, monke
     m.close()
     again = manager(tmp_path)
 
-    def broken(entry):
+    def broken(template, arrays, meta, nbytes):  # a manifest naming arrays the file lacks
         raise KeyError("tail.0.k")
 
-    monkeypatch.setattr(again, "read_back", broken)
+    monkeypatch.setattr("kvcache.manager.rebuild_private", broken)
     assert served(again, tokens + [1]) is None  # raised KeyError before, holding a ref
     assert again.index.entries() == []
     st = again.stats()
@@ -890,3 +891,118 @@ def test_whether_an_entrys_session_was_its_own_survives_a_restart(tmp_path, own)
     (entry,) = again.index.entries()
     assert (entry.session, entry.own_session) == ("c-1", own)
     again.close()
+
+
+def _two_entries_sharing_a_prefix_one_saved(root: Path) -> tuple[list[int], list[int]]:
+    """Entries ``a`` and ``b`` on disk sharing four blocks; ``b`` saved as "B"."""
+    shared = list(range(100, 164))
+    a, b = shared + list(range(1000, 1040)), shared + list(range(2000, 2040))
+    m = manager(root)
+    store(m, a, "A")
+    store(m, b, "B")
+    m.flush()
+    m.save_conversation("B", "keep me")
+    m.close()
+    return a, b
+
+
+def _block_reads_fail(monkeypatch, exc: BaseException) -> list[Path]:
+    """The next read of a block file raises ``exc`` (once); returns the paths tried."""
+    import pathlib
+
+    real = pathlib.Path.read_bytes
+    failed: list[Path] = []
+
+    def flaky(self):
+        if "blocks" in self.parts and not failed:
+            failed.append(self)
+            raise exc
+        return real(self)
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", flaky)
+    return failed
+
+
+def _files(root: Path) -> list[Path]:
+    return entry_files(root) + block_files(root)
+
+
+@pytest.mark.parametrize("errno_name", ["EMFILE", "ENFILE", "EIO", "EACCES", "EAGAIN", "ENOMEM"])
+def test_a_read_error_that_may_pass_is_a_miss_and_deletes_nothing(
+    tmp_path, monkeypatch, errno_name
+):
+    """One EMFILE while reading a shared block was taken for damage: the good block
+    and every entry naming it, a saved conversation's included, were deleted."""
+    import errno
+
+    a, b = _two_entries_sharing_a_prefix_one_saved(tmp_path)
+    files = _files(tmp_path)
+    m = manager(tmp_path)
+    try:
+        code = getattr(errno, errno_name)
+        failed = _block_reads_fail(monkeypatch, OSError(code, os.strerror(code)))
+        assert served(m, a + [7]) is None  # a miss for this lookup...
+        assert failed
+        assert len(m.index.entries()) == 2 and all(e.refs == 0 for e in m.index.entries())
+        assert [c.conversation_id for c in m.saved_conversations()] == ["B"]
+        m.flush()
+        assert _files(tmp_path) == files  # ...and nothing deleted
+        assert served(m, a + [7]) == (a, "disk")  # the next read works
+    finally:
+        m.close()
+    again = manager(tmp_path)
+    try:
+        assert again.restored == 2
+        assert [c.conversation_id for c in again.saved_conversations()] == ["B"]
+    finally:
+        again.close()
+
+
+@pytest.mark.parametrize("exc", [MemoryError(), RuntimeError("[metal] out of memory")])
+def test_a_load_that_runs_out_of_memory_is_a_miss_and_deletes_nothing(tmp_path, monkeypatch, exc):
+    a, b = _two_entries_sharing_a_prefix_one_saved(tmp_path)
+    files = _files(tmp_path)
+    m = manager(tmp_path)
+    try:
+
+        def no_memory(raw):
+            raise exc
+
+        monkeypatch.setattr("kvcache.manager.mlx_arrays", no_memory)
+        assert served(m, b + [7]) is None
+        assert m.load_conversation("B").tier == "disk"  # not loaded, still saved
+        monkeypatch.undo()
+        m.flush()
+        assert _files(tmp_path) == files
+        assert len(m.index.entries()) == 2
+        assert m.load_conversation("B").tier == "ram+disk"
+    finally:
+        m.close()
+
+
+def test_loading_a_save_through_a_read_error_that_may_pass_keeps_it(tmp_path, monkeypatch):
+    import errno
+
+    a, b = _two_entries_sharing_a_prefix_one_saved(tmp_path)
+    files = _files(tmp_path)
+    m = manager(tmp_path)
+    try:
+        _block_reads_fail(monkeypatch, OSError(errno.EIO, "Input/output error"))
+        assert m.load_conversation("B").tier == "disk"  # raised ConversationNotFound before
+        m.flush()
+        assert _files(tmp_path) == files
+        assert m.load_conversation("B").tier == "ram+disk"
+    finally:
+        m.close()
+
+
+def test_a_block_file_that_is_gone_is_still_damage(tmp_path):
+    a, b = _two_entries_sharing_a_prefix_one_saved(tmp_path)
+    m = manager(tmp_path)
+    try:
+        (first, _) = m.index.entries()[0].held.blocks[0]
+        m.disk.block_path(first).unlink()
+        assert served(m, a + [7]) is None
+        assert m.index.entries() == []  # both named the block: both gone
+    finally:
+        m.close()
