@@ -45,10 +45,20 @@ class SavedConversations:
     def __init__(self, store: ConversationStore):
         self._store = store
         self.pins: Pins = {}
+        # saves whose files are on disk but that this run could not index (a smaller
+        # budget, another block size): not served, but kept in the list written
+        self.unindexed: Pins = {}
 
-    def adopt(self, pins: Pins, known_uids: set[str]) -> None:
-        """Take the pin list read at start-up, less pins of entries that did not survive."""
+    def adopt(self, pins: Pins, known_uids: set[str], kept_uids: set[str]) -> None:
+        """Take the pin list read at start-up, less pins of entries that did not
+        survive; ``kept_uids``: entries kept on disk but not indexed this run."""
         self.pins = {c: p for c, p in pins.items() if p["uid"] in known_uids}
+        self.unindexed = {c: p for c, p in pins.items() if p["uid"] in kept_uids}
+
+    def _write_pins(self) -> None:
+        """The list on disk: this run's saves and those it could not index."""
+        if self._store.disk is not None:
+            self._store.disk.write_pins({**self.unindexed, **self.pins})
 
     # -- which entry -----------------------------------------------------------
     def _saved_entry(self, conversation_id: str) -> CacheEntry | None:
@@ -159,7 +169,8 @@ class SavedConversations:
         ):
             index.set_pinned(earlier.entry_id, False)  # an ordinary entry again
         self.pins[conversation_id] = {"uid": entry.uid, "title": title, "saved_at": time.time()}
-        disk.write_pins(self.pins)
+        self.unindexed.pop(conversation_id, None)  # saved anew: the new turn replaces it
+        self._write_pins()
         return self._describe(conversation_id, entry)
 
     def load(self, conversation_id: str) -> SavedConversation:
@@ -211,8 +222,8 @@ class SavedConversations:
                 "still cached in RAM" if entry.in_ram else "lost",
             )
         self._store.index.set_pinned(entry.entry_id, False)
-        if lost and self._store.disk is not None:
-            self._store.disk.write_pins(self.pins)
+        if lost:
+            self._write_pins()
 
     def delete(self, conversation_id: str) -> SavedConversation:
         """Forget a conversation's cached KV, saved or not, in every tier (a turn
@@ -220,6 +231,8 @@ class SavedConversations:
         store = self._store
         index = store.index
         pin = self.pins.pop(conversation_id, None)
+        if pin is None:  # a save this run could not index: deleted from the list
+            pin = self.unindexed.pop(conversation_id, None)
         entry = self._pinned(pin)
         if entry is None:
             try:
@@ -227,8 +240,8 @@ class SavedConversations:
             except ConversationNotFound:
                 if pin is None:
                     raise
-        if pin is not None and store.disk is not None:
-            store.disk.write_pins(self.pins)
+        if pin is not None:
+            self._write_pins()
         described = self._describe(conversation_id, entry, pin)
         own = {e.entry_id for e in index.entries() if e.session == conversation_id}
         for entry_id in own | ({entry.entry_id} if entry is not None else set()):

@@ -89,6 +89,9 @@ class TieredKVManager:
         self._freed = False
         self._give_back = MemoryReturner()
         self.restored = 0
+        # blocks of saved entries this run could not index (kept on disk for a later
+        # one): never deleted when the indexed entries sharing them go
+        self._kept_blocks: set[Digest] = set()
         self.conversations = SavedConversations(self)
         self.disk: PersistentTier | None = None
         disk_bytes = 0
@@ -157,7 +160,7 @@ class TieredKVManager:
 
     def left_disk(self, entry: CacheEntry, freed: list[Digest]) -> None:
         if self.disk is not None:  # its manifest goes whether or not it stays in RAM
-            self.disk.delete_entry(entry.uid, freed)
+            self.disk.delete_entry(entry.uid, [d for d in freed if d not in self._kept_blocks])
 
     def _return_memory(self) -> None:
         if self._freed:
@@ -310,6 +313,8 @@ class TieredKVManager:
     def damaged(self, entry: CacheEntry, exc: CorruptFile) -> None:
         """``entry`` could not be read back; a damaged shared block takes every
         disk copy naming it along (kvcache.index.lose_block)."""
+        if isinstance(exc, CorruptBlock):  # a kept save naming it is damaged too
+            self._kept_blocks.discard(exc.digest)
         self._discard(entry)
         if isinstance(exc, CorruptBlock):
             lost = self.index.lose_block(exc.digest)
@@ -454,9 +459,10 @@ class TieredKVManager:
             scan.entries, key=lambda e: (e.uid not in pinned_uids, -_created(e.manifest))
         )
         dropped: list[tuple[str, list[Digest]]] = []
+        kept_aside: dict[str, tuple[str, int]] = {}  # saved uid -> (why not indexed, bytes)
         for found in order:
             m = found.manifest
-            entry_id, held = None, EntryBytes()
+            entry_id, held, why = None, EntryBytes(), ""
             try:
                 # its blocks first: a key that cannot be read still names the
                 # blocks to delete with it
@@ -466,7 +472,9 @@ class TieredKVManager:
                 )
                 key = key_from(m["key"])
                 variant = str(m.get("variant", ""))
+                why = "written under another --kv-block-size"
                 if self._addresses_match(key, held, variant):
+                    why = "over a smaller --kv-disk-bytes"
                     entry_id = self.index.restore(
                         key,
                         held,
@@ -479,6 +487,13 @@ class TieredKVManager:
                     )
             except Exception:  # noqa: BLE001 - a damaged manifest is discarded, never raised on
                 log.warning("KV disk tier: entry %s discarded: its manifest is damaged", found.uid)
+                why = ""
+            if entry_id is None and why and found.uid in pinned_uids:
+                # a save: the budget shrank (an automatic one does as the disk fills)
+                # or the block size changed; a restart as before serves it again
+                kept_aside[found.uid] = (why, held.total)
+                self._kept_blocks.update(d for d, _ in held.blocks)
+                continue
             if entry_id is None:
                 dropped.append((found.uid, [d for d, _ in held.blocks]))
                 continue
@@ -487,11 +502,26 @@ class TieredKVManager:
         kept = self.index.disk.refs
         gone: set[Digest] = set()
         for uid, digests in dropped:
-            freed = [d for d in digests if d not in kept and d not in gone]
+            freed = [
+                d for d in digests if d not in kept and d not in gone and d not in self._kept_blocks
+            ]
             gone.update(freed)
             self.disk.delete_entry(uid, freed)
             self.disk.counters.files_discarded += 1
-        self.conversations.adopt(pins, {e.uid for e in self.index.entries()})
+        self.conversations.adopt(pins, {e.uid for e in self.index.entries()}, set(kept_aside))
+        if kept_aside:
+            reasons: dict[str, int] = {}
+            for why, _ in kept_aside.values():
+                reasons[why] = reasons.get(why, 0) + 1
+            log.warning(
+                "KV disk tier %s: %d saved conversation entries (%.1f MiB) kept on disk but "
+                "not served in this run (%s); a restart with the earlier setting serves them "
+                "again, and nothing deletes them meanwhile",
+                self.disk.dir,
+                len(kept_aside),
+                sum(n for _, n in kept_aside.values()) / 2**20,
+                ", ".join(f"{n} {why}" for why, n in sorted(reasons.items())),
+            )
         if scan.entries or scan.discarded:
             log.info(
                 "KV disk tier %s: %d entries restored (%.0f MiB), %d files discarded",

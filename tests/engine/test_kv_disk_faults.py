@@ -1006,3 +1006,76 @@ def test_a_block_file_that_is_gone_is_still_damage(tmp_path):
         assert m.index.entries() == []  # both named the block: both gone
     finally:
         m.close()
+
+
+def _saved_on_disk(root: Path, tokens: list[int], conversation: str = "S") -> int:
+    """``tokens``' KV saved as ``conversation`` by a server that then stops; its size."""
+    m = manager(root)
+    entry_id = store(m, tokens, conversation)
+    m.flush()
+    m.save_conversation(conversation, "important")
+    size = m.index.get(entry_id).held.total
+    m.close()
+    return size
+
+
+def _saved_ids(m: TieredKVManager) -> list[str]:
+    return [c.conversation_id for c in m.saved_conversations()]
+
+
+@pytest.mark.parametrize("change", ["smaller budget", "other kv block size"])
+def test_a_save_a_restart_cannot_index_keeps_its_files_for_a_later_one(tmp_path, caplog, change):
+    """An automatic disk budget shrinks as the disk fills, and --kv-block-size may
+    change: the restart deleted the saved conversation's files for good."""
+    tokens = list(range(100, 400))
+    size = _saved_on_disk(tmp_path, tokens)
+    files = _files(tmp_path)
+    pins = json.loads((tmp_path / NS / "saved.json").read_text())
+    budget, block = (size // 2, 16) if change == "smaller budget" else (GiB, 32)
+    smaller = manager(tmp_path, kv_block=block, disk_bytes=budget)
+    try:
+        smaller.flush()
+        assert smaller.restored == 0 and _saved_ids(smaller) == []  # not served...
+        assert _files(tmp_path) == files  # ...but kept
+        assert any(r.levelname == "WARNING" and "1 saved" in r.getMessage() for r in caplog.records)
+        other = list(range(5000, 5040))
+        store(smaller, other, "T")
+        smaller.flush()
+        smaller.save_conversation("T", "another")  # rewrites saved.json
+        smaller.flush()
+        smaller.delete_conversation("T")
+        smaller.flush()
+    finally:
+        smaller.close()
+    assert json.loads((tmp_path / NS / "saved.json").read_text()) == pins
+    back = manager(tmp_path)
+    try:
+        assert _saved_ids(back) == ["S"]
+        assert served(back, tokens + [1]) == (tokens, "disk")
+    finally:
+        back.close()
+
+
+def test_blocks_a_kept_save_shares_stay_when_the_entries_restored_beside_it_go(tmp_path):
+    shared = list(range(100, 164))
+    saved, plain = shared + list(range(1000, 1100)), shared + list(range(2000, 2010))
+    m = manager(tmp_path)
+    store(m, plain, "P")
+    entry_id = store(m, saved, "S")
+    m.flush()
+    m.save_conversation("S", "important")
+    size = m.index.get(entry_id).held.total
+    m.close()
+    small = manager(tmp_path, disk_bytes=size - 1)  # the save does not fit; the other does
+    try:
+        assert small.restored == 1 and _saved_ids(small) == []
+        small.delete_conversation("P")  # the restored entry sharing its blocks goes
+        small.flush()
+    finally:
+        small.close()
+    back = manager(tmp_path)
+    try:
+        assert _saved_ids(back) == ["S"]
+        assert served(back, saved + [1]) == (saved, "disk")
+    finally:
+        back.close()
