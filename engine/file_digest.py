@@ -28,7 +28,7 @@ def content_digest(path: Path, memo_path: Path) -> str:
     }
     try:
         memo = json.loads(memo_path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested past the limit
         memo = {}
     if not isinstance(memo, dict):
         memo = {}

@@ -226,7 +226,7 @@ class DiskTier:
     def read_pins(self) -> dict[str, dict[str, Any]]:
         try:
             pins = json.loads(self.pins_path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):  # RecursionError: nested past the limit
             return {}
         if not isinstance(pins, dict):
             return {}
@@ -254,7 +254,7 @@ class DiskTier:
         arrays, meta, bf16 = read_verified(self.entry_path(uid), self.namespace)
         try:
             manifest = json.loads(meta["manifest"])
-        except (KeyError, ValueError) as exc:
+        except (KeyError, ValueError, TypeError, RecursionError) as exc:
             raise CorruptFile(f"{uid}: bad manifest: {exc}") from exc
         return Arrays(arrays, bf16), manifest
 
@@ -307,8 +307,8 @@ class DiskTier:
             if meta.get("namespace") != self.namespace:
                 return None
             manifest = json.loads(meta["manifest"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            return None  # RecursionError: JSON nested past Python's limit
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
             return None
         return manifest

@@ -109,8 +109,22 @@ class TieredKVManager:
             except OSError as exc:
                 log.warning("KV disk tier off: %s is not usable (%s)", disk.root, exc)
             else:
-                prune_other_namespaces(disk.root, self.namespace, disk.max_bytes)
-        self.index = PrefixIndex(
+                try:
+                    prune_other_namespaces(disk.root, self.namespace, disk.max_bytes)
+                except Exception:  # noqa: BLE001 - the others stay as they are; we start
+                    log.exception("KV dir %s: other namespaces not pruned", disk.root)
+        self._clock = clock  # a distributed group's ranks share the serving rank's
+        self.index = self._new_index(ram_bytes, disk_bytes)
+        self.sessions = SessionStore()
+        if self.disk is not None:
+            try:
+                self._restore()
+            except Exception as exc:  # noqa: BLE001 - start without the tier, not at all
+                self._restore_failed(exc, ram_bytes)
+
+    def _new_index(self, ram_bytes: int, disk_bytes: int) -> PrefixIndex:
+        config = self.config
+        return PrefixIndex(
             max_bytes=ram_bytes,
             max_entries=config.max_entries,
             block_size=config.block_size,
@@ -120,11 +134,27 @@ class TieredKVManager:
             listener=self,
             disk_bytes=disk_bytes,
             eviction=config.eviction,
-            clock=clock,  # a distributed group's ranks share the serving rank's
+            clock=self._clock,
         )
-        self.sessions = SessionStore()
-        if self.disk is not None:
-            self._restore()
+
+    def _restore_failed(self, exc: Exception, ram_bytes: int) -> None:
+        """The files could not be read at start (an I/O error listing the dir): the
+        server runs with the tier off, rather than failing every restart. Nothing is
+        indexed, written, deleted or overwritten (saved.json included) this run."""
+        assert self.disk is not None
+        self.disk.degraded = f"reading it at start failed: {type(exc).__name__}: {exc}"
+        log.error(
+            "the KV disk tier at %s is off for this run (%s); cached KV stays in RAM "
+            "only, and its files are left as they are for the next start",
+            self.disk.dir,
+            self.disk.degraded,
+            exc_info=exc,
+        )
+        # a restore cut short indexed some entries: their eviction would delete files
+        self.index = self._new_index(ram_bytes, 0)
+        self.restored = 0
+        self._kept_blocks.clear()
+        self.conversations = SavedConversations(self)
 
     @property
     def trimmable(self) -> bool:

@@ -84,7 +84,7 @@ def _has_pins(folder: Path) -> bool:
         pins = json.loads((folder / PINS).read_text())
     except FileNotFoundError:
         return False
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested past the limit
         return True
     return bool(pins)
 

@@ -115,7 +115,8 @@ def read_verified(
         want_crc, nbytes = int(meta.pop("crc32")), int(meta["nbytes"])
         signed = _unsigned(header)
         del header["__metadata__"]
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        # RecursionError: JSON nested past Python's limit (damage, or a hostile file)
         raise CorruptFile(f"{path.name}: bad header: {exc}") from exc
     if meta.get("namespace") != namespace:
         raise CorruptFile(f"{path.name}: written for another model or cache format")

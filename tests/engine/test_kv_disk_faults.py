@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache
 
 from kvcache import safetensors_io
 from kvcache.index import PromptCacheConfig, VolatilePolicy
-from kvcache.interface import ConversationNotFound
+from kvcache.interface import ConversationNotFound, StorageFull
 from kvcache.manager import DiskConfig, TieredKVManager
 from kvcache.prompt_key import PromptKey
 from scheduler.request import CacheHints
@@ -1079,3 +1079,107 @@ def test_blocks_a_kept_save_shares_stay_when_the_entries_restored_beside_it_go(t
         assert served(back, saved + [1]) == (saved, "disk")
     finally:
         back.close()
+
+
+DEEP = b"[" * 100_000  # JSON nested past Python's recursion limit
+
+
+def test_a_kv_dir_that_cannot_be_listed_at_start_turns_the_tier_off(tmp_path, monkeypatch, caplog):
+    """An I/O error listing the dir (EIO, EACCES on blocks/) stopped the server's
+    start, on every restart."""
+    import errno
+    import pathlib
+
+    tokens = list(range(100, 200))
+    _saved_on_disk(tmp_path, tokens)
+    files = _files(tmp_path) + [tmp_path / NS / "saved.json"]
+    real = pathlib.Path.iterdir
+
+    def denied(self):
+        if self.name == "blocks":
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(pathlib.Path, "iterdir", denied)
+    m = manager(tmp_path)  # raised PermissionError before
+    try:
+        assert m.disk is not None and not m.disk.usable
+        assert "Permission denied" in (m.disk.degraded or "")
+        assert m.restored == 0 and m.index.entries() == [] and not m.stats().disk_enabled
+        assert any(r.levelname == "ERROR" and "off" in r.getMessage() for r in caplog.records)
+        assert store(m, tokens, "S") is not None  # RAM only
+        assert served(m, tokens + [1]) == (tokens, "ram")
+        with pytest.raises(StorageFull):
+            m.save_conversation("S", "again")
+        m.flush()
+    finally:
+        m.close()
+    monkeypatch.undo()
+    assert _files(tmp_path) + [tmp_path / NS / "saved.json"] == files  # nothing touched
+    again = manager(tmp_path)
+    try:
+        assert _saved_ids(again) == ["S"]
+    finally:
+        again.close()
+
+
+def test_an_entry_header_nested_too_deep_is_discarded_at_start(tmp_path):
+    tokens = list(range(100, 200))
+    one_entry_on_disk(tmp_path, tokens)
+    hostile = tmp_path / NS / "entries" / "x.safetensors"
+    hostile.write_bytes(struct.pack("<Q", len(DEEP)) + DEEP)
+    m = manager(tmp_path)  # raised RecursionError before
+    try:
+        assert m.disk.usable and m.restored == 1 and not hostile.exists()
+    finally:
+        m.close()
+
+
+def test_a_saved_list_nested_too_deep_does_not_stop_the_start(tmp_path):
+    (tmp_path / NS).mkdir()
+    (tmp_path / NS / "saved.json").write_bytes(DEEP)
+    m = manager(tmp_path)  # raised RecursionError before
+    try:
+        assert m.disk.usable and _saved_ids(m) == []
+    finally:
+        m.close()
+
+
+def test_a_file_whose_header_or_manifest_is_nested_too_deep_is_corrupt(tmp_path):
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(struct.pack("<Q", len(DEEP)) + DEEP)
+    with pytest.raises(safetensors_io.CorruptFile):
+        safetensors_io.read_verified(path, "n")
+    from kvcache.disk import DiskTier
+
+    tier = DiskTier(tmp_path, "n")
+    try:
+        deep = "[" * 100_000
+        data = safetensors_io.encode({"a": np.zeros(2)}, {"namespace": "n", "manifest": deep})
+        safetensors_io.write_atomic(tier.entry_path("e"), data)
+        with pytest.raises(safetensors_io.CorruptFile):
+            tier.read_entry("e")
+    finally:
+        tier.close()
+
+
+def test_another_namespaces_saved_list_nested_too_deep_counts_as_saves(tmp_path):
+    from kvcache.namespaces import prune_other_namespaces
+
+    other = tmp_path / "other"
+    (other / "blocks").mkdir(parents=True)
+    (other / "entries").mkdir()
+    (other / "saved.json").write_bytes(DEEP)
+    assert prune_other_namespaces(tmp_path, "mine", 0) == []  # raised RecursionError before
+    assert other.exists()
+
+
+def test_a_weights_digest_memo_nested_too_deep_is_read_as_none(tmp_path):
+    import hashlib
+
+    from engine.file_digest import content_digest
+
+    weights, memo = tmp_path / "w.safetensors", tmp_path / ".weights-digests.json"
+    weights.write_bytes(b"x")
+    memo.write_bytes(b'{"a":' * 100_000)
+    assert content_digest(weights, memo) == hashlib.sha256(b"x").hexdigest()
