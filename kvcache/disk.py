@@ -37,7 +37,14 @@ import numpy as np
 
 from kvcache.blocks import Digest
 from kvcache.namespaces import LOCK, try_lock
-from kvcache.safetensors_io import CorruptFile, encode, read_verified, write_atomic
+from kvcache.safetensors_io import (
+    CorruptFile,
+    encode,
+    open_regular,
+    read_verified,
+    size_limit,
+    write_atomic,
+)
 
 log = logging.getLogger("kvwarm.kvcache.disk")
 FORMAT_VERSION = 1
@@ -243,15 +250,18 @@ class DiskTier:
         return out
 
     # -- reads (engine thread: the arrays become MLX arrays there) -----------
-    def read_block(self, digest: Digest) -> Arrays:
+    def read_block(self, digest: Digest, nbytes: int | None = None) -> Arrays:
+        """``nbytes``: what the index counts for it (a file far larger is refused unread)."""
+        limit = size_limit(nbytes) if nbytes is not None else None
         try:
-            arrays, _, bf16 = read_verified(self.block_path(digest), self.namespace)
+            arrays, _, bf16 = read_verified(self.block_path(digest), self.namespace, limit)
         except CorruptFile as exc:
             raise CorruptBlock(str(exc), digest) from exc
         return Arrays(arrays, bf16)
 
-    def read_entry(self, uid: str) -> tuple[Arrays, dict[str, Any]]:
-        arrays, meta, bf16 = read_verified(self.entry_path(uid), self.namespace)
+    def read_entry(self, uid: str, nbytes: int | None = None) -> tuple[Arrays, dict[str, Any]]:
+        limit = size_limit(nbytes) if nbytes is not None else None
+        arrays, meta, bf16 = read_verified(self.entry_path(uid), self.namespace, limit)
         try:
             manifest = json.loads(meta["manifest"])
         except (KeyError, ValueError, TypeError, RecursionError) as exc:
@@ -297,7 +307,8 @@ class DiskTier:
     def _manifest(self, path: Path) -> dict[str, Any] | None:
         """The manifest from a file's header alone (the data is verified on load)."""
         try:
-            with open(path, "rb") as f:
+            f, _ = open_regular(path)  # a FIFO blocked the start here
+            with f:
                 head = f.read(8)
                 hlen = int.from_bytes(head, "little") if len(head) == 8 else -1
                 if not 0 < hlen < 64 * 2**20:
@@ -307,7 +318,15 @@ class DiskTier:
             if meta.get("namespace") != self.namespace:
                 return None
             manifest = json.loads(meta["manifest"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        except (
+            CorruptFile,
+            OSError,
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+            RecursionError,
+        ):
             return None  # RecursionError: JSON nested past Python's limit
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
             return None

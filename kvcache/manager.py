@@ -311,14 +311,14 @@ class TieredKVManager:
         started = time.monotonic()
         nbytes = 0
         blocks: list[BlockArrays] = []
-        for digest, _ in entry.held.blocks:
+        for digest, size in entry.held.blocks:
             arrays = self._blocks.get(digest)
             if arrays is None:
-                raw = self.disk.read_block(digest)
+                raw = self.disk.read_block(digest, size)
                 nbytes += raw.nbytes
                 arrays = mlx_arrays(raw)
             blocks.append(arrays)
-        raw, manifest = self.disk.read_entry(entry.uid)
+        raw, manifest = self.disk.read_entry(entry.uid, entry.held.private)
         nbytes += raw.nbytes
         arrays = mlx_arrays(raw)
         try:

@@ -10,12 +10,15 @@ of another model or cache format is refused before any byte of it is used.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -40,6 +43,13 @@ MAX_HEADER = 64 * 2**20
 # other OSError (EMFILE, EIO, EACCES, ENOMEM...) may pass and is raised as it is:
 # taken for damage, one EMFILE deleted good files and the saves naming them
 GONE = (FileNotFoundError, IsADirectoryError, NotADirectoryError)
+SLACK = 2**20  # past twice the bytes a file's arrays should take: it is no file of ours
+
+
+def size_limit(data_bytes: int) -> int:
+    """The largest file that can hold arrays of about ``data_bytes`` (the index's
+    count of them): its header at most, and room to spare for the count's rounding."""
+    return 8 + MAX_HEADER + 2 * data_bytes + SLACK
 
 
 class CorruptFile(Exception):
@@ -95,15 +105,40 @@ def write_atomic(path: Path, parts: list[bytes | memoryview]) -> int:
     return size
 
 
-def read_verified(
-    path: Path, namespace: str
-) -> tuple[dict[str, np.ndarray], dict[str, str], frozenset[str]]:
-    """Arrays, metadata and the names stored as bfloat16; raises CorruptFile for
-    damage, OSError for a read that failed but may work later."""
+def open_regular(path: Path) -> tuple[IO[bytes], int]:
+    """``path`` open for reading, and its size, if it is a regular file; else
+    CorruptFile. A FIFO blocked the start-up scan in open() (O_NONBLOCK returns at
+    once); a symlink to /dev/zero was read until memory ran out (O_NOFOLLOW: the
+    file itself, never a folder above it, so a symlinked block shard still reads)."""
     try:
-        raw = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except GONE as exc:
         raise CorruptFile(f"{path.name}: unreadable: {exc}") from exc
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise CorruptFile(f"{path.name}: a symlink, not a file") from exc
+        raise
+    try:
+        info = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise CorruptFile(f"{path.name}: not a regular file")
+    return os.fdopen(fd, "rb"), info.st_size
+
+
+def read_verified(
+    path: Path, namespace: str, max_bytes: int | None = None
+) -> tuple[dict[str, np.ndarray], dict[str, str], frozenset[str]]:
+    """Arrays, metadata and the names stored as bfloat16; raises CorruptFile for
+    damage (a file over ``max_bytes`` too), OSError for a read that may work later."""
+    f, size = open_regular(path)
+    with f:
+        if max_bytes is not None and size > max_bytes:
+            raise CorruptFile(f"{path.name}: {size} bytes, more than it can hold ({max_bytes})")
+        raw = f.read(size + 1)  # a file grown since is caught by its byte count
     if len(raw) < 8:
         raise CorruptFile(f"{path.name}: truncated")
     (hlen,) = struct.unpack("<Q", raw[:8])

@@ -44,12 +44,12 @@ class PersistentTier(Protocol):
 
     def delete_entry(self, uid: str, blocks: list[Digest]) -> None: ...
 
-    def read_block(self, digest: Digest) -> Arrays:
-        """A verified block; raises CorruptFile for anything it must not use (damage),
-        OSError for a read that failed but may work later."""
+    def read_block(self, digest: Digest, nbytes: int | None = None) -> Arrays:
+        """A verified block; raises CorruptFile for anything it must not use (damage,
+        a file far over ``nbytes``), OSError for a read that failed but may work later."""
         ...
 
-    def read_entry(self, uid: str) -> tuple[Arrays, dict[str, Any]]: ...
+    def read_entry(self, uid: str, nbytes: int | None = None) -> tuple[Arrays, dict[str, Any]]: ...
 
     def scan(self) -> Scan:
         """Every complete entry at start; what is torn or orphaned is removed."""

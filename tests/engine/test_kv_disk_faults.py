@@ -908,18 +908,16 @@ def _two_entries_sharing_a_prefix_one_saved(root: Path) -> tuple[list[int], list
 
 def _block_reads_fail(monkeypatch, exc: BaseException) -> list[Path]:
     """The next read of a block file raises ``exc`` (once); returns the paths tried."""
-    import pathlib
-
-    real = pathlib.Path.read_bytes
+    real = safetensors_io.open_regular
     failed: list[Path] = []
 
-    def flaky(self):
-        if "blocks" in self.parts and not failed:
-            failed.append(self)
+    def flaky(path):
+        if "blocks" in path.parts and not failed:
+            failed.append(path)
             raise exc
-        return real(self)
+        return real(path)
 
-    monkeypatch.setattr(pathlib.Path, "read_bytes", flaky)
+    monkeypatch.setattr(safetensors_io, "open_regular", flaky)
     return failed
 
 
@@ -1183,3 +1181,104 @@ def test_a_weights_digest_memo_nested_too_deep_is_read_as_none(tmp_path):
     weights.write_bytes(b"x")
     memo.write_bytes(b'{"a":' * 100_000)
     assert content_digest(weights, memo) == hashlib.sha256(b"x").hexdigest()
+
+
+def _finishes(call, seconds: float = 5.0) -> bool:
+    """Whether ``call`` returns within ``seconds`` (run on a daemon thread)."""
+    import threading
+
+    done = threading.Event()
+
+    def run():
+        call()
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done.wait(seconds)
+
+
+def _unblock(fifo: Path) -> None:
+    """Let a reader blocked opening ``fifo`` go on (it then reads nothing)."""
+    try:
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass  # no reader is waiting
+
+
+def test_a_fifo_among_the_entries_does_not_block_the_start(tmp_path):
+    tokens = list(range(100, 200))
+    one_entry_on_disk(tmp_path, tokens)
+    fifo = tmp_path / NS / "entries" / "x.safetensors"
+    os.mkfifo(fifo)
+    started: list[TieredKVManager] = []
+    try:
+        assert _finishes(lambda: started.append(manager(tmp_path)))  # blocked in open()
+        (m,) = started
+        assert m.restored == 1 and not fifo.exists()
+        m.close()
+    finally:
+        _unblock(fifo)
+
+
+def test_a_fifo_in_place_of_a_block_is_damage_not_a_wait(tmp_path):
+    tokens = list(range(100, 200))
+    one_entry_on_disk(tmp_path, tokens)
+    m = manager(tmp_path)
+    (digest, _) = m.index.entries()[0].held.blocks[0]
+    fifo = m.disk.block_path(digest)
+    fifo.unlink()
+    os.mkfifo(fifo)
+    got: list[object] = []
+    try:
+        assert _finishes(lambda: got.append(served(m, tokens + [1])))
+        assert got == [None] and m.index.entries() == []
+    finally:
+        _unblock(fifo)
+        m.close()
+
+
+def test_a_symlink_or_an_oversized_file_is_damage_never_read_whole(tmp_path, monkeypatch):
+    """A block symlinked to /dev/zero, or a huge file, was read until memory ran out."""
+    import pathlib
+
+    a, b = list(range(100, 200)), list(range(3000, 3100))
+    m = manager(tmp_path)
+    store(m, a, "A")
+    store(m, b, "B")
+    m.close()
+    m = manager(tmp_path)
+    try:
+        entries = {e.session: e for e in m.index.entries()}
+        zero = m.disk.block_path(entries["A"].held.blocks[0][0])
+        zero.unlink()
+        zero.symlink_to("/dev/zero")
+        huge = m.disk.entry_path(entries["B"].uid)
+        with open(huge, "r+b") as f:
+            f.truncate(8 * GiB)  # sparse: no disk used
+        real = pathlib.Path.read_bytes
+
+        def out_of_memory(self):  # what reading either whole comes to
+            if self in (zero, huge):
+                raise MemoryError
+            return real(self)
+
+        monkeypatch.setattr(pathlib.Path, "read_bytes", out_of_memory)
+        assert served(m, a + [1]) is None and served(m, b + [1]) is None
+        assert m.index.entries() == []  # damage: discarded, not kept as a read that may pass
+    finally:
+        m.close()
+
+
+def test_a_block_shard_symlinked_to_another_folder_is_still_read(tmp_path):
+    tokens = list(range(100, 200))
+    one_entry_on_disk(tmp_path, tokens)
+    shard = block_files(tmp_path)[0].parent
+    moved = tmp_path / "elsewhere"
+    shard.rename(moved)
+    shard.symlink_to(moved)
+    m = manager(tmp_path)
+    try:
+        assert m.restored == 1
+        assert served(m, tokens + [1]) == (tokens, "disk")
+    finally:
+        m.close()
