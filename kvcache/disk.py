@@ -231,11 +231,16 @@ class DiskTier:
         self._jobs.put(WriteFile(self.pins_path, json.dumps(pins, indent=1).encode()))
 
     def read_pins(self) -> dict[str, dict[str, Any]]:
+        """The saved list; raises OSError when it cannot be read now (the tier then
+        stays off for the run: read as no saves, the next save overwrote it)."""
         try:
             pins = json.loads(self.pins_path.read_text())
-        except (OSError, ValueError, RecursionError):  # RecursionError: nested past the limit
+        except FileNotFoundError:
             return {}
+        except (ValueError, RecursionError):  # RecursionError: nested past the limit
+            pins = None
         if not isinstance(pins, dict):
+            self._move_aside(self.pins_path)
             return {}
         out: dict[str, dict[str, Any]] = {}
         for conversation_id, pin in pins.items():  # a damaged file: keep what is sound
@@ -248,6 +253,21 @@ class DiskTier:
                 "saved_at": saved_at if isinstance(saved_at, (int, float)) else None,
             }
         return out
+
+    def _move_aside(self, path: Path) -> None:
+        """Keep a damaged saved list where no write lands (the saves in it can be
+        recovered by hand); raises OSError if it cannot be moved."""
+        for n in range(100):
+            aside = path.with_name(f"{path.name}.bad" + (f".{n}" if n else ""))
+            if not aside.exists():  # an earlier one stays too
+                break
+        os.replace(path, aside)
+        log.error(
+            "the saved conversations list %s cannot be parsed: moved aside to %s; "
+            "the saves it named are not known to this server",
+            path,
+            aside.name,
+        )
 
     # -- reads (engine thread: the arrays become MLX arrays there) -----------
     def read_block(self, digest: Digest, nbytes: int | None = None) -> Arrays:

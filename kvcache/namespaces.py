@@ -79,7 +79,10 @@ def _last_started(folder: Path) -> float:
 def _has_pins(folder: Path) -> bool:
     """Whether the folder holds saved conversations: a pins file that exists but
     cannot be read (its permissions, a disk error, a hand edit) counts as pinned,
-    never as leave to delete what a user saved."""
+    never as leave to delete what a user saved; so does one moved aside as damaged
+    (kvcache.disk)."""
+    if any(folder.glob(f"{PINS}.bad*")):
+        return True
     try:
         pins = json.loads((folder / PINS).read_text())
     except FileNotFoundError:

@@ -1282,3 +1282,60 @@ def test_a_block_shard_symlinked_to_another_folder_is_still_read(tmp_path):
         assert served(m, tokens + [1]) == (tokens, "disk")
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("damage", [b"{not json", b"[1, 2]", DEEP])
+def test_a_saved_list_that_cannot_be_parsed_is_moved_aside_not_overwritten(
+    tmp_path, caplog, damage
+):
+    """It was read as no saves: the next save overwrote the old pins for good."""
+    from kvcache.namespaces import prune_other_namespaces
+
+    tokens = list(range(100, 200))
+    _saved_on_disk(tmp_path, tokens)
+    path = tmp_path / NS / "saved.json"
+    path.write_bytes(damage)
+    m = manager(tmp_path)
+    try:
+        assert _saved_ids(m) == []
+        store(m, list(range(5000, 5040)), "T")
+        m.save_conversation("T", "new")  # writes saved.json afresh
+        m.flush()
+        assert any(
+            r.levelname == "ERROR" and "saved.json.bad" in r.getMessage() for r in caplog.records
+        )
+    finally:
+        m.close()
+    assert (tmp_path / NS / "saved.json.bad").read_bytes() == damage
+    assert list(json.loads(path.read_text())) == ["T"]
+    path.unlink()  # another namespace whose only list is the one moved aside keeps it
+    assert prune_other_namespaces(tmp_path, "another", 0) == []
+
+
+def test_a_saved_list_that_cannot_be_read_now_turns_the_tier_off_for_the_run(tmp_path, monkeypatch):
+    import errno
+    import pathlib
+
+    _saved_on_disk(tmp_path, list(range(100, 200)))
+    path = tmp_path / NS / "saved.json"
+    before = path.read_bytes()
+    real = pathlib.Path.read_text
+
+    def eio(self, *args, **kwargs):
+        if self == path:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "read_text", eio)
+    m = manager(tmp_path)
+    try:
+        assert not m.disk.usable  # not read as "no saves", to be overwritten by the next
+    finally:
+        m.close()
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    again = manager(tmp_path)
+    try:
+        assert _saved_ids(again) == ["S"]
+    finally:
+        again.close()
