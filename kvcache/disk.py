@@ -43,6 +43,7 @@ from kvcache.safetensors_io import (
     open_regular,
     read_verified,
     size_limit,
+    sync_dir,
     write_atomic,
 )
 
@@ -408,6 +409,7 @@ class DiskTier:
                 manifest = json.dumps(job.manifest, separators=(",", ":"))
                 parts = encode(job.private.arrays, {**meta, "manifest": manifest}, job.private.bf16)
                 self._count(write_atomic(self.entry_path(job.uid), parts))
+                sync_dir(self.entry_path(job.uid).parent)  # acknowledged: it must survive
                 ok = True
                 if self._pins_unwritten is not None:
                     self._write_file(WriteFile(self.pins_path, self._pins_unwritten))
@@ -438,6 +440,7 @@ class DiskTier:
         pins = job.path == self.pins_path
         try:
             write_atomic(job.path, [job.data])
+            sync_dir(job.path.parent)
         except OSError as exc:
             self.counters.write_errors += 1
             log.warning("could not write %s: %s", job.path, exc)

@@ -105,6 +105,22 @@ def write_atomic(path: Path, parts: list[bytes | memoryview]) -> int:
     return size
 
 
+def sync_dir(folder: Path) -> None:
+    """Make the renames into ``folder`` durable: a file's fsync keeps its bytes, not
+    its name, and after a power loss an acknowledged entry or saved list could be
+    gone. Best effort: some platforms and file systems cannot open or sync a folder."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def open_regular(path: Path) -> tuple[IO[bytes], int]:
     """``path`` open for reading, and its size, if it is a regular file; else
     CorruptFile. A FIFO blocked the start-up scan in open() (O_NONBLOCK returns at

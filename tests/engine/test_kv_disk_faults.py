@@ -1339,3 +1339,31 @@ def test_a_saved_list_that_cannot_be_read_now_turns_the_tier_off_for_the_run(tmp
         assert _saved_ids(again) == ["S"]
     finally:
         again.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names an fd through /proc")
+def test_an_entry_and_the_saved_list_are_durable_once_written(tmp_path, monkeypatch):
+    """The file was fsynced, never the folder after the rename: after a power loss
+    an acknowledged entry or saved list could be gone."""
+    synced: list[Path] = []
+    real = os.fsync
+
+    def spy(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    m = manager(tmp_path)
+    try:
+        store(m, list(range(100, 200)), "S")
+        m.flush()
+        assert (tmp_path / NS / "entries").resolve() in synced
+        m.save_conversation("S", "mine")
+        m.flush()
+        assert (tmp_path / NS).resolve() in synced  # saved.json's folder
+    finally:
+        m.close()
+
+
+def test_a_folder_that_cannot_be_synced_is_no_error(tmp_path):
+    safetensors_io.sync_dir(tmp_path / "gone")  # as on a platform that cannot open folders
