@@ -4,9 +4,12 @@ Every format is recognised whatever the model family; the family only decides
 which parser is tried first where one markup carries several inner formats
 (``<tool_call>`` holds Qwen XML, GLM key/value pairs or Hermes JSON). The inner
 parsers are mlx-lm's (``mlx_lm.tool_parsers``), imported on first use so the
-HTTP layer does not import mlx before the engine has chosen its BLAS. Decoding
-never raises: markup that does not parse is returned to the caller as None and
-goes out as plain content.
+HTTP layer does not import mlx before the engine has chosen its BLAS. Where one
+of their regexes backtracks on model text (a reply is decoded on the event loop,
+and every markup is recognised for every family), what reaches it is screened in
+one pass or the markup is read here instead, with the same results on
+well-formed markup. Decoding never raises: markup that does not parse is
+returned to the caller as None and goes out as plain content.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+import regex  # mlx-lm's parsers' regex engine: its \w, \s and \b, not re's
 
 from app.protocol.tool_schema import (
     coerce_arguments,
@@ -185,6 +190,44 @@ def _all_closed(piece: str, opening: str, closing: str) -> None:
 def _minicpm(text: str) -> Any:
     _all_closed(text, "<param", "</param>")
     return _mlx_parser("minicpm5")(text.rstrip(), None)
+
+
+# a run of what mlx-lm's Mistral header regex, ``([\w-]+)\s*\[ARGS\]\s*``, reads as a
+# name, and what may follow a name for it to be one
+_NAME_RUN = regex.compile(r"[\w-]+")
+_ARGS_TAG = regex.compile(r"\s*\[ARGS\]\s*")
+
+
+def _mistral(text: str) -> list[dict[str, Any]] | dict[str, Any]:
+    """mlx-lm's Mistral parser, its ``name[ARGS]{...}`` form read in one pass: its
+    header regex, searched for, backtracked through a whole run of word characters
+    from each of them when ``[ARGS]`` came later (prose holding a 16 KB hex string,
+    then ``f[ARGS]``: 6 s on the event loop, for a model of any family)."""
+    try:
+        listed = isinstance(json.loads(text), list)
+    except json.JSONDecodeError:  # as mlx-lm: any other error is no call
+        listed = False
+    if listed:  # its JSON form: one json.loads, no header regex (an empty list has no run)
+        return _mlx_parser("mistral")(text)
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while (header := _mistral_header(text, pos)) is not None:
+        name, pos = header
+        arguments, pos = decoder.raw_decode(text, pos)  # cut short: not a call, as mlx-lm
+        calls.append({"name": name, "arguments": arguments})
+    if not calls:
+        raise ValueError("no Mistral tool call")
+    return calls
+
+
+def _mistral_header(text: str, pos: int) -> tuple[str, int] | None:
+    """The first ``name[ARGS]`` from ``pos`` on, as the header regex's search finds it:
+    a name ends where its run of word characters does, so each run is tried once.
+    (The name, where its arguments start.)"""
+    while (run := _NAME_RUN.search(text, pos)) is not None:
+        if (tag := _ARGS_TAG.match(text, run.end())) is not None:
+            return run.group(), tag.end()
+        pos = run.end()
+    return None
 
 
 def _functions(inner: str) -> list[str]:
@@ -434,9 +477,10 @@ class ToolCallDecoder:
             return [("minicpm5", _minicpm)]
         if markup is GEMMA4:
             return [("gemma4", _gemma4)]
-        if markup not in MARKED:  # the family's own markup and parser
-            return [(markup.kind, lambda text: _mlx_parser(markup.kind)(text, self.tools))]
-        return [(markup.kind, _mlx_parser(markup.kind))]
+        if markup is MISTRAL:
+            return [("mistral", _mistral)]
+        # the family's own markup and parser
+        return [(markup.kind, lambda text: _mlx_parser(markup.kind)(text, self.tools))]
 
     def _finish(
         self, call: dict[str, Any], nulls: dict[str, list[str]], from_text: bool

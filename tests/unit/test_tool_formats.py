@@ -3,7 +3,11 @@ decoding of argument values; every thinking control."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -11,7 +15,12 @@ from hypothesis import strategies as st
 
 from app.protocol.output_parser import Content, OutputParser, Reasoning, Syntax
 from app.protocol.thinking import resolve_thinking
-from app.protocol.tool_formats import ToolCall, ToolCallDecoder, forced_opening
+from app.protocol.tool_formats import (
+    MISTRAL,
+    ToolCall,
+    ToolCallDecoder,
+    forced_opening,
+)
 from app.protocol.tool_schema import coerce_value, function_tools
 
 TOOLS = function_tools(
@@ -599,3 +608,65 @@ def test_a_clients_schema_is_walked_once_per_request_not_per_decoded_call(monkey
     parser = OutputParser(Syntax(), decoder)
     assert parser.parse(call * 8) == [ToolCall("f", '{"a": 7}')] * 8
     assert walked == []
+
+
+# Decoding runs on the event loop when a reply ends, for markup of any family
+# (every markup is recognised whatever the model): it must be linear in its length.
+
+
+def _growth(decode: Callable[[int], object], n: int) -> float:
+    """How many times longer ``decode(4 * n)`` takes than ``decode(n)``, the best of
+    three runs each (a busy machine only ever slows a run): about 4 when linear,
+    16 when quadratic."""
+
+    def best(size: int) -> float:
+        times = []
+        for _ in range(3):
+            began = time.perf_counter()
+            decode(size)
+            times.append(time.perf_counter() - began)
+        return min(times)
+
+    decode(n)  # parsers imported, patterns compiled
+    return best(4 * n) / best(n)
+
+
+def _outcome(parse: Callable[[str], Any], text: str) -> list[Any] | None:
+    """A parser's calls as a list, or None where it raised (decoding: no call)."""
+    try:
+        out = parse(text)
+    except Exception:  # noqa: BLE001 - any error is "no call" to the decoder
+        return None
+    return out if isinstance(out, list) else [out]
+
+
+def _mlx_lm(name: str) -> Callable[..., Any]:
+    return importlib.import_module(f"mlx_lm.tool_parsers.{name}").parse_tool_call
+
+
+def _mistral_prose(n: int) -> str:
+    """After ``[TOOL_CALLS]`` in prose: a long hex string, and a header further on."""
+    return " then " + "0123456789abcdef" * (n // 16) + ". e.g. run[ARGS]{}"
+
+
+def test_a_mistral_header_after_a_long_word_is_found_in_linear_time():
+    """mlx-lm's header regex backtracked through the whole word from each of its
+    characters: 16 KB of hex held the event loop 6 s."""
+    decoder = ToolCallDecoder(TOOLS, "qwen3_coder")
+    assert decoder.decode(MISTRAL, _mistral_prose(64)) == [ToolCall("run", "{}")]  # as mlx-lm
+    assert _growth(lambda n: decoder.decode(MISTRAL, _mistral_prose(n)), 2000) < 8
+
+
+_MISTRAL_PIECES = [
+    *("run", "a-b", "-", "1", "é", "\u0301", "²", " ", "\n", "\x1c", ",", '"', "[", "]"),
+    *("[ARGS]", "[ARGS", "ARGS]", "[TOOL_CALLS]", "{}", "{", "}", '{"x": 1}', '"arguments"'),
+    '{"name": "f", "arguments": {}}',
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_MISTRAL_PIECES), max_size=12).map("".join))
+def test_mistral_decodes_what_mlx_lms_parser_decodes(text):
+    from app.protocol.tool_formats import _mistral
+
+    assert _outcome(_mistral, text) == _outcome(_mlx_lm("mistral"), text)
