@@ -187,9 +187,37 @@ def _all_closed(piece: str, opening: str, closing: str) -> None:
         pos = closed + len(closing)
 
 
-def _minicpm(text: str) -> Any:
+# mlx-lm's MiniCPM function header (its ``_function_regex`` up to the body), anchored
+_MINICPM_HEAD = regex.compile(
+    r"\s*(?:<function\s+)?(?:name\s*=\s*)?(?:\"[^\"]*\"|'[^']*'|[^\s\"'<>]+)\s*>"
+)
+
+
+def _minicpm(text: str) -> list[Any]:
+    """mlx-lm's MiniCPM parser on each function alone (``_minicpm_functions``)."""
     _all_closed(text, "<param", "</param>")
-    return _mlx_parser("minicpm5")(text.rstrip(), None)
+    parse = _mlx_parser("minicpm5")
+    return [parse(piece, None) for piece in _minicpm_functions(text.rstrip())]
+
+
+def _minicpm_functions(text: str) -> list[str]:
+    """``text`` cut after each ``</function>``, each piece starting with a header.
+    mlx-lm's regex searches for a header, and its name pattern ``[^\\s"'<>]+\\s*>``
+    backtracked through a whole word from each of its characters when a ``>`` came
+    later (prose: ``<function name=``, a 16 KB base64 string, then ``->``: 6 s on
+    the event loop, for a model of any family). A header where a function starts
+    is the one that search finds, and the piece's body ends where the regex's does;
+    text that starts with none is no call. One pass."""
+    pieces, pos = [], 0
+    while True:  # text is stripped: any of it left holds more than spaces
+        head = _MINICPM_HEAD.match(text, pos)
+        if head is None:
+            raise ValueError("no function header where a function starts")
+        end = text.find("</function>", head.end())
+        start, pos = pos, len(text) if end < 0 else end + len("</function>")
+        pieces.append(text[start:pos])
+        if pos == len(text):
+            return pieces
 
 
 # a run of what mlx-lm's Mistral header regex, ``([\w-]+)\s*\[ARGS\]\s*``, reads as a

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from app.protocol.output_parser import Content, OutputParser, Reasoning, Syntax
 from app.protocol.thinking import resolve_thinking
 from app.protocol.tool_formats import (
+    MINICPM,
     MISTRAL,
     ToolCall,
     ToolCallDecoder,
@@ -670,3 +671,71 @@ def test_mistral_decodes_what_mlx_lms_parser_decodes(text):
     from app.protocol.tool_formats import _mistral
 
     assert _outcome(_mistral, text) == _outcome(_mlx_lm("mistral"), text)
+
+
+def _minicpm_prose(n: int) -> str:
+    """After ``<function name=`` in prose: a long base64 string, and a ``>`` later."""
+    return " " + "QUJD" * (n // 4) + " -> see above"
+
+
+def test_prose_naming_minicpm_markup_is_read_in_linear_time():
+    """mlx-lm's search for a function header ran its name pattern from each
+    character of the string: 16 KB of base64 held the event loop 6 s."""
+    decoder = ToolCallDecoder(TOOLS, "qwen3_coder")
+    assert _growth(lambda n: decoder.decode(MINICPM, _minicpm_prose(n)), 2000) < 8
+
+
+def test_prose_naming_minicpm_markup_is_no_call():
+    """No header where the function starts: the search found "->" and called "-"."""
+    text = "The format is <function name=" + _minicpm_prose(64)
+    assert parse(text, "qwen3_coder") == [Content(text)]
+
+
+def _mlx_lm_minicpm(text: str) -> Any:
+    """What decoding MiniCPM markup gave before: mlx-lm's parser on all of it."""
+    from app.protocol.tool_formats import _all_closed
+
+    _all_closed(text, "<param", "</param>")
+    return _mlx_lm("minicpm5")(text.rstrip(), None)
+
+
+_MINICPM_NAME = st.sampled_from(["run", "a-b", "read_file"]).flatmap(
+    lambda name: st.sampled_from([f'"{name}"', f"'{name}'", name, f'"{name}" '])
+)
+_MINICPM_VALUE = st.text(st.sampled_from('ab 1{}"<>\n'), max_size=8).filter(
+    lambda v: "</param" not in v and "<param" not in v and "</function" not in v
+)
+_MINICPM_PARAM = st.tuples(_MINICPM_NAME, _MINICPM_VALUE, st.booleans()).map(
+    lambda p: f"<param name={p[0]}>" + (f"<![CDATA[{p[1]}]]>" if p[2] else p[1]) + "</param>"
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(_MINICPM_NAME, st.lists(_MINICPM_PARAM, max_size=3)), min_size=1),
+    st.sampled_from(["", "\n", " "]),
+)
+def test_minicpm_decodes_what_mlx_lms_parser_decodes_on_well_formed_markup(functions, gap):
+    from app.protocol.tool_formats import _minicpm
+
+    # the markup's start, "<function name=", is not part of what is decoded
+    text = gap.join(f"<function name={n}>" + "".join(ps) + "</function>" for n, ps in functions)
+    inner = text.removeprefix("<function name=")
+    assert _outcome(_minicpm, inner) == _outcome(_mlx_lm_minicpm, inner) is not None
+
+
+_MINICPM_PIECES = [
+    *('"f">', "<function name=", "</function>", "<param name=", '"a"', "a>", ">", "</param>"),
+    *("x", " ", "\n", "'", '"', "<", "=", "name", "->", "é", "\x1c", "<![CDATA[", "]]>"),
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_MINICPM_PIECES), max_size=12).map("".join))
+def test_minicpm_markup_decodes_as_mlx_lm_did_or_is_no_call(text):
+    """Text with no header where a function starts is no call; any other text
+    decodes as mlx-lm's parser decoded it."""
+    from app.protocol.tool_formats import _minicpm
+
+    ours = _outcome(_minicpm, text)
+    assert ours is None or ours == _outcome(_mlx_lm_minicpm, text)
