@@ -28,6 +28,7 @@ from typing import Any
 
 import regex  # mlx-lm's parsers' regex engine: its \w, \s and \b, not re's
 
+from app.protocol.family_parsers import READERS
 from app.protocol.tool_schema import (
     coerce_arguments,
     parameter_schemas,
@@ -507,7 +508,9 @@ class ToolCallDecoder:
             return [("gemma4", _gemma4)]
         if markup is MISTRAL:
             return [("mistral", _mistral)]
-        # the family's own markup and parser
+        # the family's own markup, and mlx-lm's parser for it unless read here
+        if (reader := READERS.get(markup.kind)) is not None:
+            return [(markup.kind, reader)]
         return [(markup.kind, lambda text: _mlx_parser(markup.kind)(text, self.tools))]
 
     def _finish(

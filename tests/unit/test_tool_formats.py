@@ -739,3 +739,78 @@ def test_minicpm_markup_decodes_as_mlx_lm_did_or_is_no_call(text):
 
     ours = _outcome(_minicpm, text)
     assert ours is None or ours == _outcome(_mlx_lm_minicpm, text)
+
+
+_K3 = ("<|open|>tools<|sep|>", "<|close|>tools<|sep|>")
+_K3_CALL = '<|open|>call tool="run"<|sep|><|open|>argument key="command"<|sep|>ls<|close|>argument<|sep|><|close|>call<|sep|>'
+
+
+_K3_OPEN_CALL = '<|open|>call tool="run"<|sep|>'
+
+
+@pytest.mark.parametrize(
+    ("opening", "loop", "closing", "n"),
+    [
+        ("", "<|open|>call", "", 2000),  # attributes never ended
+        ("", "<|open|>call<|sep|>", "", 16000),  # calls never closed
+        (_K3_OPEN_CALL, "<|open|>argument", "<|close|>call<|sep|>", 2000),
+        (_K3_OPEN_CALL, "<|open|>json<|sep|>", "<|close|>call<|sep|>", 16000),
+    ],
+)
+def test_kimi_k3_markup_a_model_loops_on_is_read_in_linear_time(opening, loop, closing, n):
+    """mlx-lm's regexes read to the end from every opening never closed: 16 KB of
+    ``<|open|>call`` held the event loop half a second, 64 KB of them 9 s."""
+    decoder = ToolCallDecoder(TOOLS, "kimi_k3", _K3)
+
+    def decode(size: int) -> list[ToolCall] | None:
+        looping = opening + loop * (size // len(loop)) + closing
+        return decoder.decode(decoder.markups[0], _K3_CALL + looping)
+
+    calls = [ToolCall("run", '{"command": "ls"}')] + [ToolCall("run", "{}")] * bool(closing)
+    assert decode(n) == calls  # as mlx-lm: a call closed around a loop has no arguments
+    assert _growth(decode, n) < 8
+
+
+_K3_NAME = st.sampled_from(["run", "a&quot;b", "x y"])
+_K3_VALUE = st.text(st.sampled_from('ab 1{}[]"<|>\n'), max_size=8).filter(lambda v: "<|" not in v)
+_K3_ARGUMENT = st.tuples(
+    _K3_NAME, st.sampled_from(["", ' type="string"', ' type="integer"']), _K3_VALUE
+).map(lambda a: f'<|open|>argument key="{a[0]}"{a[1]}<|sep|>{a[2]}<|close|>argument<|sep|>')
+_K3_ARGUMENTS = st.one_of(
+    st.lists(_K3_ARGUMENT, max_size=3).map("".join),
+    st.sampled_from(['{"a": 1}', "[1]", "{"]).map(
+        lambda j: f"<|open|>json<|sep|>{j}<|close|>json<|sep|>"
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(_K3_NAME, st.sampled_from(["", ' index="1"']), _K3_ARGUMENTS), min_size=1),
+    st.sampled_from(["", "\n", " "]),
+)
+def test_kimi_k3_decodes_what_mlx_lms_parser_decodes_on_well_formed_markup(calls, gap):
+    from app.protocol.family_parsers import kimi_k3
+
+    text = gap.join(
+        f'<|open|>call tool="{name}"{index}<|sep|>{body}<|close|>call<|sep|>'
+        for name, index, body in calls
+    )
+    assert _outcome(kimi_k3, text) == _outcome(_mlx_lm("kimi_k3"), text)
+
+
+_K3_PIECES = [
+    *("<|open|>call", "<|open|>", "call", "<|sep|>", "<|close|>call<|sep|>", "<|close|>"),
+    *('<|open|>call tool="run"<|sep|>', '<|open|>argument key="a"<|sep|>'),
+    *("<|open|>argument", "<|close|>argument<|sep|>", "<|open|>json", "<|close|>json<|sep|>"),
+    *(' tool="run"', ' key="a"', ' type="string"', ' type="integer"', " tool=", '"', "=", "tool"),
+    *("1", '{"a": 1}', "[]", " ", "é", "\u0301", "&quot;", "x"),
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_K3_PIECES), max_size=16).map("".join))
+def test_kimi_k3_decodes_any_text_as_mlx_lms_parser_does(text):
+    from app.protocol.family_parsers import kimi_k3
+
+    assert _outcome(kimi_k3, text) == _outcome(_mlx_lm("kimi_k3"), text)
