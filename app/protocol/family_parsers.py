@@ -113,5 +113,122 @@ def _xtml_value(value: str, value_type: str) -> Any:
         return value
 
 
+# Muse Spark: <atem:invoke name="f"><atem:parameter name="k">v</atem:parameter></atem:invoke>
+
+_INVOKE = regex.compile(r"<atem:invoke\b")
+_PARAMETER = regex.compile(r"<atem:parameter\b")
+_NAME = regex.compile(r'\bname="')
+
+
+def muse_spark(text: str) -> list[dict[str, Any]]:
+    """mlx-lm's Muse Spark parser."""
+    calls = [
+        {"name": name, "arguments": {k: _atem_value(v) for k, v in _atem_parameters(body)}}
+        for name, body in _atem_invokes(text)
+    ]
+    if not calls:
+        raise ValueError("no Muse Spark tool call")
+    return calls
+
+
+class _FirstName:
+    """Where the first ``name="NAME"`` from a position on starts and its quote closes,
+    as mlx-lm's Muse Spark regexes read one: a word boundary before it, NAME not
+    empty, and ``fits(closing quote)``. For positions that never go back: each
+    ``name="`` is looked at once. None: there is none."""
+
+    def __init__(self, text: str, fits: Callable[[int], bool]) -> None:
+        self._text, self._fits = text, fits
+        self._names, self._quotes = _Ahead(text, 'name="'), _Ahead(text, '"')
+        self._found: tuple[int, int] | None = (-1, -1)  # not looked for yet
+
+    def __call__(self, pos: int) -> tuple[int, int] | None:
+        if self._found is not None and self._found[0] < pos:
+            self._found = self._search(pos)
+        return self._found
+
+    def _search(self, pos: int) -> tuple[int, int] | None:
+        while (start := self._names(pos)) >= 0:
+            quote = self._quotes(start + 6)
+            if quote > start + 6 and _NAME.match(self._text, start) and self._fits(quote):
+                return start, quote
+            pos = start + 1
+        return None
+
+
+def _atem_invokes(text: str) -> Iterator[tuple[str, str]]:
+    """(name, body) of each ``<atem:invoke ... name="NAME">BODY`` as mlx-lm's regex
+    finds them: NAME the first one before the opening's first ``>`` whose quote is
+    followed by ``>``, BODY running a whole parameter at a time to the first
+    ``</atem:invoke>`` or the end. Its regex read to the end from every opening
+    with no ``>`` after it, or through every parameter never closed (16 KB of
+    ``<atem:invoke name``: a quarter second)."""
+    names = _FirstName(text, lambda quote: text.startswith('">', quote))
+    first_gt, ends = _Ahead(text, ">"), _Ahead(text, "</atem:invoke>")
+    parameters, closes = _Ahead(text, "<atem:parameter"), _Ahead(text, "</atem:parameter>")
+    limit = len(text) - 1 if text.endswith("\n") else len(text)  # where "$" first matches
+    pos = 0
+    while (start := text.find("<atem:invoke", pos)) >= 0:
+        pos = start + 1
+        if _INVOKE.match(text, start) is None:
+            continue
+        if (name := names(start + 12)) is None:
+            return  # no later opening has a name either
+        if first_gt(start + 12) < name[0]:
+            continue  # a ">" ends this opening before its name
+        body = at = name[1] + 2
+        while True:  # to the end, stepping over whole parameters
+            end = ends(at)
+            stop = end if end >= 0 else limit
+            opening = parameters(at)
+            if not 0 <= opening < stop:
+                break
+            if _PARAMETER.match(text, opening) is None:
+                at = opening + 1  # "<atem:parameters": a character like any other
+                continue
+            close = closes(opening + 15)
+            if close < 0:
+                break  # no later parameter is closed either
+            at = close + 17
+        yield text[name[0] + 6 : name[1]], text[body:stop]
+        pos = stop + 14 if stop == end else stop
+
+
+def _atem_parameters(body: str) -> Iterator[tuple[str, str]]:
+    """(name, value) of each ``<atem:parameter ... name="NAME" ...>VALUE</atem:parameter>``
+    in an invoke's body as mlx-lm's regex finds them: NAME the first one before the
+    opening's first ``>`` that has a ``>`` and then a closing after it. Its regex
+    read to the end from every opening with no ``>`` after it, and again from each
+    name (8 s for 16 KB of ``<atem:parameter name="a"``)."""
+    first_gt, tag_ends = _Ahead(body, ">"), _Ahead(body, ">")
+    closes = _Ahead(body, "</atem:parameter>")
+    names = _FirstName(
+        body, lambda quote: (tag_end := tag_ends(quote + 1)) >= 0 and closes(tag_end + 1) >= 0
+    )
+    pos = 0
+    while (start := body.find("<atem:parameter", pos)) >= 0:
+        pos = start + 1
+        if _PARAMETER.match(body, start) is None:
+            continue
+        if (name := names(start + 15)) is None:
+            return  # no later opening has a name either
+        if first_gt(start + 15) < name[0]:
+            continue  # a ">" ends this opening before its name
+        tag_end = tag_ends(name[1] + 1)
+        close = closes(tag_end + 1)
+        yield body[name[0] + 6 : name[1]], body[tag_end + 1 : close]
+        pos = close + 17
+
+
+def _atem_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.strip()
+
+
 # the families read here, by mlx-lm's name for their parser
-READERS: dict[str, Callable[[str], list[dict[str, Any]]]] = {"kimi_k3": kimi_k3}
+READERS: dict[str, Callable[[str], list[dict[str, Any]]]] = {
+    "kimi_k3": kimi_k3,
+    "muse_spark": muse_spark,
+}

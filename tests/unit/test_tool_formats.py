@@ -814,3 +814,74 @@ def test_kimi_k3_decodes_any_text_as_mlx_lms_parser_does(text):
     from app.protocol.family_parsers import kimi_k3
 
     assert _outcome(kimi_k3, text) == _outcome(_mlx_lm("kimi_k3"), text)
+
+
+_MUSE = ("<atem:function_calls>", "</atem:function_calls>")
+_MUSE_CALL = (
+    '<atem:invoke name="run"><atem:parameter name="command">ls</atem:parameter></atem:invoke>'
+)
+_MUSE_OPEN_CALL = '<atem:invoke name="run">'
+
+
+@pytest.mark.parametrize(
+    ("opening", "loop", "closing", "n"),
+    [
+        ("", "<atem:invoke name", "", 2000),  # openings never ended
+        (_MUSE_OPEN_CALL, "<atem:parameter ", "", 2000),  # parameters never closed
+        (_MUSE_OPEN_CALL, '<atem:parameter name="a"', "</atem:parameter>", 1000),
+    ],
+)
+def test_muse_spark_markup_a_model_loops_on_is_read_in_linear_time(opening, loop, closing, n):
+    """mlx-lm's regexes read to the end from every opening never ended or closed:
+    16 KB of ``<atem:invoke name`` held the event loop a quarter second, 16 KB of
+    ``<atem:parameter name="a"`` 8 s."""
+    decoder = ToolCallDecoder(TOOLS, "muse_spark", _MUSE)
+
+    def decode(size: int) -> list[ToolCall] | None:
+        looping = opening + loop * (size // len(loop)) + closing
+        return decoder.decode(decoder.markups[0], _MUSE_CALL + looping)
+
+    calls = [ToolCall("run", '{"command": "ls"}')] + [ToolCall("run", "{}")] * bool(opening)
+    assert decode(n) == calls  # as mlx-lm: a call around a loop has no arguments
+    assert _growth(decode, n) < 8
+
+
+_MUSE_NAME = st.sampled_from(["run", "a b", "x>y", "k_2"])
+_MUSE_VALUE = st.text(st.sampled_from('ab 1{}[]"<>\n'), max_size=8).filter(
+    lambda v: "</atem:" not in v
+)
+_MUSE_PARAMETER = st.tuples(_MUSE_NAME, st.sampled_from(["", ' type="string"']), _MUSE_VALUE).map(
+    lambda p: f'<atem:parameter name="{p[0]}"{p[1]}>{p[2]}</atem:parameter>'
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(_MUSE_NAME, st.lists(_MUSE_PARAMETER, max_size=3), st.booleans()), min_size=1
+    ),
+    st.sampled_from(["", "\n", " "]),
+)
+def test_muse_spark_decodes_what_mlx_lms_parser_decodes_on_well_formed_markup(calls, gap):
+    from app.protocol.family_parsers import muse_spark
+
+    text = gap.join(
+        f'<atem:invoke name="{name}">' + "".join(ps) + "</atem:invoke>" * closed
+        for name, ps, closed in calls
+    )
+    assert _outcome(muse_spark, text) == _outcome(_mlx_lm("muse_spark"), text) is not None
+
+
+_MUSE_PIECES = [
+    *("<atem:invoke", ' name="f">', '<atem:invoke name="g">', "</atem:invoke>", "<atem:parameter"),
+    *('<atem:parameter name="a">', "</atem:parameter>", ' name="', 'name="', '"', ">", '">'),
+    *(" ", "\n", "x", "é", "\u0301", "1", '{"a": 1}', "s", "<", "=", "name", 'b"', "_"),
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_MUSE_PIECES), max_size=16).map("".join))
+def test_muse_spark_decodes_any_text_as_mlx_lms_parser_does(text):
+    from app.protocol.family_parsers import muse_spark
+
+    assert _outcome(muse_spark, text) == _outcome(_mlx_lm("muse_spark"), text)
