@@ -7,6 +7,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
+import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,29 @@ def check_adapter_dir(path: Path | str) -> None:
     _adapter_config(path)
 
 
+def _read_regular(path: Path, limit: int | None, too_large: Callable[[int], AdapterError]) -> bytes:
+    """The bytes of ``path`` through one open file: a check by name and a read by
+    name again raced a swap (a FIFO there blocked the worker for good) and a file
+    growing meanwhile (read whole past the limit). Non-blocking, so a FIFO's open
+    waits for no writer; checked regular and sized on the descriptor; never more
+    than ``limit`` + 1 bytes read. ``too_large(size)``: the error past ``limit``."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    with open(fd, "rb") as file:  # closes fd
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise AdapterError(f"{path.name} is not a regular file")
+        if limit is not None and info.st_size > limit:  # refused before a byte is read
+            raise too_large(info.st_size)
+        data = file.read() if limit is None else file.read(limit + 1)
+    if limit is not None and len(data) > limit:  # grew after the fstat (or stat lies: /proc)
+        raise too_large(len(data))
+    return data
+
+
+def _config_too_large(size: int) -> AdapterError:
+    return AdapterError(f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
+
+
 def _adapter_config(path: Path | str) -> tuple[Path, str, bytes, dict[str, Any], Path]:
     """The expanded path, its shown form, the config's bytes and contents, the
     weights file (present, not read)."""
@@ -65,11 +91,12 @@ def _adapter_config(path: Path | str) -> tuple[Path, str, bytes, dict[str, Any],
         if not path.is_dir():
             raise AdapterError(f"adapter path {shown!r} is not a directory")
         config_file = path / CONFIG_FILE
-        if not config_file.is_file():  # a FIFO there would block the read for ever
-            raise AdapterError(f"{shown} has no {CONFIG_FILE} (is it an mlx_lm.lora adapter?)")
-        if config_file.stat().st_size > MAX_CONFIG_BYTES:
-            raise AdapterError(f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
-        raw_config = config_file.read_bytes()
+        try:
+            raw_config = _read_regular(config_file, MAX_CONFIG_BYTES, _config_too_large)
+        except FileNotFoundError:
+            raise AdapterError(
+                f"{shown} has no {CONFIG_FILE} (is it an mlx_lm.lora adapter?)"
+            ) from None
         try:
             config = _check_config(json.loads(raw_config), config_file)
         except (ValueError, RecursionError) as exc:
@@ -77,7 +104,7 @@ def _adapter_config(path: Path | str) -> tuple[Path, str, bytes, dict[str, Any],
                 raise
             raise AdapterError(f"{CONFIG_FILE} is not readable JSON: {str(exc)[:200]}") from None
         weights = path / WEIGHTS_FILE
-        if not weights.is_file():
+        if not weights.is_file():  # a first look only (serve's start): the read checks again
             raise AdapterError(f"{shown} has no {WEIGHTS_FILE}")
     except OSError as exc:  # a name too long, no permission, ...
         raise AdapterError(f"cannot read the adapter at {shown!r}: {exc.strerror}") from None
@@ -89,14 +116,18 @@ def read_adapter_files(path: Path, max_weights_bytes: int | None = None) -> Adap
     weights over ``max_weights_bytes`` (what KV the budget has at all) are refused
     before they are read into memory."""
     path, shown, raw_config, config, weights = _adapter_config(path)
+
+    def too_large(size: int) -> AdapterError:
+        assert max_weights_bytes is not None
+        return AdapterTooLarge(
+            f"{WEIGHTS_FILE} is {size / 2**20:.1f} MiB, more than the whole KV budget "
+            f"({max_weights_bytes / 2**20:.1f} MiB): it could never be mounted"
+        )
+
     try:
-        size = weights.stat().st_size
-        if max_weights_bytes is not None and size > max_weights_bytes:
-            raise AdapterTooLarge(
-                f"{WEIGHTS_FILE} is {size / 2**20:.1f} MiB, more than the whole KV budget "
-                f"({max_weights_bytes / 2**20:.1f} MiB): it could never be mounted"
-            )
-        raw_weights = weights.read_bytes()
+        raw_weights = _read_regular(weights, max_weights_bytes, too_large)
+    except FileNotFoundError:  # gone since the first look
+        raise AdapterError(f"{shown} has no {WEIGHTS_FILE}") from None
     except OSError as exc:  # a name too long, no permission, ...
         raise AdapterError(f"cannot read the adapter at {shown!r}: {exc.strerror}") from None
     digest = hashlib.sha256(raw_config)
