@@ -22,7 +22,7 @@ from app.errors import APIError
 from app.openapi_doc import OPENAI_ERROR, errors, json_content, ref
 from app.settings import ADAPTER_ID
 from app.state import AppState
-from engine.adapter_files import read_adapter_files
+from engine.adapter_files import read_adapter_files, tensor_cap
 from scheduler.admission import EngineUnavailable
 from scheduler.contracts import (
     AdapterError,
@@ -137,18 +137,20 @@ async def mount(http: HTTPRequest) -> dict[str, Any]:
         http,
         lambda raw: parse_body(raw, AdapterMountRequest, state.model_info().context_length),
     )
+    info = state.model_info()
     # nothing larger than the KV budget itself can fit: refused before it is read
-    limit = state.model_info().budget.kv_budget_bytes
+    limit = info.budget.kv_budget_bytes
+    cap = tensor_cap(info.adapter_layers)  # its header is checked here, not on the engine
     try:  # file reads and hashing: off the event loop and off the engine thread
-        files = await asyncio.to_thread(read_adapter_files, Path(body.path), limit)
+        files = await asyncio.to_thread(read_adapter_files, Path(body.path), limit, cap)
     except AdapterTooLarge as exc:
         raise APIError(400, str(exc), code="adapter_over_budget", param="path") from exc
     except AdapterError as exc:
         raise APIError(400, str(exc), code="invalid_adapter", param="path") from exc
-    info = await _on_engine(state.engine.mount_adapter(body.id, files, body.scale))
-    state.adapters_seen.add(info.id)
-    state.obs.adapter_mounted(info.id)  # an id unmounted before: its series again
-    return info.public()
+    mounted = await _on_engine(state.engine.mount_adapter(body.id, files, body.scale))
+    state.adapters_seen.add(mounted.id)
+    state.obs.adapter_mounted(mounted.id)  # an id unmounted before: its series again
+    return mounted.public()
 
 
 @router.delete("/v1/adapters/{adapter_id}", responses=_responses(ADAPTER, (404, 409)))

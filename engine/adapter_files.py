@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import stat
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +19,108 @@ from scheduler.contracts import AdapterError, AdapterFiles, AdapterTooLarge
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapters.safetensors"
 MAX_CONFIG_BYTES = 1 << 20  # mlx_lm.lora writes a few hundred bytes
+
+# The weights' safetensors header is checked here, off the engine thread: mx.load
+# there builds every tensor before a name is looked at, and its cost grows with
+# the count (100k one-element tensors in 8 MiB held the engine thread 5 s).
+LEAVES = ("lora_a", "lora_b", "m")  # per adapted layer: the pair and DoRA's magnitude
+_NDIM = {"lora_a": 2, "lora_b": 2, "m": 1}
+_DTYPE_BYTES = {"F16": 2, "BF16": 2, "F32": 4}  # the floats a mount keeps
+_NAME = re.compile(r"[A-Za-z0-9_]+(?:\.[A-Za-z0-9_]+)*\.(lora_a|lora_b|m)")
+MAX_NAME = 512  # a module path of a real model is under 100 characters
+# the bound where the model's linear layers are not known: 3 leaves on each of
+# ~1365 layers (a 128-block model adapting all 7 of its projections needs 2688)
+MAX_TENSORS = 4096
+_HEADER_BYTES_PER_TENSOR = 1024  # a name up to MAX_NAME, dtype, shape and offsets
+_MAX_METADATA_BYTES = 64 << 10
+
+
+def tensor_cap(adapter_layers: int) -> int:
+    """The most tensors an adapter of a model with ``adapter_layers`` linear layers
+    can hold (a lora_a, lora_b and m each); 0 layers: not known, MAX_TENSORS."""
+    return len(LEAVES) * adapter_layers if adapter_layers > 0 else MAX_TENSORS
+
+
+def _unreadable(file: Path, why: str) -> AdapterError:
+    return AdapterError(f"{file} is not a readable safetensors file: {why}")
+
+
+def _check_safetensors(raw: bytes, max_tensors: int, file: Path) -> None:
+    """The header of ``raw`` (an 8-byte little-endian length, then a JSON object of
+    name -> dtype, shape, data_offsets) against what a mount can take: at most
+    ``max_tensors`` tensors, each an adapter leaf of a float dtype whose bytes are
+    exactly its shape's, inside the file. AdapterError names the first problem."""
+    if len(raw) < 8:
+        raise _unreadable(file, f"{len(raw)} bytes, shorter than its header's length")
+    size = int.from_bytes(raw[:8], "little")
+    data_bytes = len(raw) - 8 - size
+    if data_bytes < 0:
+        raise _unreadable(file, f"a header of {size} bytes in a file of {len(raw)}")
+    if size > _MAX_METADATA_BYTES + _HEADER_BYTES_PER_TENSOR * max_tensors:
+        raise AdapterError(
+            f"{WEIGHTS_FILE}'s header is {size} bytes, more than the {max_tensors} tensors "
+            "an adapter of this model can have would take"
+        )
+    try:
+        header = json.loads(raw[8 : 8 + size])
+    except (ValueError, RecursionError) as exc:
+        raise _unreadable(file, f"its header is no JSON ({str(exc)[:100]})") from None
+    if not isinstance(header, dict):
+        raise _unreadable(file, "its header is no JSON object")
+    header.pop("__metadata__", None)  # free-form strings ("format": "mlx")
+    if not header:
+        raise AdapterError(f"{file} holds no tensors")
+    if len(header) > max_tensors:
+        raise AdapterError(
+            f"{WEIGHTS_FILE} holds {len(header)} tensors, more than the {max_tensors} an "
+            "adapter of this model can have (lora_a, lora_b and m per linear layer)"
+        )
+    for name, entry in header.items():
+        _check_tensor(name, entry, data_bytes, file)
+
+
+def _check_tensor(name: str, entry: Any, data_bytes: int, file: Path) -> None:
+    shown = repr(name[:MAX_NAME])
+    match = _NAME.fullmatch(name) if len(name) <= MAX_NAME else None
+    if match is None:
+        raise AdapterError(
+            f"tensor {shown} is not an adapter parameter (expected <layer>.lora_a, .lora_b or .m)"
+        )
+    if not isinstance(entry, dict):
+        raise _unreadable(file, f"tensor {shown} has no dtype, shape and offsets")
+    dtype = entry.get("dtype")
+    if dtype not in _DTYPE_BYTES:
+        raise AdapterError(
+            f"tensor {shown} is {str(dtype)[:20]}, not a float (F16, BF16 or F32: "
+            "float16, bfloat16 or float32)"
+        )
+    shape = entry.get("shape")
+    ndim = _NDIM[match.group(1)]
+    if (
+        not isinstance(shape, list)
+        or len(shape) != ndim
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise AdapterError(
+            f"tensor {shown} has shape {str(shape)[:60]}, not {ndim} non-negative sizes"
+        )
+    offsets = entry.get("data_offsets")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1] <= data_bytes
+    ):
+        raise _unreadable(
+            file, f"tensor {shown}'s data_offsets {str(offsets)[:60]} are not within its data"
+        )
+    want = math.prod(shape) * _DTYPE_BYTES[dtype]
+    if offsets[1] - offsets[0] != want:
+        raise _unreadable(
+            file,
+            f"tensor {shown} of shape {shape} needs {want} bytes, its data_offsets hold "
+            f"{offsets[1] - offsets[0]}",
+        )
 
 
 def _check_config(config: Any, where: Path) -> dict[str, Any]:
@@ -111,10 +214,13 @@ def _adapter_config(path: Path | str) -> tuple[Path, str, bytes, dict[str, Any],
     return path, shown, raw_config, config, weights
 
 
-def read_adapter_files(path: Path, max_weights_bytes: int | None = None) -> AdapterFiles:
+def read_adapter_files(
+    path: Path, max_weights_bytes: int | None = None, max_tensors: int = MAX_TENSORS
+) -> AdapterFiles:
     """Check and fingerprint an ``mlx_lm.lora`` adapter directory (AdapterError: a 400);
     weights over ``max_weights_bytes`` (what KV the budget has at all) are refused
-    before they are read into memory."""
+    before they are read into memory, and a safetensors header past ``max_tensors``
+    (tensor_cap) or naming anything but adapter leaves before the engine sees it."""
     path, shown, raw_config, config, weights = _adapter_config(path)
 
     def too_large(size: int) -> AdapterError:
@@ -130,6 +236,7 @@ def read_adapter_files(path: Path, max_weights_bytes: int | None = None) -> Adap
         raise AdapterError(f"{shown} has no {WEIGHTS_FILE}") from None
     except OSError as exc:  # a name too long, no permission, ...
         raise AdapterError(f"cannot read the adapter at {shown!r}: {exc.strerror}") from None
+    _check_safetensors(raw_weights, max_tensors, weights)
     digest = hashlib.sha256(raw_config)
     digest.update(raw_weights)
     return AdapterFiles(

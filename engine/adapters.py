@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
 
+from engine.adapter_files import LEAVES
 from engine.lora import (
     BASE,
     LoRAWeights,
@@ -38,7 +39,6 @@ from scheduler.contracts import (
 )
 
 log = logging.getLogger("kvwarm.engine.adapters")
-_LEAVES = ("lora_a", "lora_b", "m")
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
 
 
@@ -58,6 +58,12 @@ def _load_weights(files: AdapterFiles) -> dict[str, mx.array]:
     if not isinstance(weights, dict) or not weights:
         raise AdapterError(f"{file} holds no tensors")
     return weights
+
+
+def adaptable_layers(model: nn.Module) -> int:
+    """The layers an adapter can target (Linear, QuantizedLinear): each takes a
+    lora_a, lora_b and m at most, which bounds an adapter file's tensors."""
+    return sum(isinstance(m, (nn.Linear, nn.QuantizedLinear)) for _, m in model.named_modules())
 
 
 class AdapterSet:
@@ -172,7 +178,7 @@ class AdapterSet:
         grouped: dict[str, dict[str, mx.array]] = {}
         for name, value in weights.items():
             module_path, _, leaf = name.rpartition(".")
-            if leaf not in _LEAVES:
+            if leaf not in LEAVES:
                 raise AdapterError(
                     f"tensor {name!r} is not an adapter parameter (expected "
                     f"<layer>.lora_a, .lora_b or .m)"

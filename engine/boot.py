@@ -73,6 +73,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    from engine.adapters import adaptable_layers
     from engine.batch_runner import BatchRunner
     from engine.device_memory import auto_budget, machine_memory, measure_bandwidth
     from engine.loader import group_fingerprint, kv_namespace, load_model, prepare_model_dir
@@ -168,6 +169,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
         bandwidth_bytes_s=bandwidth,
         vision=front,
         source_path=str(cfg.source.path) if cfg.source.kind == "gguf" else "",
+        adapter_layers=adaptable_layers(loaded.model),
     )
     syntax = info.syntax
     log.info(

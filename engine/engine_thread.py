@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from engine.adapter_files import read_adapter_files
+from engine.adapter_files import read_adapter_files, tensor_cap
 from engine.distributed_config import DistributedConfig
 from engine.model_errors import AdapterSettingError, LastingLoadError
 from engine.model_source import ModelSource
@@ -419,7 +419,7 @@ class EngineThread(threading.Thread):
             except Exception as exc:
                 raise AdapterSettingError(f"--adapter {adapter_id}={path}: {exc}") from exc
             try:
-                files = read_adapter_files(path)
+                files = read_adapter_files(path, max_tensors=tensor_cap(booted.info.adapter_layers))
             except Exception as exc:  # a mount not up yet, perhaps: the next start may read it
                 raise RuntimeError(f"--adapter {adapter_id}={path}: {exc}") from exc
             try:

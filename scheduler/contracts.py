@@ -185,6 +185,9 @@ class ModelInfo:
     # the file the model came from when ``path`` is what was made of it (a GGUF's
     # conversion, float32 on the CPU backend); "" when it is ``path`` itself
     source_path: str = ""
+    # linear layers a run-time adapter can target: bounds an adapter file's tensor
+    # count before the engine loads it (engine.adapter_files.tensor_cap); 0: not known
+    adapter_layers: int = 0
 
 
 @dataclass(frozen=True)

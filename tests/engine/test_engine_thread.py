@@ -222,3 +222,13 @@ async def test_an_adapter_past_the_budget_is_refused_before_it_is_read(
         h.scheduler.admission.budget = roomy
         info = await asyncio.wrap_future(h.engine.mount_adapter("big", files))
         assert info.id == "big" and len(loads) == 1
+
+
+async def test_the_model_info_bounds_an_adapters_tensors_by_its_linear_layers(tiny_llama_dir):
+    """An adapter file's tensor count is checked off the engine thread against the
+    model's own bound: 2 blocks of 7 projections (the tied head is no Linear)."""
+    from engine.adapter_files import tensor_cap
+
+    async with Harness(tiny_llama_dir) as h:
+        assert h.engine.model_info.adapter_layers == 14
+        assert tensor_cap(h.engine.model_info.adapter_layers) == 42

@@ -14,6 +14,7 @@ import pytest
 
 from app.settings import Settings
 from tests.helpers.http_server import serve_app
+from tests.helpers.safetensors_bytes import one_element_tensors
 from tests.unit.test_http_api import assert_error, make_app
 
 ADAPTERS = "/v1/adapters"
@@ -24,7 +25,7 @@ def adapter_dir(tmp_path):
     """The files an mlx_lm.lora adapter has (the fake engine loads no weights)."""
     config = {"fine_tune_type": "lora", "lora_parameters": {"rank": 8, "scale": 20.0}}
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
-    (tmp_path / "adapters.safetensors").write_bytes(b"weights")
+    (tmp_path / "adapters.safetensors").write_bytes(one_element_tensors(2))
     return tmp_path
 
 
@@ -522,3 +523,26 @@ def test_a_control_that_escapes_as_a_base_exception_answers_its_caller():
     finally:
         engine.stop()
         loop.close()
+
+
+def test_a_header_past_the_models_tensor_bound_is_refused_before_the_engine_sees_it(
+    adapter_dir,
+):
+    """The tensors were built on the engine thread (mx.load) before any was checked:
+    their count is bounded by the model's linear layers (a lora_a, lora_b and m each)."""
+    from dataclasses import replace
+
+    mounts: list[str] = []
+    (adapter_dir / "adapters.safetensors").write_bytes(one_element_tensors(7))
+    app = make_app(eos_after=3)
+    with serve_app(app) as base:
+        engine = app.state.kvwarm.engine
+        engine.info = replace(engine.info, adapter_layers=2)  # room for 6 tensors
+        fake_mount = engine.fake.mount_adapter
+        engine.fake.mount_adapter = lambda i, *a: mounts.append(i) or fake_mount(i, *a)
+        r = httpx.post(base + ADAPTERS, json={"id": "many", "path": str(adapter_dir)})
+        err = assert_error(r, 400, "invalid_adapter")
+        assert "7 tensors, more than the 6" in err["message"]
+        (adapter_dir / "adapters.safetensors").write_bytes(one_element_tensors(6))
+        assert httpx.post(base + ADAPTERS, json={"id": "six", "path": str(adapter_dir)}).is_success
+    assert mounts == ["six"]

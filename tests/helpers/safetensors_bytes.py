@@ -1,0 +1,25 @@
+"""Safetensors files written byte by byte (no MLX): valid ones and hostile ones."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+
+def safetensors(header: dict, data: bytes = b"") -> bytes:
+    """A safetensors file as the format lays it out: 8-byte length, JSON, data."""
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + data
+
+
+def one_element_tensors(count: int, leaf: str = "lora_a") -> bytes:
+    """``count`` float16 tensors of one element each, named as adapter leaves."""
+    header = {
+        f"model.layers.{i}.x.{leaf}": {
+            "dtype": "F16",
+            "shape": [1, 1],
+            "data_offsets": [2 * i, 2 * i + 2],
+        }
+        for i in range(count)
+    }
+    return safetensors(header, b"\0" * (2 * count))
