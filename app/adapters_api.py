@@ -22,7 +22,7 @@ from app.errors import APIError
 from app.openapi_doc import OPENAI_ERROR, errors, json_content, ref
 from app.settings import ADAPTER_ID
 from app.state import AppState
-from engine.adapter_files import read_adapter_files, tensor_cap
+from engine.adapter_files import never_fits_bytes, read_adapter_files, tensor_cap
 from scheduler.admission import EngineUnavailable
 from scheduler.contracts import (
     AdapterError,
@@ -139,7 +139,7 @@ async def mount(http: HTTPRequest) -> dict[str, Any]:
     )
     info = state.model_info()
     # nothing larger than the KV budget itself can fit: refused before it is read
-    limit = info.budget.kv_budget_bytes
+    limit = never_fits_bytes(info.budget)
     cap = tensor_cap(info.adapter_layers)  # its header is checked here, not on the engine
     try:  # file reads and hashing: off the event loop and off the engine thread
         files = await asyncio.to_thread(read_adapter_files, Path(body.path), limit, cap)

@@ -11,10 +11,14 @@ import os
 import re
 import stat
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from scheduler.contracts import AdapterError, AdapterFiles, AdapterTooLarge
+
+if TYPE_CHECKING:
+    from scheduler.admission import MemoryBudget
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapters.safetensors"
@@ -33,6 +37,13 @@ MAX_NAME = 512  # a module path of a real model is under 100 characters
 MAX_TENSORS = 4096
 _HEADER_BYTES_PER_TENSOR = 1024  # a name up to MAX_NAME, dtype, shape and offsets
 _MAX_METADATA_BYTES = 64 << 10
+
+
+def never_fits_bytes(budget: MemoryBudget) -> int:
+    """The largest weights file that could ever be mounted under ``budget``: the KV
+    room with no adapter mounted (those mounted now can be unmounted). Between that
+    and the room left now, the engine answers (unmount another, or retry later)."""
+    return replace(budget, adapter_bytes=0).kv_budget_bytes
 
 
 def tensor_cap(adapter_layers: int) -> int:

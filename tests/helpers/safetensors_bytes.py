@@ -23,3 +23,16 @@ def one_element_tensors(count: int, leaf: str = "lora_a") -> bytes:
         for i in range(count)
     }
     return safetensors(header, b"\0" * (2 * count))
+
+
+def safetensors_of_size(size: int) -> bytes:
+    """One float16 adapter tensor in a file of ``size`` bytes or a few more."""
+    elements = max(1, (size - 200) // 2)
+    while True:
+        header = {
+            "x.lora_a": {"dtype": "F16", "shape": [1, elements], "data_offsets": [0, 2 * elements]}
+        }
+        raw = safetensors(header, b"\0" * (2 * elements))
+        if len(raw) >= size:
+            return raw
+        elements += 1

@@ -546,3 +546,28 @@ def test_a_header_past_the_models_tensor_bound_is_refused_before_the_engine_sees
         (adapter_dir / "adapters.safetensors").write_bytes(one_element_tensors(6))
         assert httpx.post(base + ADAPTERS, json={"id": "six", "path": str(adapter_dir)}).is_success
     assert mounts == ["six"]
+
+
+def test_weights_that_fit_once_others_are_unmounted_are_not_called_never_mountable(
+    adapter_dir, tmp_path
+):
+    """The "could never be mounted" limit was the KV budget left beside the
+    adapters mounted now: weights that fit once one of them is unmounted were
+    refused as for good, unread. The engine now answers them (unmount another)."""
+    from tests.helpers.safetensors_bytes import safetensors_of_size
+
+    app = make_app(eos_after=3, kv_budget_tokens=1940)
+    with serve_app(app) as base:
+        for i in range(4):  # the fake engine's adapters hold 4096 bytes each
+            mount = {"id": f"m{i}", "path": str(adapter_dir)}
+            assert httpx.post(base + ADAPTERS, json=mount).is_success
+        room = app.state.kvwarm.engine.model_info.budget.kv_budget_bytes
+        big = tmp_path / "big"
+        big.mkdir()
+        (big / "adapter_config.json").write_text((adapter_dir / "adapter_config.json").read_text())
+        (big / "adapters.safetensors").write_bytes(safetensors_of_size(room + 64))
+        err = assert_error(httpx.post(base + ADAPTERS, json={"id": "big", "path": str(big)}), 400)
+        assert "never" not in err["message"] and "unmount another" in err["message"]
+        for i in range(4):
+            assert httpx.delete(base + ADAPTERS + f"/m{i}").is_success
+        assert httpx.post(base + ADAPTERS, json={"id": "big", "path": str(big)}).is_success
