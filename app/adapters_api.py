@@ -137,6 +137,23 @@ async def mount(http: HTTPRequest) -> dict[str, Any]:
         http,
         lambda raw: parse_body(raw, AdapterMountRequest, state.model_info().context_length),
     )
+    async with state.adapter_mounts:  # one file read and mounted at a time
+        mounted = await _read_and_mount(state, body)
+    state.adapters_seen.add(mounted.id)
+    state.obs.adapter_mounted(mounted.id)  # an id unmounted before: its series again
+    return mounted.public()
+
+
+async def _read_and_mount(state: AppState, body: AdapterMountRequest) -> AdapterInfo:
+    """Read the files and mount them (under the app's mount lock); the bytes read
+    are dropped when this returns, before the next mount may read its own."""
+    if any(a.id == body.id for a in state.engine.adapters()):  # before a byte is read
+        raise APIError(
+            409,
+            f"an adapter {body.id!r} is already mounted; unmount it first",
+            code="adapter_exists",
+            param="id",
+        )
     info = state.model_info()
     # nothing larger than the KV budget itself can fit: refused before it is read
     limit = never_fits_bytes(info.budget)
@@ -147,10 +164,7 @@ async def mount(http: HTTPRequest) -> dict[str, Any]:
         raise APIError(400, str(exc), code="adapter_over_budget", param="path") from exc
     except AdapterError as exc:
         raise APIError(400, str(exc), code="invalid_adapter", param="path") from exc
-    mounted = await _on_engine(state.engine.mount_adapter(body.id, files, body.scale))
-    state.adapters_seen.add(mounted.id)
-    state.obs.adapter_mounted(mounted.id)  # an id unmounted before: its series again
-    return mounted.public()
+    return await _on_engine(state.engine.mount_adapter(body.id, files, body.scale))
 
 
 @router.delete("/v1/adapters/{adapter_id}", responses=_responses(ADAPTER, (404, 409)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -31,6 +32,9 @@ class AppState:
     # adapter ids mounted at some point: a ``model`` naming one unmounted since is
     # a 404, not the base model's answer under the adapter's name
     adapters_seen: set[str] = field(default_factory=set)
+    # held across an adapter's file read and its mount: one file in memory at a time
+    # (each POST's limit is its own; 16 at once read 16 copies)
+    adapter_mounts: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     def snapshot(self) -> ServerSnapshot | None:
         """What /metrics reads at scrape time; None until the model is loaded."""

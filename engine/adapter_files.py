@@ -37,13 +37,22 @@ MAX_NAME = 512  # a module path of a real model is under 100 characters
 MAX_TENSORS = 4096
 _HEADER_BYTES_PER_TENSOR = 1024  # a name up to MAX_NAME, dtype, shape and offsets
 _MAX_METADATA_BYTES = 64 << 10
+# while an adapter mounts, the bytes read from its file (AdapterFiles.weights, held
+# until the mount returns) and the arrays MLX builds from them are both in memory
+MOUNT_PEAK_FACTOR = 2
+
+
+def mount_peak_bytes(weights_size: int) -> int:
+    """What mounting weights of ``weights_size`` bytes holds at its peak."""
+    return MOUNT_PEAK_FACTOR * weights_size
 
 
 def never_fits_bytes(budget: MemoryBudget) -> int:
     """The largest weights file that could ever be mounted under ``budget``: the KV
-    room with no adapter mounted (those mounted now can be unmounted). Between that
-    and the room left now, the engine answers (unmount another, or retry later)."""
-    return replace(budget, adapter_bytes=0).kv_budget_bytes
+    room with no adapter mounted (those mounted now can be unmounted), at the mount's
+    peak. Between that and the room left now, the engine answers (unmount another,
+    or retry later)."""
+    return replace(budget, adapter_bytes=0).kv_budget_bytes // MOUNT_PEAK_FACTOR
 
 
 def tensor_cap(adapter_layers: int) -> int:
@@ -237,8 +246,9 @@ def read_adapter_files(
     def too_large(size: int) -> AdapterError:
         assert max_weights_bytes is not None
         return AdapterTooLarge(
-            f"{WEIGHTS_FILE} is {size / 2**20:.1f} MiB, more than the whole KV budget "
-            f"({max_weights_bytes / 2**20:.1f} MiB): it could never be mounted"
+            f"{WEIGHTS_FILE} is {size / 2**20:.1f} MiB; a mount holds {MOUNT_PEAK_FACTOR}x "
+            f"that at its peak, more than the whole KV budget "
+            f"({max_weights_bytes * MOUNT_PEAK_FACTOR / 2**20:.1f} MiB): it could never be mounted"
         )
 
     try:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from engine.adapter_files import read_adapter_files, tensor_cap
+from engine.adapter_files import mount_peak_bytes, read_adapter_files, tensor_cap
 from engine.distributed_config import DistributedConfig
 from engine.model_errors import AdapterSettingError, LastingLoadError
 from engine.model_source import ModelSource
@@ -239,10 +239,12 @@ class EngineThread(threading.Thread):
         def mount(runner: Runner) -> AdapterInfo:
             self._refuse_base_id(adapter_id)
             # priced by its file before it is read: loading one past the budget first
-            # could take the memory the budget keeps (on Metal, the process with it)
-            problem = self._adapter_room(runner.adapter_bytes() + files.weights_size)
+            # could take the memory the budget keeps (on Metal, the process with it);
+            # at its peak, the file's bytes and the arrays built from them
+            peak = mount_peak_bytes(files.weights_size)
+            problem = self._adapter_room(runner.adapter_bytes() + peak)
             if problem is not None:
-                size = f"{files.weights_size / 2**20:.1f} MiB on disk"
+                size = f"{peak / 2**20:.1f} MiB while it mounts"
                 raise problem.error(f"adapter {adapter_id!r} ({size}) {problem.why}")
             info = runner.mount_adapter(adapter_id, files, scale)
             problem = self._adapter_room(runner.adapter_bytes())

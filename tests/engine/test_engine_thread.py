@@ -232,3 +232,34 @@ async def test_the_model_info_bounds_an_adapters_tensors_by_its_linear_layers(ti
     async with Harness(tiny_llama_dir) as h:
         assert h.engine.model_info.adapter_layers == 14
         assert tensor_cap(h.engine.model_info.adapter_layers) == 42
+
+
+async def test_a_mount_is_priced_at_its_peak_the_bytes_read_beside_the_arrays_built(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    """While an adapter mounts, the bytes read from its file and MLX's arrays made
+    of them are both held: priced at the file once, one with room for less than
+    twice it mounted, past the memory the budget keeps."""
+    from dataclasses import replace
+
+    import engine.adapters as adapters_module
+    from engine.adapter_files import read_adapter_files
+    from kvcache.layout import KV_ALLOCATION_STEP
+    from scheduler.contracts import AdapterTooLarge
+    from tests.helpers.adapters import write_adapter
+
+    files = read_adapter_files(write_adapter(tiny_llama_dir, tmp_path / "a", seed=1))
+    loads = []
+    load = adapters_module._load_weights  # noqa: SLF001
+    monkeypatch.setattr(adapters_module, "_load_weights", lambda f: loads.append(f) or load(f))
+    async with Harness(tiny_llama_dir) as h:
+        roomy = h.scheduler.admission.budget
+        kv_now = roomy.kv_budget_bytes
+        # room for the file once and a request beside it, not for it twice
+        room = files.weights_size * 3 // 2 + roomy.sequence_bytes(KV_ALLOCATION_STEP)
+        h.scheduler.admission.budget = replace(roomy, total_bytes=roomy.total_bytes - kv_now + room)
+        with pytest.raises(AdapterTooLarge, match="no KV budget"):
+            await asyncio.wrap_future(h.engine.mount_adapter("big", files))
+        assert loads == []  # refused before its tensors were built
+        h.scheduler.admission.budget = roomy
+        assert (await asyncio.wrap_future(h.engine.mount_adapter("big", files))).id == "big"

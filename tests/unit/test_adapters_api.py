@@ -571,3 +571,50 @@ def test_weights_that_fit_once_others_are_unmounted_are_not_called_never_mountab
         for i in range(4):
             assert httpx.delete(base + ADAPTERS + f"/m{i}").is_success
         assert httpx.post(base + ADAPTERS, json={"id": "big", "path": str(big)}).is_success
+
+
+def test_mounts_read_one_at_a_time_and_a_mounted_id_is_refused_unread(adapter_dir, monkeypatch):
+    """Each POST read its whole file in a worker before the engine was asked
+    anything: 16 POSTs of one id read 6 copies at once, each under the limit."""
+    import time
+
+    import app.adapters_api as api
+
+    read = api.read_adapter_files
+    lock = threading.Lock()
+    seen = {"now": 0, "peak": 0, "reads": 0}
+
+    def slow_read(*args, **kwargs):  # a slow disk, a file of gigabytes
+        with lock:
+            seen["now"] += 1
+            seen["reads"] += 1
+            seen["peak"] = max(seen["peak"], seen["now"])
+        try:
+            time.sleep(0.05)
+            return read(*args, **kwargs)
+        finally:
+            with lock:
+                seen["now"] -= 1
+
+    monkeypatch.setattr(api, "read_adapter_files", slow_read)
+    statuses: dict[str, list[int]] = {"same": [], "other": []}
+
+    def post(adapter_id: str, key: str) -> None:
+        r = httpx.post(
+            base + ADAPTERS, json={"id": adapter_id, "path": str(adapter_dir)}, timeout=60
+        )
+        statuses[key].append(r.status_code)
+        if r.status_code == 409:
+            assert r.json()["error"]["code"] == "adapter_exists"
+
+    with serve_app(make_app(eos_after=3)) as base:
+        threads = [threading.Thread(target=post, args=("same", "same")) for _ in range(8)]
+        threads += [threading.Thread(target=post, args=(f"o{i}", "other")) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    assert sorted(statuses["same"]) == [200] + [409] * 7
+    assert statuses["other"] == [200] * 3
+    assert seen["peak"] == 1  # never two files in memory at once
+    assert seen["reads"] == 4  # the id mounted already: refused before its file was read
