@@ -19,7 +19,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from engine.adapter_files import mount_peak_bytes, read_adapter_files, tensor_cap
+from engine.adapter_files import (
+    mount_peak_bytes,
+    never_fits_bytes,
+    read_adapter_files,
+    tensor_cap,
+)
 from engine.distributed_config import DistributedConfig
 from engine.model_errors import AdapterSettingError, LastingLoadError
 from engine.model_source import ModelSource
@@ -236,26 +241,31 @@ class EngineThread(threading.Thread):
         """Mount an adapter between two steps (its files were read off this thread:
         engine.adapter_files); admission then counts its bytes."""
 
-        def mount(runner: Runner) -> AdapterInfo:
-            self._refuse_base_id(adapter_id)
-            # priced by its file before it is read: loading one past the budget first
-            # could take the memory the budget keeps (on Metal, the process with it);
-            # at its peak, the file's bytes and the arrays built from them
-            peak = mount_peak_bytes(files.weights_size)
-            problem = self._adapter_room(runner.adapter_bytes() + peak)
-            if problem is not None:
-                size = f"{peak / 2**20:.1f} MiB while it mounts"
-                raise problem.error(f"adapter {adapter_id!r} ({size}) {problem.why}")
-            info = runner.mount_adapter(adapter_id, files, scale)
-            problem = self._adapter_room(runner.adapter_bytes())
-            if problem is not None:
-                runner.unmount_adapter(adapter_id)
-                size = f"{info.size_bytes / 2**20:.1f} MiB"
-                raise problem.error(f"adapter {adapter_id!r} ({size}) {problem.why}")
-            self._recount_adapters(runner)
-            return info
+        return self.control(
+            lambda runner: self._mount_within_budget(runner, adapter_id, files, scale)
+        )
 
-        return self.control(mount)
+    def _mount_within_budget(
+        self, runner: Runner, adapter_id: str, files: AdapterFiles, scale: float = 1.0
+    ) -> AdapterInfo:
+        """Mount with the room asked first and again after (at start and at run time)."""
+        self._refuse_base_id(adapter_id)
+        # priced by its file before it is read: loading one past the budget first
+        # could take the memory the budget keeps (on Metal, the process with it);
+        # at its peak, the file's bytes and the arrays built from them
+        peak = mount_peak_bytes(files.weights_size)
+        problem = self._adapter_room(runner.adapter_bytes() + peak)
+        if problem is not None:
+            size = f"{peak / 2**20:.1f} MiB while it mounts"
+            raise problem.error(f"adapter {adapter_id!r} ({size}) {problem.why}")
+        info = runner.mount_adapter(adapter_id, files, scale)
+        problem = self._adapter_room(runner.adapter_bytes())
+        if problem is not None:
+            runner.unmount_adapter(adapter_id)
+            size = f"{info.size_bytes / 2**20:.1f} MiB"
+            raise problem.error(f"adapter {adapter_id!r} ({size}) {problem.why}")
+        self._recount_adapters(runner)
+        return info
 
     def _refuse_base_id(self, adapter_id: str) -> None:
         """An adapter named as the base model would take every request naming it
@@ -416,22 +426,24 @@ class EngineThread(threading.Thread):
         if booted.ranks is not None:
             booted.ranks.start(self._rank_lost)
         for adapter_id, path in self.config.adapters:
+            where = f"--adapter {adapter_id}={path}"
             try:
                 self._refuse_base_id(adapter_id)
             except Exception as exc:
-                raise AdapterSettingError(f"--adapter {adapter_id}={path}: {exc}") from exc
+                raise AdapterSettingError(f"{where}: {exc}") from exc
+            # as a run-time mount: a size limit on the read, the room asked before
+            # the mount (mounted first, one past the budget took the memory it keeps)
+            limit = never_fits_bytes(booted.admission.budget)
             try:
-                files = read_adapter_files(path, max_tensors=tensor_cap(booted.info.adapter_layers))
+                files = read_adapter_files(path, limit, tensor_cap(booted.info.adapter_layers))
+            except AdapterTooLarge as exc:  # the next start reads the same size: lasting
+                raise AdapterSettingError(f"{where}: {exc}") from exc
             except Exception as exc:  # a mount not up yet, perhaps: the next start may read it
-                raise RuntimeError(f"--adapter {adapter_id}={path}: {exc}") from exc
+                raise RuntimeError(f"{where}: {exc}") from exc
             try:
-                self._runner.mount_adapter(adapter_id, files)
-            except Exception as exc:  # its files read, and not for this model
-                raise AdapterSettingError(f"--adapter {adapter_id}={path}: {exc}") from exc
-            problem = self._adapter_room(self._runner.adapter_bytes())
-            if problem is not None:
-                raise AdapterSettingError(f"--adapter {adapter_id}: {problem.why}")
-            self._recount_adapters(self._runner)
+                self._mount_within_budget(self._runner, adapter_id, files)
+            except Exception as exc:  # not for this model, or no room for it
+                raise AdapterSettingError(f"{where}: {exc}") from exc
         self._sample_memory()
         self._ready.set()
 

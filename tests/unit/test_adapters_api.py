@@ -618,3 +618,52 @@ def test_mounts_read_one_at_a_time_and_a_mounted_id_is_refused_unread(adapter_di
     assert statuses["other"] == [200] * 3
     assert seen["peak"] == 1  # never two files in memory at once
     assert seen["reads"] == 4  # the id mounted already: refused before its file was read
+
+
+def test_an_adapter_flag_that_cannot_fit_stops_the_start_before_it_is_mounted(tmp_path):
+    """--adapter was read with no size limit and mounted before the room was asked
+    (a run-time mount does the opposite): one past the budget took the memory it
+    keeps first. Refused as a lasting settings error (exit 2, no restart loop)."""
+    import asyncio
+
+    from scheduler.scheduler import Scheduler
+    from scheduler.streams import OutputRouter
+    from tests.helpers.fake_engine import FakeEngine
+    from tests.helpers.safetensors_bytes import safetensors_of_size
+
+    def adapter(name: str, size: int) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        config = {"fine_tune_type": "lora", "lora_parameters": {"rank": 8, "scale": 1.0}}
+        (d / "adapter_config.json").write_text(json.dumps(config))
+        (d / "adapters.safetensors").write_bytes(safetensors_of_size(size))
+        return d
+
+    small, big = adapter("small", 100), adapter("big", 30_000)
+    loop = asyncio.new_event_loop()
+    seen: list[tuple[str, bool]] = []
+    try:
+        # ~46 KB of KV: 30 KB of weights (60 KB while mounting) never fit; two of
+        # 20 KB do not fit together beside the first one's 4 KB
+        for adapters in ((("big", big),), (("a", small), ("b", adapter("mid", 20_000)))):
+            engine = FakeEngine(
+                Scheduler(None, max_running=1, max_queue=4),
+                OutputRouter(loop),
+                adapters=adapters,
+                on_load_failure=lambda reason, lasting: seen.append((reason, lasting)),
+            )
+            mounts: list[str] = []
+            fake_mount = engine.fake.mount_adapter
+            engine.fake.mount_adapter = (  # bound now: this round's list and mount
+                lambda i, *a, m=mounts, f=fake_mount: m.append(i) or f(i, *a)
+            )
+            engine.start()
+            engine.join(30)
+            assert not engine.ready
+            assert mounts == [i for i, _ in adapters[:-1]]  # the last never mounted
+    finally:
+        loop.close()
+    assert [lasting for _, lasting in seen] == [True, True]
+    assert "--adapter big=" in seen[0][0] and "could never be mounted" in seen[0][0]
+    assert "--adapter b=" in seen[1][0] and "no KV budget" in seen[1][0]
+    assert all("\n" not in reason for reason, _ in seen)
