@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_unflatten
+from mlx_lm.models.cache import make_prompt_cache
 
 from engine.adapter_files import LEAVES
 from engine.lora import (
@@ -40,6 +41,9 @@ from scheduler.contracts import (
 
 log = logging.getLogger("kvwarm.engine.adapters")
 _FLOATS = (mx.float16, mx.bfloat16, mx.float32)
+# the prompt of the forward pass a new adapter is tried on (any model's vocabulary
+# has them; not token 0 alone, whose embedding may be all zeros: a pad)
+PROBE_TOKENS = (1, 2, 3, 4)
 
 
 @dataclass
@@ -127,6 +131,13 @@ class AdapterSet:
             layer.adapters[slot] = pair
         if wrap:
             self.model.update_modules(tree_unflatten(wrap))
+        if self._breaks_the_model(slot):
+            self._remove(pairs, slot)
+            raise AdapterError(
+                f"with adapter {adapter_id!r} the model's logits are not finite or all "
+                "alike where the base model's are fine: its lora_a/lora_b products overflow "
+                "the model's arithmetic (weights far too large)"
+            )
         info = AdapterInfo(
             id=adapter_id,
             path=str(files.path),
@@ -157,18 +168,40 @@ class AdapterSet:
         mounted = self._mounted.get(adapter_id)
         if mounted is None:
             raise AdapterNotFound(adapter_id)
-        modules = dict(self.model.named_modules())
-        layers = [modules[module_path] for module_path in mounted.layers]  # before any change
         del self._mounted[adapter_id]
+        self._remove(mounted.layers, mounted.info.slot)
+        log.info("adapter %s unmounted", adapter_id)
+        return mounted.info
+
+    def _remove(self, layers: dict[str, LoRAWeights], slot: int) -> None:
+        """Take ``slot``'s pairs off ``layers``; a layer no adapter uses is unwrapped."""
+        modules = dict(self.model.named_modules())
+        wrappers = [modules[module_path] for module_path in layers]  # before any change
         unwrap = []
-        for module_path, layer in zip(mounted.layers, layers):
-            layer.adapters.pop(mounted.info.slot, None)
+        for module_path, layer in zip(layers, wrappers):
+            layer.adapters.pop(slot, None)
             if not layer.adapters:
                 unwrap.append((module_path, layer.base))
         if unwrap:  # no adapter left on these layers: back to the bare base layer
             self.model.update_modules(tree_unflatten(unwrap))
-        log.info("adapter %s unmounted", adapter_id)
-        return mounted.info
+
+    def _breaks_the_model(self, slot: int) -> bool:
+        """Whether one short forward pass with ``slot``'s adapter gives logits that are
+        not finite or all alike while the base model's, beside it in the same batch,
+        are neither. Finite weights pass the NaN check and can still overflow in their
+        products: the hidden state then collapses (RMSNorm of it 0 or NaN) and every
+        token sampled is 0. One tiny pass on this thread, at mount only."""
+        tokens = mx.array([PROBE_TOKENS, PROBE_TOKENS])
+        self.routing.set([BASE, slot])
+        try:
+            out = self.model(tokens, cache=make_prompt_cache(self.model))
+        finally:
+            self.routing.clear()
+        logits = getattr(out, "logits", out)[:, -1, :].astype(mx.float32)
+        finite = mx.all(mx.isfinite(logits), axis=-1)
+        spread = mx.max(logits, axis=-1) > mx.min(logits, axis=-1)
+        base_ok, adapter_ok = (finite & spread).tolist()
+        return bool(base_ok and not adapter_ok)
 
     @staticmethod
     def _validate(

@@ -376,3 +376,24 @@ def test_adapters_that_would_run_nan_or_fail_the_request_are_refused(
     with pytest.raises(AdapterError, match="NUL"):
         read_adapter_files(tmp_path / "a\x00b")
     assert runner.adapter_infos() == []  # nothing half-mounted
+
+
+def test_finite_weights_whose_products_overflow_are_refused(tiny_llama_dir, adapters, tmp_path):
+    """lora_a 1000 and lora_b 60000 are finite float16 values and passed the NaN
+    check; mounted, every token of the adapter's rows was 0 (the logits collapsed
+    once the products overflowed), answered with 200s for ever."""
+    runner = make_runner(tiny_llama_dir)
+    tensors = mx.load(str(adapters["a"] / "adapters.safetensors"))
+    big = {
+        k: mx.full(v.shape, 60000.0 if k.endswith("lora_b") else 1000.0, dtype=mx.float16)
+        for k, v in tensors.items()
+    }
+    _mount_fails(runner, _copy_with(adapters["a"], tmp_path / "big", tensors=big), "overflow")
+    assert mount(runner, "a", adapters["a"]).id == "a"  # a sound one still mounts beside
+    before = [type(m).__name__ for _, m in runner.model.named_modules()]
+    with pytest.raises(AdapterError, match="overflow"):
+        mount(runner, "big2", _copy_with(adapters["a"], tmp_path / "big2", tensors=big))
+    assert [type(m).__name__ for _, m in runner.model.named_modules()] == before
+    assert [i.id for i in runner.adapter_infos()] == ["a"]
+    got = run(runner, [request("r", PROMPTS[0], adapter="a")])["r"]
+    assert got == reference(tiny_llama_dir, PROMPTS[0], adapters["a"])
