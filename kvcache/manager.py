@@ -22,8 +22,9 @@ import mlx.core as mx
 from kvcache.blocks import Digest, EntryBytes, TierLedger, block_digests
 from kvcache.conversations import SavedConversations
 from kvcache.disk import FORMAT_VERSION, CorruptBlock, WriteEntry
+from kvcache.disk_reads import DiskReader, PendingHit, ReadFiles, read_files
 from kvcache.entry_files import key_from, key_manifest, mlx_arrays, numpy_arrays
-from kvcache.index import CacheEntry, PrefixIndex, PromptCacheConfig
+from kvcache.index import CacheEntry, Lookup, PrefixIndex, PromptCacheConfig
 from kvcache.interface import SavedConversation
 from kvcache.layout import KVQuant
 from kvcache.namespaces import prune_other_namespaces
@@ -94,6 +95,7 @@ class TieredKVManager:
         self._kept_blocks: set[Digest] = set()
         self.conversations = SavedConversations(self)
         self.disk: PersistentTier | None = None
+        self._reader: DiskReader | None = None  # disk hits read off the engine thread
         disk_bytes = 0
         ram_bytes = max_bytes
         if disk is not None and disk.max_bytes > 0:
@@ -199,8 +201,11 @@ class TieredKVManager:
 
     # -- lookup ----------------------------------------------------------------
     def lookup(
-        self, request_id: str, hints: CacheHints, max_growth: int
-    ) -> tuple[Reuse | None, CacheReport]:
+        self, request_id: str, hints: CacheHints, max_growth: int, defer_disk: bool = False
+    ) -> tuple[Reuse | PendingHit | None, CacheReport]:
+        """The KV a request starts from. ``defer_disk``: a hit on an entry only on
+        the disk tier comes back as a ``PendingHit`` whose files a reader thread
+        reads (``finish_read`` once done), with the miss's report until then."""
         self.poll()
         key = hints.key
         promised = self.sessions.promised_tokens(
@@ -229,28 +234,48 @@ class TieredKVManager:
             )
             self._return_memory()
             return None, miss
+        entry = result.hit.entry
+        if defer_disk and not entry.in_ram and self.disk is not None:
+            return self._begin_read(request_id, hints, result, miss, known), miss
+        try:
+            caches = self._caches(entry, result.hit.alignment.entry_depth)
+        except Exception as exc:  # noqa: BLE001 - sorted out by _unreadable
+            self._unreadable(request_id, result, exc)
+            return None, miss
+        return self._hit(request_id, hints, result, caches, known, rejected)
+
+    def _unreadable(self, request_id: str, result: Lookup, exc: Exception) -> None:
+        """A hit whose KV could not be read back: the lookup misses."""
+        assert result.hit is not None
+        entry = result.hit.entry
+        self.index.release(entry.entry_id)
+        self.index.unusable_hit(result)
+        if isinstance(exc, CorruptFile):
+            log.warning("%s: cached KV on disk discarded: %s", request_id, exc)
+            self.damaged(entry, exc)
+            return
+        # a read that may pass (EMFILE, no memory), not damage: discarded, a shared
+        # block took every entry naming it, saves and all; the files stay for the next
+        log.warning(
+            "%s: cached KV on disk not read this time, kept (%s: %s)",
+            request_id,
+            type(exc).__name__,
+            exc,
+        )
+
+    def _hit(
+        self,
+        request_id: str,
+        hints: CacheHints,
+        result: Lookup,
+        caches: list[Any],
+        known: bool,
+        rejected: tuple[str, ...],
+    ) -> tuple[Reuse, CacheReport]:
+        assert result.hit is not None
+        key = hints.key
         entry, al = result.hit.entry, result.hit.alignment
         tier = result.tier
-        try:
-            caches = self._caches(entry, al.entry_depth)
-        except CorruptFile as exc:
-            log.warning("%s: cached KV on disk discarded: %s", request_id, exc)
-            self.index.release(entry.entry_id)
-            self.index.unusable_hit(result)
-            self.damaged(entry, exc)
-            return None, miss
-        except Exception as exc:  # noqa: BLE001 - a read that may pass (EMFILE, no memory)
-            # not damage: discarded, a shared block took every entry naming it, saves
-            # and all; this lookup misses and the files stay for the next
-            log.warning(
-                "%s: cached KV on disk not read this time, kept (%s: %s)",
-                request_id,
-                type(exc).__name__,
-                exc,
-            )
-            self.index.release(entry.entry_id)
-            self.index.unusable_hit(result)
-            return None, miss
         self.index.served(result)
         log.info(
             "%s: prefix cache hit (%s layer, %s): %d of %d prompt tokens from entry %d "
@@ -291,13 +316,74 @@ class TieredKVManager:
             return True
         return any(e.session == session and not e.forgotten for e in self.index.entries())
 
+    # -- disk hits read on the reader thread --------------------------------------
+    def _begin_read(
+        self, request_id: str, hints: CacheHints, result: Lookup, miss: CacheReport, known: bool
+    ) -> PendingHit:
+        """Hand a disk entry's files to the reader thread; the entry stays held
+        (the lookup's ref) until ``finish_read`` or ``cancel_read``."""
+        assert result.hit is not None and self.disk is not None
+        entry = result.hit.entry
+        have = {d: self._blocks[d] for d, _ in entry.held.blocks if d in self._blocks}
+        need = [(d, n) for d, n in entry.held.blocks if d not in have]
+        if self._reader is None:
+            self._reader = DiskReader()
+        disk, uid, private = self.disk, entry.uid, entry.held.private
+        ticket = self._reader.submit(lambda: read_files(disk, uid, private, need))
+        log.info("%s: prefix cache hit on disk, entry %d: reading it", request_id, entry.entry_id)
+        return PendingHit(request_id, hints, entry, result, have, ticket, miss, known)
+
+    def wait_reads(self, timeout: float) -> None:
+        """Until a disk read finishes or ``timeout`` passes (nothing else to run)."""
+        if self._reader is not None:
+            self._reader.wait_any(timeout)
+
+    def finish_read(self, pending: PendingHit) -> tuple[Reuse | None, CacheReport]:
+        """A finished read's KV as MLX arrays (engine thread): the hit, or the
+        miss (damage discarded, a failed read's files kept) with nothing claimed."""
+        assert pending.done and not pending.released and pending.result.hit is not None
+        pending.released = True  # from here the ref is the hit's, or given back below
+        entry, result = pending.entry, pending.result
+        keep = pending.result.hit.alignment.entry_depth
+        self.poll()
+        try:
+            if self.index.get(entry.entry_id) is not entry:
+                raise LookupError("it left the cache while being read")  # forgotten, lost
+            files = pending.ticket.outcome()
+            blocks, private = self._to_mlx(entry, pending.have, files)
+            caches = self._assemble(blocks, private, keep)
+        except Exception as exc:  # noqa: BLE001 - sorted out by _unreadable
+            self._unreadable(pending.request_id, result, exc)
+            self._return_memory()
+            return None, pending.miss
+        finally:
+            pending.have = {}
+        rejected = pending.miss.rejected
+        return self._hit(
+            pending.request_id, pending.hints, result, caches, pending.known_session, rejected
+        )
+
+    def cancel_read(self, pending: PendingHit) -> None:
+        """Its row went away mid-read: the entry is let go, the read's bytes dropped."""
+        pending.ticket.cancel()
+        pending.have = {}
+        if not pending.released:
+            pending.released = True
+            self.index.release(pending.entry.entry_id)
+
     def _caches(self, entry: CacheEntry, keep: int) -> list[Any]:
         """Fresh caches of the entry's first ``keep`` positions (from disk if need be)."""
+        return self._assemble(*self._loaded(entry), keep)
+
+    def _loaded(self, entry: CacheEntry) -> tuple[list[BlockArrays], PrivatePart]:
+        """The entry's blocks and private part (read from disk if need be)."""
         if entry.in_ram:
             blocks = [self._blocks[d] for d, _ in entry.held.blocks]
-            private = self._private[entry.entry_id]
-        else:
-            blocks, private = self.read_back(entry)
+            return blocks, self._private[entry.entry_id]
+        return self.read_back(entry)
+
+    def _assemble(self, blocks: list[BlockArrays], private: PrivatePart, keep: int) -> list[Any]:
+        """Fresh caches of the entry's first ``keep`` positions."""
         bs = self.ops.block_size
         used = blocks if keep >= len(blocks) * bs else blocks[: -(-keep // bs)]
         if len(used) < len(blocks):  # a trimmable hit short of the stored tail
@@ -308,19 +394,22 @@ class TieredKVManager:
         """Read a disk entry's files (verified), then count it back into RAM.
         Raises CorruptFile for damage; anything else (OSError, MemoryError) may pass."""
         assert self.disk is not None
+        have = {d: self._blocks[d] for d, _ in entry.held.blocks if d in self._blocks}
+        need = [(d, n) for d, n in entry.held.blocks if d not in have]
+        return self._to_mlx(entry, have, read_files(self.disk, entry.uid, entry.held.private, need))
+
+    def _to_mlx(
+        self, entry: CacheEntry, have: dict[Digest, BlockArrays], files: ReadFiles
+    ) -> tuple[list[BlockArrays], PrivatePart]:
+        """A read entry's files as MLX arrays, evaluated, and counted back into RAM."""
+        assert self.disk is not None
         started = time.monotonic()
-        nbytes = 0
         blocks: list[BlockArrays] = []
-        for digest, size in entry.held.blocks:
-            arrays = self._blocks.get(digest)
-            if arrays is None:
-                raw = self.disk.read_block(digest, size)
-                nbytes += raw.nbytes
-                arrays = mlx_arrays(raw)
-            blocks.append(arrays)
-        raw, manifest = self.disk.read_entry(entry.uid, entry.held.private)
-        nbytes += raw.nbytes
-        arrays = mlx_arrays(raw)
+        for digest, _ in entry.held.blocks:
+            arrays = have.get(digest)
+            blocks.append(arrays if arrays is not None else mlx_arrays(files.blocks[digest]))
+        manifest = files.manifest
+        arrays = mlx_arrays(files.private)
         try:
             private = rebuild_private(
                 self._template, arrays, manifest["private_meta"], entry.held.private
@@ -332,8 +421,8 @@ class TieredKVManager:
         c = self.disk.counters
         c.loads += 1
         c.load_tokens += entry.length
-        c.load_bytes += nbytes
-        c.load_seconds += time.monotonic() - started
+        c.load_bytes += files.nbytes
+        c.load_seconds += files.seconds + time.monotonic() - started
         if self.index.promote(entry.entry_id):
             for (digest, _), arrays in zip(entry.held.blocks, blocks):
                 self._blocks.setdefault(digest, arrays)
@@ -602,7 +691,10 @@ class TieredKVManager:
             self.poll()
 
     def close(self, timeout: float = 15.0) -> None:
-        """Let queued writes reach the disk (bounded: a restart discards what is torn)."""
+        """Let queued writes reach the disk (bounded: a restart discards what is torn);
+        reads in flight are left to end on their own (never waited for)."""
+        if self._reader is not None:
+            self._reader.close()
         if self.disk is not None:
             self.disk.close(timeout)
             self.poll()

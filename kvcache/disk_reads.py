@@ -1,0 +1,156 @@
+"""Disk-tier hits read off the engine thread.
+
+A hit on an entry that lives only on the SSD tier needs its files read and
+CRC-checked before MLX can use them: seconds for a multi-GB entry, which on
+the engine thread paused decoding for every running row. The reading (numpy
+only, no MLX) runs here, on one reader thread the KV manager owns; the engine
+thread turns the bytes into MLX arrays once they are ready
+(``TieredKVManager.finish_read``). While a read is in flight its entry stays
+held (index refs), so nothing evicts or deletes its files; a read whose row
+went away is cancelled (skipped if not begun, its result dropped if it was).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvcache.blocks import Digest
+from kvcache.disk import Arrays
+
+if TYPE_CHECKING:
+    from kvcache.entries import CacheEntry, Lookup
+    from kvcache.payloads import BlockArrays
+    from kvcache.tiers import PersistentTier
+    from scheduler.request import CacheHints, CacheReport
+
+log = logging.getLogger("kvwarm.kvcache.reads")
+
+
+@dataclass(frozen=True)
+class ReadFiles:
+    """What the reader thread hands back: an entry's verified files, numpy only."""
+
+    blocks: dict[Digest, Arrays]  # the blocks that were not in RAM when the read began
+    private: Arrays
+    manifest: dict[str, Any]
+    nbytes: int
+    seconds: float
+
+
+def read_files(
+    disk: PersistentTier, uid: str, private_nbytes: int, need: list[tuple[Digest, int]]
+) -> ReadFiles:
+    """Read and verify ``need``'s block files and the entry's own file (no MLX).
+    Raises CorruptFile for damage; anything else (OSError, MemoryError) may pass."""
+    started = time.monotonic()
+    blocks = {digest: disk.read_block(digest, size) for digest, size in need}
+    private, manifest = disk.read_entry(uid, private_nbytes)
+    nbytes = private.nbytes + sum(a.nbytes for a in blocks.values())
+    return ReadFiles(blocks, private, manifest, nbytes, time.monotonic() - started)
+
+
+class ReadTicket:
+    """One read handed to the reader thread; its result is taken on the engine thread."""
+
+    def __init__(self, job: Callable[[], ReadFiles], on_done: Callable[[], None]):
+        self._job = job
+        self._on_done = on_done
+        self._done = threading.Event()
+        self._result: ReadFiles | None = None
+        self._error: BaseException | None = None
+        self.cancelled = False
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self._done.wait(timeout)
+
+    def cancel(self) -> None:
+        """Its row went away: skipped if not begun, its result dropped if it was."""
+        self.cancelled = True
+        self._result = None
+
+    def run(self) -> None:
+        try:
+            if not self.cancelled:
+                self._result = self._job()
+        except BaseException as exc:  # noqa: BLE001 - handed to the engine thread
+            self._error = exc
+        finally:
+            if self.cancelled:
+                self._result = self._error = None  # nobody reads it: let the bytes go
+            self._job = _nothing
+            self._done.set()
+            self._on_done()
+
+    def outcome(self) -> ReadFiles:
+        """The files, or the read's error raised (only once ``done``)."""
+        assert self._done.is_set()
+        if self._error is not None:
+            raise self._error
+        if self._result is None:
+            raise RuntimeError("the read was cancelled")
+        return self._result
+
+
+def _nothing() -> ReadFiles:
+    raise RuntimeError("the read already ran")
+
+
+class DiskReader:
+    """One daemon thread running reads in submission order; never joined on
+    close (a read stuck on a dead disk must not hold the shutdown)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[ReadTicket | None] = queue.Queue()
+        self._finished = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvwarm-kv-reader", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], ReadFiles]) -> ReadTicket:
+        ticket = ReadTicket(job, self._finished.set)
+        self._jobs.put(ticket)
+        return ticket
+
+    def wait_any(self, timeout: float) -> None:
+        """Until some read finishes (or ``timeout``): the engine's idle wait."""
+        self._finished.wait(timeout)
+        self._finished.clear()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while True:
+            ticket = self._jobs.get()
+            if ticket is None:
+                return
+            ticket.run()
+
+
+@dataclass
+class PendingHit:
+    """A disk-tier hit whose files are being read: engine-thread state (``have``
+    holds MLX arrays); its entry is held until ``finish_read`` or ``cancel_read``."""
+
+    request_id: str
+    hints: CacheHints
+    entry: CacheEntry
+    result: Lookup
+    have: dict[Digest, BlockArrays]  # the entry's blocks in RAM when the read began
+    ticket: ReadTicket
+    miss: CacheReport  # what the request reports if the read fails
+    known_session: bool
+    released: bool = False  # its entry's ref was given back
+
+    @property
+    def done(self) -> bool:
+        return self.ticket.done
