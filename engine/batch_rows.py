@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from engine.lora import is_tag
 from engine.row_faults import GuardedProcessor, GuardedSampler
 from engine.text_output import TextOutput
+from kvcache.disk_reads import PendingHit
 from kvcache.prompt_key import PromptKey
 from scheduler.request import CacheReport, FinishReason, Request, RequestOutput, RequestStats
 from scheduler.step_budget import Prefill
@@ -28,6 +29,7 @@ class Row:
     # when a volatile span of another length was stepped over)
     kv_key: PromptKey | None = None  # what this row's KV holds before generation
     entry_id: int | None = None  # prefix-cache entry read (released after prefill)
+    disk_read: PendingHit | None = None  # its disk-tier hit, being read (not startable)
     # prefill progress values (prompt tokens after ``cached``) at which to store KV
     checkpoints: list[int] = field(default_factory=list)
     prefill_len: int = 0  # prompt tokens after ``cached`` (what prefill runs)

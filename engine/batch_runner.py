@@ -50,6 +50,7 @@ log = logging.getLogger("kvwarm.engine")
 # unexplained step faults in a row, with no good step between them, before the
 # engine gives up: a fault that survives re-admitting every row alone is not a row's
 MAX_RECOVERIES = 3
+READ_WAIT_S = 0.05  # an idle step's wait for a disk-tier hit's read
 
 
 class EngineFault(RuntimeError):
@@ -92,6 +93,9 @@ class BatchRunner:
         self.budget = StepBudget(max_step_s, prefill_step_size, self._prefill_rows)
         self.timings = StepTimings(self.budget)
         self._waiting: dict[str, Waiting] = {}  # admitted, prefill not started
+        # a disk-tier hit is read off this thread, its row waiting meanwhile (a
+        # distributed group's ranks must start rows in the same step: they read inline)
+        self.defer_disk_reads = True
         self._last_prefilled = False  # the step before prefilled (see _observe)
         self.faults = FaultLedger()
         # LoRA adapters mounted at run time; the generator runs the routed model
@@ -137,7 +141,9 @@ class BatchRunner:
         uid = self._uids.get(request_id)
         return self._rows.get(uid) if uid is not None else None
 
-    def add(self, request: Request) -> RequestOutput:
+    def add(self, request: Request) -> RequestOutput | None:
+        """Admit a request; its first output says what the cache did (None: its
+        disk-tier hit is being read, and a later step's outputs say it)."""
         params = request.sampling
         rid = request.request_id
         slot = self.adapters.slot(request.adapter)  # AdapterNotFound: unmounted meanwhile
@@ -159,33 +165,75 @@ class BatchRunner:
             if self.vision is None:
                 raise ValueError("images sent to a text model")  # the HTTP layer refuses these
             self.vision.remember(request.images)
-        cache, cached_tokens = None, None
+        cache, reused = None, None
         hints = request.cache if self.prefix_cache is not None else None
         try:
             if hints is not None:
-                cache, reused = row_kv.start_from_cache(self.prefix_cache, row)
-                if reused is not None:
-                    cached_tokens = self._model_ids(reused)
-                    if self.vision is not None:
-                        row.rope_delta = self.vision.rope_delta(reused)
-            rest = prompt[row.cached :]
-            if not rest or request.max_tokens - row.generated <= 0:
-                raise ValueError("nothing to generate: an empty prompt or max_tokens <= 0")
-            segments = self._segments(row, rest, row.cached)
+                cache, reused = row_kv.start_from_cache(
+                    self.prefix_cache, row, self.defer_disk_reads
+                )
+            if row.disk_read is not None:  # started once read (``_finish_reads``)
+                if not prompt or request.max_tokens <= 0:
+                    raise ValueError("nothing to generate: an empty prompt or max_tokens <= 0")
+                self._waiting[request.request_id] = Waiting(row, [], None, None)
+                return None
+            waiting = self._prepared(row, cache, reused)
         except Exception:
             self._release(row)  # a hit's entry stayed held for ever: never evicted again
             raise
         # prefill starts when the step budget has room for it (``step``)
-        self._waiting[request.request_id] = Waiting(row, segments, cache, cached_tokens)
+        self._waiting[request.request_id] = waiting
         if hints is None:
             row.report = CacheReport(tier="disabled")
-        # what the cache did, before any token: the HTTP layer's X-Conv-* headers
+        return self._first_output(row)
+
+    def _prepared(self, row: Row, cache, reused) -> Waiting:
+        """The row ready to start from ``cache`` (KV of ``reused``; None: cold)."""
+        request = row.request
+        cached_tokens = None
+        if reused is not None:
+            cached_tokens = self._model_ids(reused)
+            if self.vision is not None:
+                row.rope_delta = self.vision.rope_delta(reused)
+        rest = request.prompt_tokens[row.cached :]
+        if not rest or request.max_tokens - row.generated <= 0:
+            raise ValueError("nothing to generate: an empty prompt or max_tokens <= 0")
+        segments = self._segments(row, rest, row.cached)
+        return Waiting(row, segments, cache, cached_tokens)
+
+    def _first_output(self, row: Row) -> RequestOutput:
+        """What the cache did, before any token: the HTTP layer's X-Conv-* headers."""
         return RequestOutput(
-            request.request_id,
-            prompt_tokens=len(prompt),
+            row.request.request_id,
+            prompt_tokens=len(row.request.prompt_tokens),
             cached_tokens=row.cached,
             cache=row.report,
         )
+
+    def _finish_reads(self) -> list[RequestOutput]:
+        """Rows whose disk-tier hit has been read: their KV becomes MLX arrays here
+        and they wait for the step plan like any row (a failed read: a cold start)."""
+        outputs: list[RequestOutput] = []
+        for request_id, w in list(self._waiting.items()):
+            row = w.row
+            if row.disk_read is None or not row.disk_read.done:
+                continue
+            try:
+                cache, reused = row_kv.finish_from_cache(self.prefix_cache, row)
+                self._waiting[request_id] = self._prepared(row, cache, reused)
+            except Exception as exc:  # noqa: BLE001 - this row's own
+                del self._waiting[request_id]
+                self._release(row)
+                self.row_faults += 1
+                log.error("%s: could not start from its cached KV: %s", request_id, exc)
+                outputs.append(row.failure(time.monotonic(), f"{type(exc).__name__}: {exc}"))
+                continue
+            outputs.append(self._first_output(row))
+        return outputs
+
+    def _only_reading(self) -> bool:
+        """Nothing to run but rows whose disk reads are in flight."""
+        return not self._rows and all(w.row.disk_read for w in self._waiting.values())
 
     def _model_ids(self, tokens) -> list[int]:
         """A cached key's tokens as the model's ids (image identities expanded)."""
@@ -319,6 +367,9 @@ class BatchRunner:
         )
 
     def _release(self, row: Row) -> None:
+        if row.disk_read is not None:  # gone mid-read: the entry let go, the bytes dropped
+            self.prefix_cache.cancel_read(row.disk_read)
+            row.disk_read = None
         if row.entry_id is not None:
             self.prefix_cache.release(row.entry_id)
             row.entry_id = None
@@ -349,7 +400,8 @@ class BatchRunner:
             else:
                 prefills.append(row.prefill(done, running=True))
         for w in self._waiting.values():
-            prefills.append(w.row.prefill(0, running=False, waited=w.waited))
+            if w.row.disk_read is None:  # one being read cannot start yet
+                prefills.append(w.row.prefill(0, running=False, waited=w.waited))
         return self.budget.plan(decode_rows, decode_depth, prefills)
 
     def _start_waiting(self, plan: SlicePlan, failed: list[RequestOutput]) -> float:
@@ -425,9 +477,12 @@ class BatchRunner:
         """One decode step for running rows plus one prefill slice for joiners,
         the slice sized by the step budget (or ``plan``, decided elsewhere)."""
         started = time.perf_counter()
+        outputs: list[RequestOutput] = self._finish_reads() if self._waiting else []
+        if plan is None and self._waiting and self._only_reading():
+            self.prefix_cache.wait_reads(READ_WAIT_S)  # no busy loop while the disk reads
+            return outputs + self._finish_reads()
         if plan is None:
             plan = self._plan()
-        outputs: list[RequestOutput] = []
         vision_s = self._start_waiting(plan, outputs)
         self._generator.prefill_step_size = plan.slice_tokens
         try:

@@ -101,6 +101,7 @@ class LeaderRunner:
     ):
         self.inner = inner
         inner.recoverable = False
+        inner.defer_disk_reads = False  # every rank starts a row in the same step
         self._broadcast = broadcast
         self._clock = clock
         self._ops: list[Op] = []
@@ -206,6 +207,7 @@ class Follower:
     def run(self) -> None:
         """Follow until the serving rank says stop; LockstepError if the ranks drift."""
         self.runner.recoverable = False
+        self.runner.defer_disk_reads = False
         while True:
             tick = decode(self.receive())
             self.ticks += 1

@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from engine.batch_rows import Row, kv_only
-from kvcache.manager import TieredKVManager
+from kvcache.disk_reads import PendingHit
+from kvcache.manager import Reuse, TieredKVManager
 from kvcache.prompt_key import PromptKey
 from scheduler.admission import round_up
 from scheduler.request import CacheHints
@@ -16,16 +17,37 @@ from scheduler.request import CacheHints
 ModelIds = Callable[[Sequence[int]], list[int]]  # a key's tokens as the model's ids
 
 
-def start_from_cache(cache: TieredKVManager, row: Row) -> tuple[list | None, Sequence[int] | None]:
+def start_from_cache(
+    cache: TieredKVManager, row: Row, defer_disk: bool = False
+) -> tuple[list | None, Sequence[int] | None]:
     """Look the row's prompt up; on a hit the row holds the entry (``row.entry_id``,
     released once prefilled) and starts from its caches, which hold the returned
-    cache-key tokens."""
+    cache-key tokens. ``defer_disk``: a disk-tier hit is read on the KV reader
+    thread; the row holds it as ``row.disk_read`` (a miss until ``finish_from_cache``)."""
     request, hints = row.request, row.request.cache
     assert hints is not None
     # KV positions the admission reservation (rounded up) has to spare
     slack = round_up(request.reserved_tokens) - request.reserved_tokens
-    reuse, row.report = cache.lookup(request.request_id, hints, max_growth=slack)
+    reuse, row.report = cache.lookup(
+        request.request_id, hints, max_growth=slack, defer_disk=defer_disk
+    )
     row.kv_key = hints.key
+    if isinstance(reuse, PendingHit):
+        row.disk_read = reuse
+        return None, None
+    return _reused(row, reuse)
+
+
+def finish_from_cache(cache: TieredKVManager, row: Row) -> tuple[list | None, Sequence[int] | None]:
+    """The row's disk read is done: its hit as ``start_from_cache`` gives one, or
+    a miss (a cold prefill from token 0, its report claiming nothing) if it failed."""
+    pending, row.disk_read = row.disk_read, None
+    assert pending is not None
+    reuse, row.report = cache.finish_read(pending)
+    return _reused(row, reuse)
+
+
+def _reused(row: Row, reuse: Reuse | None) -> tuple[list | None, Sequence[int] | None]:
     if reuse is None:
         return None, None
     row.cached, row.kv_offset = reuse.request_depth, reuse.kv_depth

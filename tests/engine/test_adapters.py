@@ -104,6 +104,8 @@ def run(runner: BatchRunner, requests: list[Request]) -> dict[str, list[int]]:
         for out in runner.step():
             assert out.error is None, out.error
             tokens[out.request_id].extend(out.token_ids)
+            if firsts[out.request_id] is None:  # a disk hit's report comes once read
+                firsts[out.request_id] = out
     run.firsts = firsts  # type: ignore[attr-defined]
     return tokens
 
