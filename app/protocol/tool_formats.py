@@ -329,37 +329,39 @@ def _gemma4(inner: str) -> list[Any]:
     return [parse(inner[a:b]) for a, b in spans]
 
 
-def _glm_pairs(inner: str) -> str:
+# what mlx-lm's GLM and LongCat pair regexes allow between a key and its value
+_PAIR_GAP = regex.compile(r"(?:\\n|\s)*")
+
+
+def _glm_pairs(inner: str, key_tag: str = "arg_key", value_tag: str = "arg_value") -> str:
     """GLM markup rebuilt from its well-formed ``<arg_key>K</arg_key> <arg_value>V
     </arg_value>`` pairs, found in one pass: mlx-lm's pair regex, given pairs left
     open (a model looping on them), backtracks over the whole tail for each one,
     cubic in the reply's length (32 KB: 4 s on the event loop; 64 KB: minutes).
     On well-formed markup it reads what the regex reads; a pair left open, or a
-    key with no value after it, makes it no call (its argument would be missing)."""
-    first = inner.find("<arg_key>")
+    key with no value after it, makes it no call (its argument would be missing).
+    LongCat writes the same pairs with its own tags (``longcat_arg_key``)."""
+    key_open, key_close = f"<{key_tag}>", f"</{key_tag}>"
+    value_open, value_close = f"<{value_tag}>", f"</{value_tag}>"
+    first = inner.find(key_open)
     if first < 0:
         return inner  # a bare name, JSON, or key=value text: no pair regex runs
     pairs, pos = [inner[:first]], first
-    while (key := inner.find("<arg_key>", pos)) >= 0:
-        key_end = inner.find("</arg_key>", key + 9)
+    while (key := inner.find(key_open, pos)) >= 0:
+        key_end = inner.find(key_close, key + len(key_open))
         if key_end < 0:
             raise ValueError("an argument's name is never closed")
-        value = key_end + 10
-        while True:  # what the regex allows between key and value: spaces, "\\n"
-            if value < len(inner) and inner[value].isspace():
-                value += 1
-            elif inner.startswith("\\n", value):
-                value += 2
-            else:
-                break
-        if not inner.startswith("<arg_value>", value):
+        gap = _PAIR_GAP.match(inner, key_end + len(key_close))
+        assert gap is not None  # it matches the empty string
+        value = gap.end()
+        if not inner.startswith(value_open, value):
             raise ValueError("an argument has no value")
-        value_end = inner.find("</arg_value>", value + 11)
+        value_end = inner.find(value_close, value + len(value_open))
         if value_end < 0:
             raise ValueError("an argument's value is never closed")
-        pairs.append(inner[key : value + 11])
-        pairs.append(inner[value + 11 : value_end] + "</arg_value>")
-        pos = value_end + 12
+        pairs.append(inner[key : value + len(value_open)])
+        pairs.append(inner[value + len(value_open) : value_end] + value_close)
+        pos = value_end + len(value_close)
     return "".join(pairs)
 
 
@@ -511,6 +513,9 @@ class ToolCallDecoder:
         # the family's own markup, and mlx-lm's parser for it unless read here
         if (reader := READERS.get(markup.kind)) is not None:
             return [(markup.kind, reader)]
+        if markup.kind == "longcat":  # GLM's pairs under other tags, open ones dropped
+            pairs = lambda text: _glm_pairs(text, "longcat_arg_key", "longcat_arg_value")  # noqa: E731
+            return [("longcat", lambda text: _mlx_parser("longcat")(pairs(text), self.tools))]
         return [(markup.kind, lambda text: _mlx_parser(markup.kind)(text, self.tools))]
 
     def _finish(

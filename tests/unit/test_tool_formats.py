@@ -885,3 +885,87 @@ def test_muse_spark_decodes_any_text_as_mlx_lms_parser_does(text):
     from app.protocol.family_parsers import muse_spark
 
     assert _outcome(muse_spark, text) == _outcome(_mlx_lm("muse_spark"), text)
+
+
+_LONGCAT = ("<longcat_tool_call>", "</longcat_tool_call>")
+_LONGCAT_TAGS = ("longcat_arg_key", "longcat_arg_value")
+
+
+def _longcat_pair(key: str, value: str, gap: str = "") -> str:
+    return f"<longcat_arg_key>{key}</longcat_arg_key>{gap}<longcat_arg_value>{value}</longcat_arg_value>"
+
+
+@pytest.mark.parametrize(
+    "loop",
+    [
+        "<longcat_arg_key>a</longcat_arg_key><longcat_arg_value>x",  # values left open
+        "<longcat_arg_key>a</longcat_arg_key>x",  # keys with no value
+        "<longcat_arg_key>a",  # keys left open
+    ],
+)
+def test_longcat_pairs_a_model_loops_on_are_read_in_linear_time(loop):
+    """mlx-lm's LongCat pair regex (GLM's, under other tags) backtracked over the
+    tail for each pair left open: 64 KB of them held the event loop 5 s. Found
+    open in one pass, they make the markup no call, as GLM's (mlx-lm called the
+    function with the argument missing)."""
+    decoder = ToolCallDecoder(TOOLS, "longcat", _LONGCAT)
+
+    def decode(size: int) -> list[ToolCall] | None:
+        text = "run\n" + _longcat_pair("command", "ls") + loop * (size // len(loop))
+        return decoder.decode(decoder.markups[0], text)
+
+    assert _growth(decode, 2000) < 8
+    assert decode(0) == [ToolCall("run", '{"command": "ls"}')]
+    assert decode(2000) is None
+
+
+def _mlx_lm_longcat(text: str) -> Any:
+    return _mlx_lm("longcat")(text, TOOLS)
+
+
+def _our_longcat(text: str) -> Any:
+    from app.protocol.tool_formats import _glm_pairs
+
+    return _mlx_lm("longcat")(_glm_pairs(text, *_LONGCAT_TAGS), TOOLS)
+
+
+_LONGCAT_TEXT = st.text(st.sampled_from("ab 1{}[]\"'<>/=_\n\\n\x1c\x85"), max_size=10).filter(
+    lambda t: "</longcat_arg" not in t
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(["read_file", "run", " run\n", "", '{"name": "run"}']),
+    st.lists(
+        st.tuples(
+            _LONGCAT_TEXT, st.sampled_from(["", " ", "\n", "\\n", " \\n\n", "\x85"]), _LONGCAT_TEXT
+        ),
+        max_size=4,
+    ),
+    st.sampled_from(["", "\n", " x "]),
+)
+def test_longcat_decodes_what_mlx_lms_parser_decodes_on_well_formed_markup(name, pairs, between):
+    text = name + between.join(_longcat_pair(k, v, gap) for k, gap, v in pairs)
+    if "</longcat_arg" in text.replace("</longcat_arg_key>", "").replace(
+        "</longcat_arg_value>", ""
+    ):
+        return  # a partial tag spliced across the join: not what this property covers
+    assert _outcome(_our_longcat, text) == _outcome(_mlx_lm_longcat, text)
+
+
+_LONGCAT_PIECES = [
+    *("<longcat_arg_key>", "</longcat_arg_key>", "<longcat_arg_value>", "</longcat_arg_value>"),
+    *("<longcat_arg_key", "</longcat_arg_value", "run", "a", "1", '"x"', "{", "}", '{"a": 1}'),
+    *(" ", "\n", "\\n", "\x1c", "\x85", "é", "<", ">", "/"),
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_LONGCAT_PIECES), max_size=14).map("".join))
+def test_longcat_markup_decodes_as_mlx_lm_does_or_is_no_call(text):
+    """Any text decodes as mlx-lm's parser decodes it, or is no call where a pair
+    is left open or a key has no value (mlx-lm dropped that argument, or read a
+    key running through another pair's tags)."""
+    ours = _outcome(_our_longcat, text)
+    assert ours is None or ours == _outcome(_mlx_lm_longcat, text)
