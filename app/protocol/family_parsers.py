@@ -227,8 +227,59 @@ def _atem_value(raw: str) -> Any:
         return raw.strip()
 
 
+# FunctionGemma: call:NAME{key:<escape>text<escape>,key:value}
+
+_NAME_RUN = regex.compile(r"\w+")
+_ESCAPE = "<escape>"
+
+
+def function_gemma(text: str) -> dict[str, Any]:
+    """mlx-lm's FunctionGemma parser: the first ``call:NAME{...}`` its regex
+    ``call:(\\w+)\\{(.*?)\\}`` finds, and its arguments. Its ``findall`` read to
+    the end from every ``call:NAME{`` never closed (64 KB of ``call:a{``: 1 s), and
+    its argument loop copied the rest of the arguments at each one. A name is a
+    whole run of word characters (``{`` is none), so each ``call:`` is tried once;
+    where no ``}`` follows one ``{``, none follows any later one."""
+    pos = 0
+    while (start := text.find("call:", pos)) >= 0:
+        pos = start + 1
+        name = _NAME_RUN.match(text, start + 5)
+        if name is None or not text.startswith("{", name.end()):
+            continue
+        end = text.find("}", name.end() + 1)
+        if end < 0:
+            break
+        return {"name": name.group(), "arguments": _gemma_arguments(text[name.end() + 1 : end])}
+    raise ValueError("No function provided.")
+
+
+def _gemma_arguments(args: str) -> dict[str, Any]:
+    """mlx-lm's loop over ``key:value`` pairs, by position instead of by slicing."""
+    arguments: dict[str, Any] = {}
+    pos = 0
+    while pos < len(args):
+        split = args.index(":", pos)  # none: no call, as mlx-lm
+        key, pos = args[pos:split], split + 1
+        if args.startswith(_ESCAPE, pos):
+            pos += len(_ESCAPE)
+            split = args.index(_ESCAPE, pos)
+            arguments[key] = args[pos:split]
+            pos = split + len(_ESCAPE) + 1
+            continue
+        split = args.find(",", pos)
+        if split < 0:
+            split = len(args)
+        value, pos = args[pos:split], split + 1
+        try:
+            arguments[key] = json.loads(value)
+        except json.JSONDecodeError:
+            arguments[key] = value
+    return arguments
+
+
 # the families read here, by mlx-lm's name for their parser
-READERS: dict[str, Callable[[str], list[dict[str, Any]]]] = {
+READERS: dict[str, Callable[[str], list[dict[str, Any]] | dict[str, Any]]] = {
+    "function_gemma": function_gemma,
     "kimi_k3": kimi_k3,
     "muse_spark": muse_spark,
 }

@@ -969,3 +969,78 @@ def test_longcat_markup_decodes_as_mlx_lm_does_or_is_no_call(text):
     key running through another pair's tags)."""
     ours = _outcome(_our_longcat, text)
     assert ours is None or ours == _outcome(_mlx_lm_longcat, text)
+
+
+_FUNCTION_GEMMA = ("<start_function_call>", "<end_function_call>")
+
+
+@pytest.mark.parametrize(
+    ("loop", "closing", "n"),
+    [
+        ("call:a{", "", 4000),  # calls never closed
+        ("call:aaaaaaaaaaaaaaaa", "", 16000),  # names with no arguments
+        # many arguments: mlx-lm copied the rest at each one (quadratic, but memcpy:
+        # 4.6 s only at 1 MB), guarded here
+        ("k:1,", "}", 16000),
+        ("k:<escape>v<escape>,", "}", 16000),
+    ],
+)
+def test_function_gemma_markup_a_model_loops_on_is_read_in_linear_time(loop, closing, n):
+    """mlx-lm's regex read to the end from every ``call:NAME{`` never closed:
+    64 KB of ``call:a{`` held the event loop a second."""
+    decoder = ToolCallDecoder(TOOLS, "function_gemma", _FUNCTION_GEMMA)
+
+    def decode(size: int) -> list[ToolCall] | None:
+        opening = "call:run{" if closing else "call:run{command:ls} "
+        looping = loop * (size // len(loop))
+        return decoder.decode(decoder.markups[0], opening + looping + closing)
+
+    assert _growth(decode, n) < 8
+    if not closing:
+        assert decode(n) == [ToolCall("run", '{"command": "ls"}')]  # the first call, as mlx-lm
+
+
+def _gemma_value(escaped: bool) -> st.SearchStrategy[str]:
+    if escaped:
+        return st.text(st.sampled_from('ab 1:,{"\n'), max_size=6).map(
+            lambda v: f"<escape>{v}<escape>"
+        )
+    return st.sampled_from(["1", "true", '"x"', "[1]", "a b", "", "{", "null", "-2.5"])
+
+
+_GEMMA_ARGUMENT = st.tuples(
+    st.sampled_from(["command", "a", "x_1", "é"]), st.booleans().flatmap(_gemma_value)
+).map(lambda a: f"{a[0]}:{a[1]}")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(["", "Sure. ", "call: ", "call:x ", "call:{"]),
+    st.lists(
+        st.tuples(st.sampled_from(["run", "a1", "é_x", "read_file"]), st.lists(_GEMMA_ARGUMENT)),
+        min_size=1,
+        max_size=3,
+    ),
+    st.sampled_from(["", "\n", " "]),
+)
+def test_function_gemma_decodes_what_mlx_lms_parser_decodes_on_well_formed_markup(
+    prose, calls, gap
+):
+    from app.protocol.family_parsers import function_gemma
+
+    text = prose + gap.join(f"call:{name}{{{','.join(args)}}}" for name, args in calls)
+    assert _outcome(function_gemma, text) == _outcome(_mlx_lm("function_gemma"), text)
+
+
+_GEMMA_PIECES = [
+    *("call:", "call", ":", "run", "a", "é", "\u0301", "²", "-", "{", "}", "call:run{", ","),
+    *("<escape>", "1", '"x"', " ", "\n", "k:", "k:<escape>", "call:a{", "true", "["),
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_GEMMA_PIECES), max_size=14).map("".join))
+def test_function_gemma_decodes_any_text_as_mlx_lms_parser_does(text):
+    from app.protocol.family_parsers import function_gemma
+
+    assert _outcome(function_gemma, text) == _outcome(_mlx_lm("function_gemma"), text)
