@@ -12,6 +12,7 @@ answer already found still lies ahead (``_Ahead``).
 
 from __future__ import annotations
 
+import ast
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -277,9 +278,67 @@ def _gemma_arguments(args: str) -> dict[str, Any]:
     return arguments
 
 
+# LFM2 and others, pythonic: [name(key="value", key=1)], read as Python first
+
+_PY_NAME = regex.compile(r"[\w.]+")
+_PY_VALUE = regex.compile(
+    r"""=(?:"(?P<quoted>[^"]*)"|'(?P<quoted>[^']*)'|(?P<bare>[^,]+))(?:,\s*|$)""", regex.DOTALL
+)
+
+
+def pythonic(text: str) -> list[dict[str, Any]] | dict[str, Any]:
+    """mlx-lm's pythonic parser: the text as a Python list of calls, or else the
+    first ``[name(args)]`` its regex ``\\[([\\w.]+)\\((.*?)\\)\\]`` finds, its
+    arguments ``key=value`` as its argument regex finds them. That regex read to
+    the end from every ``[name(`` never closed (64 KB of ``[a(``: a quarter
+    second). A name is a whole run of ``[\\w.]`` (``(`` is none), so each ``[`` is
+    tried once; where no ``)]`` follows one, none follows any later one."""
+    from app.protocol.tool_formats import _mlx_module  # here: that module imports this one
+
+    try:  # ast.parse of the text between its first "[" and its last "]": linear
+        parsed = _mlx_module("pythonic")._parse_pythonic_tool_call(text)
+    except (SyntaxError, ValueError):
+        parsed = None
+    if parsed is not None:
+        return parsed
+    name, args = _pythonic_call(text)
+    arguments = {}
+    pos = 0
+    while (key := _WORD.search(args, pos)) is not None:
+        # a key is a whole run of word characters ("=" is none): each run is tried once
+        pos = key.end()
+        if (found := _PY_VALUE.match(args, pos)) is None:
+            continue
+        pos = found.end()
+        bare = found.group("bare")
+        value = bare.strip() if bare is not None else found.group("quoted")
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError):  # as mlx-lm: kept as text
+            pass
+        arguments[key.group().strip()] = value
+    return {"name": name, "arguments": arguments}
+
+
+def _pythonic_call(text: str) -> tuple[str, str]:
+    """(name, arguments) of the first ``[name(arguments)]``, as mlx-lm's regex finds it."""
+    pos = 0
+    while (start := text.find("[", pos)) >= 0:
+        pos = start + 1
+        name = _PY_NAME.match(text, pos)
+        if name is None or not text.startswith("(", name.end()):
+            continue
+        end = text.find(")]", name.end() + 1)
+        if end < 0:
+            break
+        return name.group(), text[name.end() + 1 : end]
+    raise ValueError("No function provided.")
+
+
 # the families read here, by mlx-lm's name for their parser
 READERS: dict[str, Callable[[str], list[dict[str, Any]] | dict[str, Any]]] = {
     "function_gemma": function_gemma,
     "kimi_k3": kimi_k3,
     "muse_spark": muse_spark,
+    "pythonic": pythonic,
 }

@@ -75,7 +75,12 @@ class ToolCall:
 
 @cache
 def _mlx_parser(name: str):
-    return importlib.import_module(f"{_parsers_package()}.{name}").parse_tool_call
+    return _mlx_module(name).parse_tool_call
+
+
+def _mlx_module(name: str):
+    """mlx-lm's parser module ``name`` (see ``_parsers_package``)."""
+    return importlib.import_module(f"{_parsers_package()}.{name}")
 
 
 PARSERS_PACKAGE = "kvwarm_mlx_lm_tool_parsers"

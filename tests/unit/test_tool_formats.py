@@ -1044,3 +1044,70 @@ def test_function_gemma_decodes_any_text_as_mlx_lms_parser_does(text):
     from app.protocol.family_parsers import function_gemma
 
     assert _outcome(function_gemma, text) == _outcome(_mlx_lm("function_gemma"), text)
+
+
+_PYTHONIC = ("<|tool_call_start|>", "<|tool_call_end|>")
+
+
+@pytest.mark.parametrize(
+    ("opening", "loop", "closing", "n"),
+    [
+        ("", "[a(", "", 4000),  # calls never closed
+        ("", "[a(x=", "", 4000),
+        # arguments that are not Python, read by the argument regex: linear in
+        # mlx-lm too, guarded here
+        ("[run(", "command=ls, ", ")] ]", 8000),
+        ("[run(", 'command="a" b, ', ")] ]", 8000),
+        ("[run(", "x" * 64 + " ", ")] ]", 16000),  # long words with no "="
+    ],
+)
+def test_pythonic_markup_a_model_loops_on_is_read_in_linear_time(opening, loop, closing, n):
+    """mlx-lm's regex read to the end from every ``[name(`` never closed: 64 KB
+    of ``[a(`` held the event loop a quarter second."""
+    decoder = ToolCallDecoder(TOOLS, "pythonic", _PYTHONIC)
+
+    def decode(size: int) -> list[ToolCall] | None:
+        return decoder.decode(decoder.markups[0], opening + loop * (size // len(loop)) + closing)
+
+    assert _growth(decode, n) < 8
+    assert (decode(n) is None) == (not closing)  # as mlx-lm: no call, or one to run
+
+
+_PY_ARG_VALUE = st.sampled_from(
+    ['"x"', "'y, z'", "1", "-2.5", "True", "true", "None", "[1, 2]", '{"a": 1}', "a b", "ls -l"]
+)
+_PY_ARGUMENT = st.tuples(st.sampled_from(["command", "a", "x_1", "é"]), _PY_ARG_VALUE).map(
+    lambda a: f"{a[0]}={a[1]}"
+)
+_PY_CALL = st.tuples(
+    st.sampled_from(["run", "a.b", "read_file", "é2"]),
+    st.lists(_PY_ARGUMENT, max_size=3),
+    st.sampled_from([", ", ",", ",\n"]),
+).map(lambda c: f"{c[0]}({c[2].join(c[1])})")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(["", "Sure. ", "[", "[x] "]),
+    st.lists(_PY_CALL, min_size=1, max_size=3),
+    st.sampled_from(["[{}]", "[{}]\n", "[{}] see [1]"]),
+)
+def test_pythonic_decodes_what_mlx_lms_parser_decodes_on_well_formed_markup(prose, calls, form):
+    from app.protocol.family_parsers import pythonic
+
+    text = prose + form.format(", ".join(calls))
+    assert _outcome(pythonic, text) == _outcome(_mlx_lm("pythonic"), text) is not None
+
+
+_PYTHONIC_PIECES = [
+    *("[", "]", "(", ")", ")]", "[run(", "run", "a.b", ".", "é", "\u0301", "²", "=", ",", ", "),
+    *("a=", '"', "'", '"x"', "1", " ", "\n", "True", "null", "x y", "[1]", "{", "}", "a=1"),
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_PYTHONIC_PIECES), max_size=16).map("".join))
+def test_pythonic_decodes_any_text_as_mlx_lms_parser_does(text):
+    from app.protocol.family_parsers import pythonic
+
+    assert _outcome(pythonic, text) == _outcome(_mlx_lm("pythonic"), text)
