@@ -28,7 +28,7 @@ from typing import Any
 
 import regex  # mlx-lm's parsers' regex engine: its \w, \s and \b, not re's
 
-from app.protocol.family_parsers import READERS
+from app.protocol.family_parsers import READERS, TOOL_READERS
 from app.protocol.tool_schema import (
     coerce_arguments,
     parameter_schemas,
@@ -518,6 +518,8 @@ class ToolCallDecoder:
         # the family's own markup, and mlx-lm's parser for it unless read here
         if (reader := READERS.get(markup.kind)) is not None:
             return [(markup.kind, reader)]
+        if (read := TOOL_READERS.get(markup.kind)) is not None:
+            return [(markup.kind, lambda text: read(text, self.tools))]
         if markup.kind == "longcat":  # GLM's pairs under other tags, open ones dropped
             pairs = lambda text: _glm_pairs(text, "longcat_arg_key", "longcat_arg_value")  # noqa: E731
             return [("longcat", lambda text: _mlx_parser("longcat")(pairs(text), self.tools))]

@@ -1111,3 +1111,82 @@ def test_pythonic_decodes_any_text_as_mlx_lms_parser_does(text):
     from app.protocol.family_parsers import pythonic
 
     assert _outcome(pythonic, text) == _outcome(_mlx_lm("pythonic"), text)
+
+
+_MINIMAX = ("<minimax:tool_call>", "</minimax:tool_call>")
+_MINIMAX_CALL = '<invoke name="run"><parameter name="command">ls</parameter></invoke>'
+
+
+@pytest.mark.parametrize(
+    ("opening", "loop", "closing", "n"),
+    [
+        ("", "<invoke name=", "", 8000),  # invokes never closed
+        ('<invoke name="run">', "<parameter name=", "</invoke>", 8000),  # parameters
+    ],
+)
+def test_minimax_m2_markup_a_model_loops_on_is_read_in_linear_time(opening, loop, closing, n):
+    """mlx-lm's regexes read to the end from every opening never closed: 64 KB
+    of ``<invoke name=`` held the event loop 0.1 s, growing with its square."""
+    decoder = ToolCallDecoder(TOOLS, "minimax_m2", _MINIMAX)
+
+    def decode(size: int) -> list[ToolCall] | None:
+        looping = opening + loop * (size // len(loop)) + closing
+        return decoder.decode(decoder.markups[0], _MINIMAX_CALL + looping)
+
+    assert _growth(decode, n) < 8
+    calls = [ToolCall("run", '{"command": "ls"}')] + [ToolCall("run", "{}")] * bool(closing)
+    assert decode(n) == calls  # as mlx-lm: a call closed around a loop has no arguments
+
+
+def _minimax_name(quoted: str) -> st.SearchStrategy[str]:
+    return st.sampled_from(["run", "command", "limit", "env", "a b", "é"]).map(
+        lambda name: quoted.format(name)
+    )
+
+
+_MINIMAX_QUOTE = st.sampled_from(['"{}"', "'{}'", "{}", ' "{}" '])
+_MINIMAX_VALUE = st.text(st.sampled_from('ab 1{}[]"<>\n'), max_size=8).filter(
+    lambda v: "</parameter>" not in v and "</invoke>" not in v and "<parameter name=" not in v
+)
+_MINIMAX_PARAMETER = st.tuples(_MINIMAX_QUOTE.flatmap(_minimax_name), _MINIMAX_VALUE).map(
+    lambda p: f"<parameter name={p[0]}>{p[1]}</parameter>"
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            _MINIMAX_QUOTE.flatmap(_minimax_name),
+            st.lists(_MINIMAX_PARAMETER, max_size=3),
+            st.sampled_from(["", "\n"]),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+    st.sampled_from(["", "\n", " "]),
+)
+def test_minimax_m2_decodes_what_mlx_lms_parser_decodes_on_well_formed_markup(calls, gap):
+    from app.protocol.family_parsers import minimax_m2
+
+    text = gap.join(
+        f"<invoke name={name}>{space}" + space.join(ps) + f"{space}</invoke>"
+        for name, ps, space in calls
+    )
+    ours = _outcome(lambda t: minimax_m2(t, TOOLS), text)
+    assert ours == _outcome(lambda t: _mlx_lm("minimax_m2")(t, TOOLS), text) is not None
+
+
+_MINIMAX_PIECES = [
+    *("<invoke name=", "</invoke>", "<parameter name=", "</parameter>", '"run">', "run>", ">"),
+    *('"command">', "limit>", "1", "ls", "null", "[1]", " ", "\n", '"', "'", "<", "é", "x"),
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_MINIMAX_PIECES), max_size=14).map("".join))
+def test_minimax_m2_decodes_any_text_as_mlx_lms_parser_does(text):
+    from app.protocol.family_parsers import minimax_m2
+
+    ours = _outcome(lambda t: minimax_m2(t, TOOLS), text)
+    assert ours == _outcome(lambda t: _mlx_lm("minimax_m2")(t, TOOLS), text)
