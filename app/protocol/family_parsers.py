@@ -1,10 +1,11 @@
 """mlx-lm's tool-call parsers of families whose regexes backtrack on model text,
 read here in one pass with the same results.
 
-A reply's calls are decoded on the event loop when it ends. mlx-lm's Kimi K3
-and Muse Spark regexes scan on to the end of the text from every opening tag
-that is never closed, so a model looping on an opening held the loop for a time
-growing with the square of the reply's length (or worse). Each reader below
+A reply's calls are decoded on the event loop when it ends. mlx-lm's Kimi K2,
+Kimi K3, Muse Spark, MiniMax M2, FunctionGemma and pythonic regexes scan on to
+the end of the text from every opening tag that is never closed, so a model
+looping on an opening held the loop for a time growing with the square of the
+reply's length (or worse). Each reader below
 finds what its regex finds, in the order it finds it: where a search fails from
 one opening it fails from every later one, or each later search starts where an
 answer already found still lies ahead (``_Ahead``).
@@ -387,9 +388,25 @@ def minimax_m2(text: str, tools: Any) -> list[dict[str, Any]] | dict[str, Any]:
     return calls[0] if len(calls) == 1 else calls
 
 
+# Kimi K2: <|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{...}<|tool_call_end|>
+
+
+def kimi_k2(text: str) -> list[dict[str, Any]]:
+    """mlx-lm's Kimi K2 parser, its calls found in one pass (``_closed``): its
+    regex read to the end from every ``<|tool_call_begin|>`` never closed. Each
+    call, or the whole text where none is closed, is read by its own function,
+    whose regexes are anchored at the start."""
+    from app.protocol.tool_formats import _mlx_module  # here: that module imports this one
+
+    read = _mlx_module("kimi_k2")._parse_single_tool
+    calls = list(_closed(text, "<|tool_call_begin|>", "<|tool_call_end|>"))
+    return [read(call) for call in calls] if calls else [read(text)]
+
+
 # the families read here, by mlx-lm's name for their parser
 READERS: dict[str, Callable[[str], list[dict[str, Any]] | dict[str, Any]]] = {
     "function_gemma": function_gemma,
+    "kimi_k2": kimi_k2,
     "kimi_k3": kimi_k3,
     "muse_spark": muse_spark,
     "pythonic": pythonic,

@@ -1190,3 +1190,65 @@ def test_minimax_m2_decodes_any_text_as_mlx_lms_parser_does(text):
 
     ours = _outcome(lambda t: minimax_m2(t, TOOLS), text)
     assert ours == _outcome(lambda t: _mlx_lm("minimax_m2")(t, TOOLS), text)
+
+
+_KIMI_K2 = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+_KIMI_K2_CALL = (
+    '<|tool_call_begin|>functions.run:0<|tool_call_argument_begin|>{"command": "ls"}'
+    "<|tool_call_end|>"
+)
+
+
+@pytest.mark.parametrize("loop", ["<|tool_call_begin|>", "<|tool_call_begin|>functions.run:1"])
+def test_kimi_k2_markup_a_model_loops_on_is_read_in_linear_time(loop):
+    """mlx-lm's regex read to the end from every ``<|tool_call_begin|>`` never
+    closed: 64 KB of them held the event loop 0.05 s, growing with its square."""
+    decoder = ToolCallDecoder(TOOLS, "kimi_k2", _KIMI_K2)
+
+    def decode(size: int) -> list[ToolCall] | None:
+        return decoder.decode(decoder.markups[0], _KIMI_K2_CALL + loop * (size // len(loop)))
+
+    assert _growth(decode, 16000) < 8
+    assert decode(16000) == [ToolCall("run", '{"command": "ls"}', "functions.run:0")]
+
+
+_K2_HEAD = st.tuples(
+    st.sampled_from(["", " ", "\n"]),
+    st.sampled_from(["functions.", ""]),
+    st.sampled_from(["run", "a.b", "x:y", "é"]),
+    st.sampled_from(["0", "12"]),
+    st.sampled_from(["", " ", "\n"]),
+).map(lambda h: "{}{}{}:{}{}".format(*h))
+_K2_ARGUMENTS = st.sampled_from(['{"command": "ls"}', "{}", " {'a': 1} ", "[1]", "x", ""])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(_K2_HEAD, _K2_ARGUMENTS), min_size=1, max_size=3),
+    st.sampled_from(["", "\n", " "]),
+    st.booleans(),
+)
+def test_kimi_k2_decodes_what_mlx_lms_parser_decodes_on_well_formed_markup(calls, gap, wrapped):
+    from app.protocol.family_parsers import kimi_k2
+
+    text = gap.join(
+        f"<|tool_call_begin|>{head}<|tool_call_argument_begin|>{args}<|tool_call_end|>"
+        for head, args in calls
+    )
+    if not wrapped:  # one call with no begin and end tags: the whole text is read
+        text = f"{calls[0][0]}<|tool_call_argument_begin|>{calls[0][1]}"
+    assert _outcome(kimi_k2, text) == _outcome(_mlx_lm("kimi_k2"), text) is not None
+
+
+_K2_PIECES = [
+    *("<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>", "functions."),
+    *("run", ":", "0", "12", " ", "\n", "{}", '{"a": 1}', "x", "é", "<|", "|>", "."),
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_K2_PIECES), max_size=14).map("".join))
+def test_kimi_k2_decodes_any_text_as_mlx_lms_parser_does(text):
+    from app.protocol.family_parsers import kimi_k2
+
+    assert _outcome(kimi_k2, text) == _outcome(_mlx_lm("kimi_k2"), text)
