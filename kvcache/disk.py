@@ -296,8 +296,14 @@ class DiskTier:
         for tmp in self._files(".*.tmp-*"):
             out.discarded += self._unlink(tmp)
         referenced: set[str] = set()
+        unreadable = 0  # entries kept unread: which blocks they name is not known
         for path in sorted((self.dir / "entries").glob("*.safetensors")):
-            manifest = self._manifest(path)
+            try:
+                manifest = self._manifest(path)
+            except OSError as exc:  # EIO, EACCES, EMFILE: may read next start
+                unreadable += 1
+                log.warning("KV entry %s could not be read at start, kept: %s", path.name, exc)
+                continue
             names = _block_names(manifest.get("blocks")) if manifest else None
             if manifest is None or names is None:
                 out.discarded += self._unlink(path)
@@ -307,9 +313,16 @@ class DiskTier:
                 continue
             referenced.update(names)
             out.entries.append(ScannedEntry(path.stem, manifest))
-        for block in self._block_files("*.safetensors"):
-            if block.stem not in referenced:
-                out.discarded += self._unlink(block)
+        if unreadable:  # the sweep could take blocks only those entries name
+            log.warning(
+                "%d KV entries could not be read at start: kept, and no unreferenced "
+                "block deleted this time",
+                unreadable,
+            )
+        else:
+            for block in self._block_files("*.safetensors"):
+                if block.stem not in referenced:
+                    out.discarded += self._unlink(block)
         self.counters.files_discarded += out.discarded
         return out
 
@@ -326,7 +339,8 @@ class DiskTier:
                 yield from shard.glob(pattern)
 
     def _manifest(self, path: Path) -> dict[str, Any] | None:
-        """The manifest from a file's header alone (the data is verified on load)."""
+        """The manifest from a file's header alone (the data is verified on load);
+        None for damage or a foreign file, OSError for a read that may work later."""
         try:
             f, _ = open_regular(path)  # a FIFO blocked the start here
             with f:
@@ -340,8 +354,7 @@ class DiskTier:
                 return None
             manifest = json.loads(meta["manifest"])
         except (
-            CorruptFile,
-            OSError,
+            CorruptFile,  # a FIFO, a symlink, or gone since it was listed
             ValueError,
             KeyError,
             TypeError,

@@ -1367,3 +1367,43 @@ def test_an_entry_and_the_saved_list_are_durable_once_written(tmp_path, monkeypa
 
 def test_a_folder_that_cannot_be_synced_is_no_error(tmp_path):
     safetensors_io.sync_dir(tmp_path / "gone")  # as on a platform that cannot open folders
+
+
+@pytest.mark.parametrize("errno_name", ["EIO", "EACCES", "EMFILE"])
+def test_an_entry_unreadable_at_start_for_now_is_kept_with_its_blocks(
+    tmp_path, monkeypatch, caplog, errno_name
+):
+    """The start-up scan took an entry whose header could not be read this time (EIO,
+    EACCES, EMFILE) for damage: it deleted the file, and the sweep after it every
+    block only that entry named, a saved conversation's included."""
+    import errno
+
+    from kvcache import disk
+
+    a, b = _two_entries_sharing_a_prefix_one_saved(tmp_path)
+    files = _files(tmp_path)
+    real = disk.open_regular
+    code = getattr(errno, errno_name)
+
+    def flaky(path):
+        if "entries" in path.parts:
+            raise OSError(code, os.strerror(code))
+        return real(path)
+
+    monkeypatch.setattr(disk, "open_regular", flaky)
+    m = manager(tmp_path)
+    try:
+        assert m.restored == 0  # nothing it could read...
+        m.flush()
+    finally:
+        m.close()
+    assert _files(tmp_path) == files  # ...and nothing deleted
+    assert "could not be read" in caplog.text
+    monkeypatch.setattr(disk, "open_regular", real)
+    again = manager(tmp_path)
+    try:
+        assert again.restored == 2
+        assert [c.conversation_id for c in again.saved_conversations()] == ["B"]
+        assert served(again, b + [7]) == (b, "disk")
+    finally:
+        again.close()
