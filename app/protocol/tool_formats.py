@@ -227,9 +227,11 @@ def _minicpm_functions(text: str) -> list[str]:
 
 
 # a run of what mlx-lm's Mistral header regex, ``([\w-]+)\s*\[ARGS\]\s*``, reads as a
-# name, and what may follow a name for it to be one
+# name, and its spaces (the ``regex`` module's \s, as mlx-lm's). No pattern holds
+# "[ARGS]": an anchored ``regex`` match looks ahead for a literal it requires,
+# through the rest of the text, so one tried after each word was quadratic on prose.
 _NAME_RUN = regex.compile(r"[\w-]+")
-_ARGS_TAG = regex.compile(r"\s*\[ARGS\]\s*")
+_SPACES = regex.compile(r"\s*")
 
 
 def _mistral(text: str) -> list[dict[str, Any]] | dict[str, Any]:
@@ -257,11 +259,21 @@ def _mistral_header(text: str, pos: int) -> tuple[str, int] | None:
     """The first ``name[ARGS]`` from ``pos`` on, as the header regex's search finds it:
     a name ends where its run of word characters does, so each run is tried once.
     (The name, where its arguments start.)"""
+    if text.find("[ARGS]", pos) < 0:
+        return None  # prose, the usual case: one scan, not one step per word
     while (run := _NAME_RUN.search(text, pos)) is not None:
-        if (tag := _ARGS_TAG.match(text, run.end())) is not None:
-            return run.group(), tag.end()
+        tag = _spaces_end(text, run.end())
+        if text.startswith("[ARGS]", tag):
+            return run.group(), _spaces_end(text, tag + len("[ARGS]"))
         pos = run.end()
     return None
+
+
+def _spaces_end(text: str, pos: int) -> int:
+    """Where the spaces from ``pos`` on end (``pos`` itself where there are none)."""
+    spaces = _SPACES.match(text, pos)
+    assert spaces is not None  # it matches the empty string
+    return spaces.end()
 
 
 def _functions(inner: str) -> list[str]:

@@ -658,6 +658,25 @@ def test_a_mistral_header_after_a_long_word_is_found_in_linear_time():
     assert _growth(lambda n: decoder.decode(MISTRAL, _mistral_prose(n)), 2000) < 8
 
 
+def _many_words(n: int) -> str:
+    """Ordinary prose after ``[TOOL_CALLS]``: short words, no header."""
+    return "the model writes a reply about tool calls " * (n // 42)
+
+
+def _words_then_header(n: int) -> str:
+    """Short words, then a header at the very end."""
+    return "a " * (n // 2) + "f[ARGS]{}"
+
+
+@pytest.mark.parametrize("prose", [_many_words, _words_then_header])
+def test_mistral_prose_of_short_words_is_read_in_linear_time(prose):
+    """Looking for ``[ARGS]`` after each word with an anchored ``regex`` match
+    scanned the rest of the text for the literal each time: 64 KB of prose held
+    the event loop a sixth of a second, 80 KB of "a " two thirds."""
+    decoder = ToolCallDecoder(TOOLS, "qwen3_coder")
+    assert _growth(lambda n: decoder.decode(MISTRAL, prose(n)), 8000) < 8
+
+
 _MISTRAL_PIECES = [
     *("run", "a-b", "-", "1", "é", "\u0301", "²", " ", "\n", "\x1c", ",", '"', "[", "]"),
     *("[ARGS]", "[ARGS", "ARGS]", "[TOOL_CALLS]", "{}", "{", "}", '{"x": 1}', '"arguments"'),
