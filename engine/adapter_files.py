@@ -15,7 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from scheduler.contracts import AdapterError, AdapterFiles, AdapterTooLarge
+from scheduler.contracts import AdapterError, AdapterFiles, AdapterFormatError, AdapterTooLarge
 
 if TYPE_CHECKING:
     from scheduler.admission import MemoryBudget
@@ -61,8 +61,8 @@ def tensor_cap(adapter_layers: int) -> int:
     return len(LEAVES) * adapter_layers if adapter_layers > 0 else MAX_TENSORS
 
 
-def _unreadable(file: Path, why: str) -> AdapterError:
-    return AdapterError(f"{file} is not a readable safetensors file: {why}")
+def _unreadable(file: Path, why: str) -> AdapterFormatError:
+    return AdapterFormatError(f"{file} is not a readable safetensors file: {why}")
 
 
 def _check_safetensors(raw: bytes, max_tensors: int, file: Path) -> None:
@@ -77,7 +77,7 @@ def _check_safetensors(raw: bytes, max_tensors: int, file: Path) -> None:
     if data_bytes < 0:
         raise _unreadable(file, f"a header of {size} bytes in a file of {len(raw)}")
     if size > _MAX_METADATA_BYTES + _HEADER_BYTES_PER_TENSOR * max_tensors:
-        raise AdapterError(
+        raise AdapterFormatError(
             f"{WEIGHTS_FILE}'s header is {size} bytes, more than the {max_tensors} tensors "
             "an adapter of this model can have would take"
         )
@@ -89,9 +89,9 @@ def _check_safetensors(raw: bytes, max_tensors: int, file: Path) -> None:
         raise _unreadable(file, "its header is no JSON object")
     header.pop("__metadata__", None)  # free-form strings ("format": "mlx")
     if not header:
-        raise AdapterError(f"{file} holds no tensors")
+        raise AdapterFormatError(f"{file} holds no tensors")
     if len(header) > max_tensors:
-        raise AdapterError(
+        raise AdapterFormatError(
             f"{WEIGHTS_FILE} holds {len(header)} tensors, more than the {max_tensors} an "
             "adapter of this model can have (lora_a, lora_b and m per linear layer)"
         )
@@ -103,14 +103,14 @@ def _check_tensor(name: str, entry: Any, data_bytes: int, file: Path) -> None:
     shown = repr(name[:MAX_NAME])
     match = _NAME.fullmatch(name) if len(name) <= MAX_NAME else None
     if match is None:
-        raise AdapterError(
+        raise AdapterFormatError(
             f"tensor {shown} is not an adapter parameter (expected <layer>.lora_a, .lora_b or .m)"
         )
     if not isinstance(entry, dict):
         raise _unreadable(file, f"tensor {shown} has no dtype, shape and offsets")
     dtype = entry.get("dtype")
     if dtype not in _DTYPE_BYTES:
-        raise AdapterError(
+        raise AdapterFormatError(
             f"tensor {shown} is {str(dtype)[:20]}, not a float (F16, BF16 or F32: "
             "float16, bfloat16 or float32)"
         )
@@ -121,7 +121,7 @@ def _check_tensor(name: str, entry: Any, data_bytes: int, file: Path) -> None:
         or len(shape) != ndim
         or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
     ):
-        raise AdapterError(
+        raise AdapterFormatError(
             f"tensor {shown} has shape {str(shape)[:60]}, not {ndim} non-negative sizes"
         )
     offsets = entry.get("data_offsets")
@@ -145,22 +145,24 @@ def _check_tensor(name: str, entry: Any, data_bytes: int, file: Path) -> None:
 
 def _check_config(config: Any, where: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
-        raise AdapterError(f"{where} must hold a JSON object")
+        raise AdapterFormatError(f"{where} must hold a JSON object")
     kind = config.get("fine_tune_type", "lora")
     if kind not in ("lora", "dora"):
-        raise AdapterError(
+        raise AdapterFormatError(
             f"fine_tune_type {kind!r} cannot be mounted: only lora and dora adapters "
             "(a full fine-tune is a model of its own)"
         )
     params = config.get("lora_parameters")
     if not isinstance(params, dict):
-        raise AdapterError(f"{CONFIG_FILE} has no lora_parameters object")
+        raise AdapterFormatError(f"{CONFIG_FILE} has no lora_parameters object")
     rank, scale = params.get("rank"), params.get("scale")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise AdapterError(f"lora_parameters.rank must be a positive integer, got {rank!r}")
+        raise AdapterFormatError(f"lora_parameters.rank must be a positive integer, got {rank!r}")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not _finite(scale):
         # NaN or 1e400 (json reads both) mounted, and every token it ran was NaN
-        raise AdapterError(f"lora_parameters.scale must be a finite number, got {str(scale)[:40]}")
+        raise AdapterFormatError(
+            f"lora_parameters.scale must be a finite number, got {str(scale)[:40]}"
+        )
     return config
 
 
@@ -197,7 +199,7 @@ def _read_regular(path: Path, limit: int | None, too_large: Callable[[int], Adap
 
 
 def _config_too_large(size: int) -> AdapterError:
-    return AdapterError(f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
+    return AdapterFormatError(f"{CONFIG_FILE} is over {MAX_CONFIG_BYTES} bytes")
 
 
 def _adapter_config(path: Path | str) -> tuple[Path, str, bytes, dict[str, Any], Path]:
@@ -225,7 +227,9 @@ def _adapter_config(path: Path | str) -> tuple[Path, str, bytes, dict[str, Any],
         except (ValueError, RecursionError) as exc:
             if isinstance(exc, AdapterError):
                 raise
-            raise AdapterError(f"{CONFIG_FILE} is not readable JSON: {str(exc)[:200]}") from None
+            raise AdapterFormatError(
+                f"{CONFIG_FILE} is not readable JSON: {str(exc)[:200]}"
+            ) from None
         weights = path / WEIGHTS_FILE
         if not weights.is_file():  # a first look only (serve's start): the read checks again
             raise AdapterError(f"{shown} has no {WEIGHTS_FILE}")

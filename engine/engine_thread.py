@@ -36,6 +36,7 @@ from scheduler.contracts import (
     AdapterError,
     AdapterExists,
     AdapterFiles,
+    AdapterFormatError,
     AdapterInfo,
     AdapterInUse,
     AdapterNoRoomNow,
@@ -436,7 +437,9 @@ class EngineThread(threading.Thread):
             limit = never_fits_bytes(booted.admission.budget)
             try:
                 files = read_adapter_files(path, limit, tensor_cap(booted.info.adapter_layers))
-            except AdapterTooLarge as exc:  # the next start reads the same size: lasting
+            except (AdapterTooLarge, AdapterFormatError) as exc:
+                # the next start reads the same size and bytes: lasting (exit 2, or a
+                # supervisor reloads the model for ever to refuse them again)
                 raise AdapterSettingError(f"{where}: {exc}") from exc
             except Exception as exc:  # a mount not up yet, perhaps: the next start may read it
                 raise RuntimeError(f"{where}: {exc}") from exc

@@ -111,6 +111,12 @@ class AdapterTooLarge(AdapterError):
     """Mounting it would leave no KV budget for any request."""
 
 
+class AdapterFormatError(AdapterError):
+    """Its files were read and are no adapter a mount takes (a config or weights
+    header it refuses): reading them again reads the same, so at start it is lasting.
+    Failing to read them (a mount not up yet, EIO) is a plain AdapterError."""
+
+
 class AdapterNoRoomNow(AdapterError):
     """It fits once the running or queued requests' KV is released: retry then."""
 

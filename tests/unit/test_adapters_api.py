@@ -667,3 +667,70 @@ def test_an_adapter_flag_that_cannot_fit_stops_the_start_before_it_is_mounted(tm
     assert "--adapter big=" in seen[0][0] and "could never be mounted" in seen[0][0]
     assert "--adapter b=" in seen[1][0] and "no KV budget" in seen[1][0]
     assert all("\n" not in reason for reason, _ in seen)
+
+
+def test_an_adapter_flag_whose_files_cannot_be_mounted_stops_the_start_for_good(
+    tmp_path, monkeypatch
+):
+    """A weights header the read refuses (a dtype, name or shape no adapter has, more
+    tensors than the model has layers for) was a plain RuntimeError at start: exit 1,
+    and a supervisor reloaded the model for ever to read the same bytes. An error
+    reading the files (a mount not up yet) is still worth another start."""
+    import asyncio
+    import errno
+    import os
+
+    from engine import adapter_files
+    from scheduler.scheduler import Scheduler
+    from scheduler.streams import OutputRouter
+    from tests.helpers.fake_engine import FakeEngine
+    from tests.helpers.safetensors_bytes import safetensors
+
+    def tensor(name: str = "model.layers.0.q.lora_a", dtype: str = "F16", shape=(1, 1)) -> bytes:
+        size = 2 * shape[0] * (shape[1] if len(shape) > 1 else 1)
+        entry = {"dtype": dtype, "shape": list(shape), "data_offsets": [0, size]}
+        return safetensors({name: entry}, b"\0" * size)
+
+    def adapter(name: str, weights: bytes) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        config = {"fine_tune_type": "lora", "lora_parameters": {"rank": 1, "scale": 1.0}}
+        (d / "adapter_config.json").write_text(json.dumps(config))
+        (d / "adapters.safetensors").write_bytes(weights)
+        return d
+
+    refused = {
+        "int": tensor(dtype="I16"),
+        "name": tensor(name="model.layers.0.q.weight"),
+        "shape": tensor(shape=(2,)),
+        "many": one_element_tensors(4097),
+        "no-json": safetensors({}).replace(b"{}", b"{("),
+    }
+    real_open = os.open
+
+    def eio(path, *args, **kwargs):
+        if str(path).endswith("eio/adapters.safetensors"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(adapter_files.os, "open", eio)
+    cases = [(name, adapter(name, raw)) for name, raw in refused.items()]
+    cases.append(("eio", adapter("eio", tensor())))
+    loop = asyncio.new_event_loop()
+    seen: list[tuple[str, bool]] = []
+    try:
+        for adapter_id, path in cases:
+            engine = FakeEngine(
+                Scheduler(None, max_running=1, max_queue=4),
+                OutputRouter(loop),
+                kv_budget_tokens=1 << 20,  # room for 4097 tensors' header
+                adapters=((adapter_id, path),),
+                on_load_failure=lambda reason, lasting: seen.append((reason, lasting)),
+            )
+            engine.start()
+            engine.join(30)
+            assert not engine.ready
+    finally:
+        loop.close()
+    assert [lasting for _, lasting in seen] == [True] * len(refused) + [False], seen
+    assert all(f"--adapter {i}=" in reason for (i, _), (reason, _) in zip(cases, seen))
