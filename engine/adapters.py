@@ -131,7 +131,14 @@ class AdapterSet:
             layer.adapters[slot] = pair
         if wrap:
             self.model.update_modules(tree_unflatten(wrap))
-        if self._breaks_the_model(slot):
+        try:
+            broken = self._breaks_the_model(slot)
+        except BaseException:
+            # the pairs are in the model already: a probe that raised (out of memory,
+            # say) must not leave them and their wrappers in every later pass
+            self._remove(pairs, slot)
+            raise
+        if broken:
             self._remove(pairs, slot)
             raise AdapterError(
                 f"with adapter {adapter_id!r} the model's logits are not finite or all "

@@ -399,3 +399,40 @@ def test_finite_weights_whose_products_overflow_are_refused(tiny_llama_dir, adap
     assert [i.id for i in runner.adapter_infos()] == ["a"]
     got = run(runner, [request("r", PROMPTS[0], adapter="a")])["r"]
     assert got == reference(tiny_llama_dir, PROMPTS[0], adapters["a"])
+
+
+class _ProbeFailed(Exception):
+    pass
+
+
+def test_a_probe_that_raises_leaves_no_half_mounted_adapter(tiny_llama_dir, adapters, monkeypatch):
+    """The overflow probe ran after the pairs were in the model with nothing around
+    it: when it raised (out of memory, say), the layers kept their wrappers and the
+    adapter's pairs under a slot no adapter owns, and every later pass ran them."""
+    from engine.adapters import AdapterSet
+
+    def probe(self, slot):
+        raise _ProbeFailed("the probe's forward pass failed")
+
+    def slots(runner) -> dict[str, set[int]]:
+        modules = runner.model.named_modules()
+        return {p: set(m.adapters) for p, m in modules if isinstance(m, MultiLoRALinear)}
+
+    runner = make_runner(tiny_llama_dir)
+    bare = [(p, type(m).__name__) for p, m in runner.model.named_modules()]
+    with monkeypatch.context() as patch:
+        patch.setattr(AdapterSet, "_breaks_the_model", probe)
+        with pytest.raises(_ProbeFailed):
+            mount(runner, "b", adapters["b"])
+    assert [(p, type(m).__name__) for p, m in runner.model.named_modules()] == bare  # unwrapped
+    mount(runner, "a", adapters["a"])
+    before = slots(runner)
+    with monkeypatch.context() as patch:
+        patch.setattr(AdapterSet, "_breaks_the_model", probe)
+        with pytest.raises(_ProbeFailed):
+            mount(runner, "dora", adapters["dora"])
+    assert slots(runner) == before  # no pairs left under the failed mount's slot
+    assert [i.id for i in runner.adapter_infos()] == ["a"]
+    assert mount(runner, "b", adapters["b"]).id == "b"  # the id was never taken
+    got = run(runner, [request("r", PROMPTS[0], adapter="a")])["r"]
+    assert got == reference(tiny_llama_dir, PROMPTS[0], adapters["a"])
