@@ -472,5 +472,11 @@ def _abandoned(pending: asyncio.Future[RequestOutput | None], end: _Ending) -> N
     """A generation gone before its start()'s read-ahead was read: the response body
     never started. Cancelling the read-ahead ends the request; ``end`` observes it
     (as an abort, unless the engine had already finished it)."""
+    if pending.done() and not pending.cancelled() and pending.exception() is None:
+        # its first output came after start() stopped waiting: the engine had the
+        # request (its cache report, its start), which the record must say
+        first = pending.result()
+        if first is not None:
+            end.outcome.add_output(first)
     pending.cancel()
     end.close(delivered=False)

@@ -850,6 +850,45 @@ def test_a_streamed_request_whose_body_never_starts_is_observed_once(client_left
     asyncio.run(scenario())
 
 
+def test_a_body_that_never_starts_after_its_first_output_is_recorded_with_it():
+    """The read-ahead had its first output (the engine started the request, its
+    cache report in it) when the generation went: the record was made without it,
+    as a request that never reached the engine (no cache report, all its time
+    counted as queueing)."""
+    import gc
+    from types import SimpleNamespace
+
+    from app.generation import Generation
+    from scheduler.request import Request
+
+    async def scenario() -> None:
+        async with _fake_service(step_delay=0.01) as (_, _, service):
+            blocker = service.submit(Request([1] * 5, 5, ignore_eos=True))
+            done: list = []
+            prepared = SimpleNamespace(
+                request=Request([2] * 5, 300, ignore_eos=True), answered=None
+            )
+            gen = Generation(_observed_state(service, done), prepared, "chat", _Http())
+            assert await gen.start(_Http(), wait_s=0.01)  # still queued: headers go out
+            assert gen.outcome.cache is None
+            pending = gen._pending  # noqa: SLF001 - the read-ahead, read by no body
+            async with asyncio.timeout(5):
+                while not pending.done():  # the blocker ended: this one started
+                    await asyncio.sleep(0.01)
+            del gen
+            gc.collect()
+            async with asyncio.timeout(5):
+                while not done:
+                    await asyncio.sleep(0.02)
+            [record] = done
+            assert (record.finish, record.disconnected) == ("abort", True)
+            assert record.cache is not None  # the engine's report, from the first output
+            assert record.waited_s is None  # it ran: its wait was not all queueing
+            await blocker.aclose()
+
+    asyncio.run(scenario())
+
+
 def test_control_operations_run_a_few_per_step_and_queue_to_a_bound():
     """Every /v1/conv_kv load and adapter call ran before the next decode step: a
     flood of them from one client stalled every stream's tokens, and their queue
