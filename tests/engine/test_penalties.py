@@ -124,7 +124,7 @@ def test_after_a_hit_whose_stale_span_is_longer_only_generated_tokens_are_counte
     prompt = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
     entry = [40, 41, 42, 90, 91, 92, 93, 47]  # its volatile span one token longer
 
-    def hit(_cache, row):
+    def hit(_cache, row, _defer_disk=False):
         row.cached, row.kv_offset = 7, 8  # 7 request tokens reused, 8 positions of KV
         kv = model.make_cache()
         model(mx.array([entry]), cache=kv)
