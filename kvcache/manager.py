@@ -31,7 +31,7 @@ from kvcache.namespaces import prune_other_namespaces
 from kvcache.os_memory import MemoryReturner
 from kvcache.payloads import BlockArrays, KVLayoutOps, PrivatePart, rebuild_private
 from kvcache.prompt_key import PromptKey
-from kvcache.safetensors_io import CorruptFile
+from kvcache.safetensors_io import GONE, CorruptFile
 from kvcache.sessions import SessionStore
 from kvcache.stats import KVCacheStats, TierStats
 from kvcache.tiers import PERSISTENT_TIERS, PersistentTier
@@ -237,31 +237,49 @@ class TieredKVManager:
         entry = result.hit.entry
         if defer_disk and not entry.in_ram and self.disk is not None:
             return self._begin_read(request_id, hints, result, miss, known), miss
+        reading = not entry.in_ram  # errors until its files are MLX arrays may pass
         try:
-            caches = self._caches(entry, result.hit.alignment.entry_depth)
-        except Exception as exc:  # noqa: BLE001 - sorted out by _unreadable
-            self._unreadable(request_id, result, exc)
+            blocks, private = self._loaded(entry)
+            reading = False
+            caches = self._assemble(blocks, private, result.hit.alignment.entry_depth)
+        except Exception as exc:  # noqa: BLE001 - sorted out by _unusable
+            self.index.release(entry.entry_id)
+            self._unusable(request_id, result, exc, reading)
             return None, miss
         return self._hit(request_id, hints, result, caches, known, rejected)
 
-    def _unreadable(self, request_id: str, result: Lookup, exc: Exception) -> None:
-        """A hit whose KV could not be read back: the lookup misses."""
+    def _unusable(self, request_id: str, result: Lookup, exc: Exception, reading: bool) -> None:
+        """A hit whose KV could not be served: the lookup misses, and the entry goes
+        unless ``exc`` is a disk read that may pass (``reading``: raised while its
+        files were read or made MLX arrays)."""
         assert result.hit is not None
         entry = result.hit.entry
-        self.index.release(entry.entry_id)
         self.index.unusable_hit(result)
         if isinstance(exc, CorruptFile):
             log.warning("%s: cached KV on disk discarded: %s", request_id, exc)
             self.damaged(entry, exc)
-            return
-        # a read that may pass (EMFILE, no memory), not damage: discarded, a shared
-        # block took every entry naming it, saves and all; the files stay for the next
-        log.warning(
-            "%s: cached KV on disk not read this time, kept (%s: %s)",
-            request_id,
-            type(exc).__name__,
-            exc,
-        )
+        elif reading and _may_pass(exc):
+            # not damage: discarded, a shared block took every entry naming it,
+            # saves and all; the files stay for the next
+            log.warning(
+                "%s: cached KV on disk not read this time, kept (%s: %s)",
+                request_id,
+                type(exc).__name__,
+                exc,
+            )
+        else:
+            # its own arrays do not fit together: kept, it stayed the best hit with
+            # no ref, and every lookup for its prefix missed for good
+            log.error(
+                "%s: cached KV %s (entry %d) discarded: it could not be assembled (%s: %s)",
+                request_id,
+                "on disk" if result.tier == "disk" else "in RAM",
+                entry.entry_id,
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
+            self._discard(entry)
 
     def _hit(
         self,
@@ -346,14 +364,21 @@ class TieredKVManager:
         entry, result = pending.entry, pending.result
         keep = pending.result.hit.alignment.entry_depth
         self.poll()
+        if self.index.get(entry.entry_id) is not entry:  # lost meanwhile (a damaged block)
+            log.info("%s: cached KV left the cache while being read", pending.request_id)
+            pending.have = {}
+            self.index.release(entry.entry_id)
+            self.index.unusable_hit(result)  # nothing left to keep or discard
+            return None, pending.miss
+        reading = True
         try:
-            if self.index.get(entry.entry_id) is not entry:
-                raise LookupError("it left the cache while being read")  # forgotten, lost
             files = pending.ticket.outcome()
             blocks, private = self._to_mlx(entry, pending.have, files)
+            reading = False
             caches = self._assemble(blocks, private, keep)
-        except Exception as exc:  # noqa: BLE001 - sorted out by _unreadable
-            self._unreadable(pending.request_id, result, exc)
+        except Exception as exc:  # noqa: BLE001 - sorted out by _unusable
+            self.index.release(entry.entry_id)
+            self._unusable(pending.request_id, result, exc, reading)
             self._return_memory()
             return None, pending.miss
         finally:
@@ -392,7 +417,7 @@ class TieredKVManager:
 
     def read_back(self, entry: CacheEntry) -> tuple[list[BlockArrays], PrivatePart]:
         """Read a disk entry's files (verified), then count it back into RAM.
-        Raises CorruptFile for damage; anything else (OSError, MemoryError) may pass."""
+        Raises CorruptFile for damage; what may pass instead, ``_may_pass`` says."""
         assert self.disk is not None
         have = {d: self._blocks[d] for d, _ in entry.held.blocks if d in self._blocks}
         need = [(d, n) for d, n in entry.held.blocks if d not in have]
@@ -441,7 +466,7 @@ class TieredKVManager:
                 log.warning("%d more cached entries on disk named the damaged block", lost)
 
     def _discard(self, entry: CacheEntry) -> None:
-        if self.disk is not None:
+        if self.disk is not None and (entry.on_disk or entry.persisting):  # files go
             self.disk.counters.files_discarded += 1
         self.index.remove(entry.entry_id)
 
@@ -735,6 +760,22 @@ def _tier_stats(ledger: TierLedger, entries: list[CacheEntry]) -> TierStats:
         len(entries),
         ledger.shared_saved_bytes,
         sum(e.length for e in entries),
+    )
+
+
+# what MLX's allocators say when memory runs out (a RuntimeError, not MemoryError)
+_OUT_OF_MEMORY = ("out of memory", "insufficient memory", "unable to allocate")
+
+
+def _may_pass(exc: BaseException) -> bool:
+    """Whether reading or converting a disk entry's files may work next time: an
+    I/O error (EMFILE, EIO, EACCES; a file gone is damage) or no memory now."""
+    if isinstance(exc, OSError):
+        return not isinstance(exc, GONE)
+    if isinstance(exc, MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(
+        words in str(exc).lower() for words in _OUT_OF_MEMORY
     )
 
 

@@ -17,6 +17,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from kvcache import safetensors_io
+from kvcache.disk_reads import PendingHit
 from kvcache.index import PromptCacheConfig, VolatilePolicy
 from kvcache.interface import ConversationNotFound, StorageFull
 from kvcache.manager import DiskConfig, TieredKVManager
@@ -52,9 +53,16 @@ def store(m: TieredKVManager, tokens: list[int], session: str = "s") -> int:
     return entry_id
 
 
-def served(m: TieredKVManager, prompt: list[int]) -> tuple[list[int], str] | None:
-    """The tokens the reused KV was computed for, and the tier it came from."""
-    reuse, report = m.lookup("r", CacheHints(PromptKey.build(prompt), "probe"), max_growth=0)
+def served(
+    m: TieredKVManager, prompt: list[int], defer: bool = False
+) -> tuple[list[int], str] | None:
+    """The tokens the reused KV was computed for, and the tier it came from
+    (``defer``: a disk hit read on the reader thread, as the engine reads it)."""
+    hints = CacheHints(PromptKey.build(prompt), "probe")
+    reuse, report = m.lookup("r", hints, max_growth=0, defer_disk=defer)
+    if isinstance(reuse, PendingHit):
+        assert reuse.ticket.wait(5)
+        reuse, report = m.finish_read(reuse)
     if reuse is None:
         return None
     m.release(reuse.entry_id)
@@ -1407,3 +1415,88 @@ def test_an_entry_unreadable_at_start_for_now_is_kept_with_its_blocks(
         assert served(again, b + [7]) == (b, "disk")
     finally:
         again.close()
+
+
+def _assembly_fails(monkeypatch, m: TieredKVManager) -> None:
+    def broken(self, *args, **kw):  # the entry's own arrays do not fit together
+        raise ValueError("shapes do not broadcast")
+
+    monkeypatch.setattr(type(m.ops), "assemble", broken)
+
+
+def test_an_entry_in_ram_that_cannot_be_assembled_is_discarded_not_kept(
+    tmp_path, monkeypatch, caplog
+):
+    """Any error but damage was taken for a disk read that may pass: an entry in RAM
+    whose assembly failed stayed the best hit with no ref, and every lookup missed."""
+    tokens = list(range(1000, 1050))
+    m = manager(tmp_path)
+    try:
+        store(m, tokens)
+        m.flush()
+        _assembly_fails(monkeypatch, m)
+        assert served(m, tokens + [1]) is None
+        assert m.index.entries() == []  # discarded: the next lookup does not hit it
+        assert served(m, tokens + [1]) is None
+        st = m.stats()
+        assert (st.hits, st.misses) == (0, 2)
+        assert "in RAM" in caplog.text and "on disk" not in caplog.text
+        monkeypatch.undo()
+        store(m, tokens)
+        assert served(m, tokens + [1]) == (tokens, "ram")
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_disk_entry_read_whole_that_cannot_be_assembled_is_discarded(
+    tmp_path, monkeypatch, defer
+):
+    tokens = list(range(1000, 1050))
+    one_entry_on_disk(tmp_path, tokens)
+    m = manager(tmp_path)
+    try:
+        _assembly_fails(monkeypatch, m)
+        assert served(m, tokens + [1], defer) is None
+        assert m.index.entries() == []
+        m.flush()
+        assert _files(tmp_path) == []
+        st = m.stats()
+        assert (st.hits, st.misses, st.disk_files_discarded) == (0, 1, 1)
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("defer", [False, True])
+@pytest.mark.parametrize(
+    "exc, kept",
+    [
+        (MemoryError(), True),
+        (RuntimeError("[metal::malloc] Unable to allocate 4096 bytes"), True),
+        (RuntimeError("[METAL] Command buffer execution failed: Insufficient Memory"), True),
+        (OSError(5, "Input/output error"), True),
+        (FileNotFoundError(2, "gone"), False),
+        (RuntimeError("[reshape] Cannot reshape array"), False),
+    ],
+)
+def test_only_a_disk_read_that_may_pass_keeps_the_entry(tmp_path, monkeypatch, defer, exc, kept):
+    tokens = list(range(1000, 1050))
+    one_entry_on_disk(tmp_path, tokens)
+    files = _files(tmp_path)
+    m = manager(tmp_path)
+    try:
+
+        def fails(raw):  # while converting the files read to MLX arrays
+            raise exc
+
+        monkeypatch.setattr("kvcache.manager.mlx_arrays", fails)
+        assert served(m, tokens + [1], defer) is None
+        monkeypatch.undo()
+        m.flush()
+        if kept:
+            assert _files(tmp_path) == files and m.index.entries()[0].refs == 0
+            assert served(m, tokens + [1], defer) == (tokens, "disk")
+        else:
+            assert m.index.entries() == [] and _files(tmp_path) == []
+    finally:
+        m.close()
