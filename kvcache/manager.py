@@ -246,7 +246,11 @@ class TieredKVManager:
             self.index.release(entry.entry_id)
             self._unusable(request_id, result, exc, reading)
             return None, miss
-        return self._hit(request_id, hints, result, caches, known, rejected)
+        try:
+            return self._hit(request_id, hints, result, caches, known, rejected)
+        except BaseException:
+            self.index.release(entry.entry_id)  # no Reuse names it: nobody else would
+            raise
 
     def _unusable(self, request_id: str, result: Lookup, exc: Exception, reading: bool) -> None:
         """A hit whose KV could not be served: the lookup misses, and the entry goes
@@ -360,33 +364,36 @@ class TieredKVManager:
         """A finished read's KV as MLX arrays (engine thread): the hit, or the
         miss (damage discarded, a failed read's files kept) with nothing claimed."""
         assert pending.done and not pending.released and pending.result.hit is not None
-        pending.released = True  # from here the ref is the hit's, or given back below
+        pending.released = True  # the ref goes once, below: to the hit, or given back
         entry, result = pending.entry, pending.result
         keep = pending.result.hit.alignment.entry_depth
-        self.poll()
-        if self.index.get(entry.entry_id) is not entry:  # lost meanwhile (a damaged block)
-            log.info("%s: cached KV left the cache while being read", pending.request_id)
-            pending.have = {}
-            self.index.release(entry.entry_id)
-            self.index.unusable_hit(result)  # nothing left to keep or discard
-            return None, pending.miss
-        reading = True
+        served = False
         try:
-            files = pending.ticket.outcome()
-            blocks, private = self._to_mlx(entry, pending.have, files)
-            reading = False
-            caches = self._assemble(blocks, private, keep)
-        except Exception as exc:  # noqa: BLE001 - sorted out by _unusable
-            self.index.release(entry.entry_id)
-            self._unusable(pending.request_id, result, exc, reading)
-            self._return_memory()
-            return None, pending.miss
+            self.poll()
+            if self.index.get(entry.entry_id) is not entry:  # lost meanwhile (a damaged block)
+                log.info("%s: cached KV left the cache while being read", pending.request_id)
+                self.index.unusable_hit(result)  # nothing left to keep or discard
+                return None, pending.miss
+            reading = True
+            try:
+                files = pending.ticket.outcome()
+                blocks, private = self._to_mlx(entry, pending.have, files)
+                reading = False
+                caches = self._assemble(blocks, private, keep)
+            except Exception as exc:  # noqa: BLE001 - sorted out by _unusable
+                self._unusable(pending.request_id, result, exc, reading)
+                return None, pending.miss
+            rejected = pending.miss.rejected
+            hit = self._hit(
+                pending.request_id, pending.hints, result, caches, pending.known_session, rejected
+            )
+            served = True
+            return hit
         finally:
             pending.have = {}
-        rejected = pending.miss.rejected
-        return self._hit(
-            pending.request_id, pending.hints, result, caches, pending.known_session, rejected
-        )
+            if not served:  # whatever raised: marked released, it must be (else held for good)
+                self.index.release(entry.entry_id)
+                self._return_memory()
 
     def cancel_read(self, pending: PendingHit) -> None:
         """Its row went away mid-read: the entry is let go, the read's bytes dropped."""

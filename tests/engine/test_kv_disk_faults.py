@@ -1500,3 +1500,57 @@ def test_only_a_disk_read_that_may_pass_keeps_the_entry(tmp_path, monkeypatch, d
             assert m.index.entries() == [] and _files(tmp_path) == []
     finally:
         m.close()
+
+
+def _probe(m: TieredKVManager, tokens: list[int], request_id: str = "r"):
+    hints = CacheHints(PromptKey.build(tokens + [1]), "probe")
+    return m.lookup(request_id, hints, max_growth=0, defer_disk=True)[0]
+
+
+@pytest.mark.parametrize("where", ["poll", "served", "assemble"])
+def test_a_finished_read_that_raises_gives_its_entry_back_once(tmp_path, monkeypatch, where):
+    """finish_read marked the ref given back before poll() and the hit's counting:
+    either raising left the entry held for good (never evicted, never deleted)."""
+    tokens = list(range(1000, 1050))
+    one_entry_on_disk(tmp_path, tokens)
+    m = manager(tmp_path)
+    try:
+        first, second = _probe(m, tokens, "r1"), _probe(m, tokens, "r2")
+        assert isinstance(first, PendingHit) and isinstance(second, PendingHit)
+        assert first.ticket.wait(5) and second.ticket.wait(5)
+        (entry,) = m.index.entries()
+        assert entry.refs == 2
+
+        def boom(*args, **kw):
+            raise KeyboardInterrupt("stop") if where == "assemble" else RuntimeError("a bug")
+
+        owner = {"poll": m, "served": m.index, "assemble": m}[where]
+        name = "_assemble" if where == "assemble" else where
+        monkeypatch.setattr(owner, name, boom)
+        with pytest.raises((RuntimeError, KeyboardInterrupt)):
+            m.finish_read(first)
+        assert entry.refs == 1  # its own ref given back, the other row's kept
+        m.cancel_read(first)  # the row's clean-up after the failure: nothing more
+        assert entry.refs == 1
+        monkeypatch.undo()
+        m.cancel_read(second)
+        assert entry.refs == 0
+    finally:
+        m.close()
+
+
+def test_a_hit_that_raises_while_counted_gives_its_entry_back(tmp_path, monkeypatch):
+    tokens = list(range(1000, 1050))
+    m = manager(tmp_path)
+    try:
+        store(m, tokens)
+
+        def boom(result):
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(m.index, "served", boom)
+        with pytest.raises(RuntimeError):
+            served(m, tokens + [1])
+        assert m.index.entries()[0].refs == 0
+    finally:
+        m.close()
