@@ -6,8 +6,9 @@ the engine thread paused decoding for every running row. The reading (numpy
 only, no MLX) runs here, on one reader thread the KV manager owns; the engine
 thread turns the bytes into MLX arrays once they are ready
 (``TieredKVManager.finish_read``). While a read is in flight its entry stays
-held (index refs), so nothing evicts or deletes its files; a read whose row
-went away is cancelled (skipped if not begun, its result dropped if it was).
+held (index refs), so nothing evicts or deletes its files. Rows that hit one
+entry while its read is in flight share that read (``SharedRead``); one whose
+rows all went away is cancelled (skipped if not begun, its result dropped if it was).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kvcache.disk import Arrays
 
 if TYPE_CHECKING:
     from kvcache.entries import CacheEntry, Lookup
-    from kvcache.payloads import BlockArrays
+    from kvcache.payloads import BlockArrays, PrivatePart
     from kvcache.tiers import PersistentTier
     from scheduler.request import CacheHints, CacheReport
 
@@ -137,20 +138,38 @@ class DiskReader:
 
 
 @dataclass
+class SharedRead:
+    """One read of an entry's files, shared by every row that hit the entry while
+    it was in flight (sub-agents after a restart): each read its own copy before,
+    twice the I/O and a second transient copy of the KV. Engine-thread state."""
+
+    ticket: ReadTicket
+    have: dict[Digest, BlockArrays]  # the entry's blocks in RAM when the read began
+    rows: int = 1  # rows waiting on it: the last one gone drops it
+    # the first row to take it up leaves what it made for the others: the KV as
+    # MLX arrays (made once), or that it failed (sorted out once: kept or discarded)
+    loaded: tuple[list[BlockArrays], PrivatePart] | None = None
+    failed: bool = False
+
+
+@dataclass
 class PendingHit:
-    """A disk-tier hit whose files are being read: engine-thread state (``have``
-    holds MLX arrays); its entry is held until ``finish_read`` or ``cancel_read``."""
+    """A disk-tier hit whose files are being read; its entry is held (this row's
+    own ref) until ``finish_read`` or ``cancel_read``."""
 
     request_id: str
     hints: CacheHints
     entry: CacheEntry
     result: Lookup
-    have: dict[Digest, BlockArrays]  # the entry's blocks in RAM when the read began
-    ticket: ReadTicket
+    read: SharedRead
     miss: CacheReport  # what the request reports if the read fails
     known_session: bool
     released: bool = False  # its entry's ref was given back
 
     @property
+    def ticket(self) -> ReadTicket:
+        return self.read.ticket
+
+    @property
     def done(self) -> bool:
-        return self.ticket.done
+        return self.read.ticket.done

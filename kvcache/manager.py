@@ -22,7 +22,7 @@ import mlx.core as mx
 from kvcache.blocks import Digest, EntryBytes, TierLedger, block_digests
 from kvcache.conversations import SavedConversations
 from kvcache.disk import FORMAT_VERSION, CorruptBlock, WriteEntry
-from kvcache.disk_reads import DiskReader, PendingHit, ReadFiles, read_files
+from kvcache.disk_reads import DiskReader, PendingHit, ReadFiles, SharedRead, read_files
 from kvcache.entry_files import key_from, key_manifest, mlx_arrays, numpy_arrays
 from kvcache.index import CacheEntry, Lookup, PrefixIndex, PromptCacheConfig
 from kvcache.interface import SavedConversation
@@ -96,6 +96,7 @@ class TieredKVManager:
         self.conversations = SavedConversations(self)
         self.disk: PersistentTier | None = None
         self._reader: DiskReader | None = None  # disk hits read off the engine thread
+        self._reads: dict[int, SharedRead] = {}  # entry id -> its read in flight
         disk_bytes = 0
         ram_bytes = max_bytes
         if disk is not None and disk.max_bytes > 0:
@@ -342,18 +343,43 @@ class TieredKVManager:
     def _begin_read(
         self, request_id: str, hints: CacheHints, result: Lookup, miss: CacheReport, known: bool
     ) -> PendingHit:
-        """Hand a disk entry's files to the reader thread; the entry stays held
-        (the lookup's ref) until ``finish_read`` or ``cancel_read``."""
+        """Hand a disk entry's files to the reader thread, or join the read of them
+        already in flight; the entry stays held (the lookup's ref, this row's own)
+        until ``finish_read`` or ``cancel_read``."""
         assert result.hit is not None and self.disk is not None
         entry = result.hit.entry
-        have = {d: self._blocks[d] for d, _ in entry.held.blocks if d in self._blocks}
-        need = [(d, n) for d, n in entry.held.blocks if d not in have]
-        if self._reader is None:
-            self._reader = DiskReader()
-        disk, uid, private = self.disk, entry.uid, entry.held.private
-        ticket = self._reader.submit(lambda: read_files(disk, uid, private, need))
-        log.info("%s: prefix cache hit on disk, entry %d: reading it", request_id, entry.entry_id)
-        return PendingHit(request_id, hints, entry, result, have, ticket, miss, known)
+        read = self._reads.get(entry.entry_id)
+        if read is not None and not read.failed:  # a failed one: a fresh read may work
+            read.rows += 1
+            log.info(
+                "%s: prefix cache hit on disk, entry %d: joins its read",
+                request_id,
+                entry.entry_id,
+            )
+        else:
+            have = {d: self._blocks[d] for d, _ in entry.held.blocks if d in self._blocks}
+            need = [(d, n) for d, n in entry.held.blocks if d not in have]
+            if self._reader is None:
+                self._reader = DiskReader()
+            disk, uid, private = self.disk, entry.uid, entry.held.private
+            ticket = self._reader.submit(lambda: read_files(disk, uid, private, need))
+            read = self._reads[entry.entry_id] = SharedRead(ticket, have)
+            log.info(
+                "%s: prefix cache hit on disk, entry %d: reading it", request_id, entry.entry_id
+            )
+        return PendingHit(request_id, hints, entry, result, read, miss, known)
+
+    def _leave_read(self, pending: PendingHit) -> None:
+        """``pending``'s row is done with its read: the last row's going drops it
+        (skipped if not begun, its bytes and MLX arrays let go)."""
+        read = pending.read
+        read.rows -= 1
+        if read.rows > 0:
+            return
+        read.ticket.cancel()
+        read.have, read.loaded = {}, None
+        if self._reads.get(pending.entry.entry_id) is read:
+            del self._reads[pending.entry.entry_id]
 
     def wait_reads(self, timeout: float) -> None:
         """Until a disk read finishes or ``timeout`` passes (nothing else to run)."""
@@ -362,25 +388,31 @@ class TieredKVManager:
 
     def finish_read(self, pending: PendingHit) -> tuple[Reuse | None, CacheReport]:
         """A finished read's KV as MLX arrays (engine thread): the hit, or the
-        miss (damage discarded, a failed read's files kept) with nothing claimed."""
+        miss (damage discarded, a failed read's files kept) with nothing claimed.
+        The first of the rows sharing a read makes the arrays and sorts a failure
+        out; the others take what it left."""
         assert pending.done and not pending.released and pending.result.hit is not None
         pending.released = True  # the ref goes once, below: to the hit, or given back
-        entry, result = pending.entry, pending.result
+        entry, result, read = pending.entry, pending.result, pending.read
         keep = pending.result.hit.alignment.entry_depth
         served = False
         try:
             self.poll()
-            if self.index.get(entry.entry_id) is not entry:  # lost meanwhile (a damaged block)
-                log.info("%s: cached KV left the cache while being read", pending.request_id)
-                self.index.unusable_hit(result)  # nothing left to keep or discard
+            if self.index.get(entry.entry_id) is not entry or read.failed:
+                # lost meanwhile (a damaged block), or a row before this one found the
+                # read unusable and kept or discarded the entry: nothing more to do
+                log.info("%s: cached KV could not be read for it", pending.request_id)
+                self.index.unusable_hit(result)
                 return None, pending.miss
             reading = True
             try:
-                files = pending.ticket.outcome()
-                blocks, private = self._to_mlx(entry, pending.have, files)
+                if read.loaded is None:
+                    read.loaded = self._to_mlx(entry, read.have, read.ticket.outcome())
+                blocks, private = read.loaded
                 reading = False
                 caches = self._assemble(blocks, private, keep)
             except Exception as exc:  # noqa: BLE001 - sorted out by _unusable
+                read.failed = True
                 self._unusable(pending.request_id, result, exc, reading)
                 return None, pending.miss
             rejected = pending.miss.rejected
@@ -390,17 +422,17 @@ class TieredKVManager:
             served = True
             return hit
         finally:
-            pending.have = {}
+            self._leave_read(pending)
             if not served:  # whatever raised: marked released, it must be (else held for good)
                 self.index.release(entry.entry_id)
                 self._return_memory()
 
     def cancel_read(self, pending: PendingHit) -> None:
-        """Its row went away mid-read: the entry is let go, the read's bytes dropped."""
-        pending.ticket.cancel()
-        pending.have = {}
+        """Its row went away mid-read: the entry is let go; the read goes on for
+        the other rows sharing it, or is dropped with the last."""
         if not pending.released:
             pending.released = True
+            self._leave_read(pending)
             self.index.release(pending.entry.entry_id)
 
     def _caches(self, entry: CacheEntry, keep: int) -> list[Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 import zlib
 from pathlib import Path
 
@@ -1552,5 +1553,130 @@ def test_a_hit_that_raises_while_counted_gives_its_entry_back(tmp_path, monkeypa
         with pytest.raises(RuntimeError):
             served(m, tokens + [1])
         assert m.index.entries()[0].refs == 0
+    finally:
+        m.close()
+
+
+class _CountedReads:
+    """The disk tier's entry reads, counted, each held until ``gate`` opens."""
+
+    def __init__(self, disk, fail: BaseException | None = None):
+        self.calls = 0
+        self.gate = threading.Event()
+        self._read, self._fail = disk.read_entry, fail
+
+    def __call__(self, *args, **kw):
+        self.calls += 1
+        assert self.gate.wait(5)
+        if self._fail is not None:
+            raise self._fail
+        return self._read(*args, **kw)
+
+
+def _shared_read_setup(tmp_path, monkeypatch, fail=None):
+    tokens = list(range(1000, 1050))
+    one_entry_on_disk(tmp_path, tokens)
+    m = manager(tmp_path)
+    reads = _CountedReads(m.disk, fail)
+    monkeypatch.setattr(m.disk, "read_entry", reads)
+    return m, tokens, reads
+
+
+def test_rows_hitting_one_disk_entry_share_one_read(tmp_path, monkeypatch):
+    """Two rows on one disk-only entry (sub-agents after a restart) each read its
+    files: double the I/O, and a second transient copy of the KV."""
+    m, tokens, reads = _shared_read_setup(tmp_path, monkeypatch)
+    try:
+        first = _probe(m, tokens, "r1")
+        second = _probe(m, tokens, "r2")
+        assert isinstance(first, PendingHit) and isinstance(second, PendingHit)
+        (entry,) = m.index.entries()
+        assert entry.refs == 2  # each row holds its own
+        reads.gate.set()
+        assert first.ticket.wait(5)
+        late = _probe(m, tokens, "r3")  # read, not yet taken up: joins it too
+        assert isinstance(late, PendingHit) and late.done
+        hits = [m.finish_read(p)[0] for p in (first, second, late)]
+        assert reads.calls == 1
+        for hit in hits:
+            assert hit is not None
+            assert [int(x) for x in hit.caches[0].keys[0, 0, : hit.kv_depth, 0].tolist()] == tokens
+        st = m.stats()
+        assert (st.disk_loads, st.promotions, st.hits, st.disk_hits) == (1, 1, 3, 3)
+        assert entry.refs == 3
+        for hit in hits:
+            m.release(hit.entry_id)
+        assert entry.refs == 0
+    finally:
+        m.close()
+
+
+def test_one_row_gone_leaves_the_shared_read_to_the_others(tmp_path, monkeypatch):
+    m, tokens, reads = _shared_read_setup(tmp_path, monkeypatch)
+    try:
+        first, second = _probe(m, tokens, "r1"), _probe(m, tokens, "r2")
+        (entry,) = m.index.entries()
+        m.cancel_read(first)
+        assert entry.refs == 1 and not second.ticket.cancelled
+        reads.gate.set()
+        assert second.ticket.wait(5)
+        hit, report = m.finish_read(second)
+        assert hit is not None and report.tier == "disk" and reads.calls == 1
+        m.release(hit.entry_id)
+        assert entry.refs == 0
+    finally:
+        m.close()
+
+
+def test_the_last_row_gone_drops_the_shared_read(tmp_path, monkeypatch):
+    m, tokens, reads = _shared_read_setup(tmp_path, monkeypatch)
+    try:
+        first, second = _probe(m, tokens, "r1"), _probe(m, tokens, "r2")
+        (entry,) = m.index.entries()
+        m.cancel_read(second)
+        m.cancel_read(first)
+        assert entry.refs == 0 and first.ticket.cancelled
+        reads.gate.set()
+        assert first.ticket.wait(5)
+        st = m.stats()
+        assert (st.disk_loads, st.promotions) == (0, 0) and not entry.in_ram
+        again = _probe(m, tokens, "r3")  # a fresh read, not the dropped one
+        assert isinstance(again, PendingHit) and again.ticket is not first.ticket
+        assert again.ticket.wait(5)
+        hit, _ = m.finish_read(again)
+        assert hit is not None
+        m.release(hit.entry_id)
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("fail", ["transient", "damage"])
+def test_a_shared_read_that_fails_misses_for_every_row_and_is_sorted_out_once(
+    tmp_path, monkeypatch, fail
+):
+    import errno
+
+    from kvcache.disk import CorruptFile
+
+    exc = OSError(errno.EIO, "I/O error") if fail == "transient" else CorruptFile("bad CRC")
+    m, tokens, reads = _shared_read_setup(tmp_path, monkeypatch, exc)
+    files = _files(tmp_path)
+    try:
+        first, second = _probe(m, tokens, "r1"), _probe(m, tokens, "r2")
+        (entry,) = m.index.entries()
+        reads.gate.set()
+        assert first.ticket.wait(5)
+        assert m.finish_read(first)[0] is None and m.finish_read(second)[0] is None
+        assert reads.calls == 1
+        st = m.stats()
+        assert (st.hits, st.misses) == (0, 2)
+        m.flush()
+        if fail == "transient":
+            assert m.index.entries() == [entry] and entry.refs == 0
+            assert _files(tmp_path) == files
+            assert st.disk_files_discarded == 0
+        else:
+            assert m.index.entries() == [] and _files(tmp_path) == []
+            assert st.disk_files_discarded == 1
     finally:
         m.close()
