@@ -399,12 +399,22 @@ class DiskTier:
         try:
             if self.degraded is None:
                 meta = {"namespace": self.namespace}
+                renamed_into: set[Path] = set()  # shard folders that got new names
                 for digest, arrays in job.blocks:
                     path = self.block_path(digest)
                     if path.exists():
                         continue  # written for an entry that since left; same bytes
-                    path.parent.mkdir(exist_ok=True)
+                    try:
+                        path.parent.mkdir()
+                        renamed_into.add(path.parent.parent)  # blocks/ got a new shard
+                    except FileExistsError:
+                        pass
                     self._count(write_atomic(path, encode(arrays.arrays, meta, arrays.bf16)))
+                    renamed_into.add(path.parent)
+                # their names durable before an entry names them: after a power loss
+                # the entry could survive a block it needs (once per folder, not block)
+                for folder in sorted(renamed_into, key=lambda f: -len(f.parts)):
+                    sync_dir(folder)  # shards before blocks/
                 # blocks it shares were left to the entry queued before it: if that
                 # write failed they are not here, and this manifest would name nothing
                 missing = sum(

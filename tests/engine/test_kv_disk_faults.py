@@ -1680,3 +1680,39 @@ def test_a_shared_read_that_fails_misses_for_every_row_and_is_sorted_out_once(
             assert st.disk_files_discarded == 1
     finally:
         m.close()
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names an fd through /proc")
+def test_new_blocks_names_are_durable_before_the_entry_naming_them(tmp_path, monkeypatch):
+    """Blocks were renamed into blocks/xx/ folders (some just made) and only the
+    entry's folder was synced: after a power loss the entry could survive while a
+    block's name was lost. One sync per folder an entry's new blocks went into."""
+    synced: list[Path] = []
+    real = os.fsync
+
+    def spy(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        return real(fd)
+
+    m = manager(tmp_path)
+    disk = m.disk
+
+    def one_shard(digest):  # every block in one new shard: the syncs are batched
+        return disk.dir / "blocks" / "ab" / f"{digest.hex()}.safetensors"
+
+    monkeypatch.setattr(disk, "block_path", one_shard)
+    monkeypatch.setattr(os, "fsync", spy)
+    try:
+        store(m, list(range(100, 200)), "S")  # 6 whole blocks of 16
+        m.flush()
+    finally:
+        m.close()
+    shard, blocks = (
+        (tmp_path / NS / "blocks" / "ab").resolve(),
+        (tmp_path / NS / "blocks").resolve(),
+    )
+    assert len(list(shard.glob("*.safetensors"))) == 6
+    entry_dir = (tmp_path / NS / "entries").resolve()
+    assert synced.count(shard) == 1 and synced.count(blocks) == 1
+    entry_file = next(i for i, p in enumerate(synced) if p.parent == entry_dir)
+    assert synced.index(shard) < entry_file and synced.index(blocks) < entry_file
