@@ -119,6 +119,9 @@ class BatchRunner:
         self._readmitted: dict[int, int] = {}
         # decode steps by rows decoding together: index = batch size
         self.batch_sizes = [0] * (max_batch + 1)
+        # the last step() only waited on disk-tier reads: no model step ran, and the
+        # engine loop does not count it (it counted ~20 a second while reads ran)
+        self.waited_on_reads = False
 
     def _new_generator(self, rows: int, prefill_rows: int) -> BatchGenerator:
         return BatchGenerator(
@@ -478,7 +481,8 @@ class BatchRunner:
         the slice sized by the step budget (or ``plan``, decided elsewhere)."""
         started = time.perf_counter()
         outputs: list[RequestOutput] = self._finish_reads() if self._waiting else []
-        if plan is None and self._waiting and self._only_reading():
+        self.waited_on_reads = plan is None and bool(self._waiting) and self._only_reading()
+        if self.waited_on_reads:
             self.prefix_cache.wait_reads(READ_WAIT_S)  # no busy loop while the disk reads
             return outputs + self._finish_reads()
         if plan is None:

@@ -486,7 +486,8 @@ class EngineThread(threading.Thread):
                     scheduler.wait_for_work(timeout=0.5)
                 continue
             outputs = runner.step()
-            self._steps += 1
+            if not runner.waited_on_reads:  # a wait on disk reads ran no model step
+                self._steps += 1
             self._sample_memory()
             for output in outputs:
                 if output.finished:

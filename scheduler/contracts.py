@@ -262,6 +262,7 @@ class Runner(Protocol):
     row_faults: int
     recoveries: int
     timings: StepTimings  # what each step took, and the step budget that sized it
+    waited_on_reads: bool  # the last step() only waited on disk reads (not a step)
 
     @property
     def active(self) -> int:

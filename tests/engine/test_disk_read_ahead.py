@@ -174,3 +174,22 @@ def test_a_row_gone_mid_read_lets_the_entry_go(llama, tmp_path, monkeypatch, how
     drain(runner, tokens, {})
     assert tokens[again.request_id] == cold_output(llama, turn2)
     assert h.cache.stats().disk_hits == 1
+
+
+def test_waiting_on_a_disk_read_alone_is_no_engine_step(llama, tmp_path, monkeypatch):  # noqa: F811
+    """The engine counted each 50 ms wait on a read as a step (~20 a second in
+    /stats while nothing ran): step() says when it only waited."""
+    h, entry, turn2 = on_disk_only(llama, tmp_path)
+    held = HeldRead(h.cache.disk)
+    monkeypatch.setattr(h.cache.disk, "read_entry", held)
+    runner = h.runner
+    hit = h.request(turn2)
+    add_quickly(runner, hit)
+    steps = runner.timings.snapshot().step_seconds.count
+    for _ in range(3):
+        assert runner.step() == []
+        assert runner.waited_on_reads  # the engine loop does not count it
+    assert runner.timings.snapshot().step_seconds.count == steps
+    held.gate.set()
+    drain(runner, {}, {})
+    assert not runner.waited_on_reads

@@ -96,6 +96,7 @@ class FakeRunner:
         self.row_faults = 0
         self.recoveries = 0
         self.timings = StepTimings()
+        self.waited_on_reads = False
         self._active: dict[str, list] = {}
         self.adapters: dict[str, AdapterInfo] = {}
 
