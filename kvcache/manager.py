@@ -263,11 +263,12 @@ class TieredKVManager:
         if isinstance(exc, CorruptFile):
             log.warning("%s: cached KV on disk discarded: %s", request_id, exc)
             self.damaged(entry, exc)
-        elif reading and _may_pass(exc):
+        elif _out_of_memory(exc) or (reading and _may_pass(exc)):
             # not damage: discarded, a shared block took every entry naming it,
-            # saves and all; the files stay for the next
+            # saves and all; the files stay for the next (and memory short for a
+            # moment says nothing of the entry's arrays, wherever they are)
             log.warning(
-                "%s: cached KV on disk not read this time, kept (%s: %s)",
+                "%s: cached KV not served this time, kept (%s: %s)",
                 request_id,
                 type(exc).__name__,
                 exc,
@@ -811,6 +812,10 @@ def _may_pass(exc: BaseException) -> bool:
     I/O error (EMFILE, EIO, EACCES; a file gone is damage) or no memory now."""
     if isinstance(exc, OSError):
         return not isinstance(exc, GONE)
+    return _out_of_memory(exc)
+
+
+def _out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, MemoryError):
         return True
     return isinstance(exc, RuntimeError) and any(

@@ -1716,3 +1716,30 @@ def test_new_blocks_names_are_durable_before_the_entry_naming_them(tmp_path, mon
     assert synced.count(shard) == 1 and synced.count(blocks) == 1
     entry_file = next(i for i, p in enumerate(synced) if p.parent == entry_dir)
     assert synced.index(shard) < entry_file and synced.index(blocks) < entry_file
+
+
+@pytest.mark.parametrize("exc", [MemoryError(), RuntimeError("[metal::malloc] out of memory")])
+def test_running_out_of_memory_assembling_a_saved_entry_keeps_it_and_its_files(
+    tmp_path, monkeypatch, exc
+):
+    """Memory short for a moment while an entry in RAM was assembled counted as
+    damage of its own arrays: the entry was discarded and, being on disk as a saved
+    conversation, its files deleted with it."""
+    a, b = _two_entries_sharing_a_prefix_one_saved(tmp_path)
+    m = manager(tmp_path)
+    try:
+        assert served(m, b + [7]) == (b, "disk")  # read back: now in RAM too
+        files = _files(tmp_path)
+
+        def short(self, *args, **kw):
+            raise exc
+
+        monkeypatch.setattr(type(m.ops), "assemble", short)
+        assert served(m, b + [7]) is None  # a miss this time...
+        monkeypatch.undo()
+        m.flush()
+        assert _files(tmp_path) == files  # ...nothing deleted
+        assert served(m, b + [7]) == (b, "ram")
+        assert [c.conversation_id for c in m.saved_conversations()] == ["B"]
+    finally:
+        m.close()
