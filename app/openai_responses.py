@@ -217,8 +217,10 @@ def _response(
 
 
 def _message_status(done: Outcome, last: bool) -> str:
-    """A message cut by max_output_tokens is incomplete; one followed by more output is not."""
-    return "incomplete" if last and done.stop_kind == "length" else "completed"
+    """The last message is incomplete when the reply was cut (max_output_tokens) or
+    failed mid-way: its text is not whole. One followed by more output is."""
+    cut = done.failed or done.stop_kind == "length"
+    return "incomplete" if last and cut else "completed"
 
 
 # kvwarm's failure codes as the Responses schema names them (ResponseError.code)

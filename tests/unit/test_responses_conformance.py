@@ -1,0 +1,52 @@
+"""Responses conformance: what the server sends, validated by the openai SDK's own types."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from app.server import create_app
+from app.settings import Settings
+from tests.helpers.fake_engine import FakeEngine
+from tests.helpers.http_server import serve_app
+
+STREAM_EVENT = TypeAdapter(ResponseStreamEvent)
+
+
+def _events(url: str, body: dict, on_event=None) -> list[dict]:
+    events = []
+    with httpx.stream(
+        "POST", url + "/v1/responses", json={**body, "stream": True}, timeout=30
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                events.append(json.loads(line[5:]))
+                STREAM_EVENT.validate_python(events[-1])
+                if on_event:
+                    on_event(events)
+    return events
+
+
+def test_a_message_cut_by_a_failure_mid_stream_is_incomplete():
+    """The engine failed mid-message: the message item said "completed" inside a
+    failed response, as if the text were whole."""
+    app = create_app(Settings(_env_file=None), lambda s, r: FakeEngine(s, r, step_delay=0.05))
+
+    def fail_after_two_deltas(events: list[dict]) -> None:
+        deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+        if len(deltas) == 2 and events[-1] is deltas[-1]:
+            app.state.kvwarm.engine.inject_fault(RuntimeError("boom"))
+
+    with serve_app(app) as url:
+        body = {"input": "hi", "max_output_tokens": 200}
+        events = _events(url, body, fail_after_two_deltas)
+    assert events[-1]["type"] == "response.failed"
+    final = Response.model_validate(events[-1]["response"])
+    assert final.status == "failed" and final.output[-1].type == "message"
+    assert final.output[-1].status == "incomplete"
+    done = [e for e in events if e["type"] == "response.output_item.done"]
+    assert done[-1]["item"]["status"] == "incomplete"
