@@ -1,7 +1,8 @@
 """A Responses request's tools and tool_choice, read into the chat pipeline's terms.
 
-Function tools are rendered and parsed; built-in tools (web_search, file_search,
-mcp, ...) are not served, and are echoed back as sent. ``tool_choice`` has more
+Function tools are rendered and parsed; built-in and custom tools (web_search,
+file_search, mcp, custom, ...) are not served: echoed back as sent and named in
+the ignored-fields header. ``tool_choice`` has more
 shapes than chat's: ``allowed_tools`` narrows the callable functions to a list
 under a mode, and a choice naming a built-in tool (as the Agents SDK sends for
 ``tool_choice="file_search"``) leaves the model free, which is said in the
@@ -60,19 +61,27 @@ def function_tools(tools: list[ResponsesTool] | None) -> list[dict[str, Any]]:
     return out
 
 
+def unserved_tools(tools: list[ResponsesTool] | None) -> tuple[str, ...]:
+    """Tools the model is not shown (custom, web_search, mcp, ...), as Messages names
+    its server tools: in the ignored-fields header, never dropped in silence."""
+    return tuple(dict.fromkeys(f"tools.{t.type}" for t in tools or () if t.type != "function"))
+
+
 def read_tools(
     tools: list[ResponsesTool] | None, choice: str | ResponsesToolChoice | None
 ) -> ResponsesTools:
     functions = function_tools(tools)
+    unserved = unserved_tools(tools)
     kind = getattr(choice, "type", None)
     if kind == "allowed_tools":
         mode, names = _allowed(choice.model_extra or {})
         allowed = [t for t in functions if t["function"]["name"] in names]
-        return ResponsesTools(allowed, choice_of(mode, allowed))
+        return ResponsesTools(allowed, choice_of(mode, allowed), unserved)
     if kind in UNSERVED_CHOICES:  # that tool is not served: the model chooses freely
-        return ResponsesTools(functions, choice_of("auto", functions), (f"tool_choice.{kind}",))
+        ignored = (*unserved, f"tool_choice.{kind}")
+        return ResponsesTools(functions, choice_of("auto", functions), ignored)
     # chat's choices, and the 400 for any other type
-    return ResponsesTools(functions, parse_openai_tool_choice(choice, functions))
+    return ResponsesTools(functions, parse_openai_tool_choice(choice, functions), unserved)
 
 
 def _allowed(fields: Mapping[str, Any]) -> tuple[str, frozenset[str]]:

@@ -50,3 +50,25 @@ def test_a_message_cut_by_a_failure_mid_stream_is_incomplete():
     assert final.output[-1].status == "incomplete"
     done = [e for e in events if e["type"] == "response.output_item.done"]
     assert done[-1]["item"]["status"] == "incomplete"
+
+
+def test_tools_nothing_here_runs_are_reported_ignored(server):
+    """Custom and hosted tools were dropped in silence: the model never saw them
+    and the client was not told."""
+    from tests.helpers.dialects import RESPONSES_TOOLS
+
+    tools = [
+        {"type": "custom", "name": "apply_patch", "description": "Patch files"},
+        {"type": "web_search"},
+        {"type": "local_shell"},
+        *RESPONSES_TOOLS,
+    ]
+    r = httpx.post(server.url + "/v1/responses", json={"input": "hi", "tools": tools})
+    assert r.status_code == 200, r.text
+    ignored = r.headers["x-kvwarm-ignored-fields"].split(", ")
+    assert ignored == ["tools.custom", "tools.web_search", "tools.local_shell"]
+    rendered = [t["function"]["name"] for t in server.formatter.last_kwargs["tools"]]
+    assert rendered == ["get_weather"]
+    Response.model_validate(r.json())
+    plain = httpx.post(server.url + "/v1/responses", json={"input": "hi", "tools": RESPONSES_TOOLS})
+    assert "x-kvwarm-ignored-fields" not in plain.headers
