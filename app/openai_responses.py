@@ -209,7 +209,8 @@ def _response(
         if body.reasoning
         else {"effort": None, "summary": None},
         "store": body.store,
-        "text": {"format": {"type": "text"}},
+        # as asked (a json_schema format the SDK's parse() reads), though not enforced
+        "text": body.text.echoed() if body.text else {"format": {"type": "text"}},
         "truncation": "disabled",
         "metadata": client_metadata(body.metadata),
         "usage": None,
@@ -283,7 +284,7 @@ def _prepare_call(body: ResponsesRequest, history: list[dict[str, Any]], state: 
         kv_bits=body.kv_bits_requested(),
         adapter=body.adapter_requested(),
         template_kwargs=body.template_kwargs(),
-        ignored=ignored_fields(body) + tools.ignored,
+        ignored=ignored_fields(body) + tools.ignored + (body.text.ignored() if body.text else ()),
         messages_field="input",
         same_indices=False,
     )

@@ -135,6 +135,66 @@ METADATA_PAIRS, METADATA_KEY, METADATA_VALUE = 16, 64, 512
 MAX_BUILT_IN_TOOLS_BYTES = 64 * 2**10
 
 
+# a text format is echoed back in every event of a response (structured output is
+# not enforced, as chat's response_format is not): bounded as built-in tools are
+MAX_TEXT_FORMAT_BYTES = 64 * 2**10
+
+
+class TextFormat(BaseModel):
+    """``text.format``: read to be echoed as asked (the SDK's parse() reads it), not applied."""
+
+    model_config = STRICT
+    type: Literal["text", "json_schema", "json_object"]
+    name: Annotated[str, Field(max_length=64)] | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _json_schema_is_whole(self) -> TextFormat:
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise ValueError("a json_schema format needs a name and a schema")
+        return self
+
+    def echoed(self) -> dict[str, Any]:
+        fields = {"type", "name", "schema_", "description", "strict"}
+        return self.model_dump(include=fields, by_alias=True, exclude_none=True)
+
+
+class TextConfig(BaseModel):
+    model_config = STRICT
+    format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+
+    @field_validator("format")
+    @classmethod
+    def _small_format(cls, value: TextFormat | None) -> TextFormat | None:
+        size = len(json.dumps(value.echoed(), ensure_ascii=False)) if value else 0
+        if size > MAX_TEXT_FORMAT_BYTES:
+            raise ValueError(
+                f"a text format (not enforced, echoed back) of {size} bytes; at most "
+                f"{MAX_TEXT_FORMAT_BYTES} are accepted"
+            )
+        return value
+
+    def echoed(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"format": self.format.echoed() if self.format else {"type": "text"}}
+        if self.verbosity is not None:
+            out["verbosity"] = self.verbosity
+        return out
+
+    def ignored(self) -> tuple[str, ...]:
+        """What of it nothing applies: any format but plain text, verbosity, extra keys."""
+        out = [f"text.{k}" for k in self.model_extra or {}]
+        if self.format is not None:
+            if self.format.type != "text":
+                out.append("text.format")
+            out += [f"text.format.{k}" for k in self.format.model_extra or {}]
+        if self.verbosity is not None:
+            out.append("text.verbosity")
+        return tuple(sorted(out))
+
+
 def client_metadata(metadata: Envelope | None) -> dict[str, str]:
     """The client's own record in ``metadata`` (kvwarm's cache and sampling fields,
     read from it, are not part of it): what a response echoes."""
@@ -157,6 +217,7 @@ class ResponsesRequest(EnvelopedSampling):
     # ids are "resp_" and 24 hex digits; echoed, and named in a 404
     previous_response_id: Annotated[str, Field(max_length=256)] | None = None
     metadata: Envelope | None = None
+    text: TextConfig | None = None
 
     @field_validator("tools")
     @classmethod

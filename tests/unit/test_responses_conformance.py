@@ -72,3 +72,41 @@ def test_tools_nothing_here_runs_are_reported_ignored(server):
     Response.model_validate(r.json())
     plain = httpx.post(server.url + "/v1/responses", json={"input": "hi", "tools": RESPONSES_TOOLS})
     assert "x-kvwarm-ignored-fields" not in plain.headers
+
+
+def test_a_text_format_not_applied_is_echoed_as_asked_and_reported(server, monkeypatch):
+    """Structured output is not enforced (nor is chat's response_format): the
+    response claimed {"type": "text"} whatever the client asked, so the SDK's
+    parse() saw a format it had not asked for."""
+    from pydantic import BaseModel
+
+    from tests.helpers import dialects
+
+    class City(BaseModel):
+        city: str
+
+    monkeypatch.setitem(dialects.SCRIPTS, "JSON_CITY", ['{"city": ', '"Rome"}'])
+    client = server.openai()
+    parsed = client.responses.with_raw_response.parse(
+        model="m", input="JSON_CITY", text_format=City
+    )
+    assert "text.format" in parsed.headers["x-kvwarm-ignored-fields"]
+    response = parsed.parse()
+    assert response.output_parsed == City(city="Rome")  # the model wrote JSON: it parses
+    assert response.text.format.type == "json_schema" and response.text.format.name == "City"
+    Response.model_validate(json.loads(parsed.text))
+    url = server.url + "/v1/responses"
+    asked = {"format": {"type": "json_object"}, "verbosity": "low"}
+    r = httpx.post(url, json={"input": "hi", "text": asked})
+    assert r.status_code == 200 and r.json()["text"] == asked
+    assert r.headers["x-kvwarm-ignored-fields"] == "text.format, text.verbosity"
+    r = httpx.post(url, json={"input": "hi", "text": {"format": {"type": "text"}}})
+    assert r.json()["text"] == {"format": {"type": "text"}}
+    assert "x-kvwarm-ignored-fields" not in r.headers
+    assert httpx.post(url, json={"input": "hi"}).json()["text"] == {"format": {"type": "text"}}
+    for bad in (
+        {"format": {"type": "yaml"}},
+        {"format": {"type": "json_schema", "name": "x", "schema": {"d": "x" * 100_000}}},
+    ):
+        r = httpx.post(url, json={"input": "hi", "text": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("text"), r.text
