@@ -9,7 +9,6 @@ the previous turn's KV holds and the prefix cache resumes where it stopped.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -27,7 +26,11 @@ from app.protocol.output_parser import Content, Event, Reasoning
 from app.protocol.tool_formats import ToolCall
 from app.request_fields import ignored_fields
 from app.response_store import StoredResponse
+from app.responses_items import holders, listed, resolved, skipped
+from app.responses_items import new_id as _new_id
 from app.responses_schemas import (
+    CustomToolCallItem,
+    CustomToolCallOutputItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     MessageItem,
@@ -42,16 +45,13 @@ from app.state import AppState
 router = APIRouter()
 
 
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
-
-
 def _parts(parts: Any) -> Any:
     return [p.model_dump(exclude_none=True) for p in parts] if isinstance(parts, list) else parts
 
 
 def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
-    """Responses input items -> template messages (function calls join the assistant turn)."""
+    """Responses input items -> template messages (function and custom tool calls join
+    the assistant turn; hosted tools' items, run by nothing here, are skipped)."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     out: list[dict[str, Any]] = []
@@ -68,7 +68,7 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         where = f"input.{i}"
         turn_over = (isinstance(item, MessageItem) and item.role != "assistant") or isinstance(
-            item, FunctionCallOutputItem
+            item, (FunctionCallOutputItem, CustomToolCallOutputItem)
         )
         if reasoning and turn_over:
             # a turn whose output was reasoning alone: it stays that turn's, never
@@ -85,8 +85,10 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
                 give_reasoning(len(out) - 1)
         elif isinstance(item, ReasoningItem):
             reasoning.append(parts_text(_parts(item.content or item.summary or []), where))
-        elif isinstance(item, FunctionCallItem):
-            fn = {"name": item.name, "arguments": item.arguments or "{}"}
+        elif isinstance(item, (FunctionCallItem, CustomToolCallItem)):
+            # a custom tool's call is rendered as a function's: its input is the arguments' text
+            arguments = item.input if isinstance(item, CustomToolCallItem) else item.arguments
+            fn = {"name": item.name, "arguments": arguments or "{}"}
             (call,) = template_tool_calls(
                 [{"id": item.call_id, "type": "function", "function": fn}]
             )
@@ -94,7 +96,7 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
                 out.append({"role": "assistant", "content": ""})
             out[-1].setdefault("tool_calls", []).append(call)
             give_reasoning(len(out) - 1)  # thought before this call: its turn's
-        elif isinstance(item, FunctionCallOutputItem):
+        elif isinstance(item, (FunctionCallOutputItem, CustomToolCallOutputItem)):
             text = parts_content(_parts(item.output), where, in_tool_result=True)
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": text})
     for message, pieces in thoughts.items():
@@ -268,8 +270,15 @@ def _parse(raw: bytes, state: AppState) -> ResponsesRequest:
     return parse_body(raw, ResponsesRequest, state.model_info().context_length)
 
 
-def _prepare_call(body: ResponsesRequest, history: list[dict[str, Any]], state: AppState, headers):
-    conversation = history + input_messages(body.input)
+def _prepare_call(
+    body: ResponsesRequest,
+    history: list[dict[str, Any]],
+    found: dict[str, StoredResponse],
+    state: AppState,
+    headers,
+):
+    items = resolved(body.input, found)
+    conversation = history + input_messages(items)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     tools = read_tools(body.tools, body.tool_choice)
     call = ChatCall(
@@ -284,11 +293,15 @@ def _prepare_call(body: ResponsesRequest, history: list[dict[str, Any]], state: 
         kv_bits=body.kv_bits_requested(),
         adapter=body.adapter_requested(),
         template_kwargs=body.template_kwargs(),
-        ignored=ignored_fields(body) + tools.ignored + (body.text.ignored() if body.text else ()),
+        ignored=ignored_fields(body)
+        + tools.ignored
+        + (body.text.ignored() if body.text else ())
+        + skipped(items),
         messages_field="input",
         same_indices=False,
     )
-    return conversation, prepare_chat(call, state, headers)
+    kept = listed(items) if body.store else []  # what input_items lists
+    return conversation, kept, prepare_chat(call, state, headers)
 
 
 @router.post(
@@ -311,9 +324,10 @@ async def create_response(http: HTTPRequest):
                 "previous_response_not_found",
                 "previous_response_id",
             )
-    conversation, prepared = await state.preparer.run(
+    found = holders(body.input, state.responses)  # (the store is the loop's)
+    conversation, items_in, prepared = await state.preparer.run(
         lambda: _prepare_call(
-            body, _stored_history(stored, state) if stored else [], state, headers
+            body, _stored_history(stored, state) if stored else [], found, state, headers
         )
     )
     gen = Generation(state, prepared, "responses", http)
@@ -324,7 +338,7 @@ async def create_response(http: HTTPRequest):
             reply = _reply_message(gen.outcome, prepared.parser.kept_text, items.call_ids)
             # JSON of the whole conversation (images included): not on the event loop
             item = await state.preparer.run(
-                lambda: StoredResponse.of(response, conversation + [reply])
+                lambda: StoredResponse.of(response, conversation + [reply], items_in)
             )
             state.responses.add(response["id"], item)
 

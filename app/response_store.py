@@ -6,8 +6,9 @@ conversation as one JSON text per message: each turn of a conversation stores
 all of it again, and messages the turns share (their images too) are held once,
 so a conversation costs what it holds, not the sum of every turn's copy (13
 turns beside a 5 MiB image held 60 MiB and evicted every other client's
-responses). A restart forgets them (clients then get 404 and resend the
-conversation). The store itself is used from the event loop only;
+responses). A response's input items are kept too (listed by input_items,
+named by an ``item_reference``), held once in the same way. A restart forgets
+them (clients then get 404 and resend the conversation). The store itself is used from the event loop only;
 ``StoredResponse.of`` (the JSON encoding, as long as the conversation) belongs
 in a worker thread.
 """
@@ -19,8 +20,8 @@ import json
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from app.images import ImageSource
@@ -37,39 +38,82 @@ class StoredResponse:
     Python objects a response with many small values weighed ~7x its JSON)."""
 
     response_json: bytes  # the response object as returned
-    messages: tuple[bytes, ...]  # template messages up to and including the reply, as JSON
+    # template messages up to and including the reply, then the request's input
+    # items (as listed), as JSON: both held once when the same (turns repeat them)
+    messages: tuple[bytes, ...]
     digests: tuple[bytes, ...]  # of each message: the same message is held once
+    turns: int = -1  # how many of ``messages`` are the conversation (-1: all)
+    item_ids: tuple[str, ...] = ()  # of the input items, in order
+    output_ids: tuple[str, ...] = ()  # of the response's output items, in order
 
     @classmethod
     def of(
-        cls, response: dict[str, Any], conversation: list[dict[str, Any]]
+        cls,
+        response: dict[str, Any],
+        conversation: list[dict[str, Any]],
+        items: Sequence[dict[str, Any]] = (),
     ) -> StoredResponse | None:
         """Encoded for the store (a worker thread's job); None if a value JSON
         cannot hold (not kept: the reply stands)."""
         try:
-            messages = tuple(_json(m) for m in conversation)
+            messages = tuple(_json(m) for m in [*conversation, *items])
             response_json = _json(response)
         except (TypeError, ValueError):
             log.exception("response %s not stored", response.get("id"))
             return None
         digests = tuple(hashlib.blake2b(m, digest_size=16).digest() for m in messages)
-        return cls(response_json, messages, digests)
+        return cls(
+            response_json,
+            messages,
+            digests,
+            len(conversation),
+            tuple(i["id"] for i in items),
+            tuple(i["id"] for i in response.get("output") or ()),
+        )
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        """The ids of its input and output items (an ``item_reference`` names one)."""
+        return self.item_ids + self.output_ids
+
+    @property
+    def own_bytes(self) -> int:
+        """What it holds besides the messages it may share."""
+        ids = sum(len(i) + REF_BYTES for i in self.ids)
+        return len(self.response_json) + REF_BYTES * len(self.messages) + ids
 
     @property
     def nbytes(self) -> int:
         """What it holds on its own (shared messages included)."""
-        return len(self.response_json) + sum(len(m) + REF_BYTES for m in self.messages)
+        return self.own_bytes + sum(len(m) for m in self.messages)
+
+    @property
+    def _conversation(self) -> tuple[bytes, ...]:
+        return self.messages if self.turns < 0 else self.messages[: self.turns]
+
+    @property
+    def items_json(self) -> tuple[bytes, ...]:
+        """The input items as listed, each as JSON."""
+        return () if self.turns < 0 else self.messages[self.turns :]
 
     @property
     def conversation_json(self) -> bytes:
         """The conversation as one JSON array (as long as it: a worker thread's job)."""
-        return b"[" + b",".join(self.messages) + b"]"
+        return b"[" + b",".join(self._conversation) + b"]"
+
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        """An input or output item by its id, parsed (a worker thread's job)."""
+        if item_id in self.item_ids:
+            return json.loads(self.items_json[self.item_ids.index(item_id)])  # type: ignore[no-any-return]
+        if item_id in self.output_ids:
+            return json.loads(self.response_json)["output"][self.output_ids.index(item_id)]  # type: ignore[no-any-return]
+        return None
 
     def conversation(self) -> list[dict[str, Any]]:
         """Parsed anew on each call (a worker thread's job for a long one), its
         image parts' sources rebuilt. Only where an image part keeps its source:
         a client's own JSON elsewhere (a tool call's arguments) is never read as one."""
-        messages = [json.loads(m) for m in self.messages]
+        messages = [json.loads(m) for m in self._conversation]
         for message in messages:
             content = message.get("content")
             if not isinstance(content, list):
@@ -99,6 +143,9 @@ class ResponseStore:
         self._items: OrderedDict[str, _Held] = OrderedDict()  # least recently used first
         self._deadlines: deque[tuple[float, str]] = deque()  # in order: one TTL for all
         self._shared: dict[bytes, list[Any]] = {}  # digest -> [message JSON, references]
+        # item id -> the response holding it; an id several hold (a client's item
+        # sent again) names the newest, and goes when that one does
+        self._owners: dict[str, str] = {}
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -109,9 +156,14 @@ class ResponseStore:
     def nbytes(self) -> int:
         return self._bytes
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]]) -> None:
+    def put(
+        self,
+        response: dict[str, Any],
+        conversation: list[dict[str, Any]],
+        items: Sequence[dict[str, Any]] = (),
+    ) -> None:
         """Encode and keep (a short conversation; a long one: ``of`` then ``add``)."""
-        self.add(response["id"], StoredResponse.of(response, conversation))
+        self.add(response["id"], StoredResponse.of(response, conversation, items))
 
     def add(self, response_id: str, item: StoredResponse | None) -> None:
         if item is None or item.nbytes > self.max_bytes:
@@ -119,14 +171,15 @@ class ResponseStore:
         self._expire()
         self.delete(response_id)
         messages = tuple(self._share(d, m) for d, m in zip(item.digests, item.messages))
-        held = StoredResponse(item.response_json, messages, item.digests)
-        self._bytes += len(held.response_json) + REF_BYTES * len(messages)
+        held = replace(item, messages=messages)
+        self._bytes += held.own_bytes
+        self._owners.update(dict.fromkeys(held.ids, response_id))
         expires = self._clock() + self.ttl_s
         self._items[response_id] = _Held(held, expires)
         self._deadlines.append((expires, response_id))
         while self._bytes > self.max_bytes:
-            _, oldest = self._items.popitem(last=False)
-            self._release(oldest.item)
+            oldest_id, oldest = self._items.popitem(last=False)
+            self._release(oldest_id, oldest.item)
         if len(self._deadlines) > 2 * len(self._items) + 64:
             # entries of items evicted or deleted since (only expiry removed them): a
             # small store under steady traffic held one per response for the whole TTL
@@ -142,12 +195,17 @@ class ResponseStore:
         self._items.move_to_end(response_id)
         return held.item
 
+    def holding(self, item_id: str) -> StoredResponse | None:
+        """The stored response an input or output item of that id belongs to."""
+        owner = self._owners.get(item_id)
+        return self.get(owner) if owner is not None else None
+
     def delete(self, response_id: str) -> bool:
         self._expire()  # one past its TTL is gone: a 404, not "deleted"
         held = self._items.pop(response_id, None)
         if held is None:
             return False
-        self._release(held.item)
+        self._release(response_id, held.item)
         return True
 
     def _share(self, digest: bytes, message: bytes) -> bytes:
@@ -159,8 +217,11 @@ class ResponseStore:
         shared[1] += 1
         return shared[0]  # type: ignore[no-any-return]
 
-    def _release(self, item: StoredResponse) -> None:
-        self._bytes -= len(item.response_json) + REF_BYTES * len(item.messages)
+    def _release(self, response_id: str, item: StoredResponse) -> None:
+        self._bytes -= item.own_bytes
+        for item_id in item.ids:
+            if self._owners.get(item_id) == response_id:
+                del self._owners[item_id]
         for digest in item.digests:
             shared = self._shared[digest]
             shared[1] -= 1
@@ -175,7 +236,7 @@ class ResponseStore:
             held = self._items.get(response_id)
             if held is not None and held.expires == expires:
                 del self._items[response_id]
-                self._release(held.item)
+                self._release(response_id, held.item)
 
 
 def _json(value: Any) -> bytes:

@@ -51,9 +51,14 @@ class InputPart(BaseModel):
 Parts = bounded_list(InputPart, MAX_PARTS)
 
 
+# an item's id: kept, listed by input_items and named by an item_reference
+ItemId = Annotated[str, Field(min_length=1, max_length=256)]
+
+
 class MessageItem(BaseModel):
     model_config = STRICT
     type: Literal["message"] = "message"
+    id: ItemId | None = None
     role: Literal["user", "assistant", "system", "developer"] = "user"
     content: str | Parts
 
@@ -61,6 +66,7 @@ class MessageItem(BaseModel):
 class ReasoningItem(BaseModel):
     model_config = STRICT
     type: Literal["reasoning"]
+    id: ItemId | None = None
     summary: Parts | None = None
     content: Parts | None = None
 
@@ -68,6 +74,7 @@ class ReasoningItem(BaseModel):
 class FunctionCallItem(BaseModel):
     model_config = STRICT
     type: Literal["function_call"]
+    id: ItemId | None = None
     call_id: str
     name: str = Field(min_length=1, max_length=MAX_NAME)
     arguments: str = "{}"
@@ -76,21 +83,84 @@ class FunctionCallItem(BaseModel):
 class FunctionCallOutputItem(BaseModel):
     model_config = STRICT
     type: Literal["function_call_output"]
+    id: ItemId | None = None
     call_id: str
     output: str | Parts
 
 
+class CustomToolCallItem(BaseModel):
+    """A freeform tool's call (Codex's apply_patch): its ``input`` is the call's text."""
+
+    model_config = STRICT
+    type: Literal["custom_tool_call"]
+    id: ItemId | None = None
+    call_id: str
+    name: str = Field(min_length=1, max_length=MAX_NAME)
+    input: str
+
+
+class CustomToolCallOutputItem(BaseModel):
+    model_config = STRICT
+    type: Literal["custom_tool_call_output"]
+    id: ItemId | None = None
+    call_id: str
+    output: str | Parts
+
+
+class ItemReference(BaseModel):
+    """An item of a stored response, by its id."""
+
+    model_config = STRICT
+    type: Literal["item_reference"]
+    id: ItemId
+
+
+# items of tools OpenAI runs (or the client runs for them) that kvwarm does not
+# serve: skipped, and named in the ignored-fields header
+HOSTED_ITEMS = frozenset(
+    {
+        "local_shell_call",
+        "local_shell_call_output",
+        "shell_call",
+        "shell_call_output",
+        "apply_patch_call",
+        "apply_patch_call_output",
+        "web_search_call",
+        "file_search_call",
+        "computer_call",
+        "computer_call_output",
+        "image_generation_call",
+        "code_interpreter_call",
+        "mcp_list_tools",
+        "mcp_approval_request",
+        "mcp_approval_response",
+        "mcp_call",
+    }
+)
+
+
+class HostedItem(BaseModel):
+    """A hosted tool's item: only its type is read (one of ``HOSTED_ITEMS``)."""
+
+    model_config = STRICT
+    type: str
+    id: ItemId | None = None
+
+
 def _item_type(value: Any) -> str | None:
-    if isinstance(value, dict):
-        return value.get("type", "message")
-    return getattr(value, "type", None)
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
+    return "hosted" if isinstance(kind, str) and kind in HOSTED_ITEMS else kind
 
 
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[ReasoningItem, Tag("reasoning")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[CustomToolCallItem, Tag("custom_tool_call")]
+    | Annotated[CustomToolCallOutputItem, Tag("custom_tool_call_output")]
+    | Annotated[ItemReference, Tag("item_reference")]
+    | Annotated[HostedItem, Tag("hosted")],
     Discriminator(_item_type),
 ]
 

@@ -110,3 +110,98 @@ def test_a_text_format_not_applied_is_echoed_as_asked_and_reported(server, monke
     ):
         r = httpx.post(url, json={"input": "hi", "text": bad})
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("text"), r.text
+
+
+def test_custom_tool_items_render_as_function_calls_and_their_results(server):
+    """A Codex history holding apply_patch calls (custom tools) was a 400: the
+    call renders as a tool call whose arguments are its input text."""
+    patch = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch"
+    items = [
+        {"role": "user", "content": "patch it"},
+        {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": patch},
+        {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done."},
+    ]
+    r = httpx.post(server.url + "/v1/responses", json={"input": items, "store": False})
+    assert r.status_code == 200, r.text
+    seen = server.formatter.last_messages
+    assert seen[1]["role"] == "assistant"
+    assert seen[1]["tool_calls"][0]["id"] == "c1"
+    assert seen[1]["tool_calls"][0]["function"] == {"name": "apply_patch", "arguments": patch}
+    assert seen[2] == {"role": "tool", "tool_call_id": "c1", "content": "Done."}
+    missing = [items[0], {**items[1], "input": None}]
+    r = httpx.post(server.url + "/v1/responses", json={"input": missing})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("input.1"), r.text
+
+
+def test_hosted_tool_items_are_skipped_and_reported(server):
+    items = [
+        {"role": "user", "content": "list files"},
+        {
+            "type": "local_shell_call",
+            "id": "ls_1",
+            "call_id": "s1",
+            "status": "completed",
+            "action": {"type": "exec", "command": ["ls"], "env": {}},
+        },
+        {"type": "local_shell_call_output", "id": "s1", "output": "a.txt"},
+        {"type": "web_search_call", "id": "ws_1", "status": "completed"},
+        {"role": "user", "content": "and now?"},
+    ]
+    r = httpx.post(server.url + "/v1/responses", json={"input": items, "store": False})
+    assert r.status_code == 200, r.text
+    ignored = r.headers["x-kvwarm-ignored-fields"].split(", ")
+    assert ignored == [
+        "input.local_shell_call",
+        "input.local_shell_call_output",
+        "input.web_search_call",
+    ]
+    seen = server.formatter.last_messages
+    assert [m["content"] for m in seen] == ["list files", "and now?"]
+
+
+def test_an_item_reference_reads_the_stored_item_and_an_unknown_one_is_a_400(server):
+    from tests.helpers.dialects import RESPONSES_TOOLS
+
+    client = server.openai()
+    first = client.responses.create(
+        model="m",
+        input=[{"role": "user", "content": "CALL_TOOL", "id": "msg_mine"}],
+        tools=RESPONSES_TOOLS,
+    )
+    call = first.output[2]
+    items = [
+        {"type": "item_reference", "id": "msg_mine"},  # an input item of a stored response
+        {"type": "item_reference", "id": call.id},  # and an output item
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+    ]
+    body = {"input": items, "tools": RESPONSES_TOOLS, "store": False}
+    r = httpx.post(server.url + "/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    seen = server.formatter.last_messages
+    assert seen[0] == {"role": "user", "content": "CALL_TOOL"}
+    assert seen[1]["tool_calls"][0]["id"] == call.call_id
+    assert seen[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "days": 3}
+    assert seen[2] == {"role": "tool", "tool_call_id": call.call_id, "content": "sunny"}
+    unknown = [items[0], {"type": "item_reference", "id": "msg_nope"}]
+    r = httpx.post(server.url + "/v1/responses", json={"input": unknown})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input.1" and "msg_nope" in r.json()["error"]["message"]
+    client.responses.delete(first.id)  # its items go with it
+    r = httpx.post(server.url + "/v1/responses", json={"input": items[:1], "store": False})
+    assert r.status_code == 400 and "msg_mine" in r.text
+
+
+def test_a_stored_responses_items_are_found_by_id_until_it_goes():
+    from app.response_store import ResponseStore
+
+    store = ResponseStore()
+    items = [{"type": "message", "id": "msg_in", "role": "user", "content": []}]
+    response = {"id": "r1", "output": [{"type": "message", "id": "msg_out"}]}
+    store.put(response, [{"role": "user", "content": "x"}], items)
+    stored = store.holding("msg_out")
+    assert stored is store.get("r1") and stored.item("msg_out") == response["output"][0]
+    assert store.holding("msg_in").item("msg_in") == items[0]
+    assert stored.conversation() == [{"role": "user", "content": "x"}]
+    assert store.nbytes == stored.nbytes
+    store.delete("r1")
+    assert store.holding("msg_in") is None and store.nbytes == 0 and not store._owners  # noqa: SLF001

@@ -1,0 +1,105 @@
+"""A Responses request's input items beyond their rendering: ``item_reference``
+resolved from the store, hosted tools' items skipped (and said), and the items
+kept as OpenAI lists them (GET /v1/responses/{id}/input_items)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from app.errors import APIError
+from app.response_store import ResponseStore, StoredResponse
+from app.responses_schemas import HostedItem, InputItem, ItemReference, MessageItem
+
+_INPUT_ITEM: TypeAdapter[Any] = TypeAdapter(InputItem)
+
+# an item's id as OpenAI spells it, by type
+_ID_PREFIX = {
+    "message": "msg",
+    "reasoning": "rs",
+    "function_call": "fc",
+    "function_call_output": "fco",
+    "custom_tool_call": "ctc",
+    "custom_tool_call_output": "ctco",
+}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def holders(items: str | list[Any], store: ResponseStore) -> dict[str, StoredResponse]:
+    """The stored response holding each referenced item (the store is the event
+    loop's; its items are read in a worker thread); 400 naming an unknown one."""
+    found: dict[str, StoredResponse] = {}
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        if isinstance(item, ItemReference) and item.id not in found:
+            holder = store.holding(item.id)
+            if holder is None:
+                raise APIError(
+                    400,
+                    f"Item with id '{item.id}' not found: no response this server stores holds it.",
+                    code="item_not_found",
+                    param=f"input.{i}",
+                )
+            found[item.id] = holder
+    return found
+
+
+def resolved(items: str | list[Any], found: Mapping[str, StoredResponse]) -> str | list[Any]:
+    """Each ``item_reference`` replaced by the item it names (a worker thread's job)."""
+    if isinstance(items, str):
+        return items
+    out = []
+    for i, item in enumerate(items):
+        if isinstance(item, ItemReference):
+            stored = found[item.id].item(item.id)
+            try:  # what was stored was validated: only a store gone wrong fails here
+                item = _INPUT_ITEM.validate_python(stored)
+            except ValidationError as exc:
+                message = f"Item '{item.id}' cannot be read back from the store."
+                raise APIError(500, message, "server_error", param=f"input.{i}") from exc
+        out.append(item)
+    return out
+
+
+def skipped(items: str | list[Any]) -> tuple[str, ...]:
+    """Hosted tools' items (nothing here ran them): named, as ignored tools are."""
+    if isinstance(items, str):
+        return ()
+    return tuple(dict.fromkeys(f"input.{i.type}" for i in items if isinstance(i, HostedItem)))
+
+
+def listed(items: str | list[Any]) -> list[dict[str, Any]]:
+    """The input items as OpenAI lists them: each with an id (the client's, else a
+    new one), a message's text as parts (a worker thread's job)."""
+    if isinstance(items, str):
+        items = [MessageItem(content=items)]
+    out = []
+    for item in items:
+        if isinstance(item, HostedItem):
+            shown = item.model_dump(exclude_none=True)  # its fields were never read
+        else:  # the fields read, not a client's extra keys
+            shown = item.model_dump(include=set(type(item).model_fields), exclude_none=True)
+        shown["id"] = item.id or new_id(_ID_PREFIX.get(item.type, "item"))
+        if isinstance(item, MessageItem):
+            shown["content"] = _message_parts(item)
+            shown["status"] = "completed"
+        out.append(shown)
+    return out
+
+
+def _message_parts(item: MessageItem) -> list[dict[str, Any]]:
+    said = item.role == "assistant"
+    if isinstance(item.content, str):
+        part: dict[str, Any] = {"type": "output_text" if said else "input_text"}
+        parts = [{**part, "text": item.content}]
+    else:
+        parts = [p.model_dump(exclude_none=True) for p in item.content]
+    for p in parts:
+        if p["type"] == "output_text":
+            p.setdefault("annotations", [])  # the SDK's output text always has them
+    return parts
