@@ -267,7 +267,15 @@ def _finalise(response: dict[str, Any], done: Outcome, items: _Items) -> dict[st
 
 def _parse(raw: bytes, state: AppState) -> ResponsesRequest:
     """Parse and validate (worker thread); the stored history is read on the loop."""
-    return parse_body(raw, ResponsesRequest, state.model_info().context_length)
+    body = parse_body(raw, ResponsesRequest, state.model_info().context_length)
+    if body.input is None and body.previous_response_id is None:  # nothing to answer
+        raise APIError(
+            400,
+            "Missing required parameter: 'input' (or 'previous_response_id').",
+            code="missing_required_parameter",
+            param="input",
+        )
+    return body
 
 
 def _prepare_call(
@@ -277,7 +285,7 @@ def _prepare_call(
     state: AppState,
     headers,
 ):
-    items = resolved(body.input, found)
+    items = resolved(body.input or [], found)
     conversation = history + input_messages(items)
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     tools = read_tools(body.tools, body.tool_choice)

@@ -31,7 +31,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-def holders(items: str | list[Any], store: ResponseStore) -> dict[str, StoredResponse]:
+def holders(items: str | list[Any] | None, store: ResponseStore) -> dict[str, StoredResponse]:
     """The stored response holding each referenced item (the store is the event
     loop's; its items are read in a worker thread); 400 naming an unknown one."""
     found: dict[str, StoredResponse] = {}

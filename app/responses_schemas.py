@@ -275,7 +275,10 @@ class ResponsesRequest(EnvelopedSampling):
     model_config = STRICT
 
     model: str | None = None
-    input: Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)]
+    # optional as in the SDK: a turn may continue from previous_response_id alone
+    input: (
+        Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)] | None
+    ) = None
     instructions: str | None = None
     max_output_tokens: MaxTokens | None = None
     tools: bounded_list(ResponsesTool, MAX_TOOLS) | None = None

@@ -205,3 +205,16 @@ def test_a_stored_responses_items_are_found_by_id_until_it_goes():
     assert store.nbytes == stored.nbytes
     store.delete("r1")
     assert store.holding("msg_in") is None and store.nbytes == 0 and not store._owners  # noqa: SLF001
+
+
+def test_input_may_be_left_out_when_continuing_a_stored_response(server):
+    """The SDK's input is optional (a turn continued from previous_response_id
+    alone): it was a 400 'input: Field required'."""
+    client = server.openai()
+    first = client.responses.create(model="m", input="THINK")
+    again = client.responses.create(model="m", previous_response_id=first.id)
+    assert again.status == "completed" and again.previous_response_id == first.id
+    seen = server.formatter.last_messages
+    assert [m["role"] for m in seen] == ["user", "assistant"] and seen[0]["content"] == "THINK"
+    r = httpx.post(server.url + "/v1/responses", json={"model": "m"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
