@@ -222,7 +222,7 @@ def _response(
 def _message_status(done: Outcome, last: bool) -> str:
     """The last message is incomplete when the reply was cut (max_output_tokens) or
     failed mid-way: its text is not whole. One followed by more output is."""
-    cut = done.failed or done.stop_kind == "length"
+    cut = done.failed or done.timed_out or done.stop_kind == "length"
     return "incomplete" if last and cut else "completed"
 
 
@@ -236,7 +236,9 @@ _RESPONSE_ERROR_CODES = {
 }
 
 
-def _finalise(response: dict[str, Any], done: Outcome, items: _Items) -> dict[str, Any]:
+def _finalise(
+    response: dict[str, Any], done: Outcome, items: _Items, request_timeout: float = 0.0
+) -> dict[str, Any]:
     items.close()
     for i, item in enumerate(items.items):
         if item["type"] == "message":
@@ -249,6 +251,15 @@ def _finalise(response: dict[str, Any], done: Outcome, items: _Items) -> dict[st
         # the Responses schema's codes (and context_length_exceeded): a client
         # validating strictly reads no others
         response["error"] = {"code": code, "message": f"{err.message} ({err.code})"}
+    elif done.timed_out:
+        # no incomplete reason fits (max_output_tokens is the client's own limit):
+        # failed, with what was generated, as chat delivers it (finish length)
+        response["status"] = "failed"
+        response["error"] = {
+            "code": "server_error",
+            "message": f"The reply was cut short by the server's request timeout "
+            f"(--request-timeout {request_timeout:g} s); the output holds what was generated.",
+        }
     elif done.stop_kind == "length":
         response["status"] = "incomplete"
         response["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -342,7 +353,7 @@ async def create_response(http: HTTPRequest):
     response = _response(body, _new_id("resp"), int(time.time()), gen.model_name, "in_progress")
 
     async def store(items: _Items) -> None:
-        if body.store and not gen.outcome.failed:
+        if body.store and not gen.outcome.failed and not gen.outcome.timed_out:
             reply = _reply_message(gen.outcome, prepared.parser.kept_text, items.call_ids)
             # JSON of the whole conversation (images included): not on the event loop
             item = await state.preparer.run(
@@ -364,7 +375,7 @@ async def create_response(http: HTTPRequest):
         return Response(status_code=499)  # the client left: nothing to build or store
     for event in done.events:
         _apply(items, event)
-    _finalise(response, done, items)
+    _finalise(response, done, items, state.settings.request_timeout)
     if done.failed:
         raise done.failure()
     await store(items)
@@ -562,7 +573,7 @@ async def _stream(gen: Generation, response: dict[str, Any], store) -> AsyncIter
         status = _message_status(done, last=True)
         for frame in _item_done_frames(emit, items.current, len(items.items) - 1, status):
             yield frame
-    _finalise(response, done, items)
+    _finalise(response, done, items, gen.state.settings.request_timeout)
     await store(items)
     kind = {"failed": "response.failed", "incomplete": "response.incomplete"}.get(
         response["status"], "response.completed"

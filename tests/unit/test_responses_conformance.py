@@ -218,3 +218,25 @@ def test_input_may_be_left_out_when_continuing_a_stored_response(server):
     assert [m["role"] for m in seen] == ["user", "assistant"] and seen[0]["content"] == "THINK"
     r = httpx.post(server.url + "/v1/responses", json={"model": "m"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+
+
+def test_a_reply_cut_by_the_request_timeout_says_so_and_is_not_stored():
+    """The watchdog's cut read as max_output_tokens (the client's own limit) and
+    was stored to continue from. Chat delivers what was generated (finish length)
+    and keeps nothing: so here, in a failed response naming the timeout."""
+    settings = Settings(_env_file=None, request_timeout=1.0)
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, step_delay=0.2))
+    with serve_app(app) as url:
+        body = {"input": "hi", "max_output_tokens": 500}
+        r = httpx.post(url + "/v1/responses", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        cut = Response.model_validate(r.json())
+        events = _events(url, body)
+        assert httpx.get(url + f"/v1/responses/{cut.id}").status_code == 404
+        streamed = events[-1]["response"]
+        assert httpx.get(url + f"/v1/responses/{streamed['id']}").status_code == 404
+    assert events[-1]["type"] == "response.failed"
+    for response in (cut, Response.model_validate(streamed)):
+        assert response.status == "failed" and response.incomplete_details is None
+        assert response.error.code == "server_error" and "request timeout" in response.error.message
+        assert response.output[-1].status == "incomplete" and response.output_text.startswith("w0 ")
