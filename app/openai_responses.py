@@ -28,6 +28,7 @@ from app.request_fields import ignored_fields
 from app.response_store import StoredResponse
 from app.responses_items import holders, listed, resolved, skipped
 from app.responses_items import new_id as _new_id
+from app.responses_items import router as items_router
 from app.responses_schemas import (
     CustomToolCallItem,
     CustomToolCallOutputItem,
@@ -43,6 +44,7 @@ from app.sse import SSE_HEADERS, framed, sse_event
 from app.state import AppState
 
 router = APIRouter()
+router.include_router(items_router)  # GET /v1/responses/{id}/input_items
 
 
 def _parts(parts: Any) -> Any:

@@ -188,6 +188,17 @@ DELETED = {
     "required": ["id", "object", "deleted"],
     "properties": {"id": {"type": "string"}, "deleted": {"const": True}},
 }
+ITEM_LIST = {
+    "type": "object",
+    "required": ["object", "data", "first_id", "last_id", "has_more"],
+    "properties": {
+        "object": {"const": "list"},
+        "data": {"type": "array", "items": {"type": "object"}},
+        "first_id": {"type": ["string", "null"]},
+        "last_id": {"type": ["string", "null"]},
+        "has_more": {"type": "boolean"},
+    },
+}
 TOKEN_COUNT = {
     "type": "object",
     "required": ["input_tokens"],

@@ -4,15 +4,26 @@ kept as OpenAI lists them (GET /v1/responses/{id}/input_items)."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Annotated, Any, Literal
 
+from fastapi import APIRouter, Query
+from fastapi import Request as HTTPRequest
+from fastapi.responses import Response
 from pydantic import TypeAdapter, ValidationError
 
 from app.errors import APIError
+from app.openapi_doc import ITEM_LIST, OPENAI_ERROR, errors, json_content
 from app.response_store import ResponseStore, StoredResponse
-from app.responses_schemas import HostedItem, InputItem, ItemReference, MessageItem
+from app.responses_schemas import (
+    HostedItem,
+    InputItem,
+    ItemReference,
+    MessageItem,
+    ReasoningItem,
+)
 
 _INPUT_ITEM: TypeAdapter[Any] = TypeAdapter(InputItem)
 
@@ -87,7 +98,8 @@ def listed(items: str | list[Any]) -> list[dict[str, Any]]:
         shown["id"] = item.id or new_id(_ID_PREFIX.get(item.type, "item"))
         if isinstance(item, MessageItem):
             shown["content"] = _message_parts(item)
-            shown["status"] = "completed"
+        if not isinstance(item, (HostedItem, ReasoningItem)):
+            shown["status"] = "completed"  # what the SDK's listed items carry
         out.append(shown)
     return out
 
@@ -103,3 +115,59 @@ def _message_parts(item: MessageItem) -> list[dict[str, Any]]:
         if p["type"] == "output_text":
             p.setdefault("annotations", [])  # the SDK's output text always has them
     return parts
+
+
+def page(
+    stored: StoredResponse, order: str, limit: int, after: str | None
+) -> tuple[list[bytes], list[str], bool]:
+    """One page of a stored response's input items: their JSON, their ids, and
+    whether more follow."""
+    ids = list(stored.item_ids)
+    at = list(range(len(ids)))
+    if order == "desc":
+        at.reverse()
+    if after is not None:
+        if after not in ids:
+            raise APIError(400, f"No input item '{after}' in this response.", param="after")
+        at = at[at.index(ids.index(after)) + 1 :]
+    chosen = at[:limit]
+    return [stored.items_json[i] for i in chosen], [ids[i] for i in chosen], len(at) > limit
+
+
+def listing(stored: StoredResponse, order: str, limit: int, after: str | None) -> bytes:
+    """OpenAI's list object, from the items' stored JSON as it is (nothing parsed)."""
+    data, ids, more = page(stored, order, limit, after)
+    first, last = (ids[0], ids[-1]) if ids else (None, None)
+    tail = {"first_id": first, "last_id": last, "has_more": more}
+    return (
+        b'{"object":"list","data":['
+        + b",".join(data)
+        + b"],"
+        + json.dumps(tail, separators=(",", ":"))[1:].encode()
+    )
+
+
+router = APIRouter()
+
+
+@router.get(
+    "/v1/responses/{response_id}/input_items",
+    responses={
+        200: {
+            "description": "A stored response's input items.",
+            "content": json_content(ITEM_LIST),
+        },
+        **errors(OPENAI_ERROR, [400, 404]),
+    },
+)
+async def list_input_items(
+    response_id: str,
+    http: HTTPRequest,
+    order: Literal["asc", "desc"] = "desc",
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: Annotated[str | None, Query(max_length=256)] = None,
+) -> Response:
+    stored = http.app.state.kvwarm.responses.get(response_id)
+    if stored is None:
+        raise APIError(404, f"Response with id '{response_id}' not found.", code="not_found")
+    return Response(listing(stored, order, limit, after), media_type="application/json")

@@ -240,3 +240,47 @@ def test_a_reply_cut_by_the_request_timeout_says_so_and_is_not_stored():
         assert response.status == "failed" and response.incomplete_details is None
         assert response.error.code == "server_error" and "request timeout" in response.error.message
         assert response.output[-1].status == "incomplete" and response.output_text.startswith("w0 ")
+
+
+def test_a_stored_responses_input_items_are_listed_as_openai_lists_them(server):
+    from openai.types.responses import ResponseItem
+    from openai.types.responses.response_item_list import ResponseItemList
+
+    from tests.helpers.dialects import RESPONSES_TOOLS
+
+    client = server.openai()
+    items = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": [{"type": "input_text", "text": "weather?"}], "id": "msg_q"},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+        {"role": "assistant", "content": "It is sunny."},
+        {"type": "custom_tool_call", "call_id": "c2", "name": "apply_patch", "input": "x"},
+        {"type": "custom_tool_call_output", "call_id": "c2", "output": "ok"},
+        {"role": "user", "content": "thanks", "x_vendor": "not listed"},
+    ]
+    created = client.responses.create(model="m", input=items, tools=RESPONSES_TOOLS)
+    listed = list(client.responses.input_items.list(created.id, order="asc", limit=3))
+    assert [i.type for i in listed] == [i.get("type", "message") for i in items]
+    assert listed[1].id == "msg_q" and all(i.id for i in listed)
+    assert listed[4].content[0].text == "It is sunny." and listed[5].input == "x"
+    url = server.url + f"/v1/responses/{created.id}/input_items"
+    page = httpx.get(url, params={"limit": 2}).json()  # newest first by default
+    ResponseItemList.model_validate(page)
+    for item in httpx.get(url, params={"limit": 100}).json()["data"]:
+        TypeAdapter(ResponseItem).validate_python(item)
+        assert "x_vendor" not in item
+    assert [i["id"] for i in page["data"]] == [listed[-1].id, listed[-2].id]
+    assert page["has_more"] and page["first_id"] == listed[-1].id
+    assert page["last_id"] == listed[-2].id
+    after = httpx.get(url, params={"after": page["last_id"], "limit": 100}).json()
+    assert [i["id"] for i in after["data"]] == [i.id for i in reversed(listed[:-2])]
+    assert not after["has_more"]
+    text = client.responses.create(model="m", input="hello")
+    (only,) = client.responses.input_items.list(text.id)
+    assert only.role == "user" and only.content[0].text == "hello"
+    for params in ({"limit": 0}, {"limit": 101}, {"order": "sideways"}):
+        r = httpx.get(url, params=params)
+        assert r.status_code == 400, (params, r.text)
+    r = httpx.get(server.url + "/v1/responses/resp_nope/input_items")
+    assert r.status_code == 404 and "resp_nope" in r.json()["error"]["message"]
