@@ -9,6 +9,7 @@ same conversation give the model the same tokens and share cached prefixes.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
@@ -31,7 +32,7 @@ from app.body import parse_body
 from app.chat_pipeline import ChatCall, choice_of, forced_tool, prepare_chat
 from app.content_parts import parts_content, parts_text
 from app.errors import APIError, anthropic_error_body
-from app.generation import Generation, Outcome
+from app.generation import CallIds, Generation, Outcome
 from app.openapi_doc import ANTHROPIC_ERROR, MESSAGE, TOKEN_COUNT, generation_route
 from app.protocol.output_parser import Content, Event, Reasoning
 from app.protocol.tool_formats import ToolCall
@@ -269,11 +270,19 @@ def usage(done: Outcome) -> dict[str, int]:
     }
 
 
-def tool_use_block(call: ToolCall) -> dict[str, Any]:
+# what Anthropic's tool_use ids match (its API refuses any other in the next turn)
+TOOL_USE_ID = re.compile(r"[a-zA-Z0-9_-]+")
+
+
+def tool_use_ids() -> CallIds:
+    """A reply's tool_use ids: unique, and legal for Anthropic, whatever the model wrote."""
+    return CallIds("toolu", TOOL_USE_ID)
+
+
+def tool_use_block(call: ToolCall, ids: CallIds) -> dict[str, Any]:
     return {
         "type": "tool_use",
-        # the model's own id where it wrote one: the next turn renders it back
-        "id": call.call_id or f"toolu_{uuid.uuid4().hex[:24]}",
+        "id": ids(call),
         "name": call.name,
         "input": call.arguments_dict(),
     }
@@ -328,7 +337,8 @@ async def messages(http: HTTPRequest):
         return Response(status_code=499)  # the client left: nothing to build or store
     if done.failed:
         raise done.failure()
-    content = [_block(event) for event in done.events]
+    ids = tool_use_ids()
+    content = [_block(event, ids) for event in done.events]
     return JSONResponse(
         {
             **message,
@@ -341,12 +351,12 @@ async def messages(http: HTTPRequest):
     )
 
 
-def _block(event: Reasoning | Content | ToolCall) -> dict[str, Any]:
+def _block(event: Reasoning | Content | ToolCall, ids: CallIds) -> dict[str, Any]:
     if isinstance(event, Reasoning):
         return {"type": "thinking", "thinking": event.text, "signature": ""}
     if isinstance(event, Content):
         return {"type": "text", "text": event.text}
-    return tool_use_block(event)
+    return tool_use_block(event, ids)
 
 
 class _Blocks:
@@ -407,6 +417,7 @@ async def _stream(gen: Generation, message: dict[str, Any]) -> AsyncIterator[str
         },
     )
     blocks = _Blocks()
+    ids = tool_use_ids()
 
     def frames(event: Event) -> Iterator[str]:
         if isinstance(event, Reasoning):
@@ -418,7 +429,7 @@ async def _stream(gen: Generation, message: dict[str, Any]) -> AsyncIterator[str
             yield from blocks.switch("text", {"type": "text", "text": ""})
             yield blocks.delta({"type": "text_delta", "text": event.text})
         else:
-            block = tool_use_block(event)
+            block = tool_use_block(event, ids)
             yield from blocks.switch("tool_use", {**block, "input": {}})
             yield blocks.delta(
                 {

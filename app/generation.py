@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
+import uuid
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
@@ -182,6 +184,27 @@ class Outcome:
 def _header_safe(value: str) -> str:
     """A client-chosen id as a header value: ASCII, bounded."""
     return ascii_escaped(value, 256)
+
+
+class CallIds:
+    """One reply's tool-call ids: the model's own where it wrote one (the next turn
+    renders it back, so the reply's KV is reused), unless another call of the reply
+    already has it or ``legal`` refuses it; then a fresh ``<prefix>_...`` id. Clients
+    pair results with calls by id: two calls of one id lose a result."""
+
+    def __init__(self, prefix: str, legal: re.Pattern[str] | None = None) -> None:
+        self.prefix = prefix
+        self.legal = legal
+        self.used: set[str] = set()
+
+    def __call__(self, call: ToolCall) -> str:
+        own = call.call_id
+        if own and own not in self.used and (self.legal is None or self.legal.fullmatch(own)):
+            chosen = own
+        else:
+            chosen = f"{self.prefix}_{uuid.uuid4().hex[:24]}"
+        self.used.add(chosen)
+        return chosen
 
 
 def openai_tool_calls(calls: list[ToolCall], ids: list[str]) -> list[dict[str, Any]]:

@@ -21,11 +21,10 @@ from app.chat_pipeline import (
 )
 from app.content_parts import parts_content
 from app.errors import APIError, error_body
-from app.generation import Generation, Outcome, openai_tool_calls
+from app.generation import CallIds, Generation, Outcome, openai_tool_calls
 from app.logprobs_format import chat_logprobs, logprob_frames
 from app.openapi_doc import CHAT_COMPLETION, generation_route
 from app.protocol.output_parser import Content, Event, Reasoning
-from app.protocol.tool_formats import ToolCall
 from app.protocol.tool_schema import function_tools
 from app.request_fields import ignored_fields
 from app.schemas import ChatCompletionRequest, ChatMessage
@@ -100,10 +99,6 @@ def prepare(raw: bytes, state: AppState, headers: dict[str, str]):
     return body, prepare_chat(chat_call(body), state, headers)
 
 
-def call_id(call: ToolCall) -> str:
-    return call.call_id or f"call_{uuid.uuid4().hex[:24]}"
-
-
 def usage(done: Outcome) -> dict[str, Any]:
     return {
         "prompt_tokens": done.prompt_tokens,
@@ -148,8 +143,9 @@ async def chat_completions(http: HTTPRequest):
     if done.reasoning:
         message["reasoning_content"] = done.reasoning
     if done.tool_calls:
+        ids = CallIds("call")
         message["tool_calls"] = openai_tool_calls(
-            done.tool_calls, [call_id(c) for c in done.tool_calls]
+            done.tool_calls, [ids(c) for c in done.tool_calls]
         )
         message["content"] = done.content or None
 
@@ -183,6 +179,7 @@ async def _stream_chunks(
     usage_field = {"usage": None} if include_usage else {}
     done = gen.outcome
     calls = 0
+    ids = CallIds("call")
     first = {"role": "assistant", "content": "", "message_id": gen.request_id}
     template = FrameTemplate({**_chunk(meta, FrameTemplate.HOLE, None), **usage_field})
 
@@ -213,7 +210,7 @@ async def _stream_chunks(
         elif isinstance(event, Content):
             delta = {"content": event.text}
         else:
-            (tool,) = openai_tool_calls([event], [call_id(event)])
+            (tool,) = openai_tool_calls([event], [ids(event)])
             delta = {"tool_calls": [{"index": calls, **tool}]}
             calls += 1
         return chunk(delta)

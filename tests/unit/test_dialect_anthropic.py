@@ -525,3 +525,38 @@ def test_stream_null_is_a_whole_reply(server):
     body["messages"] = [{"role": "user", "content": "hi"}]
     r = httpx.post(server.url + "/v1/messages", json=body)
     assert r.status_code == 200 and r.json()["type"] == "message"
+
+
+def _scripted_app(pieces: list[str], **settings):
+    return create_app(
+        Settings(_env_file=None, **settings),
+        lambda s, r: FakeEngine(s, r, script=lambda req: pieces),
+    )
+
+
+def _hermes(city: str, call_id: str) -> str:
+    call = {"name": "get_weather", "arguments": {"city": city}, "id": call_id}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>\n"
+
+
+def test_tool_use_ids_are_unique_and_legal_whatever_the_model_wrote():
+    """The model's own id was the tool_use id unchecked: two calls it numbered "1"
+    shared an id (Claude Code pairs results with calls by id), and "call 1/x" was
+    one Anthropic refuses in the next turn."""
+    from anthropic.types import Message
+
+    pieces = [_hermes("Rome", "1"), _hermes("Oslo", "1"), _hermes("Kyiv", "call 1/x")]
+    kwargs = dict(
+        model="c", max_tokens=64, messages=[{"role": "user", "content": "x"}], tools=ANTHROPIC_TOOLS
+    )
+    with serve_app(_scripted_app(pieces)) as url:
+        client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+        whole = httpx.post(url + "/v1/messages", json=kwargs).json()
+        with client.messages.stream(**kwargs) as stream:
+            streamed = stream.get_final_message()
+    for message in (Message.model_validate(whole), streamed):
+        ids = [b.id for b in message.content if b.type == "tool_use"]
+        assert len(ids) == 3 and len(set(ids)) == 3, ids
+        assert ids[0] == "1"  # the model's own, where it may stand
+        assert all(re.fullmatch(r"[a-zA-Z0-9_-]+", i) for i in ids), ids
+        assert ids[1].startswith("toolu_") and ids[2].startswith("toolu_")

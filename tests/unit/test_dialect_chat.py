@@ -539,3 +539,26 @@ def test_leading_system_messages_are_joined_when_the_template_refuses_a_second()
             assert roles == ["system", "user", "assistant", "user", "user"]
         finally:
             type(formatter).render_chat = plain
+
+
+def test_chat_tool_call_ids_are_unique_whatever_the_model_wrote():
+    """Chat completions had the same fault: two calls both ``id: "1"``."""
+    pieces = [
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}, "id": "1"}}\n'
+        "</tool_call>\n"
+        for city in ("Rome", "Oslo")
+    ]
+    kwargs = dict(model="c", messages=[{"role": "user", "content": "x"}], tools=TOOLS)
+    app = create_app(
+        Settings(_env_file=None), lambda s, r: FakeEngine(s, r, script=lambda req: pieces)
+    )
+    with serve_app(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+        streamed = [
+            call.id
+            for chunk in client.chat.completions.create(**kwargs, stream=True)
+            for call in chunk.choices[0].delta.tool_calls or []
+        ]
+    for ids in ([c.id for c in whole], streamed):
+        assert len(ids) == 2 and ids[0] == "1" and ids[1] != "1", ids
