@@ -244,12 +244,15 @@ def _prepare(raw: bytes, state: AppState, headers: dict[str, str], model: type[C
     return body, prepare_chat(replace(call, count_only=not generating), state, headers)
 
 
-def stop_reason(done: Outcome) -> str | None:
+def stop_reason(done: Outcome, limit_lowered: bool = False) -> str | None:
+    """``limit_lowered``: max_tokens was lowered to the room the context left, so a
+    reply cut at it met the context window (Anthropic's own stop reason for that),
+    not the client's limit."""
     kind = done.stop_kind
     if kind == "tool_calls":
         return "tool_use"
     if kind == "length":
-        return "max_tokens"
+        return "model_context_window_exceeded" if limit_lowered else "max_tokens"
     if kind == "stop":
         return "stop_sequence" if done.stop_sequence else "end_turn"
     return None
@@ -343,7 +346,7 @@ async def messages(http: HTTPRequest):
         {
             **message,
             "content": content,
-            "stop_reason": stop_reason(done),
+            "stop_reason": stop_reason(done, prepared.max_tokens_lowered),
             "stop_sequence": stop_sequence(done),
             "usage": usage(done),
         },
@@ -451,7 +454,10 @@ async def _stream(gen: Generation, message: dict[str, Any]) -> AsyncIterator[str
         "message_delta",
         {
             "type": "message_delta",
-            "delta": {"stop_reason": stop_reason(done), "stop_sequence": stop_sequence(done)},
+            "delta": {
+                "stop_reason": stop_reason(done, gen.prepared.max_tokens_lowered),
+                "stop_sequence": stop_sequence(done),
+            },
             "usage": usage(done),
         },
     )

@@ -77,6 +77,9 @@ class Prepared:
     answered: str | None  # healing context (what the reply answers); None: not a chat turn
     ignored: tuple[str, ...] = ()  # fields the client sent that nothing acts on
     conversation_id: str = ""  # the session the KV cache files this turn under
+    # max_tokens was lowered to the room the context leaves (``clamp_max_tokens``): a
+    # reply cut at the limit was cut by the context window, not by the client's limit
+    max_tokens_lowered: bool = False
 
     @property
     def headers(self) -> dict[str, str]:
@@ -273,16 +276,21 @@ def _image_salts(
     return salts
 
 
-def _completion_limit(call: ChatCall, info: ModelInfo, prompt_len: int, default: int) -> int:
+def _completion_limit(
+    call: ChatCall, info: ModelInfo, prompt_len: int, default: int
+) -> tuple[int, bool]:
+    """The reply's token limit, and whether the client's was lowered to fit."""
     limit = call.max_tokens
+    lowered = False
     if call.clamp_max_tokens and limit is not None:
         room = min(info.context_length, info.budget.ceiling_tokens) - prompt_len
         if 1 <= room < limit:
             log.info("max_tokens %d lowered to %d: the room this prompt leaves", limit, room)
-            limit = room
-    return resolve_max_tokens(
+            limit, lowered = room, True
+    resolved = resolve_max_tokens(
         limit, prompt_len, info.context_length, default, info.budget.ceiling_tokens
     )
+    return resolved, lowered
 
 
 def _sampling(call: ChatCall, info: ModelInfo) -> SamplingParams:
@@ -372,9 +380,10 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
     if info.vision is not None:
         key, prompt, image_inputs = attach_images(key, images, info.vision)
     session = explicit_session or fallback_session_id(rendered.key.canonical)
+    max_tokens, lowered = _completion_limit(call, info, len(prompt), settings.max_tokens)
     request = Request(
         prompt_tokens=prompt,
-        max_tokens=_completion_limit(call, info, len(prompt), settings.max_tokens),
+        max_tokens=max_tokens,
         sampling=_sampling(call, info),
         stop=call.stop,
         ignore_eos=call.ignore_eos,
@@ -391,4 +400,4 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
     )
     if call.ignored:
         log.info("%s: ignored fields: %s", request.request_id, shown_names(call.ignored))
-    return Prepared(request, parser, contexts[-1], call.ignored, session)
+    return Prepared(request, parser, contexts[-1], call.ignored, session, lowered)

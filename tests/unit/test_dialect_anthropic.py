@@ -560,3 +560,25 @@ def test_tool_use_ids_are_unique_and_legal_whatever_the_model_wrote():
         assert ids[0] == "1"  # the model's own, where it may stand
         assert all(re.fullmatch(r"[a-zA-Z0-9_-]+", i) for i in ids), ids
         assert ids[1].startswith("toolu_") and ids[2].startswith("toolu_")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_reply_cut_at_a_limit_lowered_to_the_context_says_so(stream):
+    """max_tokens lowered to the room the context leaves, a reply cut there said
+    ``max_tokens``, as if the client's own limit had been reached."""
+    from anthropic.types import Message
+
+    app = create_app(Settings(_env_file=None), lambda s, r: FakeEngine(s, r, context_length=64))
+    body = {"model": "c", "messages": [{"role": "user", "content": "x"}]}
+    with serve_app(app) as url:
+        client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+        reasons = {}
+        for max_tokens in (1000, 5):  # lowered to the context's room; the client's own
+            kwargs = {**body, "max_tokens": max_tokens}
+            if stream:
+                with client.messages.stream(**kwargs) as events:
+                    msg = events.get_final_message()
+            else:
+                msg = Message.model_validate(httpx.post(url + "/v1/messages", json=kwargs).json())
+            reasons[max_tokens] = msg.stop_reason
+    assert reasons == {1000: "model_context_window_exceeded", 5: "max_tokens"}
