@@ -202,6 +202,15 @@ def ignored_tools(tools: list[CustomTool | ServerTool] | None) -> tuple[str, ...
     )
 
 
+def ignored_thinking(body: CountTokensRequest) -> tuple[str, ...]:
+    """``thinking.budget_tokens`` only turns thinking on here (nothing caps the
+    reasoning at it): named in the ignored-fields header, as Claude Code's 31999
+    would otherwise look honoured."""
+    if body.thinking is not None and body.thinking.budget_tokens is not None:
+        return ("thinking.budget_tokens",)
+    return ()
+
+
 def tool_choice(value: AnthropicToolChoice | None, tools: list[dict[str, Any]]) -> ToolChoice:
     kind = value.type if value is not None else ("auto" if tools else "none")
     if kind == "tool":
@@ -232,7 +241,7 @@ def chat_call(body: CountTokensRequest, max_tokens: int | None) -> ChatCall:
         kv_bits=body.kv_bits_requested(),
         adapter=body.adapter_requested(),
         template_kwargs=body.template_kwargs(),
-        ignored=ignored_fields(body) + ignored_tools(body.tools),
+        ignored=ignored_fields(body) + ignored_tools(body.tools) + ignored_thinking(body),
         same_indices=False,  # the system prompt comes first; blocks split into messages
     )
 

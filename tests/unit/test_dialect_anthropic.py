@@ -582,3 +582,17 @@ def test_a_reply_cut_at_a_limit_lowered_to_the_context_says_so(stream):
                 msg = Message.model_validate(httpx.post(url + "/v1/messages", json=kwargs).json())
             reasons[max_tokens] = msg.stop_reason
     assert reasons == {1000: "model_context_window_exceeded", 5: "max_tokens"}
+
+
+def test_a_thinking_budget_is_named_as_ignored(server):
+    """budget_tokens (Claude Code: 31999) turns thinking on and caps nothing: it was
+    dropped in silence, where other unread fields are named."""
+    body = {"model": "c", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}
+    thinking = {"type": "enabled", "budget_tokens": 31999}
+    for path in ("/v1/messages", "/v1/messages/count_tokens"):
+        r = httpx.post(server.url + path, json={**body, "thinking": thinking})
+        assert r.status_code == 200, r.text
+        assert "thinking.budget_tokens" in r.headers["x-kvwarm-ignored-fields"]
+    assert server.formatter.last_kwargs["enable_thinking"] is True
+    plain = httpx.post(server.url + "/v1/messages", json={**body, "thinking": {"type": "enabled"}})
+    assert "x-kvwarm-ignored-fields" not in plain.headers
