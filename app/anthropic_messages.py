@@ -33,6 +33,7 @@ from app.chat_pipeline import ChatCall, choice_of, forced_tool, prepare_chat
 from app.content_parts import parts_content, parts_text
 from app.errors import APIError, anthropic_error_body
 from app.generation import CallIds, Generation, Outcome
+from app.middleware import REQUEST_ID
 from app.openapi_doc import ANTHROPIC_ERROR, MESSAGE, TOKEN_COUNT, generation_route
 from app.protocol.output_parser import Content, Event, Reasoning
 from app.protocol.tool_formats import ToolCall
@@ -316,6 +317,7 @@ async def count_tokens(http: HTTPRequest) -> JSONResponse:
     _, prepared = await state.preparer.body(
         http, lambda raw: _prepare(raw, state, headers, CountTokensRequest)
     )
+    http.scope[REQUEST_ID] = prepared.request.request_id  # what its log lines name
     return JSONResponse(
         {"input_tokens": len(prepared.request.prompt_tokens)}, headers=prepared.headers
     )

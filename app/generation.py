@@ -23,7 +23,7 @@ from fastapi import Request as HTTPRequest
 
 from app.chat_pipeline import Prepared
 from app.errors import APIError
-from app.middleware import BODY_RECEIVED
+from app.middleware import BODY_RECEIVED, REQUEST_ID
 from app.protocol.output_parser import Content, Event, Reasoning, merge
 from app.protocol.tool_formats import ToolCall
 from app.state import AppState
@@ -231,6 +231,8 @@ class Generation:
         # the client's wait began when its body had arrived: parsing, rendering and
         # tokenising (and waiting for a preparation thread) are part of its latency
         prepared.request.received_at = http.scope.get(BODY_RECEIVED) if http else None
+        if http is not None:  # the response's request-id header: the id the logs name
+            http.scope[REQUEST_ID] = prepared.request.request_id
         started = prepared.request.started_at
         self._end = _Ending(
             state,

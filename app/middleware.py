@@ -17,7 +17,8 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.errors import APIError, count_refusal, error_payload
+from app.errors import ANTHROPIC_PATHS, APIError, count_refusal, error_payload
+from scheduler.request import next_request_id
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # Prometheus scrapes without a key, as with vLLM
 
@@ -145,6 +146,36 @@ class OpenRequests:
 
 class RequestCounter:
     open: int = 0  # one event loop: no lock
+
+
+REQUEST_ID = "kvwarm.request_id"  # scope key: the id a route gave its request (its logs')
+
+
+class RequestIdHeader:
+    """Every response names its request: ``request-id`` on Anthropic's routes,
+    ``x-request-id`` on the others, the names their SDKs read (``_request_id``)
+    and a user quotes in a report. A route that made a scheduler request puts
+    that request's id (the one its log lines carry) under ``REQUEST_ID``; any
+    other response, an early refusal included, gets a fresh one."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        anthropic = scope["path"].startswith(ANTHROPIC_PATHS)
+        name = b"request-id" if anthropic else b"x-request-id"
+
+        async def named(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                request_id = scope.get(REQUEST_ID) or next_request_id()
+                headers = [*message.get("headers", ()), (name, request_id.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, named)
 
 
 class ApiKeyMiddleware:

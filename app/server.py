@@ -29,6 +29,7 @@ from app.middleware import (
     HostCheckMiddleware,
     OpenRequests,
     RequestCounter,
+    RequestIdHeader,
 )
 from app.openai_chat import router as chat_router
 from app.openai_completions import router as completions_router
@@ -144,11 +145,17 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
             allow_origins=settings.cors_allowlist,
             allow_methods=["*"],
             allow_headers=["*"],
-            expose_headers=["Retry-After", "X-Kvwarm-Ignored-Fields"],
+            expose_headers=[
+                "Retry-After",
+                "X-Kvwarm-Ignored-Fields",
+                "request-id",
+                "x-request-id",
+            ],
         )
     app.add_middleware(HostCheckMiddleware, allowed_hosts=settings.host_allowlist)
     app.state.http_requests = RequestCounter()  # what a drain waits for (app.lifecycle)
     app.add_middleware(OpenRequests, counter=app.state.http_requests)
+    app.add_middleware(RequestIdHeader)  # outermost: every response, each refusal too
     return app
 
 

@@ -596,3 +596,30 @@ def test_a_thinking_budget_is_named_as_ignored(server):
     assert server.formatter.last_kwargs["enable_thinking"] is True
     plain = httpx.post(server.url + "/v1/messages", json={**body, "thinking": {"type": "enabled"}})
     assert "x-kvwarm-ignored-fields" not in plain.headers
+
+
+def test_every_response_names_its_request_in_the_header_its_sdk_reads(server, caplog):
+    """No request id went back: Anthropic's SDK reads ``request-id`` (message._request_id,
+    an error's request_id), OpenAI's ``x-request-id``; both were None."""
+    import logging
+
+    client = server.anthropic()
+    kw = dict(model="c", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    with caplog.at_level(logging.INFO, logger="kvwarm"):
+        whole = client.messages.create(**kw)
+    assert whole._request_id and whole._request_id.startswith("req-")
+    assert any(whole._request_id in r.getMessage() for r in caplog.records)  # the logs' id
+    with client.messages.stream(**kw) as stream:
+        stream.get_final_message()
+        assert stream.request_id and stream.request_id != whole._request_id
+    assert client.messages.count_tokens(**{k: kw[k] for k in ("model", "messages")})._request_id
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client.messages.create(**{**kw, "messages": []})
+    assert refused.value.request_id
+    chat = server.openai().chat.completions.create(model="m", messages=kw["messages"], max_tokens=2)
+    assert chat._request_id
+    with pytest.raises(openai.BadRequestError) as refused_chat:
+        server.openai().chat.completions.create(model="m", messages=[], max_tokens=2)
+    assert refused_chat.value.request_id
+    r = httpx.post(server.url + "/v1/messages", json=kw)
+    assert "x-request-id" not in r.headers and r.headers["request-id"]
