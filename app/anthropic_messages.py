@@ -58,14 +58,28 @@ def _dicts(content: Any) -> Any:
     return content
 
 
+def _search_results_as_text(content: Any) -> Any:
+    """Search result blocks as the text blocks a template renders: title, source,
+    then the result's text (a text model has no other way to read them)."""
+    if not isinstance(content, list):
+        return content
+    return [_search_result_text(b) if b.get("type") == "search_result" else b for b in content]
+
+
+def _search_result_text(block: dict[str, Any]) -> dict[str, Any]:
+    texts = [part["text"] for part in block["content"]]
+    return {"type": "text", "text": "\n".join([block["title"], block["source"], *texts])}
+
+
 def _user_messages(content: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
     """Tool results become tool messages (in order), the rest one user message."""
     out: list[dict[str, Any]] = []
     text: list[dict[str, Any]] = []
-    for block in content:
+    for block in _search_results_as_text(content):
         kind = block.get("type")
         if kind == "tool_result":
-            body = parts_content(block.get("content", ""), where, in_tool_result=True)
+            result = _search_results_as_text(block.get("content", ""))
+            body = parts_content(result, where, in_tool_result=True)
             if block.get("is_error"):  # the model must know the tool failed
                 body = (
                     f"Error: {body}"

@@ -49,7 +49,20 @@ class ToolUseBlock(BaseModel):
     input: dict[str, Any] = Field(default_factory=dict)
 
 
-ResultPart = Annotated[TextBlock | ImageBlock | DocumentBlock, Field(discriminator="type")]
+class SearchResultBlock(BaseModel):
+    """A search result the client found (RAG): read as its title, source and text."""
+
+    model_config = STRICT
+    type: Literal["search_result"]
+    source: str
+    title: str
+    content: bounded_list(TextBlock, MAX_PARTS)
+    citations: dict[str, Any] | None = None
+
+
+ResultPart = Annotated[
+    TextBlock | ImageBlock | DocumentBlock | SearchResultBlock, Field(discriminator="type")
+]
 
 
 class ToolResultBlock(BaseModel):
@@ -77,6 +90,7 @@ Block = Annotated[
     TextBlock
     | ImageBlock
     | DocumentBlock
+    | SearchResultBlock
     | ToolUseBlock
     | ToolResultBlock
     | ThinkingBlock

@@ -623,3 +623,33 @@ def test_every_response_names_its_request_in_the_header_its_sdk_reads(server, ca
     assert refused_chat.value.request_id
     r = httpx.post(server.url + "/v1/messages", json=kw)
     assert "x-request-id" not in r.headers and r.headers["request-id"]
+
+
+def test_search_results_are_read_as_text(server):
+    """A search_result block (Anthropic's RAG input) was a 400, in a user turn and in
+    a tool result both."""
+    result = {
+        "type": "search_result",
+        "source": "https://example.com/a",
+        "title": "Capitals",
+        "content": [{"type": "text", "text": "Paris is"}, {"type": "text", "text": "the one."}],
+        "citations": {"enabled": True},
+    }
+    read = "Capitals\nhttps://example.com/a\nParis is\nthe one."
+    messages = [
+        {"role": "user", "content": [result, {"type": "text", "text": "which?"}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [result]}],
+        },
+    ]
+    server.anthropic().messages.create(
+        model="c", max_tokens=2, messages=messages, tools=ANTHROPIC_TOOLS
+    )
+    seen = server.formatter.last_messages
+    assert seen[0] == {"role": "user", "content": read + "\nwhich?"}
+    assert seen[2] == {"role": "tool", "tool_call_id": "t1", "content": read}
