@@ -16,7 +16,7 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from observability.escape import ascii_escaped
-from scheduler.admission import AdmissionError, ContextLengthExceeded
+from scheduler.admission import AdmissionError, ContextLengthExceeded, EngineUnavailable
 
 log = logging.getLogger("kvwarm.http")
 
@@ -98,9 +98,18 @@ def error_response(
     return JSONResponse(body, status, headers=headers)
 
 
+# The engine is down for good (it died; not loading, not draining): no retry can
+# succeed until someone restarts the server, yet the anthropic and openai SDKs (and
+# Claude Code) retry every 503 unless this header tells them not to.
+ENGINE_DOWN_CODE = "engine_unavailable"
+NO_RETRY = {"x-should-retry": "false"}
+
+
 def from_admission(exc: AdmissionError) -> APIError:
     retry_after = getattr(exc, "retry_after", None)
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    if isinstance(exc, EngineUnavailable) and exc.code == ENGINE_DOWN_CODE:
+        headers = {**(headers or {}), **NO_RETRY}
     return APIError(exc.status, exc.message, exc.error_type, exc.code, headers=headers)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 
 from app.chat_pipeline import Prepared
-from app.errors import APIError
+from app.errors import ENGINE_DOWN_CODE, NO_RETRY, APIError
 from app.middleware import BODY_RECEIVED, REQUEST_ID
 from app.protocol.output_parser import Content, Event, Reasoning, merge
 from app.protocol.tool_formats import ToolCall
@@ -162,11 +162,11 @@ class Outcome:
                 self.error_code,
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        if self.error_code == "engine_unavailable":  # queued when the engine died
+        if self.error_code == ENGINE_DOWN_CODE:  # queued when the engine died
             # what a request arriving a moment later gets: no Retry-After, as the
             # engine's return is nobody's to promise (a supervisor restarts it)
             message = f"The inference engine is not running: {self.error}"
-            return APIError(503, message, "server_error", "engine_unavailable")
+            return APIError(503, message, "server_error", ENGINE_DOWN_CODE, headers=dict(NO_RETRY))
         if self.error_code == "adapter_not_found":  # unmounted between validation and start
             return APIError(400, self.error or "", code="adapter_not_found", param="adapter")
         if self.error_code == "context_over_budget":  # the budget shrank while it was queued

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import anthropic
 import httpx
@@ -653,3 +654,32 @@ def test_search_results_are_read_as_text(server):
     seen = server.formatter.last_messages
     assert seen[0] == {"role": "user", "content": read + "\nwhich?"}
     assert seen[2] == {"role": "tool", "tool_call_id": "t1", "content": read}
+
+
+def test_a_dead_engine_is_not_retried_by_the_sdk_but_loading_is():
+    """The engine gone for good was a 503 overloaded_error, which the SDK (and Claude
+    Code) retried on and on; loading and draining stay 503s worth retrying."""
+    from app.errors import from_admission
+    from scheduler.admission import EngineUnavailable
+
+    app = create_app(Settings(_env_file=None), lambda s, r: FakeEngine(s, r, eos_after=2))
+    sent: list[object] = []
+    http_client = anthropic.DefaultHttpxClient(event_hooks={"request": [sent.append]})
+    kw = dict(model="c", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    with serve_app(app) as url:
+        client = anthropic.Anthropic(
+            base_url=url, api_key="x", max_retries=2, http_client=http_client
+        )
+        client.messages.create(**kw)
+        app.state.kvwarm.engine.inject_fault(RuntimeError("GPU fell over"))
+        deadline = time.monotonic() + 10
+        while httpx.get(url + "/health").status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.02)  # the engine thread dies at its next step
+        with pytest.raises(anthropic.APIStatusError) as refused:
+            client.messages.create(**kw)
+    assert refused.value.status_code == 503
+    assert refused.value.body["error"]["type"] == "overloaded_error"
+    assert refused.value.response.headers["x-should-retry"] == "false"
+    assert len(sent) == 2  # one each: no retries
+    for retryable in (EngineUnavailable.loading(), EngineUnavailable.shutting_down()):
+        assert "x-should-retry" not in (from_admission(retryable).headers or {})

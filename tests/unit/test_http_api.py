@@ -447,7 +447,9 @@ def test_engine_death_ends_streams_with_an_error_and_health_turns_503():
         assert "GPU fell over" in events[-1]["error"]["message"]
         health = httpx.get(url + "/health")
         assert health.status_code == 503 and health.json()["status"] == "error"
-        assert_error(httpx.post(url + CHAT, json={"messages": msgs()}), 503, "engine_unavailable")
+        refused = httpx.post(url + CHAT, json={"messages": msgs()})
+        assert_error(refused, 503, "engine_unavailable")
+        assert refused.headers["x-should-retry"] == "false"  # the SDKs retry a 503 otherwise
         assert_error(httpx.get(url + "/v1/models"), 503, "engine_unavailable")
 
 
@@ -476,6 +478,9 @@ def test_a_request_still_queued_when_the_engine_dies_gets_a_503_to_retry():
         later = httpx.post(url + CHAT, json={"messages": msgs()}, timeout=30)
         assert_error(later, 503, "engine_unavailable")  # what one a moment later gets
         assert results["queued"].headers.get("retry-after") == later.headers.get("retry-after")
+        # down for good: neither is worth the SDKs' automatic retries
+        assert results["queued"].headers["x-should-retry"] == later.headers["x-should-retry"]
+        assert later.headers["x-should-retry"] == "false"
 
 
 def test_a_conversation_that_cannot_fit_is_refused_before_it_is_scanned(monkeypatch):
