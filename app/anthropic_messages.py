@@ -81,11 +81,10 @@ def _user_messages(content: list[dict[str, Any]], where: str) -> list[dict[str, 
             result = _search_results_as_text(block.get("content", ""))
             body = parts_content(result, where, in_tool_result=True)
             if block.get("is_error"):  # the model must know the tool failed
-                body = (
-                    f"Error: {body}"
-                    if isinstance(body, str)
-                    else [{"type": "text", "text": "Error:"}, *body]
-                )
+                if not isinstance(body, str):
+                    body = [{"type": "text", "text": "Error:"}, *body]
+                else:  # a failure with nothing to say is "Error", not "Error: "
+                    body = f"Error: {body}" if body else "Error"
             out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": body})
         elif kind in ("text", "image", "document"):
             text.append(block)

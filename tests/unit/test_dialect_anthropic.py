@@ -453,6 +453,9 @@ def test_anthropic_thinking_is_off_unless_asked_and_tool_errors_are_marked(serve
     )
     assert server.formatter.last_kwargs["enable_thinking"] is True
     assert server.formatter.last_messages[-1]["content"] == "Error: no such city"
+    del history[-1]["content"][0]["content"]  # a failure that says nothing more
+    client.messages.create(model="c", max_tokens=2, messages=history)
+    assert server.formatter.last_messages[-1]["content"] == "Error"
 
 
 def test_anthropic_system_turns_and_validation_messages_name_the_value(server):
