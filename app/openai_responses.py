@@ -20,7 +20,7 @@ from app.body import BodyLimits, parse_body
 from app.chat_pipeline import ChatCall, prepare_chat, template_tool_calls
 from app.content_parts import parts_content, parts_text
 from app.errors import APIError
-from app.generation import Generation, Outcome
+from app.generation import CallIds, Generation, Outcome
 from app.openapi_doc import DELETED, OPENAI_ERROR, RESPONSE, errors, generation_route, json_content
 from app.protocol.output_parser import Content, Event, Reasoning
 from app.protocol.tool_formats import ToolCall
@@ -129,6 +129,7 @@ class _Items:
     def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
         self.call_ids: list[str] = []
+        self._choose_id = CallIds("call")  # unique in the reply, whatever the model wrote
         # the open text item's deltas, joined when it closes: += on a str held in a
         # dict copies the whole text each time (quadratic in the reply's length)
         self._pieces: list[str] | None = None
@@ -174,7 +175,7 @@ class _Items:
         return self._open(item, text=True)
 
     def function_call(self, call: ToolCall) -> dict[str, Any]:
-        call_id = call.call_id or _new_id("call")
+        call_id = self._choose_id(call)
         self.call_ids.append(call_id)
         item = {
             "type": "function_call",

@@ -284,3 +284,38 @@ def test_a_stored_responses_input_items_are_listed_as_openai_lists_them(server):
         assert r.status_code == 400, (params, r.text)
     r = httpx.get(server.url + "/v1/responses/resp_nope/input_items")
     assert r.status_code == 404 and "resp_nope" in r.json()["error"]["message"]
+
+
+def test_function_call_ids_are_unique_whatever_the_model_wrote():
+    """As chat and Messages: two calls the model numbered "1" shared one call_id, and
+    the client pairs each function_call_output with its call by it."""
+    import openai
+
+    pieces = [
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}, "id": "1"}}\n'
+        "</tool_call>\n"
+        for city in ("Rome", "Oslo")
+    ]
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }
+    ]
+    app = create_app(
+        Settings(_env_file=None), lambda s, r: FakeEngine(s, r, script=lambda req: pieces)
+    )
+    with serve_app(app) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        whole = client.responses.create(model="m", input="x", tools=tools, store=False)
+        streamed = [
+            event.item.call_id
+            for event in client.responses.create(
+                model="m", input="x", tools=tools, store=False, stream=True
+            )
+            if event.type == "response.output_item.done" and event.item.type == "function_call"
+        ]
+    calls = [i.call_id for i in whole.output if i.type == "function_call"]
+    for ids in (calls, streamed):
+        assert len(ids) == 2 and ids[0] == "1" and ids[1] != "1", ids
