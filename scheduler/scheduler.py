@@ -65,6 +65,7 @@ class Scheduler:
         self._watchdog_aborts = 0
         self._failed = 0
         self._closed: str | None = None  # set once the engine is gone for good
+        self._closed_by_shutdown = False  # ...by a shutdown, not a failure
         self._draining = False  # shutting down: finish what runs, admit nothing new
         self._shutdown_pending = False  # end everything at the next step
 
@@ -80,6 +81,8 @@ class Scheduler:
 
     def _check_open_and_room(self) -> None:
         if self._closed is not None:
+            if self._closed_by_shutdown:  # a restart is coming: worth a retry
+                raise EngineUnavailable.shutting_down()
             raise EngineUnavailable(f"The inference engine is not running: {self._closed}")
         if self._draining:
             raise EngineUnavailable.shutting_down()
@@ -273,6 +276,7 @@ class Scheduler:
         one that never started is no failure of its own, worth trying again."""
         with self._lock:
             self._closed = reason
+            self._closed_by_shutdown = shutdown
             running, waiting = self._drop_all()
             if shutdown:
                 self._aborted += len(running) + len(waiting)

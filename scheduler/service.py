@@ -22,9 +22,9 @@ class GenerationService:
 
     def check_available(self) -> None:
         if not self.engine.alive:
-            raise EngineUnavailable(
-                f"The inference engine is not running: {self.engine.failure or 'stopped'}"
-            )
+            if self.engine.failure is None:  # stopped by a shutdown: a restart is coming
+                raise EngineUnavailable.shutting_down()
+            raise EngineUnavailable(f"The inference engine is not running: {self.engine.failure}")
         if not self.engine.ready:
             raise EngineUnavailable.loading()
         if self.scheduler.draining:

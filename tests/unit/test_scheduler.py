@@ -280,3 +280,32 @@ def test_a_collected_stream_cancels_later_on_the_loop_never_inline():
         return inline, cancelled
 
     assert asyncio.run(main()) == ([], ["r1"])
+
+
+@pytest.mark.parametrize(
+    "shutdown, code", [(True, "server_shutdown"), (False, "engine_unavailable")]
+)
+def test_a_scheduler_closed_by_a_shutdown_refuses_as_one_worth_retrying(shutdown, code):
+    """A request after a graceful shutdown's end was refused as if the engine had died
+    (engine_unavailable, with no Retry-After), which now tells SDKs not to retry,
+    though a supervisor's restart is coming."""
+    s = make()
+    s.fail_all("the server is shutting down" if shutdown else "boom", shutdown=shutdown)
+    for refuse in (s.check_room, lambda: s.add(req("late"))):
+        with pytest.raises(EngineUnavailable) as caught:
+            refuse()
+        assert caught.value.code == code
+        assert (caught.value.retry_after is not None) is shutdown
+
+
+def test_a_stopped_engine_with_no_failure_is_shutting_down_not_dead():
+    from types import SimpleNamespace
+
+    from scheduler.service import GenerationService
+
+    for failure, code in ((None, "server_shutdown"), ("boom", "engine_unavailable")):
+        engine = SimpleNamespace(alive=False, ready=True, failure=failure)
+        service = GenerationService(make(), None, engine)  # type: ignore[arg-type]
+        with pytest.raises(EngineUnavailable) as caught:
+            service.check_available()
+        assert caught.value.code == code
