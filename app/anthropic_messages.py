@@ -275,7 +275,9 @@ def stop_reason(done: Outcome, limit_lowered: bool = False) -> str | None:
     if kind == "tool_calls":
         return "tool_use"
     if kind == "length":
-        return "model_context_window_exceeded" if limit_lowered else "max_tokens"
+        # a watchdog cut ends as length too: the context was not what ended it
+        full = limit_lowered and not done.timed_out
+        return "model_context_window_exceeded" if full else "max_tokens"
     if kind == "stop":
         return "stop_sequence" if done.stop_sequence else "end_turn"
     return None

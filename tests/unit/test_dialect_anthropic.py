@@ -686,3 +686,17 @@ def test_a_dead_engine_is_not_retried_by_the_sdk_but_loading_is():
     assert len(sent) == 2  # one each: no retries
     for retryable in (EngineUnavailable.loading(), EngineUnavailable.shutting_down()):
         assert "x-should-retry" not in (from_admission(retryable).headers or {})
+
+
+def test_a_reply_the_watchdog_cut_is_max_tokens_even_when_the_limit_was_lowered():
+    """A --request-timeout cut ends as length too: with a max_tokens lowered to fit the
+    context it read model_context_window_exceeded, which sends a client to compact a
+    context that was never full."""
+    from app.anthropic_messages import stop_reason
+    from app.generation import Outcome
+    from scheduler.request import FinishReason
+
+    cut = Outcome(finish_reason=FinishReason.LENGTH, timed_out=True)
+    assert stop_reason(cut, limit_lowered=True) == "max_tokens"
+    full = Outcome(finish_reason=FinishReason.LENGTH)
+    assert stop_reason(full, limit_lowered=True) == "model_context_window_exceeded"
