@@ -346,7 +346,9 @@ async def create_response(http: HTTPRequest):
                 "previous_response_not_found",
                 "previous_response_id",
             )
-    found = holders(body.input, state.responses)  # (the store is the loop's)
+    limits = BodyLimits.for_context(state.model_info().context_length)
+    # (the store is the loop's; the items are parsed in the worker thread)
+    found = holders(body.input, state.responses, state.settings.max_body_size, limits)
     conversation, items_in, prepared = await state.preparer.run(
         lambda: _prepare_call(
             body, _stored_history(stored, state) if stored else [], found, state, headers

@@ -14,6 +14,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 from pydantic import TypeAdapter, ValidationError
 
+from app.body import BodyLimits
 from app.errors import APIError
 from app.openapi_doc import ITEM_LIST, OPENAI_ERROR, errors, json_content
 from app.response_store import ResponseStore, StoredResponse
@@ -42,37 +43,61 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
-def holders(items: str | list[Any] | None, store: ResponseStore) -> dict[str, StoredResponse]:
+def holders(
+    items: str | list[Any] | None, store: ResponseStore, max_bytes: int, limits: BodyLimits
+) -> dict[str, StoredResponse]:
     """The stored response holding each referenced item (the store is the event
-    loop's; its items are read in a worker thread); 400 naming an unknown one."""
+    loop's; its items are read in a worker thread); 400 naming an unknown one,
+    and 400 when what the references name is more than a body may carry: each
+    is a copy of its item, and a 13 KB body naming a 1 MiB item 300 times made
+    300 MiB of prompt. Weighed from the store's index, nothing parsed."""
     found: dict[str, StoredResponse] = {}
+    nbytes = values = 0
     for i, item in enumerate(items if isinstance(items, list) else ()):
-        if isinstance(item, ItemReference) and item.id not in found:
-            holder = store.holding(item.id)
-            if holder is None:
-                raise APIError(
-                    400,
-                    f"Item with id '{item.id}' not found: no response this server stores holds it.",
-                    code="item_not_found",
-                    param=f"input.{i}",
-                )
-            found[item.id] = holder
+        if not isinstance(item, ItemReference):
+            continue
+        holder = found.get(item.id) or store.holding(item.id)
+        if holder is None:
+            raise APIError(
+                400,
+                f"Item with id '{item.id}' not found: no response this server stores holds it.",
+                code="item_not_found",
+                param=f"input.{i}",
+            )
+        found[item.id] = holder
+        slot = holder.index[item.id]
+        nbytes, values = nbytes + slot.nbytes, values + slot.values
+    if nbytes > max_bytes or values > limits.max_values:
+        raise APIError(
+            400,
+            f"The items input's item_references name are {nbytes} bytes of JSON ({values} values), "
+            f"more than one request may carry (at most {max_bytes} bytes and "
+            f"{limits.max_values} values); send fewer references.",
+            code="item_references_too_large",
+            param="input",
+        )
     return found
 
 
 def resolved(items: str | list[Any], found: Mapping[str, StoredResponse]) -> str | list[Any]:
-    """Each ``item_reference`` replaced by the item it names (a worker thread's job)."""
+    """Each ``item_reference`` replaced by the item it names (a worker thread's
+    job): each item parsed once, and each holder's output at most once, however
+    many references name them."""
     if isinstance(items, str):
         return items
+    read: dict[str, Any] = {}  # item id -> the item (read only after: shared is safe)
+    outputs: dict[int, list[Any]] = {}  # a holder's parsed output
     out = []
     for i, item in enumerate(items):
         if isinstance(item, ItemReference):
-            stored = found[item.id].item(item.id)
-            try:  # what was stored was validated: only a store gone wrong fails here
-                item = _INPUT_ITEM.validate_python(stored)
-            except ValidationError as exc:
-                message = f"Item '{item.id}' cannot be read back from the store."
-                raise APIError(500, message, "server_error", param=f"input.{i}") from exc
+            if item.id not in read:
+                stored = found[item.id].item(item.id, outputs)
+                try:  # what was stored was validated: only a store gone wrong fails here
+                    read[item.id] = _INPUT_ITEM.validate_python(stored)
+                except ValidationError as exc:
+                    message = f"Item '{item.id}' cannot be read back from the store."
+                    raise APIError(500, message, "server_error", param=f"input.{i}") from exc
+            item = read[item.id]
         out.append(item)
     return out
 

@@ -319,3 +319,56 @@ def test_function_call_ids_are_unique_whatever_the_model_wrote():
     calls = [i.call_id for i in whole.output if i.type == "function_call"]
     for ids in (calls, streamed):
         assert len(ids) == 2 and ids[0] == "1" and ids[1] != "1", ids
+
+
+def _roomy(**settings):
+    """The scripted server with context for long items (one token a character)."""
+    from tests.helpers.dialects import scripted
+
+    def engine(s, r):
+        return FakeEngine(s, r, 150_000, 150_000, script=scripted, eos_after=6)
+
+    return create_app(Settings(_env_file=None, **settings), engine)
+
+
+def test_item_references_are_held_to_a_request_bodys_limits():
+    """300 references in a 13 KB body to one stored 1 MiB item made 300 MiB of
+    prompt: what the references name now counts against the body limits."""
+    with serve_app(_roomy(max_body_bytes=200_000)) as url:
+        first = httpx.post(url + "/v1/responses", json={"input": "x" * 20_000})
+        assert first.status_code == 200, first.text
+        listed = httpx.get(url + f"/v1/responses/{first.json()['id']}/input_items").json()
+        refs = [{"type": "item_reference", "id": listed["data"][0]["id"]}] * 20  # 400 KB
+        r = httpx.post(url + "/v1/responses", json={"input": refs, "store": False})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["code"] == "item_references_too_large" and error["param"] == "input"
+        r = httpx.post(url + "/v1/responses", json={"input": refs[:5], "store": False})
+        assert r.status_code == 200, r.text
+
+
+def test_references_to_a_responses_output_parse_it_once(monkeypatch):
+    """Each reference to an output item parsed the whole response again: 1,000 of
+    them to a response with 1 MiB of instructions held the GIL for 1.1 s."""
+    from tests.helpers.dialects import RESPONSES_TOOLS
+
+    with serve_app(_roomy()) as url:
+        body = {"input": "CALL_TOOL", "tools": RESPONSES_TOOLS, "instructions": "i" * 50_000}
+        first = httpx.post(url + "/v1/responses", json=body)
+        assert first.status_code == 200, first.text
+        call = first.json()["output"][-1]
+        parses = []
+        loads = json.loads
+
+        def counted(text, *args, **kwargs):
+            if len(text) > 50_000:
+                parses.append(len(text))
+            return loads(text, *args, **kwargs)
+
+        monkeypatch.setattr(json, "loads", counted)
+        items = [{"type": "item_reference", "id": call["id"]}] * 300
+        items.append({"type": "function_call_output", "call_id": call["call_id"], "output": "ok"})
+        body = {"input": items, "tools": RESPONSES_TOOLS, "store": False}
+        r = httpx.post(url + "/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    assert len(parses) <= 1, parses
