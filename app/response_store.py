@@ -49,7 +49,8 @@ class StoredResponse:
 
     response_json: bytes  # the response object as returned
     # template messages up to and including the reply, then the request's input
-    # items (as listed), as JSON: both held once when the same (turns repeat them)
+    # items (as listed, less their ids), as JSON: both held once when the same
+    # (turns repeat them; an item with its new id each time was never the same)
     messages: tuple[bytes, ...]
     digests: tuple[bytes, ...]  # of each message: the same message is held once
     turns: int = -1  # how many of ``messages`` are the conversation (-1: all)
@@ -68,8 +69,11 @@ class StoredResponse:
     ) -> StoredResponse | None:
         """Encoded for the store (a worker thread's job); None if a value JSON
         cannot hold (not kept: the reply stands)."""
+        # an item without its id (kept in item_ids): a client sending its history
+        # again, as each turn does, shares what it sent before
+        bare = [{k: v for k, v in i.items() if k != "id"} for i in items]
         try:
-            messages = tuple(_json(m) for m in [*conversation, *items])
+            messages = tuple(_json(m) for m in [*conversation, *bare])
             response_json = _json(response)
         except (TypeError, ValueError):
             log.exception("response %s not stored", response.get("id"))
@@ -116,8 +120,14 @@ class StoredResponse:
 
     @property
     def items_json(self) -> tuple[bytes, ...]:
-        """The input items as listed, each as JSON."""
+        """The input items as listed, each as JSON without its id."""
         return () if self.turns < 0 else self.messages[self.turns :]
+
+    def item_json(self, at: int) -> bytes:
+        """The input item at ``at`` as listed, its id put back (nothing parsed)."""
+        raw = self.items_json[at]
+        rest = b"}" if raw == b"{}" else b"," + raw[1:]
+        return b'{"id":' + json.dumps(self.item_ids[at]).encode() + rest
 
     @property
     def conversation_json(self) -> bytes:
@@ -134,7 +144,7 @@ class StoredResponse:
         if slot is None:
             return None
         if slot.at < len(self.item_ids):
-            return json.loads(self.items_json[slot.at])  # type: ignore[no-any-return]
+            return {"id": item_id, **json.loads(self.items_json[slot.at])}
         outputs = {} if outputs is None else outputs
         if id(self) not in outputs:
             outputs[id(self)] = json.loads(self.response_json)["output"]

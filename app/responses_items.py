@@ -156,11 +156,11 @@ def page(
             raise APIError(400, f"No input item '{after}' in this response.", param="after")
         at = at[at.index(ids.index(after)) + 1 :]
     chosen = at[:limit]
-    return [stored.items_json[i] for i in chosen], [ids[i] for i in chosen], len(at) > limit
+    return [stored.item_json(i) for i in chosen], [ids[i] for i in chosen], len(at) > limit
 
 
 def listing(stored: StoredResponse, order: str, limit: int, after: str | None) -> bytes:
-    """OpenAI's list object, from the items' stored JSON as it is (nothing parsed)."""
+    """OpenAI's list object, from the items' stored JSON (nothing parsed)."""
     data, ids, more = page(stored, order, limit, after)
     first, last = (ids[0], ids[-1]) if ids else (None, None)
     tail = {"first_id": first, "last_id": last, "has_more": more}

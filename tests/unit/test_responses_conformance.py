@@ -372,3 +372,29 @@ def test_references_to_a_responses_output_parse_it_once(monkeypatch):
         r = httpx.post(url + "/v1/responses", json=body)
     assert r.status_code == 200, r.text
     assert len(parses) <= 1, parses
+
+
+def test_a_history_sent_again_is_held_once():
+    """Each input item without an id was stored under a new one, so a client sending
+    its history again (store is on by default) stored it again every turn: a 1 MiB
+    image added 1 MiB a turn. Items are held without their ids, shared as messages are."""
+    app = _roomy()
+    history = [{"role": "user", "content": "y" * 50_000}]
+    with serve_app(app) as url:
+        store = app.state.kvwarm.responses
+        sizes, ids = [], []
+        for _ in range(3):
+            created = httpx.post(url + "/v1/responses", json={"input": history})
+            assert created.status_code == 200, created.text
+            sizes.append(store.nbytes)
+            listing = f"/v1/responses/{created.json()['id']}/input_items"
+            (item,) = httpx.get(url + listing).json()["data"]
+            assert item["content"][0]["text"] == history[0]["content"]
+            ids.append(item["id"])
+        assert sizes[2] - sizes[1] < 10_000 and sizes[1] - sizes[0] < 10_000, sizes
+        assert len(set(ids)) == 3  # each response's item keeps an id of its own
+        refs = [{"type": "item_reference", "id": i} for i in ids]
+        r = httpx.post(url + "/v1/responses", json={"input": refs[:1] + refs[2:], "store": False})
+        assert r.status_code == 200, r.text
+    seen = app.state.kvwarm.engine.info.formatter.last_messages
+    assert [m["content"] for m in seen] == [history[0]["content"]] * 2
