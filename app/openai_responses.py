@@ -26,7 +26,7 @@ from app.protocol.output_parser import Content, Event, Reasoning
 from app.protocol.tool_formats import ToolCall
 from app.request_fields import ignored_fields
 from app.response_store import StoredResponse
-from app.responses_items import holders, listed, resolved, skipped
+from app.responses_items import Listed, holders, listed, resolved, skipped
 from app.responses_items import new_id as _new_id
 from app.responses_items import router as items_router
 from app.responses_schemas import (
@@ -322,7 +322,7 @@ def _prepare_call(
         messages_field="input",
         same_indices=False,
     )
-    kept = listed(items) if body.store else []  # what input_items lists
+    kept = listed(items) if body.store else Listed([], frozenset())  # what input_items lists
     return conversation, kept, prepare_chat(call, state, headers)
 
 
@@ -362,7 +362,7 @@ async def create_response(http: HTTPRequest):
             reply = _reply_message(gen.outcome, prepared.parser.kept_text, items.call_ids)
             # JSON of the whole conversation (images included): not on the event loop
             item = await state.preparer.run(
-                lambda: StoredResponse.of(response, conversation + [reply], items_in)
+                lambda: StoredResponse.of(response, conversation + [reply], *items_in)
             )
             state.responses.add(response["id"], item)
 

@@ -20,7 +20,7 @@ import json
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -56,8 +56,9 @@ class StoredResponse:
     turns: int = -1  # how many of ``messages`` are the conversation (-1: all)
     item_ids: tuple[str, ...] = ()  # of the input items, in order
     output_ids: tuple[str, ...] = ()  # of the response's output items, in order
-    # id -> its slot, built once in a worker thread: a lookup scanning the ids
-    # made 20k references to one response's items quadratic
+    # id -> its slot, built once in a worker thread (a lookup scanning the ids
+    # made 20k references to one response's items quadratic); only ids the
+    # server made: one a client chose (msg_1) may be any other client's too
     index: dict[str, Slot] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -66,9 +67,11 @@ class StoredResponse:
         response: dict[str, Any],
         conversation: list[dict[str, Any]],
         items: Sequence[dict[str, Any]] = (),
+        minted: Collection[str] = (),
     ) -> StoredResponse | None:
         """Encoded for the store (a worker thread's job); None if a value JSON
-        cannot hold (not kept: the reply stands)."""
+        cannot hold (not kept: the reply stands). Of the input items, those whose
+        ids are ``minted`` (the server's) may be named by an ``item_reference``."""
         # an item without its id (kept in item_ids): a client sending its history
         # again, as each turn does, shares what it sent before
         bare = [{k: v for k, v in i.items() if k != "id"} for i in items]
@@ -83,9 +86,10 @@ class StoredResponse:
         index = {
             item_id: Slot(at, len(m), json_values(m))
             for at, (item_id, m) in enumerate(zip(item_ids, messages[len(conversation) :]))
+            if item_id in minted
         }
         output = response.get("output") or ()
-        for at, item in enumerate(output, len(item_ids)):
+        for at, item in enumerate(output, len(item_ids)):  # the server's ids, all
             encoded = _json(item)  # weighed once here, never parsed to be weighed
             index[item["id"]] = Slot(at, len(encoded), json_values(encoded))
         return cls(
@@ -184,8 +188,10 @@ class ResponseStore:
         self._items: OrderedDict[str, _Held] = OrderedDict()  # least recently used first
         self._deadlines: deque[tuple[float, str]] = deque()  # in order: one TTL for all
         self._shared: dict[bytes, list[Any]] = {}  # digest -> [message JSON, references]
-        # item id -> the response holding it; an id several hold (a client's item
-        # sent again) names the newest, and goes when that one does
+        # item id -> the response holding it. Only ids the server made are indexed
+        # (random, 96 bits): each is held by the one response that made it, so
+        # one holder per id is all there is (a client's ids, which two clients
+        # may share, are listed but never indexed)
         self._owners: dict[str, str] = {}
         self._bytes = 0
 
@@ -202,9 +208,10 @@ class ResponseStore:
         response: dict[str, Any],
         conversation: list[dict[str, Any]],
         items: Sequence[dict[str, Any]] = (),
+        minted: Collection[str] = (),
     ) -> None:
         """Encode and keep (a short conversation; a long one: ``of`` then ``add``)."""
-        self.add(response["id"], StoredResponse.of(response, conversation, items))
+        self.add(response["id"], StoredResponse.of(response, conversation, items, minted))
 
     def add(self, response_id: str, item: StoredResponse | None) -> None:
         if item is None or item.nbytes > self.max_bytes:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from fastapi import APIRouter, Query
 from fastapi import Request as HTTPRequest
@@ -109,24 +109,32 @@ def skipped(items: str | list[Any]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(f"input.{i.type}" for i in items if isinstance(i, HostedItem)))
 
 
-def listed(items: str | list[Any]) -> list[dict[str, Any]]:
+class Listed(NamedTuple):
+    items: list[dict[str, Any]]
+    minted: frozenset[str]  # the ids made here: only these name an item to a reference
+
+
+def listed(items: str | list[Any]) -> Listed:
     """The input items as OpenAI lists them: each with an id (the client's, else a
     new one), a message's text as parts (a worker thread's job)."""
     if isinstance(items, str):
         items = [MessageItem(content=items)]
     out = []
+    minted = set()
     for item in items:
         if isinstance(item, HostedItem):
             shown = item.model_dump(exclude_none=True)  # its fields were never read
         else:  # the fields read, not a client's extra keys
             shown = item.model_dump(include=set(type(item).model_fields), exclude_none=True)
         shown["id"] = item.id or new_id(_ID_PREFIX.get(item.type, "item"))
+        if item.id is None:
+            minted.add(shown["id"])
         if isinstance(item, MessageItem):
             shown["content"] = _message_parts(item)
         if not isinstance(item, (HostedItem, ReasoningItem)):
             shown["status"] = "completed"  # what the SDK's listed items carry
         out.append(shown)
-    return out
+    return Listed(out, frozenset(minted))
 
 
 def _message_parts(item: MessageItem) -> list[dict[str, Any]]:

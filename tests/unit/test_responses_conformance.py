@@ -165,12 +165,13 @@ def test_an_item_reference_reads_the_stored_item_and_an_unknown_one_is_a_400(ser
     client = server.openai()
     first = client.responses.create(
         model="m",
-        input=[{"role": "user", "content": "CALL_TOOL", "id": "msg_mine"}],
+        input=[{"role": "user", "content": "CALL_TOOL"}],
         tools=RESPONSES_TOOLS,
     )
     call = first.output[2]
+    (mine,) = client.responses.input_items.list(first.id)  # its id, made by the server
     items = [
-        {"type": "item_reference", "id": "msg_mine"},  # an input item of a stored response
+        {"type": "item_reference", "id": mine.id},  # an input item of a stored response
         {"type": "item_reference", "id": call.id},  # and an output item
         {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
     ]
@@ -188,7 +189,7 @@ def test_an_item_reference_reads_the_stored_item_and_an_unknown_one_is_a_400(ser
     assert r.json()["error"]["param"] == "input.1" and "msg_nope" in r.json()["error"]["message"]
     client.responses.delete(first.id)  # its items go with it
     r = httpx.post(server.url + "/v1/responses", json={"input": items[:1], "store": False})
-    assert r.status_code == 400 and "msg_mine" in r.text
+    assert r.status_code == 400 and mine.id in r.text
 
 
 def test_a_stored_responses_items_are_found_by_id_until_it_goes():
@@ -196,11 +197,13 @@ def test_a_stored_responses_items_are_found_by_id_until_it_goes():
 
     store = ResponseStore()
     items = [{"type": "message", "id": "msg_in", "role": "user", "content": []}]
+    items.append({"type": "message", "id": "msg_client", "role": "user", "content": "y"})
     response = {"id": "r1", "output": [{"type": "message", "id": "msg_out"}]}
-    store.put(response, [{"role": "user", "content": "x"}], items)
+    store.put(response, [{"role": "user", "content": "x"}], items, minted={"msg_in"})
     stored = store.holding("msg_out")
     assert stored is store.get("r1") and stored.item("msg_out") == response["output"][0]
     assert store.holding("msg_in").item("msg_in") == items[0]
+    assert store.holding("msg_client") is None  # a client's id: listed, never indexed
     assert stored.conversation() == [{"role": "user", "content": "x"}]
     assert store.nbytes == stored.nbytes
     store.delete("r1")
@@ -398,3 +401,34 @@ def test_a_history_sent_again_is_held_once():
         assert r.status_code == 200, r.text
     seen = app.state.kvwarm.engine.info.formatter.last_messages
     assert [m["content"] for m in seen] == [history[0]["content"]] * 2
+
+
+def test_ids_clients_chose_name_nothing_in_the_store(server):
+    """Ids clients chose were indexed: clients A and B both sending msg_1 read each
+    other's items, and deleting B's response orphaned A's. Only ids the server made
+    (random, as a response's own) name a stored item."""
+    from tests.helpers.dialects import RESPONSES_TOOLS
+
+    client = server.openai()
+    mine = [{"role": "user", "content": "CALL_TOOL", "id": "msg_1"}]
+    first = client.responses.create(model="m", input=mine, tools=RESPONSES_TOOLS)
+    client.responses.create(model="m", input=[{"role": "user", "content": "B", "id": "msg_1"}])
+    assert [i.id for i in client.responses.input_items.list(first.id)] == ["msg_1"]  # as sent
+    r = httpx.post(server.url + "/v1/responses", json={"input": [_ref("msg_1")], "store": False})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "item_not_found", r.text
+    call = first.output[-1]
+    sent_back = [  # the call the server made, sent back with its id, then deleted
+        {k: v for k, v in call.model_dump().items() if k != "status"},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"},
+    ]
+    again = client.responses.create(model="m", input=sent_back, tools=RESPONSES_TOOLS)
+    client.responses.delete(again.id)
+    items = [_ref(call.id), sent_back[1]]  # still found: in the response that made it
+    body = {"input": items, "tools": RESPONSES_TOOLS, "store": False}
+    r = httpx.post(server.url + "/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    assert server.formatter.last_messages[0]["tool_calls"][0]["id"] == call.call_id
+
+
+def _ref(item_id: str) -> dict:
+    return {"type": "item_reference", "id": item_id}
