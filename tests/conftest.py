@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -23,3 +24,18 @@ def _cache_dir_as_it_was():
         os.environ.pop("KVWARM_CACHE_DIR", None)
     else:
         os.environ["KVWARM_CACHE_DIR"] = before
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_as_it_was():
+    """``main`` sets logging up (basicConfig on the root) for the server it runs: under
+    capsys that handler wrote to the test's capture, closed once the test ended, and
+    any later log line printed "--- Logging error ---" and a traceback. Handlers a
+    test adds are taken away after it (pytest's own come and go with each phase)."""
+    root = logging.getLogger()
+    before, level = set(root.handlers), root.level
+    yield
+    for handler in root.handlers[:]:
+        if handler not in before and not type(handler).__module__.startswith("_pytest"):
+            root.removeHandler(handler)
+    root.setLevel(level)
