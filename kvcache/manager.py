@@ -358,8 +358,7 @@ class TieredKVManager:
                 entry.entry_id,
             )
         else:
-            have = {d: self._blocks[d] for d, _ in entry.held.blocks if d in self._blocks}
-            need = [(d, n) for d, n in entry.held.blocks if d not in have]
+            have, need = self._blocks_to_read(entry)
             if self._reader is None:
                 self._reader = DiskReader()
             disk, uid, private = self.disk, entry.uid, entry.held.private
@@ -459,9 +458,16 @@ class TieredKVManager:
         """Read a disk entry's files (verified), then count it back into RAM.
         Raises CorruptFile for damage; what may pass instead, ``_may_pass`` says."""
         assert self.disk is not None
-        have = {d: self._blocks[d] for d, _ in entry.held.blocks if d in self._blocks}
-        need = [(d, n) for d, n in entry.held.blocks if d not in have]
+        have, need = self._blocks_to_read(entry)
         return self._to_mlx(entry, have, read_files(self.disk, entry.uid, entry.held.private, need))
+
+    def _blocks_to_read(
+        self, entry: CacheEntry
+    ) -> tuple[dict[Digest, BlockArrays], list[tuple[Digest, int]]]:
+        """A disk entry's blocks already in RAM (shared with an entry there), and
+        those whose files must be read (digest, size)."""
+        have = {d: self._blocks[d] for d, _ in entry.held.blocks if d in self._blocks}
+        return have, [(d, n) for d, n in entry.held.blocks if d not in have]
 
     def _to_mlx(
         self, entry: CacheEntry, have: dict[Digest, BlockArrays], files: ReadFiles
