@@ -101,7 +101,7 @@ def error_response(
 # The engine is down for good (it died; not loading, not draining): no retry can
 # succeed until someone restarts the server, yet the anthropic and openai SDKs (and
 # Claude Code) retry every 503 unless this header tells them not to.
-ENGINE_DOWN_CODE = "engine_unavailable"
+ENGINE_DOWN_CODE = EngineUnavailable.code
 NO_RETRY = {"x-should-retry": "false"}
 
 

@@ -22,14 +22,14 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 
 from app.chat_pipeline import Prepared
-from app.errors import ENGINE_DOWN_CODE, NO_RETRY, APIError
+from app.errors import ENGINE_DOWN_CODE, APIError, from_admission
 from app.middleware import BODY_RECEIVED, REQUEST_ID
 from app.protocol.output_parser import Content, Event, Reasoning, merge
 from app.protocol.tool_formats import ToolCall
 from app.state import AppState
 from observability.escape import ascii_escaped
 from observability.records import RequestRecord
-from scheduler.admission import RETRY_AFTER_S
+from scheduler.admission import RETRY_AFTER_S, EngineUnavailable
 from scheduler.request import (
     CacheReport,
     FinishReason,
@@ -165,8 +165,9 @@ class Outcome:
         if self.error_code == ENGINE_DOWN_CODE:  # queued when the engine died
             # what a request arriving a moment later gets: no Retry-After, as the
             # engine's return is nobody's to promise (a supervisor restarts it)
-            message = f"The inference engine is not running: {self.error}"
-            return APIError(503, message, "server_error", ENGINE_DOWN_CODE, headers=dict(NO_RETRY))
+            return from_admission(
+                EngineUnavailable(f"The inference engine is not running: {self.error}")
+            )
         if self.error_code == "adapter_not_found":  # unmounted between validation and start
             return APIError(400, self.error or "", code="adapter_not_found", param="adapter")
         if self.error_code == "context_over_budget":  # the budget shrank while it was queued
@@ -186,6 +187,10 @@ def _header_safe(value: str) -> str:
     return ascii_escaped(value, 256)
 
 
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
 class CallIds:
     """One reply's tool-call ids: the model's own where it wrote one (the next turn
     renders it back, so the reply's KV is reused), unless another call of the reply
@@ -202,7 +207,7 @@ class CallIds:
         if own and own not in self.used and (self.legal is None or self.legal.fullmatch(own)):
             chosen = own
         else:
-            chosen = f"{self.prefix}_{uuid.uuid4().hex[:24]}"
+            chosen = new_id(self.prefix)
         self.used.add(chosen)
         return chosen
 

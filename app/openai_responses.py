@@ -21,17 +21,23 @@ from app.chat_pipeline import ChatCall, prepare_chat, template_tool_calls
 from app.content_parts import parts_content, parts_text
 from app.errors import APIError
 from app.generation import CallIds, Generation, Outcome
+from app.generation import new_id as _new_id
 from app.openapi_doc import DELETED, OPENAI_ERROR, RESPONSE, errors, generation_route, json_content
 from app.protocol.output_parser import Content, Event, Reasoning
 from app.protocol.tool_formats import ToolCall
 from app.request_fields import ignored_fields
 from app.response_store import StoredResponse
-from app.responses_items import Listed, holders, listed, resolved, skipped
-from app.responses_items import new_id as _new_id
+from app.responses_items import (
+    Listed,
+    holders,
+    listed,
+    resolved,
+    response_not_found,
+    skipped,
+)
 from app.responses_items import router as items_router
 from app.responses_schemas import (
     CustomToolCallItem,
-    CustomToolCallOutputItem,
     FunctionCallItem,
     FunctionCallOutputItem,
     MessageItem,
@@ -70,7 +76,7 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         where = f"input.{i}"
         turn_over = (isinstance(item, MessageItem) and item.role != "assistant") or isinstance(
-            item, (FunctionCallOutputItem, CustomToolCallOutputItem)
+            item, FunctionCallOutputItem
         )
         if reasoning and turn_over:
             # a turn whose output was reasoning alone: it stays that turn's, never
@@ -98,7 +104,7 @@ def input_messages(items: str | list[Any]) -> list[dict[str, Any]]:
                 out.append({"role": "assistant", "content": ""})
             out[-1].setdefault("tool_calls", []).append(call)
             give_reasoning(len(out) - 1)  # thought before this call: its turn's
-        elif isinstance(item, (FunctionCallOutputItem, CustomToolCallOutputItem)):
+        elif isinstance(item, FunctionCallOutputItem):
             text = parts_content(_parts(item.output), where, in_tool_result=True)
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": text})
     for message, pieces in thoughts.items():
@@ -433,7 +439,7 @@ async def get_response(response_id: str, http: HTTPRequest) -> Response:
     state: AppState = http.app.state.kvwarm
     stored = state.responses.get(response_id)
     if stored is None:
-        raise APIError(404, f"Response with id '{response_id}' not found.", code="not_found")
+        raise response_not_found(response_id)
     return Response(stored.response_json, media_type="application/json")
 
 
@@ -447,7 +453,7 @@ async def get_response(response_id: str, http: HTTPRequest) -> Response:
 async def delete_response(response_id: str, http: HTTPRequest) -> dict[str, Any]:
     state: AppState = http.app.state.kvwarm
     if not state.responses.delete(response_id):
-        raise APIError(404, f"Response with id '{response_id}' not found.", code="not_found")
+        raise response_not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
 
 

@@ -5,7 +5,6 @@ kept as OpenAI lists them (GET /v1/responses/{id}/input_items)."""
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal, NamedTuple
 
@@ -16,6 +15,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from app.body import BodyLimits
 from app.errors import APIError
+from app.generation import new_id
 from app.openapi_doc import ITEM_LIST, OPENAI_ERROR, errors, json_content
 from app.response_store import ResponseStore, StoredResponse
 from app.responses_schemas import (
@@ -37,10 +37,6 @@ _ID_PREFIX = {
     "custom_tool_call": "ctc",
     "custom_tool_call_output": "ctco",
 }
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
 def holders(
@@ -183,6 +179,11 @@ def listing(stored: StoredResponse, order: str, limit: int, after: str | None) -
 router = APIRouter()
 
 
+def response_not_found(response_id: str) -> APIError:
+    """A stored response this server does not hold (never stored, expired, deleted)."""
+    return APIError(404, f"Response with id '{response_id}' not found.", code="not_found")
+
+
 @router.get(
     "/v1/responses/{response_id}/input_items",
     responses={
@@ -202,5 +203,5 @@ async def list_input_items(
 ) -> Response:
     stored = http.app.state.kvwarm.responses.get(response_id)
     if stored is None:
-        raise APIError(404, f"Response with id '{response_id}' not found.", code="not_found")
+        raise response_not_found(response_id)
     return Response(listing(stored, order, limit, after), media_type="application/json")

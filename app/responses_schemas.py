@@ -99,12 +99,10 @@ class CustomToolCallItem(BaseModel):
     input: str
 
 
-class CustomToolCallOutputItem(BaseModel):
-    model_config = STRICT
-    type: Literal["custom_tool_call_output"]
-    id: ItemId | None = None
-    call_id: str
-    output: str | Parts
+class CustomToolCallOutputItem(FunctionCallOutputItem):
+    """A freeform tool's output: a function call's output by another name."""
+
+    type: Literal["custom_tool_call_output"]  # type: ignore[assignment]
 
 
 class ItemReference(BaseModel):
