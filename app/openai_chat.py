@@ -28,7 +28,7 @@ from app.protocol.output_parser import Content, Event, Reasoning
 from app.protocol.tool_schema import function_tools
 from app.request_fields import ignored_fields
 from app.schemas import ChatCompletionRequest, ChatMessage
-from app.sse import SSE_DONE, SSE_HEADERS, Frames, FrameTemplate, frame_parts, framed, sse_data
+from app.sse import SSE_DONE, SSE_HEADERS, Frames, FrameTemplate, framed, frames_written, sse_data
 from app.state import AppState
 from scheduler.request import TokenLogprob
 
@@ -221,9 +221,8 @@ async def _stream_chunks(
         err = done.failure()
         yield sse_data(error_body(err.message, err.error_type, err.code))
     elif done.finish_reason is not None:
-        for part in frame_parts(chunk({}, done.stop_kind)):
+        async for part in frames_written(chunk({}, done.stop_kind)):
             yield part
-            await asyncio.sleep(0)  # a long run's frames: one built per event-loop turn
         if include_usage:
             yield sse_data(
                 {**meta, "object": "chat.completion.chunk", "choices": [], "usage": usage(done)}

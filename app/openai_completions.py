@@ -25,7 +25,7 @@ from app.protocol.output_parser import Event, OutputParser, Syntax
 from app.request_fields import ignored_fields
 from app.schemas import CompletionRequest
 from app.session_id import session_id_from
-from app.sse import SSE_DONE, SSE_HEADERS, Frames, FrameTemplate, frame_parts, framed, sse_data
+from app.sse import SSE_DONE, SSE_HEADERS, Frames, FrameTemplate, framed, frames_written, sse_data
 from app.state import AppState
 from kvcache.prompt_key import PromptKey
 from kvcache.sessions import fallback_session_id
@@ -188,9 +188,8 @@ async def _stream(
         err = done.failure()
         yield sse_data(error_body(err.message, err.error_type, err.code))
     elif done.finish_reason is not None:
-        for part in frame_parts(chunk("", done.stop_kind)):
+        async for part in frames_written(chunk("", done.stop_kind)):
             yield part
-            await asyncio.sleep(0)  # a long run's frames: one built per event-loop turn
         if include_usage:
             yield sse_data({**meta, "choices": [], "usage": usage(done)})
     yield SSE_DONE

@@ -122,6 +122,14 @@ def frame_parts(frames: Frames) -> Iterator[str]:
     return iter((frames,)) if isinstance(frames, str) else frames
 
 
+async def frames_written(frames: Frames) -> AsyncIterator[str]:
+    """``frames`` one at a time, the event loop let in after each (a long run of
+    logprob frames: one built per turn)."""
+    for part in frame_parts(frames):
+        yield part
+        await asyncio.sleep(0)
+
+
 async def framed(
     events: AsyncIterator[T],
     frame: Callable[[T], Frames],
