@@ -231,7 +231,6 @@ def _atem_value(raw: str) -> Any:
 
 # FunctionGemma: call:NAME{key:<escape>text<escape>,key:value}
 
-_NAME_RUN = regex.compile(r"\w+")
 _ESCAPE = "<escape>"
 
 
@@ -245,7 +244,7 @@ def function_gemma(text: str) -> dict[str, Any]:
     pos = 0
     while (start := text.find("call:", pos)) >= 0:
         pos = start + 1
-        name = _NAME_RUN.match(text, start + 5)
+        name = _WORD.match(text, start + 5)
         if name is None or not text.startswith("{", name.end()):
             continue
         end = text.find("}", name.end() + 1)
