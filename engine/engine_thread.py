@@ -426,17 +426,18 @@ class EngineThread(threading.Thread):
         self._ranks = booted.ranks
         if booted.ranks is not None:
             booted.ranks.start(self._rank_lost)
+        # as a run-time mount: a size limit on the read, the room asked before the
+        # mount (mounted first, one past the budget took the memory it keeps)
+        limit = never_fits_bytes(booted.admission.budget)  # mounted adapters aside
+        cap = tensor_cap(booted.info.adapter_layers)
         for adapter_id, path in self.config.adapters:
             where = f"--adapter {adapter_id}={path}"
             try:
                 self._refuse_base_id(adapter_id)
             except Exception as exc:
                 raise AdapterSettingError(f"{where}: {exc}") from exc
-            # as a run-time mount: a size limit on the read, the room asked before
-            # the mount (mounted first, one past the budget took the memory it keeps)
-            limit = never_fits_bytes(booted.admission.budget)
             try:
-                files = read_adapter_files(path, limit, tensor_cap(booted.info.adapter_layers))
+                files = read_adapter_files(path, limit, cap)
             except (AdapterTooLarge, AdapterFormatError) as exc:
                 # the next start reads the same size and bytes: lasting (exit 2, or a
                 # supervisor reloads the model for ever to refuse them again)
