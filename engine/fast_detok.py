@@ -222,6 +222,15 @@ def bpe_token_bytes(token: str) -> bytes:
     return bytes(out)
 
 
+def strict_bpe_bytes(token: str) -> bytes | None:
+    """A byte-level BPE token's bytes when every character is in the byte map;
+    None when one is not (its text is not a byte encoding)."""
+    decoder = _byte_decoder()
+    if all(c in decoder for c in token):
+        return bytes(decoder[c] for c in token)
+    return None
+
+
 def detokenizer_factory(tokenizer: Any) -> Callable[[], Any]:
     """A maker of fresh streaming detokenizers for ``tokenizer`` (mlx-lm's
     TokenizerWrapper): the table-driven one for byte-level BPE, a windowed one
@@ -240,7 +249,7 @@ def detokenizer_factory(tokenizer: Any) -> Callable[[], Any]:
     table = [bpe_token_bytes(t) for t in tokens]
     lone = [len(t) == 1 and decoder.get(t) == SPACE for t in tokens]
     exact = [
-        isinstance(t, str) and all(c in decoder for c in t) and bytes(map(decoder.get, t)) == b
+        isinstance(t, str) and strict_bpe_bytes(t) == b
         for t, b in zip(template.tokenmap, table, strict=True)
     ]
     return _copies(TableBPEDetokenizer(template, table, lone, exact))

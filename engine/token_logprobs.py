@@ -22,10 +22,9 @@ import numpy as np
 from mlx_lm.tokenizer_utils import (
     BPEStreamingDetokenizer,
     SPMStreamingDetokenizer,
-    _byte_decoder,
 )
 
-from engine.fast_detok import bpe_token_bytes
+from engine.fast_detok import bpe_token_bytes, strict_bpe_bytes
 from scheduler.request import TokenChoice, TokenLogprob
 
 SPM_SPACE = "\u2581".encode()
@@ -135,10 +134,7 @@ def _raw_bytes(name: object) -> bytes | None:
         return None
     if match := BYTE_TOKEN.fullmatch(name):
         return bytes([int(match[1], 16)])
-    decoder = _byte_decoder()
-    if all(c in decoder for c in name):
-        return bytes(decoder[c] for c in name)
-    return None
+    return strict_bpe_bytes(name)
 
 
 @dataclass(frozen=True)
