@@ -241,17 +241,8 @@ def function_gemma(text: str) -> dict[str, Any]:
     its argument loop copied the rest of the arguments at each one. A name is a
     whole run of word characters (``{`` is none), so each ``call:`` is tried once;
     where no ``}`` follows one ``{``, none follows any later one."""
-    pos = 0
-    while (start := text.find("call:", pos)) >= 0:
-        pos = start + 1
-        name = _WORD.match(text, start + 5)
-        if name is None or not text.startswith("{", name.end()):
-            continue
-        end = text.find("}", name.end() + 1)
-        if end < 0:
-            break
-        return {"name": name.group(), "arguments": _gemma_arguments(text[name.end() + 1 : end])}
-    raise ValueError("No function provided.")
+    name, args = _first_call(text, "call:", _WORD, "{", "}")
+    return {"name": name, "arguments": _gemma_arguments(args)}
 
 
 def _gemma_arguments(args: str) -> dict[str, Any]:
@@ -322,13 +313,23 @@ def pythonic(text: str) -> list[dict[str, Any]] | dict[str, Any]:
 
 def _pythonic_call(text: str) -> tuple[str, str]:
     """(name, arguments) of the first ``[name(arguments)]``, as mlx-lm's regex finds it."""
+    return _first_call(text, "[", _PY_NAME, "(", ")]")
+
+
+def _first_call(
+    text: str, opener: str, name_pattern: regex.Pattern[str], opening: str, closing: str
+) -> tuple[str, str]:
+    """(name, arguments) of the first ``OPENER NAME OPENING arguments CLOSING``, as
+    a lazy regex finds it, in one pass: a name is a whole run (``opening`` is none
+    of its characters), so each opener is tried once, and where no ``closing``
+    follows one opening, none follows any later one."""
     pos = 0
-    while (start := text.find("[", pos)) >= 0:
+    while (start := text.find(opener, pos)) >= 0:
         pos = start + 1
-        name = _PY_NAME.match(text, pos)
-        if name is None or not text.startswith("(", name.end()):
+        name = name_pattern.match(text, start + len(opener))
+        if name is None or not text.startswith(opening, name.end()):
             continue
-        end = text.find(")]", name.end() + 1)
+        end = text.find(closing, name.end() + 1)
         if end < 0:
             break
         return name.group(), text[name.end() + 1 : end]
