@@ -41,7 +41,7 @@ from engine.vision import VisionPrefill
 from kvcache.manager import TieredKVManager
 from kvcache.payloads import plain_kv_only
 from scheduler.contracts import AdapterFiles, AdapterInfo, AdapterInUse
-from scheduler.cost_model import StepShape
+from scheduler.cost_model import StepShape, padded_depth
 from scheduler.request import CacheReport, FinishReason, Request, RequestOutput
 from scheduler.step_budget import SlicePlan, StepBudget
 from scheduler.step_timings import StepTimings
@@ -393,19 +393,19 @@ class BatchRunner:
 
     def _plan(self) -> SlicePlan:
         """This step's prefill slice, and which waiting rows start prefilling."""
-        decode_rows = decode_depth = 0
+        decoding: list[int] = []  # the decoding rows' KV depths
         prefills = []
         for uid, row in self._rows.items():
             done = self._prefilled.get(uid)
             if done is None:
-                decode_rows += 1
-                decode_depth += row.kv_depth(row.prefill_len)
+                decoding.append(row.kv_depth(row.prefill_len))
             else:
                 prefills.append(row.prefill(done, running=True))
         for w in self._waiting.values():
             if w.row.disk_read is None:  # one being read cannot start yet
                 prefills.append(w.row.prefill(0, running=False, waited=w.waited))
-        return self.budget.plan(decode_rows, decode_depth, prefills)
+        # the decoding rows share one left-padded cache: each attends over the deepest
+        return self.budget.plan(len(decoding), padded_depth(decoding), prefills)
 
     def _start_waiting(self, plan: SlicePlan, failed: list[RequestOutput]) -> float:
         """Start the rows the plan starts; returns the seconds their images took."""
@@ -454,7 +454,8 @@ class BatchRunner:
                 del self._prefilled[resp.uid]
                 self._release(row)
         self.prefill_tokens += self.last_step_prefill
-        width = max((n for n, _ in ran), default=0)  # rows are right-padded to the longest
+        # rows are right-padded to the longest slice and left-padded to the deepest
+        width = max((n for n, _ in ran), default=0)
         return StepShape.padded(width, [d for _, d in ran])
 
     def _faulted_rows(self) -> dict[int, str]:

@@ -6,6 +6,10 @@ joining prompts. Its time is modelled as
     decode  = base + per_row * rows + per_kpos * (KV positions the rows attend to) / 1000
     prefill = per_ktok * tokens / 1000 + per_ktok_kpos * (tokens x their depth) / 10**6
 
+A row attends over its batch's deepest row, not its own depth: mlx-lm holds the
+decoding rows in one BatchKVCache and the prefilling rows in another, and
+BatchKVCache.merge/extend left-pad every row to the longest (``padded_depth``).
+
 The decode part is fitted on decode-only steps, the prefill part on the rest of
 each step that prefilled (its time minus the predicted decode), each by least
 squares with exponential forgetting so the model follows the machine (thermal
@@ -17,6 +21,7 @@ are built in; until a part has seen a step it predicts 0 (see ``ready``).
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -27,22 +32,30 @@ OUTLIER_FACTOR = 4.0  # a sample counts as at most this many times its predictio
 OUTLIER_AFTER = 8  # ...once the part has seen this many samples
 
 
+def padded_depth(depths: Sequence[int]) -> int:
+    """KV positions rows at ``depths`` attend to in one batch, summed: each attends
+    over the deepest row's (priced at its own, 7 cold prompts beside a warm turn at
+    100k positions ran 2.7x their prediction, and the fit learned inflated costs)."""
+    return len(depths) * max(depths, default=0)
+
+
 @dataclass(frozen=True)
 class StepShape:
     """The work of one step, in the cost model's terms."""
 
     decode_rows: int = 0
-    decode_depth: int = 0  # KV positions the decoding rows attend to, summed
+    decode_depth: int = 0  # KV positions the decoding rows attend to, summed (padded_depth)
     prefill_tokens: int = 0  # prompt tokens the step runs, batch padding included
     prefill_depth: int = 0  # sum over those tokens of the KV positions they attend to
 
     @classmethod
     def padded(
-        cls, width: int, depths: list[int], decode_rows: int = 0, decode_depth: int = 0
+        cls, width: int, depths: Sequence[int], decode_rows: int = 0, decode_depth: int = 0
     ) -> StepShape:
         """A step that prefills ``width`` tokens in each of the rows at ``depths``
-        (one right-padded batch: every row costs the widest), besides its decode."""
-        depth = sum(width * d + width * (width + 1) // 2 for d in depths)
+        (one padded batch: every row as wide as the widest and as deep as the
+        deepest), besides its decode."""
+        depth = padded_depth(depths) * width + len(depths) * (width * (width + 1) // 2)
         return cls(decode_rows, decode_depth, width * len(depths), depth)
 
     @property

@@ -1,7 +1,9 @@
 """How many prompt tokens each engine step may prefill: a time budget per step.
 
 A step decodes one token for every running row, then runs a slice of every
-joining prompt (one right-padded batch, every row the same slice). A fixed token
+joining prompt (one padded batch: every row the same slice, each attending over
+the deepest row's KV, so a warm turn beside cold prompts prices them all at its
+depth and waits outside their batch while that does not fit). A fixed token
 slice at deep context takes seconds on a slow backend and every running stream
 stalls for it; here the slice is sized so that the whole step (decode + slice)
 stays within ``--max-step-ms``, from a cost model the engine learns as it runs.
@@ -63,7 +65,8 @@ def step_shape(
     decode_rows: int, decode_depth: int, rows: Sequence[Prefill], slice_tokens: int
 ) -> StepShape:
     """The work of a step that decodes ``decode_rows`` and prefills ``rows`` by
-    ``slice_tokens`` each (padded to the longest slice any row takes)."""
+    ``slice_tokens`` each (padded to the longest slice any row takes and the
+    deepest row); ``decode_depth`` is the decoding rows' ``padded_depth``."""
     ran = [r for r in rows if r.segment_left > 0]  # a row left with its last token decodes it
     width = min(slice_tokens, max((r.segment_left for r in ran), default=0))
     return StepShape.padded(width, [r.depth for r in ran], decode_rows, decode_depth)

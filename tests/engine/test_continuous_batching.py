@@ -319,3 +319,41 @@ def test_an_eos_as_the_last_token_with_ignore_eos_finishes_by_length(byte_tokeni
         finals += [o for o in runner.step() if o.finish_reason is not None]
     (final,) = finals
     assert final.finish_reason is FinishReason.LENGTH and final.token_ids[-1] == eos
+
+
+def test_the_cost_model_prices_each_row_at_its_batch_deepest_row(byte_tokenizer):
+    """mlx-lm holds the prefilling rows in one left-padded cache and the decoding rows
+    in another: every row attends over its batch's deepest row, and the step budget
+    plans and learns at that depth (priced alone, a cold prompt beside a warm turn
+    was under-predicted by the rows' count)."""
+    runner = _runner(byte_tokenizer)  # the token budget: 64 tokens a step, shared
+    planned: list[tuple[int, int, dict[str, int]]] = []
+    observed = []
+    plan, observe = runner.budget.plan, runner.budget.observe
+
+    def spy_plan(rows, depth, prefills):
+        made = {n: runner.row(n).generated for n in "ab" if runner.row(n) is not None}
+        planned.append((rows, depth, made))
+        return plan(rows, depth, prefills)
+
+    def spy_observe(shape, seconds):
+        observed.append(shape)
+        observe(shape, seconds)
+
+    runner.budget.plan, runner.budget.observe = spy_plan, spy_observe
+    runner.add(Request([3] * 300, max_tokens=60, sampling=GREEDY, ignore_eos=True, request_id="a"))
+    runner.step()
+    runner.step()  # "a" holds 128 positions
+    runner.add(Request([4] * 300, max_tokens=9, sampling=GREEDY, ignore_eos=True, request_id="b"))
+    runner.step()  # 32 tokens each; "b" at 0 attends over "a"'s 128 too
+    assert observed[-1].prefill_tokens == 64
+    assert observed[-1].prefill_depth == 2 * (32 * 128 + 32 * 33 // 2)
+    while runner.row("b") is not None and not runner.row("b").generated:
+        runner.step()
+    runner.step()
+    rows, depth, made = planned[-1]
+    assert rows == 2 and made["a"] > made["b"]  # "a" is deeper by the tokens it made
+    assert depth == 2 * (300 + made["a"])
+    while runner.active:
+        runner.step()
+    runner.close()

@@ -375,3 +375,76 @@ def test_the_auto_budget_depends_on_the_backend():
     assert step_budget_ms(None, "Device(cpu, 0)") == 1000.0
     assert step_budget_ms(None, "Device(gpu, 0)") == 200.0
     assert step_budget_ms(0.0, "Device(gpu, 0)") == 0.0
+
+
+# -- one left-padded cache per batch: every row attends over the deepest row's KV ------
+# mlx-lm holds the prefilling rows in one BatchKVCache and the decoding rows in another
+# (BatchKVCache.merge/extend left-pad each row to the longest), so a cold prompt beside a
+# warm turn at 100k positions computes attention over 100k positions too.
+GPU_LIKE = TrueCost(
+    base=0.03, per_row=0.002, per_row_kpos=0.0005, per_tok=0.0002, per_tok_kpos=0.0002 / 30
+)
+
+
+def _padded_truth(true: TrueCost, width: int, depths: list[int]) -> float:
+    """What prefilling ``width`` tokens in rows at ``depths`` really costs, priced here
+    without StepShape: every row at the deepest row's depth."""
+    deepest = max(depths, default=0)
+    attended = sum(deepest + t for t in range(1, width + 1)) * len(depths)
+    return true.per_tok * width * len(depths) + true.per_tok_kpos * attended / 1e3
+
+
+def _true_step(true: TrueCost, plan, decode_rows, decode_depth, rows: list[Prefill]) -> float:
+    ran = [r for r in rows if r.segment_left > 0 and (r.running or r.key in plan.start)]
+    width = min(plan.slice_tokens, max((r.segment_left for r in ran), default=0))
+    return true(StepShape(decode_rows, decode_depth)) + _padded_truth(
+        true, width, [r.depth for r in ran]
+    )
+
+
+def test_a_warm_turn_prefilling_beside_cold_prompts_stays_within_the_budget():
+    """Priced at each row's own depth, 7 cold prompts + 1 warm turn at 100k positions
+    were planned at 0.18 s of a 0.2 s budget and ran 0.48 s."""
+    b = StepBudget(0.2, CHUNK, 8, cost=KnownCost(GPU_LIKE))
+    rows = [Prefill("warm", 100_000, 600, 600, running=False)]
+    rows += [Prefill(f"c{i}", 0, 3000, 3000, running=False) for i in range(7)]
+    plan = b.plan(1, 2000, rows)
+    assert plan.start  # it prefills...
+    assert _true_step(GPU_LIKE, plan, 1, 2000, rows) <= 0.2 + 1e-9  # ...within the budget
+
+
+def test_a_deep_row_waits_outside_a_cold_prefill_batch_until_aging_lets_it_in():
+    b = StepBudget(0.2, CHUNK, 8, cost=KnownCost(GPU_LIKE))
+    cold = [Prefill(f"c{i}", 500, 3000, 3000, running=True) for i in range(7)]
+    warm = Prefill("warm", 300_000, 3000, 3000, running=False)
+    assert b.plan(1, 2000, [*cold, warm]).start == ()
+    aged = Prefill("warm", 300_000, 3000, 3000, running=False, waited_steps=40)
+    new = Prefill("new", 0, 50, 50, running=False)
+    assert b.plan(1, 2000, [*cold, aged, new]).start == ()  # first in line, still no room
+    assert b.plan(1, 2000, [aged, new]).start[0] == "warm"  # the cold ones done: it goes
+
+
+def test_the_learner_fits_padded_batches_without_inflating_its_costs():
+    """Fitted on each row's own depth, a padded batch's time read as dearer tokens."""
+    model = StepCostModel()
+    rng = random.Random(0)
+    for _ in range(200):
+        d, w = rng.randint(0, 40_000), rng.choice([32, 64, 128, 256])
+        s = StepShape.padded(w, [d], 1, 2000)
+        model.observe(s, GPU_LIKE(StepShape(1, 2000)) + _padded_truth(GPU_LIKE, w, [d]))
+        model.observe(StepShape(1, 2000), GPU_LIKE(StepShape(1, 2000)))
+    for _ in range(60):
+        w, depths = rng.choice([16, 32, 64]), [0] * 7 + [rng.randint(50_000, 100_000)]
+        s = StepShape.padded(w, depths, 1, 2000)
+        model.observe(s, GPU_LIKE(StepShape(1, 2000)) + _padded_truth(GPU_LIKE, w, depths))
+    est = model.estimates()
+    assert est.prefill_per_token_ms == pytest.approx(GPU_LIKE.per_tok * 1e3, rel=0.05)
+    assert est.prefill_per_token_per_1k_positions_ms == pytest.approx(
+        GPU_LIKE.per_tok_kpos * 1e3, rel=0.05
+    )
+
+
+def test_uniform_depth_batches_are_priced_as_before():
+    s = StepShape.padded(64, [3000] * 4, 2, 6000)
+    assert s == StepShape(2, 6000, 256, 4 * (64 * 3000 + 64 * 65 // 2))
+    assert StepShape.padded(0, []) == StepShape()
