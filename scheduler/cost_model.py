@@ -181,10 +181,11 @@ class StepCostModel:
     def __init__(self, forgetting: float = FORGETTING):
         self._decode = ForgettingLeastSquares(3, forgetting)
         self._prefill = ForgettingLeastSquares(2, forgetting)
+        self._prefilled = False  # a prefilling step was observed (the first is not learned)
 
     @property
     def ready(self) -> bool:
-        """The prefill part has seen a step: a slice can be sized (an unseen decode
+        """The prefill part has learned a step: a slice can be sized (an unseen decode
         part predicts 0 until its first decode-only step, a step later)."""
         return self._prefill.samples > 0
 
@@ -209,6 +210,14 @@ class StepCostModel:
             # decode part is stale (decode-only steps are rare while prompts prefill)
             self._decode.observe(shape.decode_features, seconds)
             decode = self.decode_s(shape)
+        if not self._prefilled:
+            # the first prefilling step runs the engine's first forward (kernels
+            # compiled, weights paged in) with nothing yet to cap it against: learned,
+            # a +30 s one held a later prompt at 4-token slices for 100+ steps. Not
+            # the decode part's first: that step comes after the first forward, and
+            # decode-only samples are too rare while prompts prefill to spare one
+            self._prefilled = True
+            return
         cap = _outlier_cap(self.prefill_s(shape), self._prefill.samples)
         self._prefill.observe(shape.prefill_features, min(max(seconds - decode, 0.0), cap))
 

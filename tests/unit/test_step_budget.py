@@ -448,3 +448,42 @@ def test_uniform_depth_batches_are_priced_as_before():
     s = StepShape.padded(64, [3000] * 4, 2, 6000)
     assert s == StepShape(2, 6000, 256, 4 * (64 * 3000 + 64 * 65 // 2))
     assert StepShape.padded(0, []) == StepShape()
+
+
+# -- a slow first step (kernels compiled, weights first touched) -------------------
+class FirstPrefillSlow:
+    """The true costs, the first step that prefills ``extra`` seconds slower."""
+
+    def __init__(self, true: TrueCost, extra: float):
+        self.true, self.extra, self.first = true, extra, True
+
+    def __call__(self, s: StepShape) -> float:
+        slow = self.extra if s.prefill_tokens and self.first else 0.0
+        self.first = self.first and not s.prefill_tokens
+        return self.true(s) + slow
+
+
+@pytest.mark.parametrize("extra", [0.0, 30.0])
+def test_a_slow_first_prefill_does_not_pin_later_slices_at_the_floor(extra):
+    """The first prefill ran the first forward ever: learned uncapped (no sample to
+    cap against yet), a +30 s one kept a later 4k prompt at 4-token slices."""
+    true = TrueCost(base=0.05, per_row=0.01, per_row_kpos=0.005, per_tok=0.0015, per_tok_kpos=3e-4)
+    sim = Sim(StepBudget(1.0, CHUNK, 8), FirstPrefillSlow(true, extra))  # type: ignore[arg-type]
+    sim.join(SimRow("a", prompt=30, max_tokens=100_000))
+    sim.run_until(lambda: first_token(sim, "a") and sim.step_no > 20)
+    sim.slices.clear()
+    start = sim.step_no
+    sim.join(SimRow("late", prompt=4000))
+    sim.run_until(lambda: first_token(sim, "late"))
+    assert sorted(sim.slices)[len(sim.slices) // 2] > 100  # not the floor...
+    assert sim.step_no - start <= 20  # ...and 4k tokens in a few steps, as with no hiccup
+
+
+def test_honest_prefill_samples_are_learned_from_the_second():
+    true = TrueCost()
+    model = StepCostModel()
+    shapes = [StepShape.padded(w, [d]) for w, d in ((512, 0), (300, 2000), (64, 9000))]
+    for s in shapes:
+        model.observe(s, true(s))
+    probe = StepShape.padded(100, [5000])
+    assert model.ready and model.prefill_s(probe) == pytest.approx(true(probe), rel=1e-3)
