@@ -480,6 +480,7 @@ class EngineThread(threading.Thread):
                     failed.append(
                         RequestOutput.failure(request.request_id, f"{type(exc).__name__}: {exc}")
                     )
+            self._leave(started)  # an add may answer with the request's end
             self.router.publish(started + failed)
             if runner.active == 0:
                 self._sample_memory()  # idle gauges still move (freed cache, clear_cache)
@@ -490,10 +491,17 @@ class EngineThread(threading.Thread):
             if not runner.waited_on_reads:  # a wait on disk reads ran no model step
                 self._steps += 1
             self._sample_memory()
-            for output in outputs:
-                if output.finished:
-                    scheduler.finish(output.request_id)
+            self._leave(outputs)
             self.router.publish(outputs)
+
+    def _leave(self, outputs: list[RequestOutput]) -> None:
+        """Requests these outputs end leave the scheduler, before their clients hear:
+        an engine error as failed (/stats counted rows failed alone as finished)."""
+        for output in outputs:
+            if output.finish_reason is FinishReason.ERROR:
+                self.scheduler.fail(output.request_id)
+            elif output.finished:
+                self.scheduler.finish(output.request_id)
 
     def _apply_plan_exits(self, plan: StepPlan) -> list[RequestOutput]:
         """Rows leaving the batch before this step, and the outputs that end them."""

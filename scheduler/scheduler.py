@@ -256,7 +256,7 @@ class Scheduler:
                 self._finished += 1
 
     def fail(self, request_id: str) -> None:
-        """A running request the engine could not start: it leaves as failed."""
+        """A running request the engine could not start or finish: it leaves as failed."""
         with self._lock:
             if self._leave(request_id, RequestState.ABORTED):
                 self._failed += 1

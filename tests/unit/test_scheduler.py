@@ -155,6 +155,61 @@ def test_a_request_the_engine_could_not_start_is_failed_not_finished():
     assert started.state is RequestState.ABORTED
 
 
+def test_a_request_the_engine_fails_mid_batch_is_failed_not_finished(monkeypatch):
+    """A row failed alone by a step (its sampler raised, its cached KV could not be
+    read, a recovery's probe) ended in an error but counted as finished in /stats;
+    one the runner's add answers with an error is failed too, not left running."""
+    import asyncio
+
+    from scheduler.request import FinishReason, RequestOutput
+    from scheduler.service import GenerationService
+    from scheduler.streams import OutputRouter
+    from tests.helpers.fake_engine import FakeEngine, FakeRunner
+
+    step, add = FakeRunner.step, FakeRunner.add
+
+    def failing_step(self):
+        outputs = step(self)
+        for i, out in enumerate(outputs):
+            if out.request_id == "bad" and not out.finished:
+                del self._active["bad"]
+                outputs[i] = RequestOutput.failure("bad", "its sampler raised")
+        return outputs
+
+    def refusing_add(self, request):
+        if request.request_id == "refused":
+            return RequestOutput.failure("refused", "expired in the queue", "queue_timeout")
+        return add(self, request)
+
+    monkeypatch.setattr(FakeRunner, "step", failing_step)
+    monkeypatch.setattr(FakeRunner, "add", refusing_add)
+
+    async def main():
+        router = OutputRouter(asyncio.get_running_loop())
+        sched = Scheduler(None, max_running=3, max_queue=10)
+        engine = FakeEngine(sched, router, step_delay=0.005)
+        engine.start()
+        engine.wait_ready(5)
+        try:
+            service = GenerationService(sched, router, engine)
+            ends = {}
+            for name in ("bad", "good", "refused"):
+                async for out in service.submit(Request(list(range(10)), 3, request_id=name)):
+                    ends[name] = out.finish_reason
+            return ends, sched.stats()
+        finally:
+            engine.stop()
+            engine.join(5)
+
+    ends, st = asyncio.run(main())
+    assert ends == {
+        "bad": FinishReason.ERROR,
+        "good": FinishReason.LENGTH,
+        "refused": FinishReason.ERROR,
+    }
+    assert (st.running, st.failed_total, st.finished_total) == (0, 2, 1)
+
+
 def test_loading_scheduler_refuses_with_503():
     s = Scheduler(None, 1, 1)
     with pytest.raises(EngineUnavailable):
