@@ -130,9 +130,19 @@ def check_count(n: int, limits: ImageLimits, where: str = "messages") -> None:
 
 def load_images(sources: list[ImageSource], limits: ImageLimits) -> list[list[LoadedImage]]:
     """Every image of one request, decoded, within the request's limits: one
-    image per source, a video's frames for a video."""
+    image per source, a video's frames for a video. Every source's bytes come
+    first (downloads, ffmpeg's frames), then all are decoded: those waits give
+    the CPU slot up, and a request's pixels decoded before one (a few 40 MP
+    pictures are a GB) stayed in memory through it, outside every budget."""
     check_count(len(sources), limits)
-    out: list[list[LoadedImage]] = []
+    encoded = _all_encoded(sources, limits)
+    return [[decode_image(raw, limits, where) for raw, where in frames] for frames in encoded]
+
+
+def _all_encoded(sources: list[ImageSource], limits: ImageLimits) -> list[list[tuple[bytes, str]]]:
+    """Each source's encoded images and the names their errors give: one for an
+    image, a video's frames (as PNG) for a video."""
+    out: list[list[tuple[bytes, str]]] = []
     total = 0
     for i, source in enumerate(sources):
         where = f"{'video' if source.video else 'image'} {i + 1}"
@@ -147,19 +157,17 @@ def load_images(sources: list[ImageSource], limits: ImageLimits) -> list[list[Lo
                 f"{limits.max_total_bytes} bytes a request (--max-images-bytes).",
                 param=where,
             )
-        out.append(
-            _video(raw, limits, where) if source.video else [decode_image(raw, limits, where)]
-        )
+        out.append(_frames(raw, limits, where) if source.video else [(raw, where)])
     return out
 
 
-def _video(raw: bytes, limits: ImageLimits, where: str) -> list[LoadedImage]:
+def _frames(raw: bytes, limits: ImageLimits, where: str) -> list[tuple[bytes, str]]:
     from app.video_frames import extract_frames
 
     frames = extract_frames(
         raw, limits.video_frames, limits.video_timeout, limits.max_pixels, where
     )
-    return [decode_image(f, limits, f"{where} frame {j + 1}") for j, f in enumerate(frames)]
+    return [(f, f"{where} frame {j + 1}") for j, f in enumerate(frames)]
 
 
 def decode_image(raw: bytes, limits: ImageLimits, where: str = "image") -> LoadedImage:

@@ -462,3 +462,44 @@ def test_a_video_waiting_too_long_for_a_decoder_is_a_503_not_its_own_fault():
         assert await asyncio.wait_for(slow, 5) == "decoded"
 
     asyncio.run(scenario())
+
+
+def test_no_image_is_decoded_while_a_later_source_is_still_being_fetched(monkeypatch):
+    """Each source was fetched and decoded in turn: a request's decoded images
+    (0.9 GB for a few 40 MP pictures) stayed in memory while a later URL
+    downloaded or a video waited for ffmpeg, with its CPU slot given up: eight
+    such waits held gigabytes outside every budget. Every source's bytes come
+    first; only then is anything decoded."""
+    import base64
+
+    import app.images as images
+    import app.video_frames as video_frames
+
+    decoded: list[str] = []
+    waits: list[tuple[str, int]] = []  # (what waited, images decoded by then)
+    decode = images.decode_image
+
+    def decoding(raw: bytes, limits: ImageLimits, where: str = "image"):
+        decoded.append(where)
+        return decode(raw, limits, where)
+
+    def fetched(url, policy, max_bytes, where):
+        waits.append((f"fetch {where}", len(decoded)))
+        return png()
+
+    def frames(raw, n, timeout, max_pixels=None, where="video"):
+        waits.append((f"ffmpeg {where}", len(decoded)))
+        return [png(), png()]
+
+    monkeypatch.setattr(images, "decode_image", decoding)
+    monkeypatch.setattr(images, "fetch", fetched)
+    monkeypatch.setattr(video_frames, "extract_frames", frames)
+    inline = ImageSource(base64=base64.b64encode(png()).decode())
+    video = ImageSource(
+        url="data:video/mp4;base64," + base64.b64encode(b"clip").decode(), video=True
+    )
+    sources = [inline, ImageSource(url="https://example.com/a.png"), video, inline]
+    loaded = load_images(sources, ImageLimits())
+    assert [len(x) for x in loaded] == [1, 1, 2, 1]
+    assert waits == [("fetch image 2", 0), ("ffmpeg video 3", 0)]
+    assert decoded == ["image 1", "image 2", "video 3 frame 1", "video 3 frame 2", "image 4"]
