@@ -17,7 +17,7 @@ from typing import Any
 
 from app.errors import APIError
 from app.generation_params import resolve_max_tokens, resolve_sampling
-from app.image_prompt import ResolvedImages, attach_images, resolve_images
+from app.image_prompt import ResolvedImages, attach_images, plain_replies, resolve_images
 from app.protocol.output_parser import OutputParser, Syntax
 from app.protocol.thinking import resolve_effort, resolve_thinking
 from app.protocol.tool_formats import ToolCallDecoder, forced_opening
@@ -347,7 +347,7 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
     # one app's for all its users, whose replies must never heal into each other's
     scope = session_id_from(call.fields, headers, cache_key=False) or ""
     contexts = state.healing.contexts(messages, scope, _image_salts(messages, images, info.vision))
-    healed = state.healing.heal_all(messages, contexts)
+    healed = plain_replies(messages, state.healing.heal_all(messages, contexts), info.vision)
 
     def render(messages: list[dict[str, Any]]) -> Any:
         return info.formatter.render_chat(

@@ -26,6 +26,7 @@ from typing import Any
 from app.content_parts import IMAGE_OMITTED
 from app.errors import APIError
 from app.images import ImageLimits, ImageSource, LoadedImage, load_images
+from engine.chat_template import REASONING_FIELDS
 from engine.control_tokens import ControlTokens
 from kvcache.image_ids import expand_images, image_run
 from kvcache.prompt_key import PromptKey
@@ -150,6 +151,33 @@ def _plain_markers(
     return out
 
 
+def plain_replies(
+    sent: Sequence[dict[str, Any]], healed: list[dict[str, Any]], front: ImageFront | None
+) -> list[dict[str, Any]]:
+    """The model's turns (``healed``, as healing gave them back from ``sent``) with
+    the image markers made plain where ``_plain_markers`` does not reach: tool
+    calls, reasoning fields, and the content healing put back (the reply as
+    generated: its think block). None of those can hold an image; rendered as
+    they were, a reply that wrote ``<image>`` (an RSS feed in a tool call) read as
+    an image token with no image behind it, and the conversation was a 400 from
+    then on. The same every turn: the rendered prefix stays the cached one."""
+    if front is None:
+        return healed
+    control = _marker_tokens(front.markers)
+    out = []
+    for before, message in zip(sent, healed, strict=True):
+        if message.get("role") == "assistant":
+            swapped = message is not before  # healed: its content is as generated
+            message = dict(message)
+            if swapped and isinstance(message.get("content"), str):
+                message["content"] = control.text(message["content"])
+            for name in ("tool_calls", *REASONING_FIELDS):
+                if message.get(name):
+                    message[name] = control.plain(message[name])
+        out.append(message)
+    return out
+
+
 @cache
 def _marker_tokens(markers: tuple[str, ...]) -> ControlTokens:
     return ControlTokens(markers)
@@ -162,14 +190,14 @@ def attach_images(
     view), the model's prompt tokens, and the engine's image inputs."""
     at = [i for i, t in enumerate(key.model_tokens) if t == front.placeholder_id]
     if len(at) != len(resolved.images):
-        # message text was made plain; the marker can still come in through reasoning,
-        # tool calls or tool definitions, and the model would read image tokens
-        # with no image behind them
+        # messages were made plain (``_plain_markers``, ``plain_replies``); the marker
+        # can still come in through tool definitions, and the model would read image
+        # tokens with no image behind them
         raise APIError(
             400,
             f"The rendered prompt holds {len(at)} image markers for "
-            f"{len(resolved.images)} images: text outside message content (reasoning, "
-            f"tool calls, tool definitions) may not contain this model's image marker "
+            f"{len(resolved.images)} images: text outside the messages (tool "
+            f"definitions) may not contain this model's image marker "
             f"{front.image_token!r}, and a chat template must render every message's "
             "content.",
         )

@@ -502,3 +502,64 @@ def test_text_before_an_image_is_prefilled_within_the_step_budget(vlm, monkeypat
     assert max(per_step) <= step + len(image.tokens)
     monkeypatch.undo()
     assert (tuple(tokens), 0) == run(runner_for(loaded, cache=False), screenshot_request())[0]
+
+
+def test_the_image_marker_in_a_replys_tool_calls_or_reasoning_is_text(tmp_path):
+    """Message content was made plain, but the model's own tool-call arguments,
+    reasoning and the think block healing put back were rendered as they were:
+    a reply that wrote "<image>" there (an RSS feed, a web page) rendered an
+    image token with no image behind it, and every later turn was a 400."""
+    import json
+
+    from app.image_prompt import plain_replies
+    from kvcache.healing import HealingStore
+
+    path = write_tiny_smolvlm(tmp_path, seed=1)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (  # renders calls and reasoning, as agent models' templates do
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m.get('reasoning_content') or '' }}"
+        "{{ m['content'] }}{% for c in m.get('tool_calls') or [] %}CALL "
+        "{{ c['function']['name'] }} {{ c['function']['arguments'] | tojson }}{% endfor %}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    loaded = load_model(ModelSource("mlx", path, "m"), vision="auto")
+    front = VisionFront.for_model(loaded.vision.vlm, loaded.processor, loaded.tokenizer)
+    fmt = ChatFormatter(loaded.tokenizer, 8192)
+    feed = {"text": "<rss><image><url>a.png</url></image></rss>"}
+    call = {"id": "c1", "type": "function", "function": {"name": "write", "arguments": ""}}
+    call["function"]["arguments"] = json.dumps(feed)
+    user = {
+        "role": "user",
+        "content": [
+            {"type": "image", "source": ImageSource(url=data_url(png_bytes(50, 40, GREEN)))},
+            {"type": "text", "text": "write the feed"},
+        ],
+    }
+    said = "<think>its <image> tag</think>done"
+    store = HealingStore()
+    for reply in (  # the echo of a healed reply, and one the client sent as it was
+        {"role": "assistant", "content": "done", "tool_calls": [call]},
+        {
+            "role": "assistant",
+            "content": "ok",
+            "reasoning_content": "an <image>",
+            "tool_calls": [call],
+        },
+    ):
+        first, _ = resolve_images([user], front, ImageLimits(), False)
+        store.remember(said, [call], store.contexts(first)[-1])
+        messages = [user, reply, {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+        messages, images = resolve_images(messages, front, ImageLimits(), False)
+        healed = store.heal_all(messages, store.contexts(messages))
+        renders = [
+            fmt.render_chat(
+                plain_replies(messages, healed, front), image_placeholder=front.placeholder
+            )
+            for _ in range(2)
+        ]
+        assert renders[0].key.model_tokens == renders[1].key.model_tokens  # a stable prefix
+        key, prompt, inputs = attach_images(renders[0].key, images, front)
+        (image,) = inputs
+        assert prompt.count(front.placeholder_id) == list(image.tokens).count(front.placeholder_id)
+    assert store.healed == 1
