@@ -195,6 +195,7 @@ class BatchRunner:
         request = row.request
         cached_tokens = None
         if reused is not None:
+            self._know_images(row)
             cached_tokens = self._model_ids(reused)
             if self.vision is not None:
                 row.rope_delta = self.vision.rope_delta(reused)
@@ -237,6 +238,13 @@ class BatchRunner:
     def _only_reading(self) -> bool:
         """Nothing to run but rows whose disk reads are in flight."""
         return not self._rows and all(w.row.disk_read for w in self._waiting.values())
+
+    def _know_images(self, row: Row) -> None:
+        """The row's images known again before its key is read back to model ids:
+        the engine keeps the expansions of the 4096 images admitted last, and a
+        row waiting on a disk read, or decoding a long reply, may outlive its own."""
+        if row.request.images and self.vision is not None:
+            self.vision.remember(row.request.images)
 
     def _model_ids(self, tokens) -> list[int]:
         """A cached key's tokens as the model's ids (image identities expanded)."""
@@ -639,6 +647,7 @@ class BatchRunner:
         if self.prefix_cache is None:
             return
         try:
+            self._know_images(row)
             row_kv.store_final(self.prefix_cache, row, caches, all_tokens, self._model_ids)
         except Exception:  # noqa: BLE001
             log.exception("%s: prompt KV not stored", row.request.request_id)

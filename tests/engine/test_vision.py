@@ -563,3 +563,56 @@ def test_the_image_marker_in_a_replys_tool_calls_or_reasoning_is_text(tmp_path):
         (image,) = inputs
         assert prompt.count(front.placeholder_id) == list(image.tokens).count(front.placeholder_id)
     assert store.healed == 1
+
+
+def flood_expansions(loaded) -> None:
+    """4097 other images admitted: past what the engine keeps of image expansions."""
+    import os
+
+    from scheduler.request import ImageInput
+
+    fakes = [ImageInput(3, (7,) * 6, key, key) for key in (os.urandom(32) for _ in range(4097))]
+    loaded.vision.remember(fakes)
+
+
+def test_a_rows_images_outlive_the_expansions_of_newer_ones(vlm, tmp_path):
+    """The engine keeps 4096 image expansions: a long reply on a busy server lost
+    its KV (store_final read its key's image as unknown: a KeyError logged), and a
+    disk-tier hit read while others were admitted failed its request."""
+    from kvcache.manager import DiskConfig
+
+    loaded, front, fmt = vlm
+
+    def runner_on_disk():
+        kv = TieredKVManager(
+            PromptCacheConfig(block_size=8, kv_block_size=16),
+            64 * 2**20,
+            "ns",
+            make_prompt_cache(loaded.model),
+            DiskConfig(tmp_path, 2**30),
+        )
+        return BatchRunner(
+            loaded.model, loaded.tokenizer, 4, 512, 4, prefix_cache=kv, vision=loaded.vision
+        )
+
+    def drain(runner, req, flood):
+        first = runner.add(req)
+        tokens: list[int] = []
+        while runner.active:
+            if flood:  # while it waits on its read, or decodes
+                flood_expansions(loaded)
+                flood = False
+            for out in runner.step():
+                assert out.error is None, out.error
+                tokens += out.token_ids
+                first = first or (out if out.cache is not None else None)
+        return tuple(tokens), first.cached_tokens
+
+    url = data_url(png_bytes(*SIZE, GREEN))
+    runner = runner_on_disk()
+    cold = drain(runner, request(vlm, "what is it?", url, max_tokens=8), flood=True)
+    runner.prefix_cache.close()  # its reply's KV on disk only: read back off the engine thread
+    again = request(vlm, "what is it?", url, max_tokens=8)
+    tokens, cached = drain(runner_on_disk(), again, flood=True)
+    assert cached == len(again.prompt_tokens) - 1  # stored, and read back
+    assert tokens == cold[0]
