@@ -19,7 +19,7 @@ conversation): a picture re-sent three times is "image 1" each time.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
@@ -204,12 +204,20 @@ def attach_images(
     if not resolved.images:
         return key, list(key.model_tokens), ()
     inputs: list[ImageInput] = []
+    # a picture re-sent in the conversation is expanded once: the processor's time,
+    # and its arrays held once (counted once against --max-image-inputs-bytes)
+    expanded: dict[bytes, ImageInput] = {}
     shift = 0
     for number, (pos, image) in enumerate(zip(at, resolved.images), 1):
-        try:
-            item = front.image_input(image.image, image.digest, pos + shift)
-        except ImageRejected as exc:
-            raise APIError(400, f"Image {number} of the request: {exc}") from exc
+        item = expanded.get(image.digest)
+        if item is not None:
+            item = replace(item, start=pos + shift)
+        else:
+            try:
+                item = front.image_input(image.image, image.digest, pos + shift)
+            except ImageRejected as exc:
+                raise APIError(400, f"Image {number} of the request: {exc}") from exc
+            expanded[image.digest] = item
         inputs.append(item)
         shift += len(item.tokens) - 1
     wide = expand_images(

@@ -153,7 +153,10 @@ class Request:
 
     @property
     def image_bytes(self) -> int:
-        return sum(image.nbytes for image in self.images)
+        """Host memory its images' processor arrays hold: an array shared by an
+        image's repeats (``app.image_prompt``) counts once."""
+        arrays = {id(v): v for image in self.images for v in image.inputs.values()}
+        return sum(int(getattr(v, "nbytes", 0)) for v in arrays.values())
 
 
 @dataclass(frozen=True)

@@ -307,3 +307,30 @@ def test_an_image_of_more_tokens_than_its_ids_can_number_is_refused(monkeypatch)
 
     with pytest.raises(ImageRejected, match="640x480 image becomes 6 tokens"):
         front.image_input(Pixels(), b"big", 3)
+
+
+def test_an_image_repeated_in_a_request_is_expanded_and_counted_once():
+    """Each placeholder ran the processor again, and the request's image bytes
+    (held against --max-image-inputs-bytes) counted a re-sent screenshot's arrays
+    each time: one expansion a picture, each repeat at its own place."""
+    from scheduler.request import Request, SamplingParams
+
+    class Counting(_Processor):
+        calls: list[object] = []
+
+        def __call__(self, text, images):
+            self.calls.append(images[0])
+            return {**super().__call__(text, images), "pixel_values": np.zeros(1000, np.uint8)}
+
+    processor = Counting(SPAN)
+    front = VisionFront(processor, _Tokenizer(), None, None)
+    cat, dog = LoadedImage("cat pixels", b"cat"), LoadedImage("dog pixels", b"dog")
+    key = PromptKey.build(STEM + [PLACEHOLDER, 9, PLACEHOLDER, PLACEHOLDER, 8, 1])
+    _, prompt, inputs = attach_images(key, ResolvedImages([cat, dog, cat]), front)
+    assert processor.calls == ["cat pixels", "dog pixels"]
+    starts = [len(STEM), len(STEM) + SPAN + 1, len(STEM) + 2 * SPAN + 1]
+    assert [i.start for i in inputs] == starts
+    assert inputs[0].key == inputs[2].key != inputs[1].key
+    assert all(prompt[s : s + SPAN] == [PLACEHOLDER] * SPAN for s in starts)
+    request = Request(prompt, 4, SamplingParams(), images=inputs)
+    assert request.image_bytes == 2 * 1000
