@@ -329,6 +329,11 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
     thinking = resolve_thinking(call.fields, default)
     kwargs = _template_kwargs(call, info.syntax, thinking)
     relocate = settings.volatile_policy is VolatilePolicy.RELOCATE
+    # every template renders what the messages say: a conversation that cannot fit
+    # is refused before it is scanned or rendered (copying 30 MB through a template,
+    # or a regex pass over it, holds the GIL for tens to hundreds of ms), and by its
+    # text alone (a lower bound) before any image is fetched or decoded
+    info.formatter.check_texts(_message_texts(call.messages), call.count_only)
     messages, images = resolve_images(
         call.messages,
         info.vision,
@@ -338,10 +343,8 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
             f"{call.messages_field}.{i}.content" if call.same_indices else call.messages_field
         ),
     )
-    # every template renders what the messages say: a conversation that cannot fit
-    # is refused before it is scanned or rendered (copying 30 MB through a template,
-    # or a regex pass over it, holds the GIL for tens to hundreds of ms)
-    info.formatter.check_texts(_message_texts(messages), call.count_only)
+    if images.numbers:  # with the images' placeholders or notes now in the text
+        info.formatter.check_texts(_message_texts(messages), call.count_only)
     explicit_session = session_id_from(call.fields, headers)
     # healing is scoped by a conversation's own id only: a prompt_cache_key may be
     # one app's for all its users, whose replies must never heal into each other's

@@ -512,6 +512,39 @@ def test_a_conversation_that_cannot_fit_is_refused_before_it_is_scanned(monkeypa
         assert scanned == []
 
 
+def test_a_conversation_that_cannot_fit_fetches_and_decodes_no_image(monkeypatch):
+    """Its images were fetched (up to --fetch-timeout each) and decoded before its
+    text's length was looked at, to end in a 400 all the same. The text alone is
+    checked first; with its images' notes (or placeholders) in it, again."""
+    import app.image_prompt as image_prompt
+    from app.images import LoadedImage
+    from scheduler.admission import ContextLengthExceeded
+    from tests.helpers.fake_engine import CharFormatter
+
+    limit, checked, loaded = [0], [], []
+
+    def too_long(self, texts, count_only=False):
+        checked.append(sum(map(len, texts)))
+        if checked[-1] > limit[0]:
+            raise ContextLengthExceeded("too long")
+
+    def load(sources, limits):
+        loaded.append(sources)  # a download and a decode each
+        return [[LoadedImage(None, bytes(16))] for _ in sources]
+
+    monkeypatch.setattr(CharFormatter, "check_texts", too_long)
+    monkeypatch.setattr(image_prompt, "load_images", load)
+    image = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+    content = [image, {"type": "text", "text": "u" * 1000}]
+    with serve_app(make_app(Settings(_env_file=None, images="placeholder"))) as url:
+        for limit[0], checks, loads in ((999, 1, 0), (1010, 2, 1)):
+            checked.clear(), loaded.clear()
+            r = httpx.post(url + CHAT, json={"messages": [{"role": "user", "content": content}]})
+            assert_error(r, 400, "context_length_exceeded")
+            assert (len(checked), len(loaded)) == (checks, loads)
+    assert checked[0] == 1000 < checked[1]  # then with "[image 1: ...]"
+
+
 @pytest.fixture(scope="module")
 def secured():
     settings = Settings(_env_file=None, api_key="sekrit", max_body_bytes="2KiB")
