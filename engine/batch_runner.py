@@ -251,11 +251,12 @@ class BatchRunner:
         return self.vision.model_ids(tokens) if self.vision is not None else list(tokens)
 
     def _vision_prefill(self, w: Waiting, budget: int) -> bool:
-        """Run the row's prompt through its next uncached image (engine.vision), one
-        image a step, and at most ``budget`` tokens of the text before it (this
-        step's prefill slice), so that neither many images nor a long history before
-        one stall the running rows; True once past its last image: it then joins the
-        batch like a prefix hit, with the text after the image."""
+        """Run the row's prompt through its next uncached image (engine.vision), at
+        most one image a step and ``budget`` tokens of it and the text before it
+        (this step's prefill slice; a large image's tokens span steps, its tower
+        runs once), so that neither many images, a long history before one nor one
+        image's thousands of tokens stall the running rows; True once past its last
+        image: it then joins the batch like a prefix hit, with the text after it."""
         row, request = w.row, w.row.request
         start = w.vision_at if w.vision_at is not None else row.cached
         if self.vision is None or all(i.end <= start for i in request.images):
@@ -263,7 +264,13 @@ class BatchRunner:
         cache = list(w.cache) if w.cache is not None else make_prompt_cache(self.model)
         skew = row.kv_offset - start  # KV positions stepped over (volatile spans)
         done, delta = self._read_images(
-            row, cache, start, row.rope_delta + skew, max_images=1, max_text=budget
+            row,
+            cache,
+            start,
+            row.rope_delta + skew,
+            max_images=1,
+            max_tokens=budget,
+            resume=w.vision_at is not None,
         )
         row.rope_delta = delta - skew
         gained = done - start
@@ -283,7 +290,8 @@ class BatchRunner:
         start: int,
         delta: int,
         max_images: int | None = None,
-        max_text: int | None = None,
+        max_tokens: int | None = None,
+        resume: bool = False,
     ) -> tuple[int, int]:
         """The row's prompt from ``start`` through its images into ``cache``
         (engine.vision), through the routed model with the row's adapter tag, as
@@ -299,7 +307,8 @@ class BatchRunner:
             max_images=max_images,
             model=self.adapters.routed,
             tag=AdapterTag(row.slot),
-            max_text=max_text,
+            max_tokens=max_tokens,
+            resume=resume,
         )
 
     def _insert(self, row: Row, segments, cache, cached_tokens, generator=None) -> int:

@@ -375,50 +375,69 @@ class VisionPrefill:
         max_images: int | None = None,
         model: Any = None,
         tag: Any = None,
-        max_text: int | None = None,
+        max_tokens: int | None = None,
+        resume: bool = False,
     ) -> tuple[int, int]:
         """Prefill ``prompt[start:]`` up to the end of its last image (or of its
         ``max_images``-th uncached one) into ``cache``, whose positions run ``delta``
         from its depth; returns the depth reached (``start`` when every image is
         already cached) and the delta there. ``model`` and ``tag``: the routed
         model and the row's adapter tag (engine.lora), so a LoRA row reads its
-        images with its adapter, as it reads the rest of its prompt. ``max_text``:
-        at most that much text before an image (an engine step's prefill budget):
-        the depth reached is then inside the text, the image for a later call."""
-        import mlx.core as mx
-
-        merge = self.merge
+        images with its adapter, as it reads the rest of its prompt. ``max_tokens``:
+        at most that many tokens, text and image alike (an engine step's prefill
+        budget): the depth reached may then be inside the text or inside an image,
+        where a later call ``resume``s (the tower runs once, whole: its features
+        wait in the feature cache)."""
         pos = start
         ran = 0
+        room = max(1, max_tokens) if max_tokens is not None else len(prompt)
         for image in images:
             if image.end <= pos:
                 continue  # its KV came from the prefix cache
             if max_images is not None and ran >= max_images:
                 break
             ran += 1
-            if image.start < pos:
+            if image.start < pos and not resume:
                 raise ValueError("a cached prefix ends inside an image")  # index retreats
-            text_pos = image_pos = None
-            if merge is not None:
-                text_pos = sequential_positions(pos + delta, image.start - pos)
-                image_pos = image_positions(grid_shape(image.inputs, merge), image.start + delta)
-            if max_text is not None and image.start - pos > max_text:
-                take = max(1, max_text)  # this step's share of the text; no image yet
-                if text_pos is not None:
-                    text_pos = text_pos[..., :take]
-                self._feed(
-                    mx.array([list(prompt[pos : pos + take])]), cache, None, text_pos, model, tag
-                )
-                return pos + take, delta
-            if image.start > pos:
-                ids = mx.array([list(prompt[pos : image.start])])
-                self._feed(ids, cache, None, text_pos, model, tag)
-            embeds = self._embeddings(image)
-            self._feed(mx.array([list(image.tokens)]), cache, embeds, image_pos, model, tag)
-            pos = image.end
+            if image.start > pos:  # the text before it, within this call's room
+                take = min(image.start - pos, room)
+                self._feed_text(prompt[pos : pos + take], pos + delta, cache, model, tag)
+                pos, room = pos + take, room - take
+                if pos < image.start or room <= 0:
+                    return pos, delta
+            pos, room = self._feed_image(image, pos, room, delta, cache, model, tag)
+            if pos < image.end:
+                return pos, delta  # the rest of it in a later call
             delta += image.rope_shift
             self.counters.images_prefilled += 1
+            if room <= 0:
+                break
         return pos, delta
+
+    def _feed_text(self, ids: Sequence[int], first: int, cache: list, model: Any, tag: Any) -> None:
+        """Text at positions from ``first`` (the language model's own for sequential ones)."""
+        import mlx.core as mx
+
+        positions = None if self.merge is None else sequential_positions(first, len(ids))
+        self._feed(mx.array([list(ids)]), cache, None, positions, model, tag)
+
+    def _feed_image(
+        self, image: ImageInput, pos: int, room: int, delta: int, cache: list, model: Any, tag: Any
+    ) -> tuple[int, int]:
+        """Up to ``room`` of the image's tokens from ``pos`` (inside it when
+        resumed); returns the depth reached and the room left."""
+        import mlx.core as mx
+
+        into = pos - image.start
+        take = min(len(image.tokens) - into, room)
+        positions = None
+        if self.merge is not None:
+            grid = image_positions(grid_shape(image.inputs, self.merge), image.start + delta)
+            positions = grid[..., into : into + take]
+        embeds = self._embeddings(image, resumed=into > 0)[:, into : into + take]
+        ids = mx.array([list(image.tokens[into : into + take])])
+        self._feed(ids, cache, embeds, positions, model, tag)
+        return pos + take, room - take
 
     def _feed(
         self, ids: Any, cache: list, embeds: Any, positions: Any, model: Any, tag: Any
@@ -440,13 +459,15 @@ class VisionPrefill:
             )
             mx.eval([c.state for c in cache])
 
-    def _embeddings(self, image: ImageInput) -> Any:
+    def _embeddings(self, image: ImageInput, resumed: bool = False) -> Any:
+        """The image's merged embeddings; ``resumed``: for the rest of an image
+        already begun (no feature hit: its tower ran for this row)."""
         import mlx.core as mx
 
         hit = self._features.get(image.key)
         if hit is not None:
             self._features.move_to_end(image.key)
-            self.counters.feature_hits += 1
+            self.counters.feature_hits += not resumed
             return hit
         started = time.perf_counter()
         inputs = {k: mx.array(v) for k, v in image.inputs.items()}

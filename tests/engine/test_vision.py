@@ -616,3 +616,34 @@ def test_a_rows_images_outlive_the_expansions_of_newer_ones(vlm, tmp_path):
     tokens, cached = drain(runner_on_disk(), again, flood=True)
     assert cached == len(again.prompt_tokens) - 1  # stored, and read back
     assert tokens == cold[0]
+
+
+def test_an_image_is_prefilled_within_the_step_budget_across_steps(vlm, monkeypatch):
+    """An image's tokens went through the language model in one engine step,
+    whatever --prefill-step-size or --max-step-ms said: every running row's next
+    token waited for all of them. They are now sliced by the step's budget (the
+    tower still runs once, whole), with the same tokens at the end."""
+    loaded = vlm[0]
+    req = request(vlm, "what is this?", data_url(png_bytes(*SIZE, (77, 1, 99))))
+    (image,) = req.images
+    step = max(2, len(image.tokens) // 3)  # the image spans three steps or more
+    fed: list[int] = []
+    feed = loaded.vision._feed
+    monkeypatch.setattr(
+        loaded.vision, "_feed", lambda ids, *a, **k: (fed.append(ids.shape[1]), feed(ids, *a, **k))
+    )
+    runs = loaded.vision.counters.encoder_runs
+    runner = BatchRunner(loaded.model, loaded.tokenizer, 4, step, 4, vision=loaded.vision)
+    runner.add(req)
+    per_step, tokens = [], []
+    while runner.active:
+        fed.clear()
+        for out in runner.step():
+            assert out.error is None, out.error
+            tokens += out.token_ids
+        per_step.append(sum(fed))
+    assert max(per_step) <= step and sum(per_step) == image.end
+    assert loaded.vision.counters.encoder_runs - runs == 1
+    monkeypatch.undo()
+    whole = request(vlm, "what is this?", data_url(png_bytes(*SIZE, (77, 1, 99))))
+    assert (tuple(tokens), 0) == run(runner_for(loaded, cache=False), whole)[0]
