@@ -302,9 +302,9 @@ def usage(done: Outcome) -> dict[str, int]:
 TOOL_USE_ID = re.compile(r"[a-zA-Z0-9_-]+")
 
 
-def tool_use_ids() -> CallIds:
+def tool_use_ids(short: bool = False) -> CallIds:
     """A reply's tool_use ids: unique, and legal for Anthropic, whatever the model wrote."""
-    return CallIds("toolu", TOOL_USE_ID)
+    return CallIds("toolu", TOOL_USE_ID, short)
 
 
 def tool_use_block(call: ToolCall, ids: CallIds) -> dict[str, Any]:
@@ -366,7 +366,7 @@ async def messages(http: HTTPRequest):
         return Response(status_code=499)  # the client left: nothing to build or store
     if done.failed:
         raise done.failure()
-    ids = tool_use_ids()
+    ids = tool_use_ids(gen.prepared.short_call_ids)
     content = [_block(event, ids) for event in done.events]
     return JSONResponse(
         {
@@ -446,7 +446,7 @@ async def _stream(gen: Generation, message: dict[str, Any]) -> AsyncIterator[str
         },
     )
     blocks = _Blocks()
-    ids = tool_use_ids()
+    ids = tool_use_ids(gen.prepared.short_call_ids)
 
     def frames(event: Event) -> Iterator[str]:
         if isinstance(event, Reasoning):

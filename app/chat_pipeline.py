@@ -80,6 +80,7 @@ class Prepared:
     # max_tokens was lowered to the room the context leaves (``clamp_max_tokens``): a
     # reply cut at the limit was cut by the context window, not by the client's limit
     max_tokens_lowered: bool = False
+    short_call_ids: bool = False  # the template's tool-call ids are 9 alphanumerics
 
     @property
     def headers(self) -> dict[str, str]:
@@ -403,4 +404,6 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
     )
     if call.ignored:
         log.info("%s: ignored fields: %s", request.request_id, shown_names(call.ignored))
-    return Prepared(request, parser, contexts[-1], call.ignored, session, lowered)
+    return Prepared(
+        request, parser, contexts[-1], call.ignored, session, lowered, info.syntax.short_call_ids
+    )

@@ -27,6 +27,7 @@ from app.middleware import BODY_RECEIVED, REQUEST_ID
 from app.protocol.output_parser import Content, Event, Reasoning, merge
 from app.protocol.tool_formats import ToolCall
 from app.state import AppState
+from engine.call_ids import fresh_short_id, is_short_id
 from observability.escape import ascii_escaped
 from observability.records import RequestRecord
 from scheduler.admission import RETRY_AFTER_S, EngineUnavailable
@@ -195,21 +196,38 @@ class CallIds:
     """One reply's tool-call ids: the model's own where it wrote one (the next turn
     renders it back, so the reply's KV is reused), unless another call of the reply
     already has it or ``legal`` refuses it; then a fresh ``<prefix>_...`` id. Clients
-    pair results with calls by id: two calls of one id lose a result."""
+    pair results with calls by id: two calls of one id lose a result. ``short``: the
+    template reads only 9-alphanumeric ids (app.protocol.call_ids), and a fresh id is
+    one, so the id the client sends back is the very id the model reads."""
 
-    def __init__(self, prefix: str, legal: re.Pattern[str] | None = None) -> None:
+    def __init__(
+        self, prefix: str, legal: re.Pattern[str] | None = None, short: bool = False
+    ) -> None:
         self.prefix = prefix
         self.legal = legal
+        self.short = short
         self.used: set[str] = set()
+
+    def _allowed(self, own: str) -> bool:
+        if self.short and not is_short_id(own):
+            return False
+        return self.legal is None or self.legal.fullmatch(own) is not None
 
     def __call__(self, call: ToolCall) -> str:
         own = call.call_id
-        if own and own not in self.used and (self.legal is None or self.legal.fullmatch(own)):
+        if own and own not in self.used and self._allowed(own):
             chosen = own
         else:
-            chosen = new_id(self.prefix)
+            chosen = self._fresh()
         self.used.add(chosen)
         return chosen
+
+    def _fresh(self) -> str:
+        if not self.short:
+            return new_id(self.prefix)
+        while (fresh := fresh_short_id()) in self.used:
+            pass
+        return fresh
 
 
 def openai_tool_calls(calls: list[ToolCall], ids: list[str]) -> list[dict[str, Any]]:

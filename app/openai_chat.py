@@ -143,7 +143,7 @@ async def chat_completions(http: HTTPRequest):
     if done.reasoning:
         message["reasoning_content"] = done.reasoning
     if done.tool_calls:
-        ids = CallIds("call")
+        ids = CallIds("call", short=gen.prepared.short_call_ids)
         message["tool_calls"] = openai_tool_calls(
             done.tool_calls, [ids(c) for c in done.tool_calls]
         )
@@ -179,7 +179,7 @@ async def _stream_chunks(
     usage_field = {"usage": None} if include_usage else {}
     done = gen.outcome
     calls = 0
-    ids = CallIds("call")
+    ids = CallIds("call", short=gen.prepared.short_call_ids)
     first = {"role": "assistant", "content": "", "message_id": gen.request_id}
     template = FrameTemplate({**_chunk(meta, FrameTemplate.HOLE, None), **usage_field})
 

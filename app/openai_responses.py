@@ -132,10 +132,11 @@ def _reply_message(done: Outcome, kept: str, call_ids: list[str]) -> dict[str, A
 class _Items:
     """Output items, built as events arrive (the same for streamed and not)."""
 
-    def __init__(self) -> None:
+    def __init__(self, short_call_ids: bool = False) -> None:
         self.items: list[dict[str, Any]] = []
         self.call_ids: list[str] = []
-        self._choose_id = CallIds("call")  # unique in the reply, whatever the model wrote
+        # unique in the reply, whatever the model wrote
+        self._choose_id = CallIds("call", short=short_call_ids)
         # the open text item's deltas, joined when it closes: += on a str held in a
         # dict copies the whole text each time (quadratic in the reply's length)
         self._pieces: list[str] | None = None
@@ -380,7 +381,7 @@ async def create_response(http: HTTPRequest):
             media_type="text/event-stream",
             headers={**SSE_HEADERS, **gen.response_headers()},
         )
-    items = _Items()
+    items = _Items(gen.prepared.short_call_ids)
     done = await gen.collect(http)
     if done is None:
         return Response(status_code=499)  # the client left: nothing to build or store
@@ -522,7 +523,7 @@ def _item_done_frames(
 
 async def _stream(gen: Generation, response: dict[str, Any], store) -> AsyncIterator[str]:
     emit = _Events()
-    items = _Items()
+    items = _Items(gen.prepared.short_call_ids)
     yield emit("response.created", response=dict(response))
     yield emit("response.in_progress", response=dict(response))
 

@@ -20,6 +20,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from typing import Any
 
+from engine.call_ids import short_call_ids
 from engine.chat_render import (
     Conversation,
     OffsetEncoder,
@@ -36,6 +37,7 @@ from engine.chat_render import (
 )
 from engine.chat_template import ChatTemplate
 from engine.control_tokens import ControlTokens
+from engine.text_syntax import demands_short_call_ids
 from kvcache.healing import canonical_tool_calls
 from kvcache.prompt_key import PromptKey, RenderedPrompt, token_spans
 from kvcache.volatile_rules import (
@@ -76,6 +78,7 @@ class ChatFormatter:
         self._snapshots = SnapshotStore()
         self._context_length = context_length
         self._max_chars = max_prompt_chars(self._hf, context_length)
+        self._short_call_ids = demands_short_call_ids(tokenizer)
 
     def check_length(self, text: str) -> None:
         """Refuse, before tokenising it, a text no tokenisation could fit into the
@@ -142,6 +145,8 @@ class ChatFormatter:
     ) -> RenderedPrompt:
         # what a client wrote is text, never turn boundaries (engine.control_tokens)
         messages = self._control.messages([dict(m) for m in messages], keep=image_placeholder)
+        if self._short_call_ids:  # Mistral's template refuses any other: every dialect's ids
+            messages = short_call_ids(messages)
         template_kwargs = self._control.plain(template_kwargs)  # tools, a client's kwargs
         if relocate_volatile:
             contents = relocate_volatile_lines(

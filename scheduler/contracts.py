@@ -85,6 +85,8 @@ class TextSyntax:
     tool_call_end: str | None = None
     # variables the chat template reads that kvwarm may set (enable_thinking, preserve_thinking)
     template_vars: frozenset[str] = frozenset()
+    # the template accepts only 9-alphanumeric tool-call ids (Mistral v0.3/Nemo)
+    short_call_ids: bool = False
 
 
 class AdapterError(ValueError):
