@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -87,6 +88,7 @@ class LaggingGeneration:
     as when a stream fell behind: the stream frames them in one write."""
 
     request_id = "r"
+    prepared = SimpleNamespace(short_call_ids=False)  # what the stream reads of it
 
     def __init__(self) -> None:
         from app.generation import Outcome
@@ -230,6 +232,7 @@ class WithheldGeneration:
     event frames (reasoning that strip_thinking drops) before the end."""
 
     request_id = "r"
+    prepared = SimpleNamespace(short_call_ids=False)  # what the stream reads of it
 
     def __init__(self, dialect: str, withheld: int = 1000, after: int = 600) -> None:
         from app.generation import Outcome
