@@ -19,6 +19,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from app.request_fields import (
     Envelope,
@@ -39,6 +40,18 @@ MaxTokens = Annotated[int, Field(ge=1, le=2**31 - 1)]
 # OpenAI and Anthropic accept ([A-Za-z0-9_-]), plus the dots, colons and slashes
 # of namespaced MCP names (SEP-986); never quotes, spaces or markup
 ToolName = Annotated[str, Field(min_length=1, max_length=MAX_NAME, pattern=r"^[A-Za-z0-9_.:/-]+$")]
+
+
+def one_choice(value: Any, info: ValidationInfo) -> Any:
+    """``n`` / ``best_of`` other than 1, refused with the reason (the schema's own
+    error said only "Input should be 1")."""
+    if type(value) is int and value != 1:
+        raise PydanticCustomError(
+            "one_choice",
+            "one choice per request: {field} must be 1; send separate requests for more",
+            {"field": info.field_name},
+        )
+    return value
 
 
 def check_message_count(value: Any, info: ValidationInfo, what: str = "messages") -> Any:
@@ -204,6 +217,8 @@ class GenerationFields(EnvelopedSampling):
     )
     metadata: Envelope | None = None
 
+    _one_choice = field_validator("n", mode="before")(one_choice)
+
     @field_validator("include_stop_str_in_output")
     @classmethod
     def _stop_str_dropped(cls, value: bool) -> bool:
@@ -250,7 +265,12 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(min_
 
 
 class CompletionRequest(GenerationFields):
-    prompt: Annotated[str, Field(min_length=1)] | bounded_list(str, 1, min_items=1) | TokenIds
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | bounded_list(str, 1, min_items=1)
+        | TokenIds
+        | bounded_list(TokenIds, 1, min_items=1)
+    )
     echo: Annotated[bool, null_is(False)] = False
     logprobs: int | None = Field(
         None,
@@ -264,14 +284,25 @@ class CompletionRequest(GenerationFields):
         1, description="only one completion per request (as n)"
     )
 
+    _one_completion = field_validator("best_of", mode="before")(one_choice)
+
     @field_validator("prompt", mode="before")
     @classmethod
     def _fits_context(cls, value: Any, info: ValidationInfo) -> Any:
+        # a batch (several texts or token lists) is one shape of its own, not a
+        # wrong type in each branch of the union
+        if isinstance(value, list) and len(value) > 1 and isinstance(value[0], (str, list)):
+            raise PydanticCustomError(
+                "one_prompt", "one prompt per request; send a batch as separate requests"
+            )
+        if isinstance(value, list) and value and isinstance(value[0], list):
+            check_message_count(value[0], info, "prompt tokens")
         return check_message_count(value, info, "prompt tokens")
 
     @property
     def prompt_value(self) -> str | list[int]:
-        """The one prompt: text, or token ids."""
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            return self.prompt[0]
-        return self.prompt  # type: ignore[return-value]
+        """The one prompt: text, or token ids (a list of one of either is that one)."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return prompt[0]  # type: ignore[return-value]
+        return prompt  # type: ignore[return-value]

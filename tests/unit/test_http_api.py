@@ -271,6 +271,44 @@ def test_best_of_other_than_one_is_refused_as_n_is(base, best_of):
     assert httpx.post(base + "/v1/completions", json=ok).status_code == 200
 
 
+@pytest.mark.parametrize(
+    "prompt", [["Hello", "World"], [[1, 2], [3, 4]], [[1, 2, 3], "x"], ["a", "b", "c"]]
+)
+def test_a_batch_of_completion_prompts_is_refused_for_what_it_is(base, prompt):
+    """A batch got "prompt.0: Input should be a valid integer ... (and 3 more
+    problems)": a type error about a well-formed prompt."""
+    r = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 3})
+    err = assert_error(r, 400, "invalid_request")
+    assert err["param"] == "prompt"
+    assert "one prompt per request" in err["message"] and "separate requests" in err["message"]
+    assert "more problems" not in err["message"]
+
+
+@pytest.mark.parametrize("prompt", ["hi", ["hi"], [5, 6, 7], [[5, 6, 7]]])
+def test_one_completion_prompt_in_each_shape_is_served(base, prompt):
+    """A list of one token-id list (OpenAI's array of token arrays) was a 400
+    "prompt.0: Input should be a valid string"."""
+    r = httpx.post(base + "/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    if isinstance(prompt[0], list) or isinstance(prompt[0], int):
+        assert r.json()["usage"]["prompt_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    "path, body, field",
+    [
+        (CHAT, {"messages": msgs(), "n": 2}, "n"),
+        ("/v1/completions", {"prompt": "hi", "n": 3}, "n"),
+        ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+    ],
+)
+def test_more_than_one_choice_is_refused_with_a_reason(base, path, body, field):
+    """n 2 said only "Input should be 1 (got 2)"."""
+    err = assert_error(httpx.post(base + path, json=body), 400, "invalid_request")
+    assert err["param"] == field
+    assert "one choice per request" in err["message"], err["message"]
+
+
 def test_a_client_leaving_mid_body_is_no_server_error(caplog):
     """The client hung up after part of its body: nobody to answer, nothing failed
     (it was logged as an unhandled error with a traceback, and a 500 sent)."""
