@@ -19,6 +19,7 @@ from observability.escape import ascii_escaped
 from scheduler.admission import AdmissionError, ContextLengthExceeded, EngineUnavailable
 
 log = logging.getLogger("kvwarm.http")
+INVALID_REQUEST = "invalid_request"  # the code of every 400 that refuses a request field
 
 
 class APIError(Exception):
@@ -35,6 +36,10 @@ class APIError(Exception):
         self.status = status
         self.message = message
         self.error_type = error_type
+        if code is None and status == 400 and param is not None:
+            # a refused request field: the code the schema's own refusals carry
+            # (app.body.parse_body), so clients check one code, not that or null
+            code = INVALID_REQUEST
         self.code = code
         self.param = param
         self.headers = headers
@@ -279,9 +284,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = describe_errors(exc.errors())
-        count_refusal(request.scope, 400, "invalid_request")
+        count_refusal(request.scope, 400, INVALID_REQUEST)
         return error_response(
-            400, message, "invalid_request_error", "invalid_request", param, path=request.url.path
+            400, message, "invalid_request_error", INVALID_REQUEST, param, path=request.url.path
         )
 
     @app.exception_handler(StarletteHTTPException)

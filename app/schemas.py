@@ -226,12 +226,20 @@ class GenerationFields(EnvelopedSampling):
             raise ValueError("keeping the stop string in the output is not supported")
         return value
 
-    @model_validator(mode="after")
-    def _stream_options_with_stream(self) -> GenerationFields:
-        # OpenAI and vLLM refuse them too: a client expecting a usage chunk gets none
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
-        return self
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_with_stream(
+        cls, value: StreamOptions | None, info: ValidationInfo
+    ) -> StreamOptions | None:
+        # OpenAI and vLLM refuse them too: a client expecting a usage chunk gets none.
+        # A field's check (stream is declared before it), so the error names the field
+        # (a stream that failed its own check is not in info.data: that error is the one)
+        if value is not None and info.data.get("stream", True) is False:
+            raise PydanticCustomError(
+                "stream_options_without_stream",
+                "stream_options is only allowed when stream is true",
+            )
+        return value
 
     @property
     def stops(self) -> tuple[str, ...]:

@@ -309,6 +309,37 @@ def test_more_than_one_choice_is_refused_with_a_reason(base, path, body, field):
     assert "one choice per request" in err["message"], err["message"]
 
 
+@pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
+def test_stream_options_without_stream_names_the_field(base, path):
+    """The refusal said "param": null: a whole-body check named no field."""
+    body = {"messages": msgs(), "prompt": "hi", "stream_options": {"include_usage": True}}
+    err = assert_error(httpx.post(base + path, json=body), 400, "invalid_request")
+    assert err["param"] == "stream_options"
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (CHAT, {"messages": msgs(), "top_logprobs": 2}, "top_logprobs"),
+        (CHAT, {"messages": msgs(), "logit_bias": {"99999": 1}}, "logit_bias"),
+        (CHAT, {"messages": msgs(), "tool_choice": "required"}, "tool_choice"),
+        (CHAT, {"messages": msgs(), "tool_choice": "sometimes"}, "tool_choice"),
+        ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
+        ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, "logprobs"),
+    ],
+)
+def test_a_refused_field_has_the_schema_errors_code(base, path, body, param):
+    """Refusals raised by the handlers said "code": null where the schema's own
+    said "invalid_request": one client check had to look for both."""
+    err = assert_error(httpx.post(base + path, json=body), 400, "invalid_request")
+    assert err["param"] == param
+
+
+def test_specific_codes_stay_specific(base):
+    r = httpx.post(base + CHAT, json={"messages": msgs(), "max_tokens": 2040})
+    assert_error(r, 400, "context_length_exceeded")
+
+
 def test_a_client_leaving_mid_body_is_no_server_error(caplog):
     """The client hung up after part of its body: nobody to answer, nothing failed
     (it was logged as an unhandled error with a traceback, and a 500 sent)."""
