@@ -57,12 +57,9 @@ def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Pre
         )
     if body.suffix:
         raise APIError(400, "suffix (fill-in-the-middle) is not supported.", param="suffix")
-    prompt = body.prompt_value
-    if body.echo and not isinstance(prompt, str):
-        raise APIError(400, "echo needs a text prompt.", param="echo")
     info = state.model_info()
     adapter = state.adapter(body.adapter_requested(), body.model)
-    tokens = _prompt_tokens(prompt, state)
+    tokens = _prompt_tokens(body.prompt_value, state)
     if not tokens:  # [""] passes the schema; text may also encode to nothing
         raise APIError(400, "The prompt is empty: it encodes to no tokens.", param="prompt")
     key = PromptKey.build(tokens)
@@ -97,9 +94,19 @@ def prepare_completion(body: CompletionRequest, state: AppState, headers) -> Pre
     )
 
 
+def echoed(body: CompletionRequest, state: AppState) -> str:
+    """What ``echo`` puts before the reply: the prompt's text; token ids decoded
+    (as vLLM does), in the preparation thread like all tokenising."""
+    if not body.echo:
+        return ""
+    prompt = body.prompt_value
+    return prompt if isinstance(prompt, str) else state.model_info().formatter.decode(prompt)
+
+
 def prepare(raw: bytes, state: AppState, headers: dict[str, str]):
     body = parse_body(raw, CompletionRequest, state.model_info().context_length)
-    return body, prepare_completion(body, state, headers)
+    prepared = prepare_completion(body, state, headers)  # the ids are checked first
+    return body, prepared, echoed(body, state)
 
 
 @router.post("/v1/completions", **generation_route(CompletionRequest, TEXT_COMPLETION))
@@ -107,7 +114,7 @@ async def completions(http: HTTPRequest):
     state: AppState = http.app.state.kvwarm
     headers = dict(http.headers)
     state.service.scheduler.check_room()
-    body, prepared = await state.preparer.body(http, lambda raw: prepare(raw, state, headers))
+    body, prepared, echo = await state.preparer.body(http, lambda raw: prepare(raw, state, headers))
     gen = Generation(state, prepared, "completions", http)
     meta = {
         "id": f"cmpl-{uuid.uuid4().hex[:24]}",
@@ -115,7 +122,6 @@ async def completions(http: HTTPRequest):
         "created": int(time.time()),
         "model": gen.model_name,
     }
-    echo = body.prompt_value if body.echo and isinstance(body.prompt_value, str) else ""
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if not await gen.start(http):

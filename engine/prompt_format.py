@@ -217,6 +217,9 @@ class ChatFormatter:
         self.check_head_tokens(text)
         return self._encode(text, add_special_tokens=True)
 
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._hf.decode(list(ids), skip_special_tokens=False)
+
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         raw = getattr(self._hf, "_tokenizer", None)
         if hasattr(raw, "encode_batch"):  # releases the GIL, unlike encode

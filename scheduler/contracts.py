@@ -45,6 +45,10 @@ class PromptFormatter(Protocol):
         """A raw completion prompt, with the special tokens (BOS) the model expects."""
         ...
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """Token ids' text, special tokens included (a completion prompt's echo)."""
+        ...
+
     def check_length(self, text: str) -> None:
         """Raise ContextLengthExceeded if no tokenisation of ``text`` fits the context."""
         ...

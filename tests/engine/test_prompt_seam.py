@@ -28,3 +28,9 @@ def test_appended_text_tokenises_as_the_whole_text_would(formatter, appended):
     assert list(key.model_tokens) == formatter.encode(text + appended)
     assert key.message_ends == rendered.key.message_ends
     assert key.stable_prefix_end == rendered.key.stable_prefix_end
+
+
+def test_decode_gives_the_text_of_token_ids(formatter):
+    """What legacy completions echo for a prompt sent as token ids."""
+    text = "Hello world, ünïcödé 🙂"
+    assert formatter.decode(formatter.encode(text)) == text

@@ -68,6 +68,9 @@ class CharFormatter:
 
     encode_prompt = encode
 
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(map(chr, ids))
+
 
 def prompt_text(req: Request) -> str:
     return "".join(map(chr, req.prompt_tokens))

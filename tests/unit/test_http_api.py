@@ -340,6 +340,37 @@ def test_specific_codes_stay_specific(base):
     assert_error(r, 400, "context_length_exceeded")
 
 
+@pytest.mark.parametrize("prompt", [[72, 105, 33], [[72, 105, 33]]])
+def test_echo_of_a_token_id_prompt_is_its_decoded_text(prompt):
+    """echo with token ids was a 400 "echo needs a text prompt"; vLLM echoes the
+    ids' text. The decoding is preparation work: off the event loop."""
+    loops: list[bool] = []
+    app = make_app(eos_after=2)
+
+    def decode(ids):
+        try:
+            asyncio.get_running_loop()
+            loops.append(True)
+        except RuntimeError:
+            loops.append(False)
+        return "".join(map(chr, ids))
+
+    with serve_app(app) as url:
+        app.state.kvwarm.engine.info.formatter.decode = decode
+        body = {"prompt": prompt, "echo": True, "max_tokens": 2}
+        r = httpx.post(url + "/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == "Hi!w0 w1 "
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as s:
+            texts = [
+                json.loads(line[6:])["choices"][0]["text"]
+                for line in s.iter_lines()
+                if line.startswith("data: {")
+            ]
+        assert texts[0] == "Hi!" and "".join(texts) == "Hi!w0 w1 "
+    assert loops == [False, False]
+
+
 def test_a_client_leaving_mid_body_is_no_server_error(caplog):
     """The client hung up after part of its body: nobody to answer, nothing failed
     (it was logged as an unhandled error with a traceback, and a 500 sent)."""
