@@ -329,9 +329,14 @@ def ignored_fields(body: BaseModel) -> tuple[str, ...]:
     """Fields the client sent that nothing acts on (response_format, ...; inside
     ``extra_body`` too, where only sampling, cache and thinking fields are read):
     said in a response header and the log, never silent. ``metadata`` is the
-    client's own free-form record, not reported."""
-    ignored = [k for k in body.model_extra or {} if k not in READ_EXTRAS]
+    client's own free-form record, not reported. A field sent as null asks for
+    nothing (SDKs send unset fields so): not reported either."""
+    ignored = _unread(body.model_extra)
     envelope = getattr(body, "extra_body", None)
     if isinstance(envelope, BaseModel):
-        ignored += [f"extra_body.{k}" for k in envelope.model_extra or {} if k not in READ_EXTRAS]
+        ignored += [f"extra_body.{k}" for k in _unread(envelope.model_extra)]
     return tuple(sorted(ignored))
+
+
+def _unread(extra: dict[str, Any] | None) -> list[str]:
+    return [k for k, v in (extra or {}).items() if v is not None and k not in READ_EXTRAS]

@@ -375,6 +375,17 @@ def test_unknown_fields_are_reported_not_silently_dropped(base, caplog):
         assert s.headers["x-kvwarm-ignored-fields"] == "top_a"
 
 
+def test_fields_sent_as_null_are_not_reported_as_ignored(base):
+    """SDKs send unset fields as null: "response_format": null and "user": null were
+    named in the header as if the client had asked for something."""
+    body = chat(response_format=None, user=None, guided_json="x", extra_body={"top_a": None})
+    r = httpx.post(base + CHAT, json=body)
+    assert r.status_code == 200
+    assert r.headers["x-kvwarm-ignored-fields"] == "guided_json"
+    r = httpx.post(base + CHAT, json=chat(response_format=None, user=None))
+    assert r.status_code == 200 and "x-kvwarm-ignored-fields" not in r.headers
+
+
 def test_client_chosen_names_reach_the_log_escaped_and_bounded(base, caplog):
     """20,000 unknown keys made a 1.2 MB log line; a newline in a key or a session
     id forged a line of its own."""
