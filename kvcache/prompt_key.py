@@ -45,6 +45,10 @@ def token_spans(offsets: Sequence[tuple[int, int]], spans: Sequence[CharSpan]) -
     t = 0
     n = len(offsets)
     for span in spans:
+        # a token straddling the previous span's end may reach into this one too;
+        # only tokens covering that one character are stepped back over
+        while t > 0 and offsets[t - 1][1] > span.start:
+            t -= 1
         while t < n and offsets[t][1] <= span.start:
             t += 1
         start = t
