@@ -339,7 +339,7 @@ def _serve(settings: Settings, boot: BootDeadline) -> int:
     from app.stray_variables import stray_variables
     from engine.distributed_config import share_cpu_threads
     from engine.engine_thread import EngineConfig, EngineThread
-    from engine.model_errors import UnsupportedModelError
+    from engine.model_errors import LastingLoadError, UnsupportedModelError
 
     problem = (
         stray_variables({field: _flag(field) for field in _FLAGS})
@@ -425,6 +425,9 @@ def _serve(settings: Settings, boot: BootDeadline) -> int:
                 code = run_worker(config, settings.shutdown_timeout)
             except KeyboardInterrupt:  # Ctrl-C through mlx.launch: leave as the others do
                 code = 130
+            except LastingLoadError as exc:  # the next start fails alike: the unit stays down
+                log.error("rank %d cannot start with these settings: %s", group.rank, exc)
+                code = USAGE
             except Exception as exc:  # noqa: BLE001 - said once, then a non-zero exit
                 log.error("rank %d could not start: %s", group.rank, exc)
                 code = 1
@@ -472,7 +475,8 @@ def _serve(settings: Settings, boot: BootDeadline) -> int:
     server.run()
     if load_failure:
         reason, lasting = load_failure[0]
-        return _fail(reason, USAGE if lasting else NOT_NOW)
+        code = _fail(reason, USAGE if lasting else NOT_NOW)
+        return _leave_group(code) if dist is not None else code
     if server.exit_code:
         log.error("exiting with status %d: the engine died", server.exit_code)
     return _leave_group(server.exit_code) if dist is not None else server.exit_code

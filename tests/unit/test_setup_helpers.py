@@ -314,6 +314,86 @@ def test_a_worker_rank_interrupted_leaves_the_group_as_the_others_do(tmp_path, m
     assert main(argv) == 130 and left == [130]
 
 
+def _join_as(monkeypatch, rank: int) -> None:
+    from engine import distributed
+
+    class Group:
+        serving = rank == 0
+        server_rank = 0
+
+    Group.rank = rank
+    monkeypatch.setattr(distributed.RankGroup, "join", classmethod(lambda cls, c, boot: Group()))
+
+
+def _rank_argv(tmp_path, rank: int) -> list[str]:
+    from tests.helpers.tiny_models import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "tiny", seed=1)
+    argv = ["serve", "--model", str(model), "--distributed", "--distributed-rank", str(rank)]
+    return argv + [
+        "--distributed-world-size",
+        "2",
+        "--distributed-hosts",
+        "127.0.0.1",
+        "--no-log-json",
+    ]
+
+
+@pytest.mark.parametrize("lasting, code", [(True, 2), (False, 1)])
+def test_a_worker_rank_exits_2_for_a_lasting_settings_error(tmp_path, monkeypatch, lasting, code):
+    """A model the group cannot split (or a budget with no room for KV) fails the
+    same way at every start: exit 2, which kvwarm-rank.service (RestartPreventExitStatus=2)
+    leaves down. It exited 1, and the unit restarted the rank for ever."""
+    from app import cli
+    from engine import rank_worker
+    from engine.model_errors import UnsupportedModelError
+
+    def fails(config, drain_s):
+        if lasting:
+            raise UnsupportedModelError("its 9 attention heads do not divide by 2 ranks")
+        raise RuntimeError("a peer went away")
+
+    left: list[int] = []
+    _join_as(monkeypatch, 1)
+    monkeypatch.setattr(rank_worker, "run_worker", fails)
+    monkeypatch.setattr(cli, "_leave_group", lambda code: left.append(code) or code)
+    assert main(_rank_argv(tmp_path, 1)) == code and left == [code]
+
+
+@pytest.mark.parametrize("lasting, code", [(True, 2), (False, 1)])
+def test_the_serving_rank_leaves_the_group_when_its_model_fails_to_load(
+    tmp_path, monkeypatch, lasting, code
+):
+    """The serving rank's load failure returned without _leave_group: the interpreter's
+    teardown with the group's transport threads alive (now and then SIGABRT), whose
+    status a supervisor reads as a crash instead of the 1 or 2 meant."""
+    from app import cli, lifecycle, server
+    from engine import engine_thread
+
+    class Engine:
+        def __init__(self, config, scheduler, router, on_load_failure, on_fatal):
+            on_load_failure("the budget leaves no room for KV", lasting)
+
+    class Server:
+        exit_code = 0
+
+        def __init__(self, config, app, shutdown_s):
+            pass
+
+        def run(self):
+            pass
+
+    left: list[int] = []
+    _join_as(monkeypatch, 0)
+    monkeypatch.setattr(engine_thread, "EngineThread", Engine)
+    monkeypatch.setattr(server, "create_app", lambda settings, factory: factory(None, None))
+    monkeypatch.setattr(lifecycle, "server_config", lambda app, settings: None)
+    monkeypatch.setattr(lifecycle, "GracefulServer", Server)
+    monkeypatch.setattr(lifecycle, "unbindable", lambda host, port: None)
+    monkeypatch.setattr(cli, "_leave_group", lambda code: left.append(code) or code)
+    assert main(_rank_argv(tmp_path, 0)) == code and left == [code]
+
+
 def test_kvwarms_collectives_are_built_as_the_models_own(monkeypatch):
     """The model's layers call all_sum naming no stream, inside mlx-lm's generation
     stream context; kvwarm's broadcast and gather named that stream itself, which on
