@@ -109,10 +109,9 @@ class RankMonitor:
             threading.Thread(target=self._read, args=(conn,), daemon=True).start()
 
     def _read(self, conn: socket.socket) -> None:
-        conn.settimeout(self.timeout_s)
         try:
             # its first line; a beat may follow it in the same read
-            words = conn.recv(128).partition(b"\n")[0].decode(errors="replace").split()
+            words = _first_line(conn, self.timeout_s).decode(errors="replace").split()
             rank = int(words[1]) if len(words) == 3 and words[0] == "rank" else -1
         except (OSError, ValueError):
             conn.close()
@@ -124,6 +123,7 @@ class RankMonitor:
             conn.close()
             return
         try:
+            conn.settimeout(self.timeout_s)  # the hello's read left what remained of it
             conn.sendall(f"kvwarm {self.token}\n".encode())
         except OSError:
             conn.close()
@@ -183,6 +183,21 @@ class RankMonitor:
             except OSError:
                 pass
         self._server.close()
+
+
+def _first_line(conn: socket.socket, timeout_s: float, limit: int = 128) -> bytes:
+    """The bytes before the first newline, read until it comes, ``limit`` bytes or
+    ``timeout_s`` in all (socket.timeout, an OSError): a hello split over two TCP
+    segments read as nothing when one recv was all it got."""
+    deadline = time.monotonic() + timeout_s
+    data = b""
+    while b"\n" not in data and len(data) < limit:
+        conn.settimeout(max(0.001, deadline - time.monotonic()))
+        chunk = conn.recv(limit - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data.partition(b"\n")[0]
 
 
 def own_addresses() -> list[str]:

@@ -212,3 +212,20 @@ def test_the_group_is_ready_only_when_every_worker_beats(monitor):
     monitor.connect_s = 5.0
     monitor.wait_connected()  # returns once rank 1 said hello
     hb.stop()
+
+
+def test_a_hello_split_over_two_segments_is_read_whole(monitor):
+    """The hello was parsed from one recv: one split over two TCP segments (a slow
+    link, Nagle) read as rank -1, and the worker was turned away."""
+    monitor.listen()
+    conn = socket.create_connection(("127.0.0.1", monitor.port))
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    hello = f"rank 1 {monitor.token}\n".encode()
+    conn.sendall(hello[:7])
+    time.sleep(0.2)  # the monitor reads the first part alone
+    conn.sendall(hello[7:])
+    conn.settimeout(5)
+    answer = conn.recv(64)  # the monitor's beats may follow the answer
+    assert answer.partition(b"\n")[0] == f"kvwarm {monitor.token}".encode()
+    wait_for(lambda: 1 in monitor._seen)
+    conn.close()
