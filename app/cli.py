@@ -433,6 +433,14 @@ def _serve(settings: Settings, boot: BootDeadline) -> int:
                 code = 1
             return _leave_group(code)
     problem = unbindable(settings.host, settings.port)  # the serving rank's, before loading
+    if problem is None and dist is not None:  # and its heartbeat's (engine.group_boot.lead)
+        from engine.distributed_config import heartbeat_port
+
+        problem = unbindable(
+            "0.0.0.0",
+            heartbeat_port(dist, group.size),
+            "--distributed-port (the heartbeat listens on the port after the ring's)",
+        )
     if problem is not None:  # the port may be free on the next start; a permission not
         code = _fail(problem.message, USAGE if problem.lasting else NOT_NOW)
         return _leave_group(code) if dist is not None else code

@@ -36,10 +36,11 @@ class Unbindable(NamedTuple):
     lasting: bool  # a retry cannot help (no permission): a settings error, not a bad moment
 
 
-def unbindable(host: str, port: int) -> Unbindable | None:
+def unbindable(host: str, port: int, flag: str = "--port") -> Unbindable | None:
     """Why the server could not listen on host:port, tried before the model loads
     (uvicorn binds only after the application's start-up, which loads it: a port
-    in use was found minutes into a large model's load). None: it can."""
+    in use was found minutes into a large model's load). None: it can. ``flag``:
+    the setting that moves the port."""
     try:
         addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:  # the network may not be up yet at boot
@@ -57,7 +58,7 @@ def unbindable(host: str, port: int) -> Unbindable | None:
                 if exc.errno == errno.EADDRINUSE:
                     return Unbindable(
                         f"port {port} on {host} is already in use (another kvwarm?): "
-                        f"stop it or pick another --port",
+                        f"stop it or pick another {flag}",
                         lasting=False,
                     )
                 return Unbindable(

@@ -396,7 +396,11 @@ class Settings(BaseSettings):
         "--distributed; one address: every rank on it)",
     )
     distributed_port: int = Field(
-        32323, ge=1, le=65000, description="ring port of rank 0; rank r listens on port + r"
+        32323,
+        ge=1,
+        le=65000,
+        description="ring port of rank 0; rank r listens on port + r, the serving "
+        "rank's heartbeat on port + world size",
     )
     rank_timeout: float = Field(
         10.0,

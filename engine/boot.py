@@ -281,11 +281,13 @@ def _image_front(loaded, config: EngineConfig, device: str) -> tuple[Any, int]:
 def _group_boot(config: EngineConfig) -> GroupBoot | None:
     if config.group is None or config.distributed is None:
         return None
+    from engine.distributed_config import heartbeat_port
     from engine.group_boot import GroupBoot
     from engine.lockstep import TickClock
 
     d = config.distributed
-    return GroupBoot(config.group, d.mode, d.rank_timeout_s, TickClock())
+    port = heartbeat_port(d, config.group.size)
+    return GroupBoot(config.group, d.mode, d.rank_timeout_s, TickClock(), monitor_port=port)
 
 
 def _shared(config: EngineConfig) -> str:

@@ -26,7 +26,7 @@ class DistributedConfig:
     rank: int | None = None
     world_size: int | None = None
     hosts: tuple[str, ...] = ()  # each rank's address, in rank order
-    port: int = 32323  # rank r listens on port + r (ring)
+    port: int = 32323  # rank r listens on port + r (ring); the heartbeat on port + size
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -85,6 +85,35 @@ def _hostfile_hosts() -> list[str] | None:
         return [_host(e[0] if isinstance(e, list) else e.get("ips", [""])[0]) for e in entries]
     except (OSError, ValueError, IndexError, KeyError, AttributeError, TypeError):
         return None
+
+
+def heartbeat_port(config: DistributedConfig, size: int) -> int:
+    """The port the serving rank's heartbeat monitor listens on: the first after the
+    ring's, so one firewall rule opens a run of ports. --distributed-port + the world
+    size; under mlx.launch, one past the highest port its ring hostfile names (its
+    --starting-port counts one per rank, address and connection)."""
+    ring = _hostfile_ports()
+    return max(ring) + 1 if ring else config.port + size
+
+
+def _hostfile_ports() -> list[int]:
+    """Every port a ring hostfile (mlx.launch's, or write_hostfile's) names; none for
+    another launcher's file (JACCL's, mpirun's) or none at all."""
+    path = os.environ.get("MLX_HOSTFILE")
+    if not path:
+        return []
+    try:
+        with open(path) as f:
+            entries = json.load(f)
+        return [
+            int(address.rsplit(":", 1)[1])
+            for entry in entries
+            if isinstance(entry, list)
+            for address in entry
+            if isinstance(address, str) and ":" in address
+        ]
+    except (OSError, ValueError, TypeError):
+        return []
 
 
 def server_host(server_rank: int, hosts: tuple[str, ...] = ()) -> str:

@@ -43,6 +43,7 @@ class GroupBoot:
     heartbeat_to: int = 0  # a worker's: the port the serving rank's monitor listens on
     monitor_token: str = ""  # and what that monitor answers a hello with
     monitor_hosts: tuple[str, ...] = ()  # the serving machine's addresses, loopback last
+    monitor_port: int = 0  # the serving rank's: where it listens (0: any free port)
 
     def check_same(self, fingerprint: str, settings: str) -> None:
         """Ranks refuse to start against other model files, engine settings or
@@ -96,8 +97,9 @@ class GroupBoot:
         that sends each step's ops to them."""
         self.group.boot.stage("waiting for every worker's heartbeat connection")
         workers = [r for r in range(self.group.size) if r != self.group.rank]
-        monitor = RankMonitor(workers, self.timeout_s)
+        monitor = RankMonitor(workers, self.timeout_s, port=self.monitor_port)
         monitor.listen()
+        log.info("heartbeat monitor listening on port %d for ranks %s", monitor.port, workers)
         where = f"{monitor.port} {monitor.token} {','.join(own_addresses())}"
         self.group.broadcast(where.encode())
         # ready only once every worker is booted and beating (each connects as its

@@ -14,6 +14,7 @@ supervisor then restarts the whole group.
 
 from __future__ import annotations
 
+import errno
 import logging
 import secrets
 import select
@@ -42,7 +43,7 @@ def stall_limit(timeout_s: float) -> float:
 class RankMonitor:
     """The serving rank's side: one heartbeat connection per worker rank."""
 
-    def __init__(self, ranks: list[int], timeout_s: float, bind: str = "0.0.0.0"):
+    def __init__(self, ranks: list[int], timeout_s: float, bind: str = "0.0.0.0", port: int = 0):
         self._ranks = ranks
         # said back to each worker's hello: the worker knows it reached this monitor,
         # not whatever else listens on that port at an address it tried
@@ -51,7 +52,7 @@ class RankMonitor:
         self.stall_s = stall_limit(timeout_s)
         # how long a worker may take to open its connection once the port is sent
         self.connect_s = max(3 * timeout_s, 60.0)
-        self._server = socket.create_server((bind, 0))
+        self._server = _listen(bind, port)
         self.port = self._server.getsockname()[1]
         self._seen: dict[int, float] = {}
         self._conns: dict[int, socket.socket] = {}
@@ -183,6 +184,24 @@ class RankMonitor:
             except OSError:
                 pass
         self._server.close()
+
+
+def _listen(bind: str, port: int) -> socket.socket:
+    """The monitor's socket on ``port`` (0: any free one), or OSError saying which
+    port is taken and how to move it: a fixed port lets a firewall open it."""
+    try:
+        return socket.create_server((bind, port))
+    except OSError as exc:
+        why = (
+            "is already in use (another group's, or another program's)"
+            if exc.errno == errno.EADDRINUSE
+            else f"cannot be listened on ({exc.strerror or exc})"
+        )
+        raise OSError(
+            exc.errno,
+            f"the heartbeat port {port} {why}: the serving rank listens on the port after "
+            "the ring's (--distributed-port + world size); give each group its own ports",
+        ) from exc
 
 
 def _first_line(conn: socket.socket, timeout_s: float, limit: int = 128) -> bytes:

@@ -37,14 +37,15 @@ TOKEN = re.compile(r'^data: \{.*"content":"[^"]')
 
 
 def _ring_ports(n: int) -> int:
-    """A base port with ``n`` free ports after it (rank r listens on base + r)."""
+    """A base port with ``n`` + 1 free ports from it: rank r listens on base + r, the
+    serving rank's heartbeat on base + n."""
     for _ in range(50):
         base = free_port()
         if base + n > 65000:
             continue
         try:
             socks = []
-            for p in range(base, base + n):
+            for p in range(base, base + n + 1):
                 s = socket.socket()
                 s.bind(("127.0.0.1", p))
                 socks.append(s)

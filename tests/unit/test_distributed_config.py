@@ -178,3 +178,36 @@ def test_distributed_hosts_with_a_port_or_an_ipv6_address_are_refused(hosts):
     with pytest.raises(ValidationError, match="distributed_hosts"):
         Settings(_env_file=None, distributed_hosts=hosts)
     assert Settings(_env_file=None, distributed_hosts="10.0.0.1, mac2.local").distributed_hosts
+
+
+def test_the_heartbeat_listens_on_the_first_port_after_the_rings(clean_env, tmp_path):
+    """It listened on a random port: a firewall opening only the documented ring
+    ports (--distributed-port + r) kept every worker from its heartbeat."""
+    import tempfile
+
+    from engine.distributed_config import heartbeat_port
+
+    clean_env.setattr(tempfile, "tempdir", str(tmp_path))
+    config = DistributedConfig(rank=1, world_size=3, hosts=("10.0.0.1",), port=40000)
+    assert heartbeat_port(config, 3) == 40003  # no hostfile yet (mpirun writes none)
+    write_hostfile(config)  # a rank started by flags, as it joins
+    assert heartbeat_port(config, 3) == 40003
+    # mlx.launch --starting-port 5000 --connections-per-ip 2: a port per rank and connection
+    ring = [[f"10.0.0.{r}:{5000 + 2 * r}", f"10.0.0.{r}:{5001 + 2 * r}"] for r in range(3)]
+    (tmp_path / "launch.json").write_text(json.dumps(ring))
+    clean_env.setenv("MLX_HOSTFILE", str(tmp_path / "launch.json"))
+    assert heartbeat_port(DistributedConfig(), 3) == 5006
+    jaccl = [{"ssh": "mac1", "ips": ["10.0.0.1"], "rdma": [None, "rdma_en5"]}]
+    (tmp_path / "launch.json").write_text(json.dumps(jaccl))  # names no port
+    assert heartbeat_port(DistributedConfig(port=32323), 2) == 32325
+
+
+def test_a_groups_boot_takes_its_heartbeat_port_from_the_settings(clean_env):
+    from types import SimpleNamespace
+
+    from engine.boot import _group_boot
+
+    config = SimpleNamespace(
+        group=SimpleNamespace(size=3), distributed=DistributedConfig(port=40000)
+    )
+    assert _group_boot(config).monitor_port == 40003  # type: ignore[arg-type, union-attr]

@@ -229,3 +229,59 @@ def test_a_hello_split_over_two_segments_is_read_whole(monitor):
     assert answer.partition(b"\n")[0] == f"kvwarm {monitor.token}".encode()
     wait_for(lambda: 1 in monitor._seen)
     conn.close()
+
+
+def free_port() -> int:
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        return probe.getsockname()[1]
+
+
+def test_the_monitor_listens_on_the_port_it_is_given_and_says_when_it_is_taken():
+    port = free_port()
+    monitor = RankMonitor([1], timeout_s=0.5, bind="127.0.0.1", port=port)
+    assert monitor.port == port
+    with pytest.raises(OSError, match=rf"heartbeat port {port} .*in use.*--distributed-port"):
+        RankMonitor([1], timeout_s=0.5, bind="127.0.0.1", port=port)
+    monitor.close()
+
+
+def test_the_serving_rank_sends_its_workers_the_fixed_heartbeat_port():
+    """The port a worker connects to comes to it through the group (the ``where``
+    broadcast); the serving rank's monitor listens on the group's fixed one."""
+    from engine.boot_deadline import BootDeadline
+    from engine.group_boot import GroupBoot
+    from engine.lockstep import TickClock
+
+    port = free_port()
+    sent: list[bytes] = []
+    workers: list[Heartbeat] = []
+
+    class Group:
+        boot, rank, size, serving = BootDeadline(), 0, 2, True
+
+        def broadcast(self, data: bytes | None) -> bytes:
+            sent.append(data or b"")
+            worker = GroupBoot(Follower(data), "auto", 0.5, TickClock())  # type: ignore[arg-type]
+            worker.follow()
+            hb = Heartbeat(
+                ["127.0.0.1"], worker.heartbeat_to, 1, 0.5, [].append, worker.monitor_token
+            )
+            hb.start()  # as the worker does once it heard
+            workers.append(hb)
+            return data or b""
+
+    class Follower:
+        boot, rank, size, serving = BootDeadline(), 1, 2, False
+
+        def __init__(self, where: bytes | None):
+            self.where = where
+
+        def broadcast(self, data: bytes | None) -> bytes:
+            return self.where or b""
+
+    serving = GroupBoot(Group(), "auto", 0.5, TickClock(), monitor_port=port)  # type: ignore[arg-type]
+    _, monitor = serving.lead(type("Runner", (), {})())
+    assert monitor.port == port and sent[0].split()[0] == str(port).encode()
+    assert workers[0]._port == port
+    workers[0].stop()
+    monitor.close()

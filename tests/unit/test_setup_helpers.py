@@ -319,7 +319,7 @@ def _join_as(monkeypatch, rank: int) -> None:
 
     class Group:
         serving = rank == 0
-        server_rank = 0
+        server_rank, size = 0, 2
 
     Group.rank = rank
     monkeypatch.setattr(distributed.RankGroup, "join", classmethod(lambda cls, c, boot: Group()))
@@ -389,9 +389,34 @@ def test_the_serving_rank_leaves_the_group_when_its_model_fails_to_load(
     monkeypatch.setattr(server, "create_app", lambda settings, factory: factory(None, None))
     monkeypatch.setattr(lifecycle, "server_config", lambda app, settings: None)
     monkeypatch.setattr(lifecycle, "GracefulServer", Server)
-    monkeypatch.setattr(lifecycle, "unbindable", lambda host, port: None)
+    monkeypatch.setattr(lifecycle, "unbindable", lambda *where: None)
     monkeypatch.setattr(cli, "_leave_group", lambda code: left.append(code) or code)
     assert main(_rank_argv(tmp_path, 0)) == code and left == [code]
+
+
+def test_the_serving_rank_refuses_a_taken_heartbeat_port_before_loading(
+    tmp_path, monkeypatch, capsys
+):
+    """The heartbeat's fixed port (the one after the ring's) taken by another
+    program: said at once, naming it, and the rank leaves the group (exit 1: it
+    may be free on the next start), not after a large model's load."""
+    import socket
+
+    from app import cli
+
+    monkeypatch.delenv("MLX_HOSTFILE", raising=False)
+    left: list[int] = []
+    _join_as(monkeypatch, 0)
+    monkeypatch.setattr(cli, "_leave_group", lambda code: left.append(code) or code)
+    with socket.create_server(("0.0.0.0", 0)) as taken, socket.create_server(("", 0)) as http:
+        ring = taken.getsockname()[1] - 2  # two ranks: ring ports ring, ring + 1
+        http_port = http.getsockname()[1]
+        http.close()
+        argv = [*_rank_argv(tmp_path, 0), "--distributed-port", str(ring)]
+        assert main([*argv, "--port", str(http_port)]) == 1 and left == [1]
+    said = capsys.readouterr().err
+    assert f"port {ring + 2} on 0.0.0.0 is already in use" in said
+    assert "--distributed-port" in said
 
 
 def test_kvwarms_collectives_are_built_as_the_models_own(monkeypatch):
