@@ -16,6 +16,7 @@ from engine.distributed import RankGroup
 from engine.lockstep import LeaderRunner, TickClock
 from engine.model_shards import shard_model
 from engine.rank_health import RankMonitor, own_addresses
+from kvcache.layout import KVLayout, layout_multiples
 from scheduler.admission import MemoryBudget
 
 log = logging.getLogger("kvwarm.distributed")
@@ -73,18 +74,36 @@ class GroupBoot:
 
     def tightest(self, budget: MemoryBudget) -> tuple[MemoryBudget, int]:
         """The budget admission enforces (the rank with the least room for KV decides:
-        every rank holds every row's shard) and the prompt cache's size in tokens,
-        the same on every rank so their caches take the same decisions."""
+        every rank holds every row's shard) and this rank's prompt cache size.
+
+        Every rank's cache must take the same decisions (hits, entry ids, evictions),
+        yet each measures an entry by its own layers. When each rank's shard is n
+        copies of one mix of cache layers, its entries cost exactly n times the mix's:
+        caches of n times one size then decide alike. Shards of other mixes (pipeline
+        slices of a hybrid model) would not, and the group stopped at the first hit
+        that disagreed: the prompt cache is off on such a group."""
         self.group.boot.stage("sharing its memory budget with the other ranks")
-        per_token = max(1, budget.kv_bytes_per_token)
-        mine = (budget, budget.prompt_cache_bytes // per_token)
-        shares = [group_wire.loads(b) for b in self.group.gather(group_wire.dumps(mine))]
-        tight = min(shares, key=lambda s: (s[0].ceiling_tokens, s[0].kv_budget_bytes))[0]
-        cache_tokens = min(tokens for _, tokens in shares)
+        shares = [group_wire.loads(b) for b in self.group.gather(group_wire.dumps(budget))]
+        layouts = [s.layout or KVLayout.attention_only(s.kv_bytes_per_token) for s in shares]
+        multiples = layout_multiples(layouts)
+        if multiples is None:
+            if any(s.prompt_cache_bytes for s in shares):
+                log.warning(
+                    "the ranks' shards hold different mixes of cache layers (%s): their "
+                    "prefix caches would keep different entries, so the prompt cache is off "
+                    "on this group (its memory goes to requests)",
+                    "; ".join(f"rank {r}: {lay.describe()}" for r, lay in enumerate(layouts)),
+                )
+            shares = [replace(s, prompt_cache_bytes=0) for s in shares]
+            budget, cache_bytes = replace(budget, prompt_cache_bytes=0), 0
+        else:  # the most each rank's own share allows, in units of the mix
+            unit = min(s.prompt_cache_bytes // n for s, n in zip(shares, multiples))
+            cache_bytes = unit * multiples[self.group.rank]
+        tight = min(shares, key=lambda s: (s.ceiling_tokens, s.kv_budget_bytes))
         self.group.boot.stage("building its engine")
         if self.group.serving:
             budget = replace(tight, source=f"{tight.source}, tightest of {self.group.size} ranks")
-        return budget, cache_tokens * per_token
+        return budget, cache_bytes
 
     def same_randomness(self) -> None:
         """Unseeded sampling draws from the global generator: the same on every rank."""

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 KV_ALLOCATION_STEP = 256  # mlx-lm's KVCache / BatchKVCache growth step
@@ -115,6 +118,30 @@ class KVLayout:
         """Names the cache format: stored KV of another layout is never read back."""
         text = "|".join(layer.tag() for layer in self.layers)
         return hashlib.blake2b(text.encode(), digest_size=8).hexdigest()
+
+
+def layout_multiples(layouts: Sequence[KVLayout]) -> list[int] | None:
+    """Each layout as a number of copies of one common mix of layers (the same
+    layer costs and cache types in the same proportions), or None when their
+    mixes differ. A cache entry measured by a layout of n copies costs exactly n
+    times what it costs under the mix, whatever its length; under other mixes
+    (a pipeline slice of a hybrid model) their ratio changes with the length."""
+    mix: tuple[Counter[object], ...] | None = None
+    multiples = []
+    for layout in layouts:
+        counts: tuple[Counter[object], ...] = (
+            Counter(layout.layers),
+            Counter(layout.cache_types),
+        )
+        n = math.gcd(*(k for c in counts for k in c.values()))
+        if n == 0:
+            return None
+        own = tuple(Counter({key: k // n for key, k in c.items()}) for c in counts)
+        if mix is not None and own != mix:
+            return None
+        mix = own
+        multiples.append(n)
+    return multiples
 
 
 @dataclass(frozen=True)
