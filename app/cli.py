@@ -419,10 +419,11 @@ def _serve(settings: Settings, boot: BootDeadline) -> int:
             return _fail(f"cannot join the distributed group: {exc}", NOT_NOW)
         config = replace(config, distributed=dist, group=group)
         if not group.serving:
+            from app.lifecycle import stopping_s
             from engine.rank_worker import run_worker
 
-            try:
-                code = run_worker(config, settings.shutdown_timeout)
+            try:  # a stop signal reaches every rank: it follows the serving rank's stop
+                code = run_worker(config, stopping_s(settings.shutdown_timeout))
             except KeyboardInterrupt:  # Ctrl-C through mlx.launch: leave as the others do
                 code = 130
             except LastingLoadError as exc:  # the next start fails alike: the unit stays down

@@ -28,6 +28,7 @@ from app.settings import Settings
 log = logging.getLogger("kvwarm")
 
 FLUSH_S = 5.0  # how long ended streams get to write their last event
+GRACEFUL_CLOSE_S = 5  # then uvicorn's wait for open connections to close
 POLL_S = 0.05
 
 
@@ -77,9 +78,17 @@ def server_config(app: FastAPI, settings: Settings) -> uvicorn.Config:
         port=settings.port,
         log_config=None,
         log_level=settings.log_level,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=GRACEFUL_CLOSE_S,
         http=with_head_timeout(settings.header_timeout),
     )
+
+
+def stopping_s(shutdown_timeout: float) -> float:
+    """The longest the server takes from a stop signal until its engine stops: the
+    drain, the streams' last flush, then uvicorn's close of connections (a client
+    that stopped reading holds the last two to their limits); a step in flight then
+    ends. A distributed group's workers follow its stop signal this long."""
+    return shutdown_timeout + FLUSH_S + GRACEFUL_CLOSE_S
 
 
 class GracefulServer(uvicorn.Server):

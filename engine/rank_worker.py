@@ -17,6 +17,13 @@ log = logging.getLogger("kvwarm.distributed")
 STOP_GRACE_S = 3.0
 
 
+def stop_limit(drain_s: float, rank_timeout_s: float) -> float:
+    """How long a worker follows the serving rank after a stop signal before it gives
+    up: ``drain_s``, then the stop's way here and a rank timeout's slack for the step
+    the serving rank had in flight."""
+    return drain_s + STOP_GRACE_S + rank_timeout_s
+
+
 def follow_through_stop_signals(limit_s: float, stopped: threading.Event) -> None:
     """SIGTERM / SIGINT reach every rank when a supervisor or mlx.launch stops the
     group: a worker that left at once broke the serving rank's drain (every running
@@ -60,8 +67,9 @@ def follow_through_stop_signals(limit_s: float, stopped: threading.Event) -> Non
 
 def run_worker(config: EngineConfig, drain_s: float) -> int:
     """Boot this rank (the same collectives as the serving rank, in the same order),
-    then replay the serving rank's ops until it says stop (``drain_s``: how long a
-    stop signal waits for that). Non-zero: the group broke."""
+    then replay the serving rank's ops until it says stop (``drain_s``: the longest
+    the serving rank takes from a stop signal to its stop, app.lifecycle.stopping_s).
+    Non-zero: the group broke."""
     from engine.boot import boot_mlx  # mlx: this thread owns it in a worker process
     from engine.rank_health import Heartbeat
 
@@ -92,7 +100,7 @@ def run_worker(config: EngineConfig, drain_s: float) -> int:
     heartbeat.start()
     group.boot.done()
     log.info("rank %d ready: following rank %d", group.rank, group.server_rank)
-    follow_through_stop_signals(drain_s + STOP_GRACE_S + dist.rank_timeout_s, done)
+    follow_through_stop_signals(stop_limit(drain_s, dist.rank_timeout_s), done)
     follower = Follower(booted.runner, lambda: group.broadcast(None), ranks.clock)
     try:
         follower.run()

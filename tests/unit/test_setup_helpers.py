@@ -419,6 +419,32 @@ def test_the_serving_rank_refuses_a_taken_heartbeat_port_before_loading(
     assert "--distributed-port" in said
 
 
+def test_a_worker_follows_a_stop_signal_for_as_long_as_the_serving_rank_may_take(
+    tmp_path, monkeypatch
+):
+    """A worker gave up --shutdown-timeout + 3 s + --rank-timeout after SIGTERM, but the
+    serving rank sends its stop only after --shutdown-timeout, its streams' last flush
+    and uvicorn's graceful close of connections (5 s each with a client that stopped
+    reading) and the step in flight: under --rank-timeout 7 the worker exited 143
+    first, and the serving rank, seeing it lost, exited 1 instead of 0."""
+    from app import cli, lifecycle
+    from engine import rank_worker
+
+    drains: list[float] = []
+    _join_as(monkeypatch, 1)
+    monkeypatch.setattr(
+        rank_worker, "run_worker", lambda config, drain_s: drains.append(drain_s) or 0
+    )
+    monkeypatch.setattr(cli, "_leave_group", lambda code: code)
+    argv = [*_rank_argv(tmp_path, 1), "--shutdown-timeout", "7", "--rank-timeout", "1"]
+    assert main(argv) == 0
+    settings = load_settings(build_parser().parse_args(argv))
+    close_s = lifecycle.server_config(None, settings).timeout_graceful_shutdown  # type: ignore[arg-type]
+    serving_stops_by = 7 + lifecycle.FLUSH_S + close_s
+    limit = rank_worker.stop_limit(drains[0], 1.0)
+    assert limit >= serving_stops_by + rank_worker.STOP_GRACE_S + 1.0  # + a step's slack
+
+
 def test_kvwarms_collectives_are_built_as_the_models_own(monkeypatch):
     """The model's layers call all_sum naming no stream, inside mlx-lm's generation
     stream context; kvwarm's broadcast and gather named that stream itself, which on
