@@ -6,9 +6,12 @@ the engine thread paused decoding for every running row. The reading (numpy
 only, no MLX) runs here, on one reader thread the KV manager owns; the engine
 thread turns the bytes into MLX arrays once they are ready
 (``TieredKVManager.finish_read``). While a read is in flight its entry stays
-held (index refs), so nothing evicts or deletes its files. Rows that hit one
-entry while its read is in flight share that read (``SharedRead``); one whose
-rows all went away is cancelled (skipped if not begun, its result dropped if it was).
+held (index refs), so nothing evicts or deletes its files. A hit reusing a
+prefix of a trimmable entry reads only the blocks that prefix needs (``ReadPlan``):
+a new conversation on a long one's system prompt read all of it. Rows that hit one
+entry while a read of it deep enough for them is in flight share that read
+(``SharedRead``); one whose rows all went away is cancelled (skipped if not begun,
+its result dropped if it was).
 """
 
 from __future__ import annotations
@@ -33,26 +36,48 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvwarm.kvcache.reads")
 
 
+@dataclass
+class ReadPlan:
+    """What one disk hit reads: the entry's first ``blocks`` blocks (``have``: those
+    in RAM already, shared with an entry there; ``need``: the files to read), and
+    its own file (private part, manifest) when ``whole``: only then is the entry
+    promoted into RAM, a partial read's KV serves its rows alone."""
+
+    have: dict[Digest, BlockArrays]
+    need: list[tuple[Digest, int]]
+    blocks: int
+    whole: bool
+
+    def covers(self, other: ReadPlan) -> bool:
+        """Whether this read holds all ``other`` would read."""
+        return self.whole or (not other.whole and other.blocks <= self.blocks)
+
+
 @dataclass(frozen=True)
 class ReadFiles:
     """What the reader thread hands back: an entry's verified files, numpy only."""
 
     blocks: dict[Digest, Arrays]  # the blocks that were not in RAM when the read began
-    private: Arrays
-    manifest: dict[str, Any]
+    private: Arrays | None  # None: a partial read (its own file left unread)
+    manifest: dict[str, Any] | None
     nbytes: int
     seconds: float
 
 
 def read_files(
-    disk: PersistentTier, uid: str, private_nbytes: int, need: list[tuple[Digest, int]]
+    disk: PersistentTier,
+    uid: str,
+    private_nbytes: int,
+    need: list[tuple[Digest, int]],
+    whole: bool = True,
 ) -> ReadFiles:
-    """Read and verify ``need``'s block files and the entry's own file (no MLX).
-    Raises CorruptFile for damage; anything else (OSError, MemoryError) may pass."""
+    """Read and verify ``need``'s block files and, if ``whole``, the entry's own
+    file (no MLX). Raises CorruptFile for damage; anything else (OSError,
+    MemoryError) may pass."""
     started = time.monotonic()
     blocks = {digest: disk.read_block(digest, size) for digest, size in need}
-    private, manifest = disk.read_entry(uid, private_nbytes)
-    nbytes = private.nbytes + sum(a.nbytes for a in blocks.values())
+    private, manifest = disk.read_entry(uid, private_nbytes) if whole else (None, None)
+    nbytes = sum(a.nbytes for a in blocks.values()) + (private.nbytes if private is not None else 0)
     return ReadFiles(blocks, private, manifest, nbytes, time.monotonic() - started)
 
 
@@ -144,7 +169,7 @@ class SharedRead:
     twice the I/O and a second transient copy of the KV. Engine-thread state."""
 
     ticket: ReadTicket
-    have: dict[Digest, BlockArrays]  # the entry's blocks in RAM when the read began
+    plan: ReadPlan  # what it reads, and the blocks in RAM when it began
     rows: int = 1  # rows waiting on it: the last one gone drops it
     # the first row to take it up leaves what it made for the others: the KV as
     # MLX arrays (made once), or that it failed (sorted out once: kept or discarded)

@@ -22,7 +22,14 @@ import mlx.core as mx
 from kvcache.blocks import Digest, EntryBytes, TierLedger, block_digests
 from kvcache.conversations import SavedConversations
 from kvcache.disk import FORMAT_VERSION, CorruptBlock, WriteEntry
-from kvcache.disk_reads import DiskReader, PendingHit, ReadFiles, SharedRead, read_files
+from kvcache.disk_reads import (
+    DiskReader,
+    PendingHit,
+    ReadFiles,
+    ReadPlan,
+    SharedRead,
+    read_files,
+)
 from kvcache.entry_files import key_from, key_manifest, mlx_arrays, numpy_arrays
 from kvcache.index import CacheEntry, Lookup, PrefixIndex, PromptCacheConfig
 from kvcache.interface import SavedConversation
@@ -239,10 +246,11 @@ class TieredKVManager:
         if defer_disk and not entry.in_ram and self.disk is not None:
             return self._begin_read(request_id, hints, result, miss, known), miss
         reading = not entry.in_ram  # errors until its files are MLX arrays may pass
+        keep = result.hit.alignment.entry_depth
         try:
-            blocks, private = self._loaded(entry)
+            blocks, private = self._loaded(entry, keep)
             reading = False
-            caches = self._assemble(blocks, private, result.hit.alignment.entry_depth)
+            caches = self._assemble(blocks, private, keep)
         except Exception as exc:  # noqa: BLE001 - sorted out by _unusable
             self.index.release(entry.entry_id)
             self._unusable(request_id, result, exc, reading)
@@ -344,13 +352,16 @@ class TieredKVManager:
     def _begin_read(
         self, request_id: str, hints: CacheHints, result: Lookup, miss: CacheReport, known: bool
     ) -> PendingHit:
-        """Hand a disk entry's files to the reader thread, or join the read of them
-        already in flight; the entry stays held (the lookup's ref, this row's own)
-        until ``finish_read`` or ``cancel_read``."""
+        """Hand the disk entry's files this hit needs to the reader thread, or join
+        a read of them already in flight that goes as deep; the entry stays held
+        (the lookup's ref, this row's own) until ``finish_read`` or ``cancel_read``."""
         assert result.hit is not None and self.disk is not None
         entry = result.hit.entry
+        plan = self._read_plan(entry, result.hit.alignment.entry_depth)
         read = self._reads.get(entry.entry_id)
-        if read is not None and not read.failed:  # a failed one: a fresh read may work
+        # a failed one: a fresh read may work; a shallower one: this row reads its
+        # own (the other's rows keep theirs, and it stays theirs to drop)
+        if read is not None and not read.failed and read.plan.covers(plan):
             read.rows += 1
             log.info(
                 "%s: prefix cache hit on disk, entry %d: joins its read",
@@ -358,14 +369,17 @@ class TieredKVManager:
                 entry.entry_id,
             )
         else:
-            have, need = self._blocks_to_read(entry)
             if self._reader is None:
                 self._reader = DiskReader()
             disk, uid, private = self.disk, entry.uid, entry.held.private
-            ticket = self._reader.submit(lambda: read_files(disk, uid, private, need))
-            read = self._reads[entry.entry_id] = SharedRead(ticket, have)
+            need, whole = plan.need, plan.whole
+            ticket = self._reader.submit(lambda: read_files(disk, uid, private, need, whole))
+            read = self._reads[entry.entry_id] = SharedRead(ticket, plan)
             log.info(
-                "%s: prefix cache hit on disk, entry %d: reading it", request_id, entry.entry_id
+                "%s: prefix cache hit on disk, entry %d: reading %s",
+                request_id,
+                entry.entry_id,
+                "it" if whole else f"its first {plan.blocks} of {len(entry.held.blocks)} blocks",
             )
         return PendingHit(request_id, hints, entry, result, read, miss, known)
 
@@ -377,7 +391,8 @@ class TieredKVManager:
         if read.rows > 0:
             return
         read.ticket.cancel()
-        read.have, read.loaded = {}, None
+        read.plan.have.clear()
+        read.loaded = None
         if self._reads.get(pending.entry.entry_id) is read:
             del self._reads[pending.entry.entry_id]
 
@@ -407,7 +422,7 @@ class TieredKVManager:
             reading = True
             try:
                 if read.loaded is None:
-                    read.loaded = self._to_mlx(entry, read.have, read.ticket.outcome())
+                    read.loaded = self._to_mlx(entry, read.plan, read.ticket.outcome())
                 blocks, private = read.loaded
                 reading = False
                 caches = self._assemble(blocks, private, keep)
@@ -437,14 +452,15 @@ class TieredKVManager:
 
     def _caches(self, entry: CacheEntry, keep: int) -> list[Any]:
         """Fresh caches of the entry's first ``keep`` positions (from disk if need be)."""
-        return self._assemble(*self._loaded(entry), keep)
+        return self._assemble(*self._loaded(entry, keep), keep)
 
-    def _loaded(self, entry: CacheEntry) -> tuple[list[BlockArrays], PrivatePart]:
-        """The entry's blocks and private part (read from disk if need be)."""
+    def _loaded(self, entry: CacheEntry, keep: int) -> tuple[list[BlockArrays], PrivatePart]:
+        """The entry's blocks and private part, or from disk what its first ``keep``
+        positions need (``_read_plan``)."""
         if entry.in_ram:
             blocks = [self._blocks[d] for d, _ in entry.held.blocks]
             return blocks, self._private[entry.entry_id]
-        return self.read_back(entry)
+        return self.read_back(entry, keep)
 
     def _assemble(self, blocks: list[BlockArrays], private: PrivatePart, keep: int) -> list[Any]:
         """Fresh caches of the entry's first ``keep`` positions."""
@@ -454,51 +470,69 @@ class TieredKVManager:
             return self.ops.assemble(used, _empty_tail(private), keep)
         return self.ops.assemble(blocks, private, keep)
 
-    def read_back(self, entry: CacheEntry) -> tuple[list[BlockArrays], PrivatePart]:
-        """Read a disk entry's files (verified), then count it back into RAM.
-        Raises CorruptFile for damage; what may pass instead, ``_may_pass`` says."""
+    def read_back(
+        self, entry: CacheEntry, keep: int | None = None
+    ) -> tuple[list[BlockArrays], PrivatePart]:
+        """Read what a disk entry's first ``keep`` positions need (None: all of it),
+        verified; an entry read whole is counted back into RAM. Raises CorruptFile
+        for damage; what may pass instead, ``_may_pass`` says."""
         assert self.disk is not None
-        have, need = self._blocks_to_read(entry)
-        return self._to_mlx(entry, have, read_files(self.disk, entry.uid, entry.held.private, need))
+        plan = self._read_plan(entry, entry.length if keep is None else keep)
+        files = read_files(self.disk, entry.uid, entry.held.private, plan.need, plan.whole)
+        return self._to_mlx(entry, plan, files)
 
-    def _blocks_to_read(
-        self, entry: CacheEntry
-    ) -> tuple[dict[Digest, BlockArrays], list[tuple[Digest, int]]]:
-        """A disk entry's blocks already in RAM (shared with an entry there), and
-        those whose files must be read (digest, size)."""
-        have = {d: self._blocks[d] for d, _ in entry.held.blocks if d in self._blocks}
-        return have, [(d, n) for d, n in entry.held.blocks if d not in have]
+    def _read_plan(self, entry: CacheEntry, keep: int) -> ReadPlan:
+        """What a hit ``keep`` positions deep reads of a disk entry: a trimmable
+        entry's first ceil(keep / block size) blocks when a whole block or more is
+        left out (its private tail, under one block, lies past them); else every
+        block and its own file. An entry that cannot be cut hits only whole."""
+        stored = entry.held.blocks
+        cut = -(-keep // self.ops.block_size) if entry.trimmable and keep > 0 else len(stored)
+        whole = cut >= len(stored)
+        used = stored if whole else stored[:cut]
+        have = {d: self._blocks[d] for d, _ in used if d in self._blocks}
+        need = [(d, n) for d, n in used if d not in have]
+        return ReadPlan(have, need, len(used), whole)
 
     def _to_mlx(
-        self, entry: CacheEntry, have: dict[Digest, BlockArrays], files: ReadFiles
+        self, entry: CacheEntry, plan: ReadPlan, files: ReadFiles
     ) -> tuple[list[BlockArrays], PrivatePart]:
-        """A read entry's files as MLX arrays, evaluated, and counted back into RAM."""
+        """A read's files as MLX arrays, evaluated; an entry read whole is counted
+        back into RAM, a partial read's arrays serve its rows alone (RAM's ledger
+        holds none of them: they go with the rows' caches)."""
         assert self.disk is not None
         started = time.monotonic()
         blocks: list[BlockArrays] = []
-        for digest, _ in entry.held.blocks:
-            arrays = have.get(digest)
+        for digest, _ in entry.held.blocks[: plan.blocks]:
+            arrays = plan.have.get(digest)
             blocks.append(arrays if arrays is not None else mlx_arrays(files.blocks[digest]))
-        manifest = files.manifest
-        arrays = mlx_arrays(files.private)
-        try:
-            private = rebuild_private(
-                self._template, arrays, manifest["private_meta"], entry.held.private
-            )
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
-            # a verified file whose arrays its manifest does not describe: damage
-            raise CorruptFile(f"{entry.uid}: its arrays do not fit its manifest: {exc!r}") from exc
+        if plan.whole:
+            private = self._private_from(entry, files)
+        else:
+            private = self.ops.empty_tails(blocks[-1])
         mx.eval([a for blk in blocks for a in blk.values()] + list(private.arrays().values()))
         c = self.disk.counters
         c.loads += 1
-        c.load_tokens += entry.length
+        c.load_tokens += entry.length if plan.whole else plan.blocks * self.ops.block_size
         c.load_bytes += files.nbytes
         c.load_seconds += files.seconds + time.monotonic() - started
-        if self.index.promote(entry.entry_id):
+        if plan.whole and self.index.promote(entry.entry_id):
             for (digest, _), arrays in zip(entry.held.blocks, blocks):
                 self._blocks.setdefault(digest, arrays)
             self._private[entry.entry_id] = private
         return blocks, private
+
+    def _private_from(self, entry: CacheEntry, files: ReadFiles) -> PrivatePart:
+        """The private part in an entry's own file, on the model's cache types."""
+        assert files.private is not None and files.manifest is not None
+        arrays = mlx_arrays(files.private)
+        try:
+            return rebuild_private(
+                self._template, arrays, files.manifest["private_meta"], entry.held.private
+            )
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+            # a verified file whose arrays its manifest does not describe: damage
+            raise CorruptFile(f"{entry.uid}: its arrays do not fit its manifest: {exc!r}") from exc
 
     def damaged(self, entry: CacheEntry, exc: CorruptFile) -> None:
         """``entry`` could not be read back; a damaged shared block takes every

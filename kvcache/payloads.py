@@ -48,6 +48,17 @@ def _plain(blk: BlockArrays, name: str, dtype: mx.Dtype) -> mx.array:
     return x.astype(dtype)
 
 
+def _no_positions(blk: BlockArrays, name: str) -> mx.array:
+    """An empty (0-position) array shaped and typed as ``blk``'s ``name`` assembles:
+    a quantized block's values come back in its scales' dtype (mx.quantize's own)."""
+    if name in blk:
+        a = blk[name]
+        return mx.zeros((*a.shape[:2], 0, a.shape[3]), a.dtype)
+    scales = blk[f"{name}.s"]
+    group = int(cast(int, blk["q"][1].item()))
+    return mx.zeros((*scales.shape[:2], 0, scales.shape[3] * group), scales.dtype)
+
+
 def _is_plain_kv(cache: object) -> bool:
     return isinstance(cache, KVCache) and not isinstance(cache, RotatingKVCache)
 
@@ -194,6 +205,18 @@ class KVLayoutOps:
         return out
 
     # -- assembling ----------------------------------------------------------
+    def empty_tails(self, block: BlockArrays) -> PrivatePart:
+        """The private part of a hit within an entry's blocks that left the entry's
+        own file unread (a partial disk read): every layer's tail empty, shaped and
+        typed as ``block``'s KV. Only for layouts of plain KV alone (the others'
+        private layers are state no block holds, and their entries hit whole)."""
+        assert self.trimmable
+        layers: list[tuple[mx.array, mx.array] | Any] = [
+            (_no_positions(block, f"k{slot}"), _no_positions(block, f"v{slot}"))
+            for slot in range(len(self.plain))
+        ]
+        return PrivatePart(layers, 0)
+
     def assemble(self, blocks: Sequence[BlockArrays], private: PrivatePart, keep: int) -> list[Any]:
         """Fresh caches holding the first ``keep`` positions of ``blocks`` + the tails."""
         out: list[Any] = []

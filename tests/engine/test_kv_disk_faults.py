@@ -560,7 +560,7 @@ def test_a_hit_whose_disk_read_fails_is_never_counted_then_taken_back(tmp_path):
     m = manager(tmp_path)
     during: list[tuple[int, int]] = []
 
-    def torn(entry):
+    def torn(entry, keep=None):
         stats = m.stats()
         during.append((stats.hits, stats.disk_hits))
         raise CorruptFile("torn file")
