@@ -271,6 +271,7 @@ class BatchRunner:
             max_images=1,
             max_tokens=budget,
             resume=w.vision_at is not None,
+            owner=request.request_id,  # its image's features kept until its last slice
         )
         row.rope_delta = delta - skew
         gained = done - start
@@ -292,6 +293,7 @@ class BatchRunner:
         max_images: int | None = None,
         max_tokens: int | None = None,
         resume: bool = False,
+        owner: str | None = None,
     ) -> tuple[int, int]:
         """The row's prompt from ``start`` through its images into ``cache``
         (engine.vision), through the routed model with the row's adapter tag, as
@@ -309,6 +311,7 @@ class BatchRunner:
             tag=AdapterTag(row.slot),
             max_tokens=max_tokens,
             resume=resume,
+            owner=owner,
         )
 
     def _insert(self, row: Row, segments, cache, cached_tokens, generator=None) -> int:
@@ -387,6 +390,8 @@ class BatchRunner:
         )
 
     def _release(self, row: Row) -> None:
+        if self.vision is not None:  # gone mid-image: its features no longer pinned
+            self.vision.release(row.request.request_id)
         if row.disk_read is not None:  # gone mid-read: the entry let go, the bytes dropped
             self.prefix_cache.cancel_read(row.disk_read)
             row.disk_read = None

@@ -306,6 +306,9 @@ class VisionPrefill:
     # a hash short enough to collide would hand one image another's
     _features: OrderedDict[bytes, Any] = field(default_factory=OrderedDict)  # by key
     _held: int = 0
+    # owner (a row's request id) -> key of the image it is part-way through: kept
+    # out of eviction until its last slice, within ``feature_bytes`` (release())
+    _pins: dict[Any, bytes] = field(default_factory=dict)
     # by run_key: the image's tokens (maps cached keys back to model ids), its shift
     _expansions: OrderedDict[bytes, tuple[int, ...]] = field(default_factory=OrderedDict)
     _shifts: dict[bytes, int] = field(default_factory=dict)
@@ -377,6 +380,7 @@ class VisionPrefill:
         tag: Any = None,
         max_tokens: int | None = None,
         resume: bool = False,
+        owner: Any = None,
     ) -> tuple[int, int]:
         """Prefill ``prompt[start:]`` up to the end of its last image (or of its
         ``max_images``-th uncached one) into ``cache``, whose positions run ``delta``
@@ -387,7 +391,9 @@ class VisionPrefill:
         at most that many tokens, text and image alike (an engine step's prefill
         budget): the depth reached may then be inside the text or inside an image,
         where a later call ``resume``s (the tower runs once, whole: its features
-        wait in the feature cache)."""
+        wait in the feature cache, pinned for ``owner`` until its last slice or
+        ``release(owner)``; with no room to pin them, or no ``owner``, the image
+        runs whole in this call rather than run its tower again each call)."""
         pos = start
         ran = 0
         room = max(1, max_tokens) if max_tokens is not None else len(prompt)
@@ -405,7 +411,7 @@ class VisionPrefill:
                 pos, room = pos + take, room - take
                 if pos < image.start or room <= 0:
                     return pos, delta
-            pos, room = self._feed_image(image, pos, room, delta, cache, model, tag)
+            pos, room = self._feed_image(image, pos, room, delta, cache, model, tag, owner)
             if pos < image.end:
                 return pos, delta  # the rest of it in a later call
             delta += image.rope_shift
@@ -422,22 +428,76 @@ class VisionPrefill:
         self._feed(mx.array([list(ids)]), cache, None, positions, model, tag)
 
     def _feed_image(
-        self, image: ImageInput, pos: int, room: int, delta: int, cache: list, model: Any, tag: Any
+        self,
+        image: ImageInput,
+        pos: int,
+        room: int,
+        delta: int,
+        cache: list,
+        model: Any,
+        tag: Any,
+        owner: Any = None,
     ) -> tuple[int, int]:
         """Up to ``room`` of the image's tokens from ``pos`` (inside it when
         resumed); returns the depth reached and the room left."""
         import mlx.core as mx
 
         into = pos - image.start
-        take = min(len(image.tokens) - into, room)
+        left = len(image.tokens) - into
+        features = self._embeddings(image, resumed=into > 0)
+        take = min(left, room)
+        kept = take == left or self._pin(owner, image.key)
+        if not kept:  # its features would not stay until its next slice: all of it now
+            take = left
         positions = None
         if self.merge is not None:
             grid = image_positions(grid_shape(image.inputs, self.merge), image.start + delta)
             positions = grid[..., into : into + take]
-        embeds = self._embeddings(image, resumed=into > 0)[:, into : into + take]
+        embeds = features[:, into : into + take]
         ids = mx.array([list(image.tokens[into : into + take])])
-        self._feed(ids, cache, embeds, positions, model, tag)
+        try:
+            self._feed(ids, cache, embeds, positions, model, tag)
+        finally:
+            if take == left:  # the image is through (or failed): its pin goes
+                self._pins.pop(owner, None)
+            if not kept:
+                self._trim(keep=None)  # held within the cap again, pins included
         return pos + take, room - take
+
+    def _pin(self, owner: Any, key: bytes) -> bool:
+        """Keep ``key``'s features for ``owner`` until its image ends: where they
+        fit in the cache's cap beside the other rows' pinned ones (the cap is what
+        VisionReserve holds back; the image in flight is its other part)."""
+        if owner is None:
+            return False
+        others = {k for o, k in self._pins.items() if o != owner}
+        need = sum(self._features[k].nbytes for k in others | {key})
+        if key not in others and need > self.feature_bytes:
+            return False
+        self._pins[owner] = key
+        return True
+
+    def release(self, owner: Any) -> None:
+        """``owner`` left mid-image (cancelled, failed): its features become an
+        ordinary cache entry again, evicted in turn."""
+        self._pins.pop(owner, None)
+
+    def pinned(self) -> dict[Any, bytes]:
+        """The rows part-way through an image, and its key."""
+        return dict(self._pins)
+
+    def held_features(self) -> int:
+        """Bytes of merged embeddings the feature cache holds, pinned ones included."""
+        return self._held
+
+    def _trim(self, keep: bytes | None) -> None:
+        """Evict the least recently used unpinned features, but ``keep``, down to the cap."""
+        pinned = set(self._pins.values())
+        for key in list(self._features):
+            if self._held <= self.feature_bytes:
+                break
+            if key != keep and key not in pinned:
+                self._held -= self._features.pop(key).nbytes
 
     def _feed(
         self, ids: Any, cache: list, embeds: Any, positions: Any, model: Any, tag: Any
@@ -482,18 +542,17 @@ class VisionPrefill:
         self.counters.encoder_seconds += time.perf_counter() - started
         self._features[image.key] = embeds
         self._held += embeds.nbytes
-        while self._held > self.feature_bytes and len(self._features) > 1:
-            _, old = self._features.popitem(last=False)
-            self._held -= old.nbytes
+        self._trim(keep=image.key)  # pinned features stay: their rows read them next step
         return embeds
 
 
 @dataclass(frozen=True)
 class VisionReserve:
     """Memory a vision model needs beyond weights, KV and a text prefill step,
-    held back from the KV budget at start: the feature cache's cap, plus one
-    image in flight (the engine encodes one at a time) sized for the largest
-    image the processor makes: the tower's activations, its attention scores
+    held back from the KV budget at start: the feature cache's cap (rows part-way
+    through an image keep its features within it), plus one image in flight (the
+    engine encodes one at a time) sized for the largest image the processor
+    makes: the tower's activations, its attention scores
     per attention block where the backend materialises them (the CPU's
     attention does; Metal's and CUDA's fused kernels do not), and the image's
     merged embeddings. The language model reads them in prefill-step chunks,

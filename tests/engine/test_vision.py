@@ -647,3 +647,61 @@ def test_an_image_is_prefilled_within_the_step_budget_across_steps(vlm, monkeypa
     monkeypatch.undo()
     whole = request(vlm, "what is this?", data_url(png_bytes(*SIZE, (77, 1, 99))))
     assert (tuple(tokens), 0) == run(runner_for(loaded, cache=False), whole)[0]
+
+
+MID_IMAGE = ((5, 90, 40), (90, 5, 40))
+
+
+def picture(vlm, colour) -> Request:
+    return request(vlm, "what is this?", data_url(png_bytes(*SIZE, colour)))
+
+
+def two_rows_mid_image(vlm, monkeypatch, room: float):
+    """Two rows with images of their own, an image's features counted, and the
+    feature cache's cap set to ``room`` images' worth."""
+    loaded = vlm[0]
+    a, b, probe = (picture(vlm, c) for c in (*MID_IMAGE, (40, 5, 90)))
+    one = loaded.vision._embeddings(probe.images[0]).nbytes
+    monkeypatch.setattr(loaded.vision, "feature_bytes", int(room * one))
+    step = max(2, len(a.images[0].tokens) // 3)  # each image spans three steps or more
+    return BatchRunner(loaded.model, loaded.tokenizer, 4, step, 4, vision=loaded.vision), a, b
+
+
+def test_rows_mid_image_do_not_rerun_the_tower_for_each_others_evictions(vlm, monkeypatch):
+    """Two rows part-way through their images, with room for one and a half
+    images' features: each slice's features evicted the other row's, so the
+    tower ran again every step. The first row's are kept to its last slice; the
+    second's image, with no room to keep its features, runs whole in its step."""
+    loaded = vlm[0]
+    runner, a, b = two_rows_mid_image(vlm, monkeypatch, 1.5)
+    runs = loaded.vision.counters.encoder_runs
+    got = run(runner, a, b)
+    assert loaded.vision.counters.encoder_runs - runs == 2  # once per image
+    assert loaded.vision.pinned() == {}
+    assert loaded.vision.held_features() <= loaded.vision.feature_bytes
+    monkeypatch.undo()
+    for (tokens, _), colour in zip(got, MID_IMAGE):  # the same as each alone, whole
+        assert tokens == run(runner_for(loaded, cache=False), picture(vlm, colour))[0][0]
+
+
+def test_a_row_leaving_mid_image_lets_its_features_go(vlm, monkeypatch):
+    """A row cancelled or failed part-way through its image unpins its features
+    (they become an ordinary cache entry): none are held for a row gone."""
+    loaded = vlm[0]
+    runner, a, b = two_rows_mid_image(vlm, monkeypatch, 2.5)
+    runner.add(a), runner.add(b)
+    for _ in range(8):
+        if set(loaded.vision.pinned()) == {a.request_id, b.request_id}:
+            break
+        runner.step()
+    assert set(loaded.vision.pinned()) == {a.request_id, b.request_id}
+    runner.remove(a.request_id)  # the client went away
+    assert set(loaded.vision.pinned()) == {b.request_id}
+
+    def broken(*_, **__):
+        raise RuntimeError("the language model failed")
+
+    monkeypatch.setattr(loaded.vision, "_feed", broken)
+    errors = [out.error for out in runner.step() if out.request_id == b.request_id]
+    assert errors and "the language model failed" in errors[0]
+    assert loaded.vision.pinned() == {} and not runner.active
