@@ -339,4 +339,10 @@ def ignored_fields(body: BaseModel) -> tuple[str, ...]:
 
 
 def _unread(extra: dict[str, Any] | None) -> list[str]:
-    return [k for k, v in (extra or {}).items() if v is not None and k not in READ_EXTRAS]
+    return [k for k in sent_keys(extra) if k not in READ_EXTRAS]
+
+
+def sent_keys(extra: dict[str, Any] | None) -> list[str]:
+    """The keys of a model's extras the client gave a value: one sent as null
+    asks for nothing (SDKs send unset fields so), so it is never reported."""
+    return [k for k, v in (extra or {}).items() if v is not None]

@@ -15,7 +15,14 @@ from pydantic import (
     model_validator,
 )
 
-from app.request_fields import Effort, Envelope, EnvelopedSampling, bounded_list, null_is
+from app.request_fields import (
+    Effort,
+    Envelope,
+    EnvelopedSampling,
+    bounded_list,
+    null_is,
+    sent_keys,
+)
 from app.schemas import (
     MAX_NAME,
     MAX_PARTS,
@@ -252,12 +259,13 @@ class TextConfig(BaseModel):
         return out
 
     def ignored(self) -> tuple[str, ...]:
-        """What of it nothing applies: any format but plain text, verbosity, extra keys."""
-        out = [f"text.{k}" for k in self.model_extra or {}]
+        """What of it nothing applies: any format but plain text, verbosity, extra
+        keys (not those sent as null, as for top-level fields)."""
+        out = [f"text.{k}" for k in sent_keys(self.model_extra)]
         if self.format is not None:
             if self.format.type != "text":
                 out.append("text.format")
-            out += [f"text.format.{k}" for k in self.format.model_extra or {}]
+            out += [f"text.format.{k}" for k in sent_keys(self.format.model_extra)]
         if self.verbosity is not None:
             out.append("text.verbosity")
         return tuple(sorted(out))

@@ -443,3 +443,14 @@ def test_a_failed_response_over_the_context_says_context_length_exceeded():
     response = _finalise({}, done, _Items())
     assert response["status"] == "failed"
     assert response["error"]["code"] == "context_length_exceeded"
+
+
+def test_text_keys_sent_as_null_are_not_reported_as_ignored():
+    """A key of ``text`` (or of its format) sent as null asks for nothing, as a
+    top-level field sent so: it was still named in X-Kvwarm-Ignored-Fields."""
+    from app.responses_schemas import TextConfig
+
+    sent = {"format": {"type": "text", "foo": None}, "foo": None, "verbosity": None}
+    assert TextConfig.model_validate(sent).ignored() == ()
+    sent = {"format": {"type": "text", "foo": 1}, "foo": None, "bar": {}}
+    assert TextConfig.model_validate(sent).ignored() == ("text.bar", "text.format.foo")
