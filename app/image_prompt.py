@@ -45,10 +45,11 @@ class ResolvedImages:
         return self.numbers.setdefault(image.digest, len(self.numbers) + 1)
 
 
-def _sources(messages: Sequence[dict[str, Any]]) -> list[ImageSource]:
+def _sources(messages: Sequence[dict[str, Any]]) -> list[tuple[int, ImageSource]]:
+    """Each image's source and the index of the message holding it."""
     return [
-        part["source"]
-        for m in messages
+        (index, part["source"])
+        for index, m in enumerate(messages)
         if isinstance(m.get("content"), list)
         for part in m["content"]
         if part.get("type") == "image"
@@ -72,8 +73,8 @@ def resolve_images(
         return messages, resolved
     reading = front is not None or placeholder_notes
     loaded: list[list[LoadedImage]] = []  # per source: an image, or a video's frames
-    if reading:
-        loaded = load_images(sources, limits)
+    if reading:  # a refused image names its message's field
+        loaded = load_images([s for _, s in sources], limits, [param(i) for i, _ in sources])
     # else nothing is read: a user's image is refused below and a tool result's becomes
     # a note, so --max-images does not apply (an agent's history of screenshots goes on)
     out = []

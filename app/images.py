@@ -16,6 +16,8 @@ import binascii
 import hashlib
 import io
 import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,36 +130,61 @@ def check_count(n: int, limits: ImageLimits, where: str = "messages") -> None:
         )
 
 
-def load_images(sources: list[ImageSource], limits: ImageLimits) -> list[list[LoadedImage]]:
+def load_images(
+    sources: list[ImageSource], limits: ImageLimits, fields: Sequence[str] | None = None
+) -> list[list[LoadedImage]]:
     """Every image of one request, decoded, within the request's limits: one
     image per source, a video's frames for a video. Every source's bytes come
     first (downloads, ffmpeg's frames), then all are decoded: those waits give
     the CPU slot up, and a request's pixels decoded before one (a few 40 MP
-    pictures are a GB) stayed in memory through it, outside every budget."""
-    check_count(len(sources), limits)
-    encoded = _all_encoded(sources, limits)
-    return [[decode_image(raw, limits, where) for raw, where in frames] for frames in encoded]
+    pictures are a GB) stayed in memory through it, outside every budget.
+    ``fields``: the request field holding each source, named by its refusals."""
+    named: list[str | None] = list(fields) if fields is not None else [None] * len(sources)
+    if len(sources) > limits.max_images:
+        check_count(len(sources), limits, named[limits.max_images] or "messages")
+    encoded = _all_encoded(sources, limits, named)
+    out = []
+    for frames, field in zip(encoded, named):
+        with _naming(field):
+            out.append([decode_image(raw, limits, where) for raw, where in frames])
+    return out
 
 
-def _all_encoded(sources: list[ImageSource], limits: ImageLimits) -> list[list[tuple[bytes, str]]]:
+@contextmanager
+def _naming(field: str | None) -> Iterator[None]:
+    """A source's refusals (app.media_fetch's and app.video_frames' too, which
+    know it only as "image N") name the request field holding it."""
+    try:
+        yield
+    except APIError as exc:
+        if field is None or exc.status != 400 or exc.param is not None:
+            raise
+        raise APIError(400, exc.message, exc.error_type, exc.code, field, exc.headers) from exc
+
+
+def _all_encoded(
+    sources: list[ImageSource], limits: ImageLimits, fields: Sequence[str | None]
+) -> list[list[tuple[bytes, str]]]:
     """Each source's encoded images and the names their errors give: one for an
     image, a video's frames (as PNG) for a video."""
     out: list[list[tuple[bytes, str]]] = []
     total = 0
-    for i, source in enumerate(sources):
+    for i, (source, field) in enumerate(zip(sources, fields)):
         where = f"{'video' if source.video else 'image'} {i + 1}"
-        if source.video and limits.video_frames <= 0:
-            raise APIError(400, f"{where}: this server does not read videos (--video-frames 0).")
-        raw = _encoded(source, limits, where, limits.max_total_bytes - total)
-        total += len(raw)  # a video's bytes count too: one budget a request
-        if total > limits.max_total_bytes:
-            raise APIError(
-                400,
-                f"Images too large in total: {total} bytes so far; the limit is "
-                f"{limits.max_total_bytes} bytes a request (--max-images-bytes).",
-                param=where,
-            )
-        out.append(_frames(raw, limits, where) if source.video else [(raw, where)])
+        with _naming(field):
+            if source.video and limits.video_frames <= 0:
+                raise APIError(
+                    400, f"{where}: this server does not read videos (--video-frames 0)."
+                )
+            raw = _encoded(source, limits, where, limits.max_total_bytes - total)
+            total += len(raw)  # a video's bytes count too: one budget a request
+            if total > limits.max_total_bytes:
+                raise APIError(
+                    400,
+                    f"Images too large in total: {total} bytes so far; the limit is "
+                    f"{limits.max_total_bytes} bytes a request (--max-images-bytes).",
+                )
+            out.append(_frames(raw, limits, where) if source.video else [(raw, where)])
     return out
 
 

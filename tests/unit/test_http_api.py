@@ -628,7 +628,7 @@ def test_a_conversation_that_cannot_fit_fetches_and_decodes_no_image(monkeypatch
         if checked[-1] > limit[0]:
             raise ContextLengthExceeded("too long")
 
-    def load(sources, limits):
+    def load(sources, limits, fields=None):
         loaded.append(sources)  # a download and a decode each
         return [[LoadedImage(None, bytes(16))] for _ in sources]
 

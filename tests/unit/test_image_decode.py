@@ -403,3 +403,73 @@ def test_a_16_bit_grayscale_png_keeps_its_greys():
     loaded = decode_image(buf.getvalue(), ImageLimits())
     assert loaded.image.getpixel((1, 1)) == (128, 128, 128)
     assert loaded.image.getpixel((0, 0)) == (255, 255, 255)
+
+
+def _png(size: tuple[int, int] = (6, 4)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, (10, 20, 30)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _url(raw: bytes) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(raw).decode()
+
+
+@pytest.mark.parametrize(
+    ("url", "limits", "needle"),
+    [
+        ("data:image/png;base64,A", ImageLimits(), "invalid base64"),
+        (_url(b"not a png"), ImageLimits(), "not an image"),
+        (_url(_png((64, 64))[:60]), ImageLimits(), "corrupt"),  # a truncated PNG
+        (_url(_png((40, 40))), ImageLimits(max_pixels=100), "--max-image-pixels"),
+        (
+            "data:image/png;base64," + "A" * 400,
+            ImageLimits(max_image_bytes=200),
+            "--max-image-bytes",
+        ),
+        (_url(_png()), ImageLimits(max_total_bytes=10), "--max-images-bytes"),
+        ("https://example.com/cat.png", ImageLimits(fetch_urls=False), "--no-fetch-urls"),
+        (  # app.media_fetch
+            "https://example.com/cat.png",
+            ImageLimits(allowed_media_domains=("example.org",)),
+            "example.com",
+        ),
+        ("ftp://example.com/cat.png", ImageLimits(), "data:, http: or https:"),
+        ("video:" + _url(b"no video"), ImageLimits(video_frames=0), "--video-frames 0"),
+        ("video:" + _url(b"no video"), ImageLimits(), "video"),  # app.video_frames (ffmpeg)
+        ("twice", ImageLimits(max_images=1), "Too many images: 2"),
+    ],
+)
+@pytest.mark.parametrize(
+    ("param", "field"),
+    [
+        (None, "messages.2.content"),  # chat: the message's own content
+        (lambda i: "input", "input"),  # Responses and Anthropic name the list
+    ],
+)
+def test_an_image_refusal_names_the_field_holding_the_image(url, limits, needle, param, field):
+    """A refused image (corrupt, too large, unfetchable, a video ffmpeg cannot
+    read) answered param null, code null, or param "image 2" (no request field):
+    every 400 refusing a request field names it, with code invalid_request."""
+    from app.images import ImageSource
+
+    if url == "twice":
+        first, url = _url(_png()), _url(_png((4, 4)))
+    else:
+        first = _url(_png((5, 5)))
+    video = url.startswith("video:")
+    image = ImageSource(url=url.removeprefix("video:"), video=video)
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "image", "source": ImageSource(url=first)}]},
+        {"role": "user", "content": [{"type": "text", "text": "and"}, {"type": "image", "source": image}]},
+    ]  # fmt: skip
+    if needle == "--max-images-bytes":  # the first image alone fits
+        limits = ImageLimits(max_total_bytes=len(_png((5, 5))) + 10)
+    kwargs = {"param": param} if param is not None else {}
+    with pytest.raises(APIError) as err:
+        resolve_images(messages, _Front(), limits, placeholder_notes=False, **kwargs)
+    assert err.value.status == 400 and needle in err.value.message
+    assert (err.value.param, err.value.code) == (field, "invalid_request")
