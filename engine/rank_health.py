@@ -207,7 +207,9 @@ def _listen(bind: str, port: int) -> socket.socket:
 def _first_line(conn: socket.socket, timeout_s: float, limit: int = 128) -> bytes:
     """The bytes before the first newline, read until it comes, ``limit`` bytes or
     ``timeout_s`` in all (socket.timeout, an OSError): a hello split over two TCP
-    segments read as nothing when one recv was all it got."""
+    segments read as nothing when one recv was all it got. The monitor reads a
+    worker's hello so, and a worker the monitor's answer; the caller sets the
+    socket's timeout again after it."""
     deadline = time.monotonic() + timeout_s
     data = b""
     while b"\n" not in data and len(data) < limit:
@@ -274,20 +276,16 @@ class Heartbeat:
         )
 
     def _connect(self, host: str) -> socket.socket:
-        sock = socket.create_connection((host, self._port), timeout=max(self._timeout_s, 5.0))
+        wait = max(self._timeout_s, 5.0)
+        sock = socket.create_connection((host, self._port), timeout=wait)
         try:
             sock.sendall(f"rank {self._rank} {self._token}\n".encode())
-            answer = b""
-            while b"\n" not in answer and len(answer) < 64:
-                chunk = sock.recv(64 - len(answer))
-                if not chunk:
-                    break
-                answer += chunk
-            # one line; the monitor's beats may follow it in the same read
-            line = answer.partition(b"\n")[0]
+            # one line within ``wait`` in all; the monitor's beats may follow it
+            line = _first_line(sock, wait, 64)
             word, _, token = line.decode(errors="replace").strip().partition(" ")
             if word != "kvwarm" or token != self._token:
                 raise OSError("something else listens there")
+            sock.settimeout(wait)  # the answer's read left what remained of it
         except OSError:
             sock.close()
             raise

@@ -285,3 +285,75 @@ def test_the_serving_rank_sends_its_workers_the_fixed_heartbeat_port():
     assert workers[0]._port == port
     workers[0].stop()
     monitor.close()
+
+
+class Dribbling:
+    """A listener that answers a worker's hello a byte a second (on the test's
+    clock), never ending its line."""
+
+    def __init__(self, clock: list[float]):
+        self.clock = clock
+        self.timeout: float | None = None
+        self.closed = False
+
+    def settimeout(self, seconds: float | None) -> None:
+        self.timeout = seconds
+
+    def sendall(self, data: bytes) -> None:
+        pass
+
+    def recv(self, n: int) -> bytes:
+        assert self.timeout is not None
+        if self.timeout < 1:
+            self.clock[0] += self.timeout
+            raise TimeoutError("timed out")
+        self.clock[0] += 1
+        return b"k"
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_workers_wait_for_the_monitors_answer_has_one_deadline(monkeypatch):
+    """The answer was read a recv at a time, each with the whole timeout: a
+    listener dribbling a byte just inside it held the worker's start for 64 of
+    them. It is read as the monitor reads a hello (_first_line): one deadline."""
+    from engine import rank_health
+
+    clock = [0.0]
+    listener = Dribbling(clock)
+
+    def connect(address, timeout):
+        listener.settimeout(timeout)
+        return listener
+
+    monkeypatch.setattr(rank_health.socket, "create_connection", connect)
+    monkeypatch.setattr(rank_health, "time", type("Clock", (), {"monotonic": lambda: clock[0]}))
+    hb = Heartbeat("127.0.0.1", 1, 1, 0.5, [].append, token="t")
+    with pytest.raises(OSError):
+        hb._connect("127.0.0.1")
+    assert clock[0] <= 5.0 + 0.01 and listener.closed  # max(timeout, 5 s) in all
+
+
+def test_a_workers_socket_keeps_its_timeout_after_a_split_answer():
+    """The answer split over two segments is read whole, and the socket beats
+    on with its own timeout, not what was left of the answer's deadline."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.recv(64)
+        conn.sendall(b"kvwa")
+        time.sleep(0.2)  # the worker reads the first part alone
+        conn.sendall(b"rm t\n.")
+        conn.close()
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    hb = Heartbeat("127.0.0.1", server.getsockname()[1], 1, 0.5, [].append, token="t")
+    sock = hb._connect("127.0.0.1")
+    thread.join(5)
+    assert sock.gettimeout() == 5.0
+    sock.close()
+    server.close()
