@@ -15,9 +15,11 @@ from starlette._utils import parse_host_header
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import ANTHROPIC_PATHS, APIError, count_refusal, error_payload
+from app.host_names import host_matches, host_pattern
 from scheduler.request import next_request_id
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # Prometheus scrapes without a key, as with vLLM
@@ -36,34 +38,36 @@ async def _send_error(
 
 class HostCheckMiddleware(TrustedHostMiddleware):
     """Starlette's Host allowlist (exact names, or ``*.domain``), refusing an unknown
-    host with the JSON error body every other 400 has (Starlette's is plain text)."""
+    host with the JSON error body every other 400 has (Starlette's is plain text).
+    An item with a port (``mybox.local:8080``) answers that port only: Starlette
+    compared the bare name with it, so such an item never matched."""
 
     def __init__(self, app: ASGIApp, allowed_hosts: list[str]):
-        super().__init__(app, allowed_hosts, www_redirect=False)
+        patterns = [host_pattern(item) for item in allowed_hosts if item != "*"]
+        names = ["*"] if "*" in allowed_hosts else [p.name for p in patterns]
+        super().__init__(app, names, www_redirect=False)
+        self.patterns = patterns
 
     def _allowed(self, scope: Scope) -> bool:
         parsed = parse_host_header(Headers(scope=scope).get("host"))
         if parsed is None:
             return False
         host = parsed.host.lower()
-        return any(
-            host == pattern or (pattern.startswith("*") and host.endswith(pattern[1:]))
-            for pattern in self.allowed_hosts
-        )
+        return any(host_matches(pattern, host, parsed.port) for pattern in self.patterns)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":  # websockets: Starlette's own check and refusal
-            await super().__call__(scope, receive, send)
-            return
-        if self.allow_any or self._allowed(scope):
+        if scope["type"] not in ("http", "websocket") or self.allow_any or self._allowed(scope):
             await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":  # Starlette's own refusal
+            await PlainTextResponse("Invalid host header", 400)(scope, receive, send)
             return
         await _send_error(
             scope,
             send,
             400,
             "Invalid Host header: this server answers only the names --allowed-hosts lists "
-            "(loopback names when bound to loopback).",
+            "(loopback names when bound to loopback; an item with a :port, only that port).",
             "invalid_request_error",
             "invalid_host",
         )

@@ -18,6 +18,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.host_names import host_item, origin_item
 from app.images import ImageLimits
 from engine.distributed_config import DistributedConfig, launched
 from engine.gguf_archs import ARCHS as GGUF_ARCHS
@@ -176,14 +177,15 @@ class Settings(BaseSettings):
     )
     allowed_hosts: str | None = Field(
         None,
-        description="comma-separated Host header values to answer (* = any); default: "
-        "the loopback names when bound to loopback (a guard against DNS rebinding), "
-        "any host otherwise",
+        description="comma-separated Host header values to answer: a name or address, "
+        "with :port to answer only that port (mybox.local, mybox.local:8080, *.example.com, "
+        "[::1]:8080; * = any); default: the loopback names when bound to loopback (a guard "
+        "against DNS rebinding), any host otherwise",
     )
     cors_origins: str | None = Field(
         None,
-        description="comma-separated origins browsers may call from (* = any); "
-        "default: none (no CORS headers)",
+        description="comma-separated origins browsers may call from, as scheme://host[:port] "
+        "(http://localhost:3000; * = any); default: none (no CORS headers)",
     )
     shutdown_timeout: float = Field(
         30.0,
@@ -436,7 +438,16 @@ class Settings(BaseSettings):
         # "," or " " named no host: every request, /health too, was refused
         if value is not None and not _comma_list(value):
             raise ValueError(f"{value!r} names no host (* answers any)")
-        return value
+        # "mybox.local:8080" (a Host header value) never matched: it is matched
+        # with its port now, and what can never match a Host header is refused
+        return ",".join(host_item(item) for item in _comma_list(value)) if value else value
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, value: str | None) -> str | None:
+        # browsers send Origin without a trailing "/" or a default port, in lower
+        # case: "http://localhost:3000/" never matched, and a path never can
+        return ",".join(origin_item(item) for item in _comma_list(value)) if value else value
 
     @field_validator("distributed_hosts")
     @classmethod

@@ -132,3 +132,68 @@ def test_a_rebound_name_is_not_the_servers_own_page_when_any_host_is_answered():
     with serve_app(app) as url:
         own = {"Host": "kv.lan", "Origin": "http://kv.lan"}  # its own /docs, by a checked name
         assert httpx.post(url + CHAT, json=chat(), headers=own).status_code == 200
+
+
+def _host_answer(allowed: str, host: str) -> int:
+    from starlette.responses import PlainTextResponse
+    from starlette.testclient import TestClient
+
+    from app.middleware import HostCheckMiddleware
+
+    hosts = Settings(_env_file=None, host="0.0.0.0", allowed_hosts=allowed).host_allowlist
+    client = TestClient(HostCheckMiddleware(PlainTextResponse("ok"), hosts))
+    return client.get("/health", headers={"Host": host}).status_code
+
+
+@pytest.mark.parametrize(
+    ("allowed", "host", "status"),
+    [
+        ("mybox.local:8080", "mybox.local:8080", 200),
+        ("MyBox.Local:8080", "mybox.local:8080", 200),
+        ("mybox.local:8080", "mybox.local:9090", 400),
+        ("mybox.local:8080", "other.local:8080", 400),
+        ("mybox.local:80", "mybox.local", 200),  # a default port is left out of Host
+        ("mybox.local", "mybox.local:8080", 200),  # no port: any port
+        ("[::1]:8080", "[::1]:8080", 200),
+        ("[::1]", "[::1]:8080", 200),
+        ("::1", "[::1]:8080", 200),
+        ("*.example.com:8080", "a.example.com:8080", 200),
+    ],
+)
+def test_an_allowed_host_with_a_port_matches_that_port(allowed, host, status):
+    """The help says "Host header values", which carry the port: `mybox.local:8080`
+    was compared with the bare name and refused every request, /health too."""
+    assert _host_answer(allowed, host) == status
+
+
+@pytest.mark.parametrize("item", ["http://mybox.local", "mybox.local/", "mybox:port", "[::zz]"])
+def test_an_allowed_host_no_host_header_can_match_is_refused_at_start(item, capsys):
+    from app.cli import main
+
+    assert main(["serve", "--allowed-hosts", item, "--no-log-json"]) == 2
+    err = capsys.readouterr().err
+    assert "--allowed-hosts" in err and "mybox.local:8080" in err, err
+
+
+def test_a_cors_origin_written_with_a_trailing_slash_matches():
+    """Browsers send Origin without a path: "http://localhost:3000/" never matched."""
+    from starlette.testclient import TestClient
+
+    settings = Settings(_env_file=None, cors_origins="http://LocalHost:3000/, https://a.lan:443")
+    assert settings.cors_allowlist == ["http://localhost:3000", "https://a.lan"]
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, eos_after=2))
+    with TestClient(app, base_url="http://localhost") as client:
+        for origin in ("http://localhost:3000", "https://a.lan"):
+            pre = client.options(
+                CHAT, headers={"Origin": origin, "Access-Control-Request-Method": "POST"}
+            )
+            assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == origin
+            assert client.post(CHAT, json=chat(), headers={"Origin": origin}).status_code == 200
+
+
+def test_a_cors_origin_with_a_path_is_refused_at_start(capsys):
+    from app.cli import main
+
+    assert main(["serve", "--cors-origins", "http://localhost:3000/app", "--no-log-json"]) == 2
+    err = capsys.readouterr().err
+    assert "--cors-origins" in err and "http://localhost:3000" in err, err
