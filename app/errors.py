@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic_core import from_json
+from starlette._utils import get_route_path
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
-from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from observability.escape import ascii_escaped
@@ -294,7 +294,11 @@ def install_error_handlers(app: FastAPI) -> None:
         headers = dict(getattr(exc, "headers", None) or {})
         count_refusal(request.scope, exc.status_code, None)  # a body too large or too slow
         if exc.status_code == 405:
-            headers["Allow"] = ", ".join(allowed_methods(request.app, request.scope))
+            # with Starlette's own list: an empty Allow tells a client nothing is allowed
+            listed = {m.strip() for m in headers.get("Allow", "").split(",") if m.strip()}
+            found = listed | set(allowed_methods(request.app, request.scope))
+            if found:
+                headers["Allow"] = ", ".join(sorted(found))
         return error_response(
             exc.status_code,
             str(exc.detail),
@@ -305,14 +309,26 @@ def install_error_handlers(app: FastAPI) -> None:
         )
 
 
+def _served_routes(routes: Iterable[Any]) -> Iterator[Any]:
+    """Every route, those of included routers too: recent FastAPI keeps an
+    included router as one entry (no ``methods``), whose routes it yields."""
+    for route in routes:
+        contexts = getattr(route, "effective_route_contexts", None)
+        if callable(contexts):
+            yield from contexts()
+        else:
+            yield route
+
+
 def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
     """Every method some route serves at this path (Starlette's 405 names only
     the first matching route's)."""
+    path = get_route_path(scope)
     methods: set[str] = set()
-    for route in app.router.routes:
-        match, _ = route.matches(scope)  # PARTIAL: the path matches, the method not
+    for route in _served_routes(app.router.routes):
+        regex = getattr(route, "path_regex", None)
         route_methods = getattr(route, "methods", None)
-        if match is not Match.NONE and route_methods:
+        if regex is not None and route_methods and regex.match(path):
             methods |= set(route_methods)
     return sorted(methods)
 

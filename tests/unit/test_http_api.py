@@ -431,6 +431,23 @@ def test_unknown_route_and_method_use_the_error_shape(base):
     assert_error(httpx.get(base + CHAT), 405)
 
 
+@pytest.mark.parametrize(
+    ("method", "path", "allowed"),
+    [
+        ("GET", CHAT, {"POST"}),
+        ("PUT", "/v1/messages", {"POST"}),
+        ("PUT", "/v1/adapters", {"GET", "POST"}),
+        ("POST", "/v1/models", {"GET"}),
+    ],
+)
+def test_a_405_names_the_methods_the_path_serves(base, method, path, allowed):
+    """Routes of an included router (20 of 24) answered 405 with an empty Allow:
+    the handler looked only at the app's own routes, and replaced Starlette's."""
+    r = httpx.request(method, base + path)
+    assert r.status_code == 405, r.text
+    assert allowed <= {m.strip() for m in r.headers["allow"].split(",")}, r.headers
+
+
 def test_models_health_and_stats(base):
     models = httpx.get(base + "/v1/models").json()
     assert models["data"][0]["id"] == "fake-model"
