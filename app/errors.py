@@ -59,6 +59,7 @@ _ANTHROPIC_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     413: "request_too_large",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "overloaded_error",
     529: "overloaded_error",
@@ -225,7 +226,7 @@ def rejection_reason(status: int, code: str | None) -> str | None:
         return "queue_full"
     if status == 503:
         return "unavailable"
-    if status in (400, 413, 422):
+    if status in (400, 413, 415, 422):
         return "invalid"
     if status == 408:
         return "body_timeout"

@@ -26,12 +26,19 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})  # Prometheus scrapes without a 
 
 
 async def _send_error(
-    scope: Scope, send: Send, status: int, message: str, error_type: str, code: str
+    scope: Scope,
+    send: Send,
+    status: int,
+    message: str,
+    error_type: str,
+    code: str,
+    extra: list[tuple[bytes, bytes]] | None = None,
 ) -> None:
     body = json.dumps(error_payload(scope["path"], status, message, error_type, code)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
+    headers += extra or []
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
@@ -217,6 +224,33 @@ BODY_RECEIVED = "kvwarm.body_received"  # scope key: when its last body byte cam
 MIN_BODY_RATE = 256 * 1024  # bytes a second a body must average (after --body-timeout)
 
 
+def _carries_body(head: dict[bytes, bytes]) -> bool:
+    length = head.get(b"content-length")
+    return b"transfer-encoding" in head or (length is not None and length.strip() != b"0")
+
+
+def _encoded(head: dict[bytes, bytes]) -> bool:
+    codings = head.get(b"content-encoding", b"").lower().split(b",")
+    return any(c.strip() not in (b"", b"identity") for c in codings)
+
+
+async def _refuse_encoding(scope: Scope, send: Send, coding: bytes) -> None:
+    """A compressed body would be parsed as JSON and refused as "not valid JSON",
+    which sends the user looking for a mistake in the JSON (RFC 9110 15.5.16)."""
+    count_refusal(scope, 415, "unsupported_content_encoding")
+    name = coding.decode("latin-1")[:64]
+    await _send_error(
+        scope,
+        send,
+        415,
+        f"Content-Encoding {name!r} is not supported: send the request body uncompressed "
+        "(Content-Encoding: identity, or none).",
+        "invalid_request_error",
+        "unsupported_content_encoding",
+        [(b"accept-encoding", b"identity")],
+    )
+
+
 class BodyLimitMiddleware:
     """Bounds request bodies: each one's size (413), all of them held at once
     (503 beyond ``max_in_flight`` bytes until each is prepared: a client could
@@ -239,7 +273,11 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope.get("headers") or []).get(b"content-length")
+        head = dict(scope.get("headers") or [])
+        length = head.get(b"content-length")
+        if _carries_body(head) and _encoded(head):
+            await _refuse_encoding(scope, send, head[b"content-encoding"])
+            return
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             count_refusal(scope, 413, "body_too_large")
             await _send_error(

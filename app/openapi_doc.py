@@ -33,6 +33,7 @@ WHY = {
     404: "No such stored response.",
     408: "The body paused longer than --body-timeout, or arrived slower than 256 KiB/s.",
     413: "Body larger than --max-body-bytes.",
+    415: "A compressed body (Content-Encoding other than identity): send it uncompressed.",
     429: "The queue is full; retry after Retry-After seconds.",
     500: "The request failed in the engine (it alone: other requests go on).",
     503: "The model is loading, the server is shutting down, the request waited past "
@@ -262,7 +263,7 @@ def install_openapi(
                 if checks_origin and method.upper() not in SAFE_METHODS:
                     statuses.append(403)
                 if "requestBody" in op:
-                    statuses += [408, 413]
+                    statuses += [408, 413, 415]
                 for status, doc_ in errors(error, statuses).items():
                     responses.setdefault(str(status), doc_)
                 if not settings.api_key:

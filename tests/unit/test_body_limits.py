@@ -17,6 +17,7 @@ from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.http_server import read_response, serve_app
 from tests.unit.test_reliability import (
     CHAT,
+    MESSAGES,
     RESPONSES,
     chat,
     responses,
@@ -176,3 +177,40 @@ async def test_websocket_scopes_keep_starlettes_host_check():
     assert not reached and sent  # refused before the app
     await check({**scope, "headers": [(b"host", b"localhost:8000")]}, receive, send)
     assert len(reached) == 1
+
+
+def test_a_compressed_body_is_refused_as_an_encoding_before_it_is_read():
+    """A gzip body was parsed as JSON and refused as "not valid JSON", which sent the
+    user looking for a JSON mistake: it is a 415 naming the encoding, answered
+    from the head alone (this one's body never comes)."""
+    import gzip
+
+    settings = Settings(_env_file=None, body_timeout=60)
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, eos_after=2))
+    packed = gzip.compress(json.dumps(chat()).encode())
+    with serve_app(app) as url:
+        gz = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+        r = httpx.post(url + CHAT, content=packed, headers=gz)
+        assert r.status_code == 415, r.text
+        err = r.json()["error"]
+        assert err["code"] == "unsupported_content_encoding"
+        assert "gzip" in err["message"] and "identity" in err["message"]
+        assert r.headers["accept-encoding"] == "identity"
+        r = httpx.post(url + MESSAGES, content=packed, headers={**gz, "Content-Encoding": "br"})
+        assert r.status_code == 415 and r.json()["error"]["type"] == "invalid_request_error"
+        ok = httpx.post(url + CHAT, json=chat(), headers={"Content-Encoding": "identity"})
+        assert ok.status_code == 200, ok.text
+        assert httpx.get(url + "/health", headers={"Content-Encoding": "gzip"}).status_code == 200
+        host, port = url.removeprefix("http://").split(":")
+        stalled = socket.create_connection((host, int(port)))
+        try:
+            stalled.sendall(
+                f"POST {CHAT} HTTP/1.1\r\nHost: {host}\r\nContent-Encoding: deflate\r\n"
+                "Content-Length: 1000\r\n\r\n".encode()
+            )
+            answer = read_response(stalled)  # long before --body-timeout
+        finally:
+            stalled.close()
+        assert answer.startswith(b"HTTP/1.1 415"), answer
+        metrics = httpx.get(url + "/metrics").text
+    assert 'reason="invalid"} 3.0' in metrics

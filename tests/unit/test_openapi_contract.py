@@ -61,7 +61,7 @@ TestStoredResponsesWorkflow = Workflow.TestCase
 
 
 def test_the_middlewares_answers_are_documented_on_the_routes_they_guard():
-    """The body limits' 408/413 on every route with a body; the Host check's 400
+    """The body limits' 408/413/415 on every route with a body; the Host check's 400
     (in the route's error shape) on every route when it is on."""
     app = create_app(Settings(_env_file=None), lambda s, r: FakeEngine(s, r, eos_after=3))
     doc = app.openapi()
@@ -70,7 +70,7 @@ def test_the_middlewares_answers_are_documented_on_the_routes_they_guard():
             codes = set(op["responses"])
             assert "400" in codes, (method, path)
             if "requestBody" in op:
-                assert {"408", "413"} <= codes, (method, path)
+                assert {"408", "413", "415"} <= codes, (method, path)
     messages = doc["paths"]["/v1/messages"]["post"]["responses"]["408"]
     assert messages["content"]["application/json"]["schema"]["$ref"].endswith("AnthropicError")
     health = doc["paths"]["/health"]["get"]["responses"]
