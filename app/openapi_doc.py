@@ -266,6 +266,9 @@ def install_openapi(
                     statuses += [408, 413, 415]
                 for status, doc_ in errors(error, statuses).items():
                     responses.setdefault(str(status), doc_)
+                if method == "head":  # its answers carry no body
+                    for status, doc_ in responses.items():
+                        responses[status] = {k: v for k, v in doc_.items() if k != "content"}
                 if not settings.api_key:
                     continue
                 if path in PROTECTED_EXEMPT:

@@ -185,17 +185,19 @@ def _status(state: AppState) -> str:
 
 
 def _add_admin_routes(app: FastAPI) -> None:
-    @app.get(
-        "/health",
-        responses={
-            200: {"description": "Ready.", "content": json_content(HEALTH)},
-            503: {
-                "description": "Loading, draining for shutdown, or the engine died.",
-                "content": json_content(HEALTH),
-                "headers": RETRY_AFTER,
-            },
+    health_responses: dict[int | str, dict[str, Any]] = {
+        200: {"description": "Ready.", "content": json_content(HEALTH)},
+        503: {
+            "description": "Loading, draining for shutdown, or the engine died.",
+            "content": json_content(HEALTH),
+            "headers": RETRY_AFTER,
         },
-    )
+    }
+    metrics_responses: dict[int | str, dict[str, Any]] = {
+        200: {"description": "Prometheus exposition.", "content": {"text/plain": {}}}
+    }
+
+    @app.get("/health", responses=health_responses)
     async def health(request: Request) -> JSONResponse:
         state: AppState = request.app.state.kvwarm
         status = _status(state)
@@ -210,17 +212,31 @@ def _add_admin_routes(app: FastAPI) -> None:
             return JSONResponse({"status": status}, 503, headers=RETRY_LATER)
         return JSONResponse({"status": status})
 
-    @app.get(
-        "/metrics",
-        response_class=Response,
-        responses={200: {"description": "Prometheus exposition.", "content": {"text/plain": {}}}},
-    )
+    @app.get("/metrics", response_class=Response, responses=metrics_responses)
     async def metrics(request: Request) -> Response:
         state: AppState = request.app.state.kvwarm
         info = state.engine.model_info
         if info is not None:
             state.obs.metrics.ensure_model(info.model_id)
         return Response(state.obs.metrics.render(), media_type=CONTENT_TYPE)
+
+    # load balancers and uptime monitors probe with HEAD (it was a 405): the GET's
+    # status and headers, no body (the server drops it)
+    for path, endpoint, documented in (
+        ("/health", health, health_responses),
+        ("/metrics", metrics, metrics_responses),
+    ):
+        app.add_api_route(
+            path,
+            endpoint,
+            methods=["HEAD"],
+            response_class=Response,
+            operation_id=f"{endpoint.__name__}_head",
+            responses={
+                status: {k: v for k, v in doc.items() if k != "content"}
+                for status, doc in documented.items()
+            },
+        )
 
     @app.get(
         "/v1/models",

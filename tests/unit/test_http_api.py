@@ -888,3 +888,13 @@ def test_only_a_conversations_own_id_makes_its_cache_hints_its_own():
             assert httpx.post(url + CHAT, json=body).status_code == 200
     assert [r.cache.own_conversation for r in seen] == [True, False, False]
     assert seen[1].cache.session_id == "acme-bot"  # still the session layer's key
+
+
+@pytest.mark.parametrize("path", ["/health", "/metrics"])
+def test_monitors_may_probe_health_and_metrics_with_head(base, path):
+    """Load balancers and uptime monitors send HEAD: it was a 405."""
+    got = httpx.get(base + path)
+    r = httpx.head(base + path)
+    assert r.status_code == 200 and r.content == b"", r.headers
+    assert r.headers["content-type"] == got.headers["content-type"]
+    assert "head" in httpx.get(base + "/openapi.json").json()["paths"][path]
