@@ -13,7 +13,7 @@ import time
 
 from starlette._utils import parse_host_header
 from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.responses import PlainTextResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -78,6 +78,39 @@ class HostCheckMiddleware(TrustedHostMiddleware):
             "invalid_request_error",
             "invalid_host",
         )
+
+
+class PreflightCORS(CORSMiddleware):
+    """Starlette's CORS, refusing a preflight in the route's JSON error shape
+    (Starlette's is text/plain "Disallowed CORS origin"), its 400 and headers kept."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        preflight = scope["type"] == "http" and scope["method"] == "OPTIONS"
+        headers = Headers(scope=scope) if preflight else Headers()
+        if not (preflight and "origin" in headers and "access-control-request-method" in headers):
+            await super().__call__(scope, receive, send)
+            return
+        response = self.preflight_response(request_headers=headers)
+        if response.status_code != 400:
+            await response(scope, receive, send)
+            return
+        kept = [
+            (name, value)
+            for name, value in response.raw_headers
+            if name not in (b"content-type", b"content-length")
+        ]
+        failures = bytes(response.body).decode().removeprefix("Disallowed CORS ")
+        origin = headers["origin"][:200]
+        if "origin" in failures.split(", "):
+            message = (
+                f"CORS preflight refused: the web origin {origin!r} is not allowed; start "
+                "kvwarm with --cors-origins naming it to allow a page there to call this server."
+            )
+            code = "origin_not_allowed"
+        else:
+            message = f"CORS preflight refused: the requested {failures} are not allowed."
+            code = "cors_not_allowed"
+        await _send_error(scope, send, 400, message, "invalid_request_error", code, kept)
 
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -306,7 +339,8 @@ class BodyLimitMiddleware:
                     if left > self.idle_timeout
                     else f"The request body arrived slower than {MIN_BODY_RATE // 1024} KiB/s."
                 )
-                raise HTTPException(408, what) from None
+                # a code, as the 413 body_too_large and 503 bodies_busy have
+                raise APIError(408, what, code="body_timeout") from None
             if message["type"] != "http.request":
                 return message
             chunk = len(message.get("body", b""))

@@ -11,7 +11,6 @@ from dataclasses import asdict
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from app.adapters_api import AdapterMountRequest
@@ -28,6 +27,7 @@ from app.middleware import (
     CrossOriginGuard,
     HostCheckMiddleware,
     OpenRequests,
+    PreflightCORS,
     RequestCounter,
     RequestIdHeader,
 )
@@ -141,7 +141,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
     )
     if settings.cors_allowlist:
         app.add_middleware(
-            CORSMiddleware,
+            PreflightCORS,
             allow_origins=settings.cors_allowlist,
             allow_methods=["*"],
             allow_headers=["*"],

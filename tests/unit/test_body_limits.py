@@ -102,6 +102,8 @@ def test_a_body_trickled_a_byte_at_a_time_is_cut_too():
             conn.close()
         assert answer.startswith(b"HTTP/1.1 408") and b"slower than" in answer, answer
         assert took < 6
+        # a code, as 413 body_too_large and 503 bodies_busy have (it was null)
+        assert json.loads(answer.partition(b"\r\n\r\n")[2])["error"]["code"] == "body_timeout"
         metrics = httpx.get(url + "/metrics").text
     assert 'reason="body_timeout"} 1.0' in metrics  # a refused request, on the dashboard
 

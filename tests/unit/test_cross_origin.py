@@ -197,3 +197,23 @@ def test_a_cors_origin_with_a_path_is_refused_at_start(capsys):
     assert main(["serve", "--cors-origins", "http://localhost:3000/app", "--no-log-json"]) == 2
     err = capsys.readouterr().err
     assert "--cors-origins" in err and "http://localhost:3000" in err, err
+
+
+def test_a_refused_preflight_is_in_the_json_error_shape():
+    """Starlette refused it as text/plain "Disallowed CORS origin"; every other
+    refusal is the route's own JSON error."""
+    from starlette.testclient import TestClient
+
+    settings = Settings(_env_file=None, cors_origins="http://app.lan")
+    app = create_app(settings, lambda s, r: FakeEngine(s, r, eos_after=2))
+    with TestClient(app, base_url="http://localhost") as client:
+        asked = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}
+        r = client.options(CHAT, headers=asked)
+        assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+        err = r.json()["error"]
+        assert err["code"] == "origin_not_allowed" and "--cors-origins" in err["message"]
+        assert "access-control-allow-origin" not in r.headers
+        r = client.options(MESSAGES, headers=asked)
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+        allowed = {**asked, "Origin": "http://app.lan"}
+        assert client.options(CHAT, headers=allowed).status_code == 200
