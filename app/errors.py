@@ -322,16 +322,19 @@ def _served_routes(routes: Iterable[Any]) -> Iterator[Any]:
 
 
 def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
-    """Every method some route serves at this path (Starlette's 405 names only
-    the first matching route's)."""
+    """Every method the routes of this path serve (Starlette's 405 names only the
+    first matching route's). Of the routes whose template matches, those with the
+    fewest parameters: /v1/conv_kv/save is its own resource, not a conversation id
+    that /v1/conv_kv/{conversation_id} would also take (the document says so)."""
     path = get_route_path(scope)
-    methods: set[str] = set()
+    matched: list[tuple[int, set[str]]] = []
     for route in _served_routes(app.router.routes):
         regex = getattr(route, "path_regex", None)
         route_methods = getattr(route, "methods", None)
         if regex is not None and route_methods and regex.match(path):
-            methods |= set(route_methods)
-    return sorted(methods)
+            matched.append((len(getattr(route, "param_convertors", ()) or ()), set(route_methods)))
+    fewest = min((params for params, _ in matched), default=0)
+    return sorted({m for params, methods in matched if params == fewest for m in methods})
 
 
 class InternalErrorMiddleware:
