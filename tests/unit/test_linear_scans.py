@@ -97,7 +97,9 @@ def test_block_scans_stay_within_one_pass(text: str) -> None:
         assert counted.examined <= len(text)
 
 
-@pytest.mark.parametrize("unit", ["cch=1;", "cch=1;\n", "Current time: 2026-11-27 05:00:00 "])
+@pytest.mark.parametrize(
+    "unit", ["cch=1;", "cch=1;\n", "Be brief. Current time: 2026-11-27 05:00:00 "]
+)
 def test_relocating_volatile_lines_examines_each_character_at_most_three_times(
     unit: str,
 ) -> None:
