@@ -188,8 +188,11 @@ class ChatFormatter:
         if conversation is not None:
             snapshot = Snapshot(conversation, text, walk, parts, tokens)
             self._snapshots.put(snapshot, parent=base)
+        newest_user = max((k for k, m in enumerate(messages) if m["role"] == "user"), default=-1)
         return RenderedPrompt(
-            self._key(tokens, parts), tuple(p.hash for p in parts), tail=text[-TAIL_CHARS:]
+            self._key(tokens, parts, newest_user),
+            tuple(p.hash for p in parts),
+            tail=text[-TAIL_CHARS:],
         )
 
     def encode(self, text: str) -> list[int]:
@@ -289,7 +292,9 @@ class ChatFormatter:
         return tuple(parts)
 
     @staticmethod
-    def _key(tokens: Tokens, parts: tuple[Part, ...]) -> PromptKey:
+    def _key(tokens: Tokens, parts: tuple[Part, ...], newest_user: int = -1) -> PromptKey:
+        """``newest_user``: the index of the newest user message (-1: none); where it
+        has no place, its text was not scanned and has no volatile span to read."""
         if tokens.monotone:
             spans = merge_ranges(r for p in parts for r in p.ranges)
         else:
@@ -300,7 +305,10 @@ class ChatFormatter:
             if p.slice.role not in SYSTEM_ROLES:
                 break
             system_end = p.end_token
-        return PromptKey.build(tokens.ids, spans, [p.end_token for p in parts], system_end)
+        newest = None
+        if 0 <= newest_user < len(parts):  # a token that straddles its start is its own
+            newest = max(parts[newest_user - 1].end_token - 1, 0) if newest_user else 0
+        return PromptKey.build(tokens.ids, spans, [p.end_token for p in parts], system_end, newest)
 
 
 # a head of this many characters per token of context is tokenised before the

@@ -138,6 +138,7 @@ def expand_images(key: PromptKey, slots: Sequence[tuple[int, Sequence[int]]]) ->
         spans,
         [moved(e) for e in key.message_ends],
         moved(key.stable_prefix_end),
+        None if key.newest_user_start is None else moved(key.newest_user_start),
     )
 
 

@@ -98,6 +98,10 @@ class PromptKey:
     # end of the leading system message(s) (system prompt + tools): shared by sub-agents
     stable_prefix_end: int = 0
     canonical: tuple[int, ...] = field(default=(), compare=False)
+    # where the newest user message starts (None: not known): a changed volatile
+    # value from here on is read, never stepped over, as it may be the user's edit
+    # of their last message before a regenerate (only the prompt's tail prefills)
+    newest_user_start: int | None = field(default=None, compare=False)
 
     @classmethod
     def build(
@@ -106,6 +110,7 @@ class PromptKey:
         spans: Sequence[TokenSpan] = (),
         message_ends: Sequence[int] = (),
         stable_prefix_end: int = 0,
+        newest_user_start: int | None = None,
     ) -> PromptKey:
         tokens = tuple(model_tokens)
         return cls(
@@ -114,12 +119,17 @@ class PromptKey:
             tuple(message_ends),
             stable_prefix_end,
             tuple(canonicalise(tokens, spans)),
+            newest_user_start,
         )
 
     def extended(self, tokens: Sequence[int]) -> PromptKey:
         """This prompt followed by generated tokens (never volatile)."""
         return PromptKey.build(
-            self.model_tokens + tuple(tokens), self.spans, self.message_ends, self.stable_prefix_end
+            self.model_tokens + tuple(tokens),
+            self.spans,
+            self.message_ends,
+            self.stable_prefix_end,
+            self.newest_user_start,
         )
 
     def truncated(self, length: int) -> PromptKey:
@@ -130,6 +140,7 @@ class PromptKey:
             spans,
             [e for e in self.message_ends if e <= length],
             min(self.stable_prefix_end, length),
+            self.newest_user_start,
         )
 
     def spliced(self, depth: int, request: PromptKey, request_depth: int) -> PromptKey:
@@ -148,8 +159,15 @@ class PromptKey:
         stable = request.stable_prefix_end
         if stable > request_depth:
             stable += shift
+        newest = request.newest_user_start
+        if newest is not None:  # where it lies in the reused part, no position maps to it
+            newest = newest + shift if newest >= request_depth else None
         return PromptKey.build(
-            self.model_tokens[:depth] + request.model_tokens[request_depth:], spans, ends, stable
+            self.model_tokens[:depth] + request.model_tokens[request_depth:],
+            spans,
+            ends,
+            stable,
+            newest,
         )
 
     def canonical_position(self, model_pos: int) -> int:
@@ -196,7 +214,8 @@ def align(
     Tokens outside volatile spans must be equal. With ``skip_volatile`` a span
     of the same rule at the same aligned place is stepped over in both (their
     lengths may differ: a new timestamp may tokenise differently) unless its
-    rule is not ``stale_ok`` and the two differ, and a droppable span only the
+    rule is not ``stale_ok`` and the two differ, or they differ in the request's
+    newest user message (``newest_user_start``), and a droppable span only the
     entry has is stepped over (one whose rule is not ``stale_ok``, a reminder,
     only with ``entry_only_read``: the request's own conversation read it
     before); the model then keeps the entry's stale values there. A droppable
@@ -213,6 +232,7 @@ def align(
         return Alignment(n, n, 0)
     sa = [s for s in entry.spans if s.start < n_a]
     sb = list(request.spans)
+    newest = len(b) if request.newest_user_start is None else request.newest_user_start
     i = j = 0
     ia = ib = 0  # next span index on each side
     stale = 0
@@ -237,8 +257,10 @@ def align(
             if span_b.end > n_b:  # the request's span runs into its last token
                 break
             same = a[span_a.start : span_a.end] == b[span_b.start : span_b.end]
-            if not same and not span_a.stale_ok:
-                break  # a changed reminder: the model must read the new one
+            if not same and (not span_a.stale_ok or j >= newest):
+                # a changed reminder, or a value the user may have just edited
+                # ("Current time: 10:30" to 11:45, then regenerate): read the new one
+                break
             if not same:
                 stale += span_a.end - span_a.start
             i, j = span_a.end, span_b.end

@@ -200,7 +200,11 @@ def reference_render(tokenizer, messages, relocate_volatile=False, **kwargs) -> 
         canon = canonical_text(text, char_spans, s.start, s.end)
         raw = canon + "\x00" + canonical_tool_calls(m.get("tool_calls"))
         hashes.append(hashlib.blake2b(raw.encode(), digest_size=12).hexdigest())
-    key = PromptKey.build(ids, token_spans(offsets, char_spans), ends, system_end)
+    newest_user = max((k for k, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    newest = None
+    if 0 <= newest_user < len(slices):
+        newest = max(ends[newest_user - 1] - 1, 0) if newest_user else 0
+    key = PromptKey.build(ids, token_spans(offsets, char_spans), ends, system_end, newest)
     return RenderedPrompt(key, tuple(hashes), tail=text[-64:])
 
 
@@ -282,7 +286,9 @@ def test_cold_render_equals_cumulative_rendering(
 ):
     tokenizer = tokenizers[template]
     got = ChatFormatter(tokenizer).render_chat(conversation, relocate, **_kwargs(tools))
-    assert got == reference_render(tokenizer, conversation, relocate, **_kwargs(tools))
+    expected = reference_render(tokenizer, conversation, relocate, **_kwargs(tools))
+    assert got == expected
+    assert got.key.newest_user_start == expected.key.newest_user_start  # not compared by ==
 
 
 _shared: dict[str, ChatFormatter] = {}
@@ -770,3 +776,31 @@ def test_a_template_refusing_renderings_without_a_user_query_still_places_every_
     assert first_reply.startswith("<|im_start|>assistant") and "step 0" in first_reply
     pieces = [tok.decode(ids[a:b]).rstrip("\n") for a, b in zip(ends, ends[1:])]
     assert all(p.startswith("<|im_start|>") and p.endswith("<|im_end|>") for p in pieces)
+
+
+def test_an_edited_time_in_the_last_user_message_is_read_after_a_hit(tokenizers):
+    """A user edits the time in their last message and regenerates: the system
+    prompt's changed clock is stepped over, but the hit ends where the user's
+    message differs, so the model reads the new time, not the reused one."""
+    from kvcache.index import PrefixIndex
+
+    formatter = ChatFormatter(tokenizers["smollm2"])
+
+    def chat(clock: str, flight: str) -> list[dict[str, str]]:
+        return [
+            {
+                "role": "system",
+                "content": "You are a travel agent. " * 8 + f"\nCurrent time: {clock}\nBe brief.",
+            },
+            {"role": "user", "content": f"Current time: {flight}\nWhen should I leave?"},
+        ]
+
+    first = formatter.render_chat(chat("10:42", "10:30 pm")).key
+    edited = formatter.render_chat(chat("10:57", "11:45 pm")).key
+    assert edited.newest_user_start == first.message_ends[0] - 1
+    index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m")
+    index.insert(first.extended(formatter.encode("Leave at 8.")), 10, True)
+    al = index.lookup(edited).hit.alignment
+    user_span = next(s for s in edited.spans if s.start >= edited.message_ends[0])
+    assert al.stale_tokens > 0  # the system prompt's clock is stepped over
+    assert al.request_depth == user_span.start  # the user's new time is prefilled

@@ -334,3 +334,12 @@ def test_an_image_repeated_in_a_request_is_expanded_and_counted_once():
     assert all(prompt[s : s + SPAN] == [PLACEHOLDER] * SPAN for s in starts)
     request = Request(prompt, 4, SamplingParams(), images=inputs)
     assert request.image_bytes == 2 * 1000
+
+
+def test_the_newest_user_message_moves_with_the_text_after_an_image():
+    """An image widened before the newest user message moves its start too: a
+    stale start would let the alignment step over a value the user just edited."""
+    key = PromptKey.build([1, PLACEHOLDER, 2, 3, 4, 5], newest_user_start=3)
+    wide = expand_images(key, [(1, image_tokens(b"x", [PLACEHOLDER] * 4))])
+    assert wide.newest_user_start == 6
+    assert expand_images(PromptKey.build([1, PLACEHOLDER, 2]), []).newest_user_start is None

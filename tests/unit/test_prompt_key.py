@@ -147,6 +147,25 @@ def test_a_changed_reminder_is_prefilled_but_a_changed_envelope_is_stepped_over(
     assert (al.entry_depth, al.request_depth, al.stale_tokens) == (6, 7, 2)
 
 
+def test_a_changed_value_in_the_newest_user_message_is_read_not_stepped_over():
+    """A user who edits the time in their last message and regenerates: stepped
+    over as a stale value, the model read the old time from reused KV. Earlier
+    messages' values are still stepped over; only the prompt's tail prefills."""
+    tokens = [1, 2, 50, 51, 3, 4, 5, 6, 60, 61, 7, 8, 9]
+    spans = [TokenSpan(2, 4, TS), TokenSpan(8, 10, TS)]
+    old = PromptKey.build(tokens, spans, newest_user_start=5)
+    edited = [1, 2, 52, 53, 3, 4, 5, 6, 62, 63, 7, 8, 9]
+    new = PromptKey.build(edited, spans, newest_user_start=5)
+    al = align(old, new, skip_volatile=True)
+    assert (al.entry_depth, al.request_depth, al.stale_tokens) == (8, 8, 2)
+    # unchanged, it is reused like any other span
+    assert align(old, old, skip_volatile=True).request_depth == len(tokens) - 1
+    # a value in an earlier message (the newest user message starts after it)
+    later = PromptKey.build(edited + [4, 4], spans, newest_user_start=11)
+    al = align(old, later, skip_volatile=True)
+    assert (al.entry_depth, al.request_depth, al.stale_tokens) == (13, 13, 4)
+
+
 def test_a_reminder_joined_to_an_envelope_before_it_is_still_read_when_it_changes():
     """Spans that touch are joined and the first rule named the union: a reminder
     right after an Inbound Context block became an envelope, stepped over stale."""
