@@ -266,13 +266,18 @@ class PrefixIndex:
             # a conversation's own id, CacheHints.own_conversation); another
             # conversation's is never read by this one
             own = session is not None and entry.own_session and entry.session == session
-            al = align(entry.key, key, skip_volatile=skip, entry_only_read=own)
-            if skip and blocks:
+            # the row's reserved KV covers at most ``max_growth`` positions more than
+            # its prompt: the alignment keeps to that bound
+            al = align(
+                entry.key, key, skip_volatile=skip, entry_only_read=own, max_growth=max_growth
+            )
+            if al.capped:
+                result.rejected.append(
+                    f"entry {entry_id}: stale values past the reserved KV, "
+                    f"reused to {al.request_depth}"
+                )
+            elif skip and blocks:  # a capped alignment stops short of the key's match
                 self._check_key_agreement(entry, key, al, blocks, result)
-            growth = al.entry_depth - al.request_depth
-            if max_growth is not None and growth > max_growth:
-                result.rejected.append(f"entry {entry_id}: stale values {growth} tokens longer")
-                al = align(entry.key, key, skip_volatile=False)
             al = self._before_partial_image(key, al, entry_id, result)
             if not entry.trimmable and al.entry_depth != entry.length:
                 # recurrent / hybrid layers cannot be cut back: whole entries only

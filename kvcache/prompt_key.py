@@ -185,6 +185,8 @@ class Alignment:
     entry_depth: int  # KV positions of the entry that stay valid
     request_depth: int  # the request's prefill resumes at this model token
     stale_tokens: int  # entry tokens inside volatile spans whose values differ
+    # a deeper point was passed over for outgrowing ``max_growth`` (``align``)
+    capped: bool = False
 
 
 def _common_run(a: Sequence[int], i: int, b: Sequence[int], j: int, limit: int) -> int:
@@ -208,6 +210,7 @@ def align(
     skip_volatile: bool,
     entry_len: int | None = None,
     entry_only_read: bool = True,
+    max_growth: int | None = None,
 ) -> Alignment:
     """How far ``entry``'s KV stands for ``request``.
 
@@ -223,10 +226,22 @@ def align(
     or the model would never read it.
     Without it only an exact model-token prefix counts. Never consumes the
     request's last token.
+
+    ``max_growth``: the most KV positions the entry's part may hold beyond the
+    request's (entry_depth - request_depth: stale values longer than the new
+    ones, blocks only the entry holds), which the row's reserved KV must still
+    cover. The alignment goes on past a point over it, but only a point within
+    it is kept: a hit then ends where the growth began, not at the first changed
+    value (a clock on line one, as an exact-prefix fallback did). Nor is a hit
+    cut inside a changed value's span where the exact prefix ends: the KV it
+    leaves would be stored under a key with the value's raw tokens, which no
+    later request's cache key (a placeholder there) finds.
     """
     a, b = entry.model_tokens, request.model_tokens
     n_a = len(a) if entry_len is None else min(entry_len, len(a))
     n_b = len(b) - 1  # at least one prompt token is always recomputed
+    grow = n_a if max_growth is None else max_growth
+    capped = False
     if not skip_volatile:
         n = _common_run(a, 0, b, 0, min(n_a, n_b))
         return Alignment(n, n, 0)
@@ -246,8 +261,10 @@ def align(
         run = _common_run(a, i, b, j, limit)
         i += run
         j += run
-        if run:
+        if run and i - j <= grow:
             best = (i, j, stale)
+        elif run:
+            capped = True  # deeper, but past the KV the row has reserved
         if run < limit:
             break
         at_a = ia < len(sa) and i == sa[ia].start
@@ -266,8 +283,10 @@ def align(
             i, j = span_a.end, span_b.end
             ia += 1
             ib += 1
-            if same:
+            if same and i - j <= grow:
                 best = (i, j, stale)
+            elif same:
+                capped = True
         elif (
             at_a and sa[ia].droppable and sa[ia].end <= n_a and (entry_only_read or sa[ia].stale_ok)
         ):
@@ -278,7 +297,7 @@ def align(
             # a droppable block only the request has (a new reminder) is never
             # stepped over: the model would never read it
             break
-    return Alignment(*best)
+    return Alignment(*best, capped)
 
 
 @dataclass(frozen=True)

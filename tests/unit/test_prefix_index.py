@@ -317,6 +317,29 @@ def test_stale_values_longer_than_the_reservation_allows_fall_back_to_exact_reus
     assert capped.hit.alignment.entry_depth == capped.hit.reused == 2  # exact prefix only
 
 
+def test_stale_values_past_the_reservation_still_reuse_what_lies_before_them():
+    """A changed clock on the first line, then a block only the entry holds (an
+    envelope of a message the client now sends without it) longer than the
+    rounding slack: the exact-prefix fallback stopped at the clock, a near-full
+    hit became a near-total miss. The hit now ends where the growth would begin."""
+    ts, ic = RULE_INDEX["timestamp"], RULE_INDEX["inbound_context"]
+    index = PrefixIndex(max_bytes=10**6, block_size=2, namespace="m")
+    stem = list(range(100, 120))
+    old = PromptKey.build(
+        [1, 50, *stem, 70, 71, 72, 73, 3, 4, 5], [TokenSpan(1, 2, ts), TokenSpan(22, 26, ic)]
+    )
+    new = PromptKey.build([1, 60, *stem, 3, 4, 5, 6], [TokenSpan(1, 2, ts)])
+    index.insert(old, len(old.model_tokens), True)
+    assert index.lookup(new, acquire=False).hit.alignment.entry_depth == 29  # 4 more positions
+    for slack in (0, 3):
+        al = index.lookup(new, acquire=False, max_growth=slack).hit.alignment
+        assert (al.entry_depth, al.request_depth, al.stale_tokens) == (22, 22, 1)
+    al = index.lookup(new, acquire=False, max_growth=4).hit.alignment
+    assert (al.entry_depth, al.request_depth) == (29, 25)
+    # stopping short of the key's match for the reservation is no rule bug
+    assert index.counters.exact_key_rejected_by_model_lcp == 0
+
+
 def test_a_lost_block_leaves_no_entry_held_in_ram_by_a_write_that_no_longer_counts():
     """lose_block ends a persisting entry's disk copy; its write's end then found it
     not persisting and returned before letting it go from the write queue's hold,

@@ -87,6 +87,23 @@ def test_strict_alignment_is_the_exact_common_prefix(a_segs, b_segs):
     assert n == longest
 
 
+@settings(max_examples=400, deadline=None)
+@given(prompts, prompts, st.integers(0, 4))
+def test_an_alignment_within_a_growth_bound_keeps_to_it(a_segs, b_segs, bound):
+    """The KV a hit holds may outgrow the prompt by at most ``max_growth``
+    positions (the row's reserved KV): the bounded alignment keeps to it, is
+    still an alignment, and is the unbounded one whenever that fits."""
+    a, b = build(a_segs), build(b_segs)
+    al = align(a, b, skip_volatile=True, max_growth=bound)
+    assert al.entry_depth - al.request_depth <= bound
+    assert outside_spans(a, al.entry_depth) == outside_spans(b, al.request_depth)
+    for key, depth in ((a, al.entry_depth), (b, al.request_depth)):
+        assert not any(s.start < depth < s.end for s in key.spans)
+    free = align(a, b, skip_volatile=True)
+    if free.entry_depth - free.request_depth <= bound:
+        assert al == free
+
+
 @given(prompts)
 def test_identical_prompts_reuse_all_but_the_last_token(segs):
     key = build(segs)
