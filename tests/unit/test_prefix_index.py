@@ -577,3 +577,61 @@ def test_stored_kv_carries_whether_its_session_was_its_conversations_own():
         hints = CacheHints(_key([1, 2, 3]), "c-1", own_conversation=own)
         row_kv._store(Cache(), _key([1, 2, 3]), [], hints)  # noqa: SLF001
         assert seen == {"session": "c-1", "own_session": own}
+
+
+def test_an_insert_compares_tokens_only_with_entries_its_chain_reaches(monkeypatch):
+    """Storing a key compared its tokens with every entry sharing its first block
+    (a conversation tree on disk: 95 ms per insert on the engine thread). An
+    entry's last block hash, chained over all its tokens, rules out the others."""
+    import kvcache.index as index_module
+
+    compared = []
+    real = index_module._strict_prefix
+
+    def spy(short, long):
+        compared.append(short)
+        return real(short, long)
+
+    monkeypatch.setattr(index_module, "_strict_prefix", spy)
+    index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m", disk_bytes=10**6)
+    base = list(range(100, 160))
+    branches = [base[:n] + [900 + n] * 4 for n in range(8, 48, 4)]
+    for i, tokens in enumerate(branches):  # each goes its own way after a shared stem
+        index.restore(_key(tokens), EntryBytes(private=1), True, None, f"u{i}")
+    prefix_ids = [
+        index.restore(_key(base[:n]), EntryBytes(private=1), True, None, f"p{n}") for n in (12, 30)
+    ]
+    index.insert(_key(base + [5]), EntryBytes(private=1), True)
+    assert sorted(len(k.model_tokens) for k in compared) == [12, 30]
+    assert all(entry_id not in index for entry_id in prefix_ids)  # superseded as before
+    assert len(index) == len(branches) + 1
+
+
+def test_a_lookup_on_a_hybrid_model_sorts_no_bucket_of_other_conversations(monkeypatch):
+    """Entries of a recurrent model hit only whole; a lookup sorted the bucket of
+    every entry sharing the system prompt once per block of it (25 ms per lookup
+    at 2,000 entries). Whole-only entries are found by their last block's hash."""
+    import kvcache.index as index_module
+
+    sorted_ids = []
+
+    def spy(ids, **kwargs):
+        ids = list(ids)
+        sorted_ids.extend(ids)
+        return sorted(ids, **kwargs)
+
+    monkeypatch.setattr(index_module, "sorted", spy, raising=False)
+    index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m")
+    system = list(range(500, 532))
+    checkpoint = index.insert(_key(system), 32, trimmable=False)
+    for n in range(40):  # other conversations sharing the system prompt
+        index.insert(_key(system + [1000 + 30 * n + k for k in range(20)]), 52, trimmable=False)
+    mine = system + [9, 9, 9, 9]
+    turn = index.insert(_key(mine), 36, trimmable=False)
+    sorted_ids.clear()
+    res = index.lookup(_key(mine + [7, 7, 7]), acquire=False)
+    assert res.hit.entry.entry_id == turn and res.hit.reused == 36
+    assert res.candidates == 2 and checkpoint in res.judged
+    assert len(sorted_ids) <= 2  # the two whole entries, not 41 entries x 8 blocks
+    # cut back, another conversation's entry would have served no more than these
+    assert index.counters.hybrid_trim_miss == 0
