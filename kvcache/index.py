@@ -410,7 +410,10 @@ class PrefixIndex:
             return None
         hashes = self.hashes(key, variant)
         # one that holds every full block of this key is the only one that can equal
-        # it or serve it (not a scan of every entry's tokens, per store)
+        # it or serve it (not a scan of every entry's tokens, per store). Only if
+        # its KV can be had now: one left RAM with its write still queued would
+        # miss every lookup until written, and lose this KV too if the write failed
+        twin_written = False
         for entry_id in itertools.chain(
             self._by_hash.get(hashes[-1], ()), self._whole_by_hash.get(hashes[-1], ())
         ):
@@ -418,11 +421,14 @@ class PrefixIndex:
             if entry.variant != variant:
                 continue
             if entry.key.model_tokens == key.model_tokens:
+                if not entry.loadable:
+                    twin_written = twin_written or entry.persisting
+                    continue
                 entry.last_used = self._clock()
                 # wanted again: the longer entry that superseded it may be gone
                 entry.superseded = False
                 return None  # already cached
-            if trimmable and entry.trimmable and _strict_prefix(key, entry.key):
+            if trimmable and entry.trimmable and entry.loadable and _strict_prefix(key, entry.key):
                 entry.last_used = self._clock()
                 return None  # served by a longer entry
         covered = self._prefixes_of(key, hashes, variant) if trimmable else []
@@ -440,7 +446,7 @@ class PrefixIndex:
         self.ram.add(held)
         self._ram_entries += 1
         self.counters.inserts += 1
-        if persist:
+        if persist and not twin_written:  # an equal entry's write is under way
             self.begin_persist(entry.entry_id)
         for old in covered:  # a longer trimmable entry serves every strict prefix of itself
             if old.refs:  # being read right now: goes when released

@@ -83,10 +83,20 @@ class IndexMachine(RuleBasedStateMachine):
         )
         self.in_use: dict[int, int] = {}  # entry id -> acquired count
         self.forgotten: set[int] = set()  # deleted while read: may go before released
+        self.kept_beside: set[tuple[int, int]] = set()  # (short, long) stored while long unread
 
     @rule(key=keys(), trimmable=st.booleans(), persist=st.booleans())
     def insert(self, key, trimmable, persist):
+        # longer entries whose KV cannot be had now (their write still queued) do
+        # not serve this key: it is kept beside them
+        unreadable = [
+            e.entry_id
+            for e in self.index.entries()
+            if not e.loadable and e.key.model_tokens[: len(key.model_tokens)] == key.model_tokens
+        ]
         entry_id = self.index.insert(key, held_for(key), trimmable=trimmable)
+        if entry_id is not None:
+            self.kept_beside.update((entry_id, long_id) for long_id in unreadable)
         if entry_id is not None and persist:
             self.index.begin_persist(entry_id)
 
@@ -202,6 +212,8 @@ class IndexMachine(RuleBasedStateMachine):
             if short.refs or not short.trimmable:  # in use: removed on release
                 continue
             for long in entries:
+                if (short.entry_id, long.entry_id) in self.kept_beside:
+                    continue
                 if long.trimmable and not long.forgotten and long.length > short.length:
                     assert long.key.model_tokens[: short.length] != short.key.model_tokens
 
@@ -635,3 +647,28 @@ def test_a_lookup_on_a_hybrid_model_sorts_no_bucket_of_other_conversations(monke
     assert len(sorted_ids) <= 2  # the two whole entries, not 41 entries x 8 blocks
     # cut back, another conversation's entry would have served no more than these
     assert index.counters.hybrid_trim_miss == 0
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_kv_is_kept_when_the_entry_covering_it_cannot_be_read_now(ok):
+    """An entry demoted from RAM while its write is still queued holds no KV that
+    can be had: storing the same tokens, or a prefix of them, counted as already
+    cached dropped the fresh KV, lookups missed until the write landed, and a
+    failed write lost it for good."""
+    index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m", disk_bytes=10**6)
+    system = list(range(100, 132))
+    turn = system + list(range(200, 240))
+    long_id = index.insert(_key(turn), held_for(_key(turn)), True, persist=True)
+    assert index.insert(_key(system), held_for(_key(system)), True) is None  # served by it
+    index._leave_ram(index.get(long_id))  # RAM pressure while the writer lags
+    assert not index.get(long_id).loadable
+    short_id = index.insert(_key(system), held_for(_key(system)), True)
+    same_id = index.insert(_key(turn), held_for(_key(turn)), True, persist=True)
+    assert short_id is not None and same_id is not None
+    assert not index.get(same_id).persisting  # its twin's write is under way: not written twice
+    assert index.lookup(_key(system + [5]), acquire=False).hit.reused == 32
+    index.end_persist(long_id, ok)
+    hit = index.lookup(_key(turn + [5]), acquire=False).hit
+    assert hit is not None and hit.reused == len(turn)
+    # stored again, a loadable equal entry is enough
+    assert index.insert(_key(turn), held_for(_key(turn)), True) is None
