@@ -148,6 +148,9 @@ _TIMESTAMP_LEAD = re.compile(
     re.IGNORECASE | re.MULTILINE,
 )
 MAX_TIMESTAMP = 80
+# the template's end-of-turn tag closing a message's last line (<|im_end|>, </s>,
+# <end_of_turn>): a clock on a system prompt's last line shares its line with it
+_END_OF_TURN = re.compile(r"<[^\s<>]{1,40}>[ \t]*\Z")
 
 
 def timestamps(text: str) -> Iterator[tuple[int, int]]:
@@ -165,7 +168,9 @@ def timestamps(text: str) -> Iterator[tuple[int, int]]:
             line_end = len(text) if line_end < 0 else line_end
         if line_end - start > MAX_TIMESTAMP:
             continue
-        value = text[start:line_end].rstrip(" \t")
+        value = text[start:line_end]
+        value = value[: m.start()] if (m := _END_OF_TURN.search(value)) else value
+        value = value.rstrip(" \t")
         bare = _ZONE_NAME.sub("\x00", value).replace("(", " ").replace(")", " ")
         words = _DATE_GAP.split(bare.strip(" \t"))
         if (

@@ -260,6 +260,20 @@ def test_rules_never_cross_a_message_boundary():
     assert [(RULES[s.rule].name, text[s.start : s.end]) for s in spans] == [("timestamp", "10:00")]
 
 
+@pytest.mark.parametrize("end", ["<|im_end|>", "<|eot_id|>", "<end_of_turn>", "</s>", "<|end|> "])
+def test_a_timestamp_closing_its_message_is_found_before_the_end_of_turn_tag(end):
+    # a clock on a system prompt's last line shares its line with the template's
+    # end-of-turn tag: a changed value there ended every hit
+    text = "<|im_start|>system\nBe brief.\nCurrent time: 10:42" + end + "\n"
+    spans = prompt_spans(text, [MessageSlice(0, len(text), "system")])
+    assert [(RULES[s.rule].name, text[s.start : s.end]) for s in spans] == [("timestamp", "10:42")]
+
+
+def test_a_tag_inside_a_timestamps_line_is_not_an_end_of_turn():
+    text = "Current time: 10:42 <b>late</b>"
+    assert prompt_spans(text, [MessageSlice(0, len(text), "system")]) == []
+
+
 def test_tool_and_assistant_messages_are_never_volatile():
     text = "Current time is 10:00"
     for role in ("tool", "assistant"):
