@@ -188,9 +188,8 @@ class ChatFormatter:
         if conversation is not None:
             snapshot = Snapshot(conversation, text, walk, parts, tokens)
             self._snapshots.put(snapshot, parent=base)
-        newest_user = max((k for k, m in enumerate(messages) if m["role"] == "user"), default=-1)
         return RenderedPrompt(
-            self._key(tokens, parts, newest_user),
+            self._key(tokens, parts, _newest_user_text(messages, text, parts)),
             tuple(p.hash for p in parts),
             tail=text[-TAIL_CHARS:],
         )
@@ -292,9 +291,9 @@ class ChatFormatter:
         return tuple(parts)
 
     @staticmethod
-    def _key(tokens: Tokens, parts: tuple[Part, ...], newest_user: int = -1) -> PromptKey:
-        """``newest_user``: the index of the newest user message (-1: none); where it
-        has no place, its text was not scanned and has no volatile span to read."""
+    def _key(tokens: Tokens, parts: tuple[Part, ...], newest_user: int | None = None) -> PromptKey:
+        """``newest_user``: the character where the newest user message's own text
+        begins (None: not known, and then no value is read for being in it)."""
         if tokens.monotone:
             spans = merge_ranges(r for p in parts for r in p.ranges)
         else:
@@ -306,8 +305,8 @@ class ChatFormatter:
                 break
             system_end = p.end_token
         newest = None
-        if 0 <= newest_user < len(parts):  # a token that straddles its start is its own
-            newest = max(parts[newest_user - 1].end_token - 1, 0) if newest_user else 0
+        if newest_user is not None:  # a token that straddles its start is its own
+            newest = _token_at(tokens, newest_user)
         return PromptKey.build(tokens.ids, spans, [p.end_token for p in parts], system_end, newest)
 
 
@@ -330,6 +329,61 @@ def max_prompt_chars(hf: Any, context_length: int | None) -> int | None:
     raw = getattr(hf, "_tokenizer", None)
     shrink = 1 if raw is not None and getattr(raw, "normalizer", None) is None else 4
     return context_length * longest * shrink
+
+
+def _newest_user_text(
+    messages: Sequence[dict[str, Any]], text: str, parts: tuple[Part, ...]
+) -> int | None:
+    """Where the newest user message's own text begins in ``text``, or None where
+    it has no place (its text was not scanned: no span to read) or is not found.
+
+    Not where its rendered slice begins: Gemma 3 and Llama 2 fold the system
+    prompt into the first user turn, and its per-request nonce (Claude Code's
+    ``cch=``) then ended every hit of a one-query agent. Not found (a template
+    that rewrites the user's text), the rule is off rather than the slice's start
+    taken, which would again read that folded system prompt's values: a stale
+    value stands in the user's edit, as one does in any older message."""
+    newest = max((k for k, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    if not 0 <= newest < len(parts):
+        return None
+    s = parts[newest].slice
+    return own_text_start(text, s.start, s.end, messages[newest].get("content"))
+
+
+def own_text_start(text: str, start: int, end: int, content: Any) -> int | None:
+    """Where ``content`` (a string, or its text parts in order) begins within
+    ``text[start:end]`` (templates may trim it: each part is looked for stripped),
+    found from the end (a system prompt folded before it may hold the same text);
+    its end when it has no text, None when a part is not there.
+
+    Linear in the slice and the parts: ``str.rfind`` has no linear worst case
+    (CPython searches backwards naively), so the reversed slice is searched
+    forwards, each part from where the later one was found."""
+    pieces: list[Any]
+    if isinstance(content, str):
+        pieces = [content]
+    elif isinstance(content, list):
+        pieces = [p.get("text") for p in content if isinstance(p, dict)]
+    elif content is None:
+        pieces = []
+    else:
+        return None
+    needles = [p.strip()[::-1] for p in pieces if isinstance(p, str) and p.strip()]
+    backwards = text[start:end][::-1]
+    at = 0  # characters of the slice's end already matched to later parts
+    for needle in reversed(needles):
+        found = backwards.find(needle, at)
+        if found < 0:
+            return None
+        at = found + len(needle)
+    return end - at
+
+
+def _token_at(tokens: Tokens, char: int) -> int:
+    """The first token ending past ``char`` (the one holding it, or the next)."""
+    if tokens.monotone:
+        return bisect_right(tokens.ends, char)
+    return next((t for t, e in enumerate(tokens.ends) if e > char), len(tokens.ids))
 
 
 def _place(part: Part, tokens: Tokens) -> Part:

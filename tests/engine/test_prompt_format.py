@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import threading
 from array import array
 from bisect import bisect_left
@@ -34,7 +35,7 @@ from engine.chat_render import (
     merge_ranges,
     token_range,
 )
-from engine.prompt_format import ChatFormatter
+from engine.prompt_format import ChatFormatter, own_text_start
 from kvcache.healing import canonical_tool_calls
 from kvcache.prompt_key import PromptKey, RenderedPrompt, token_spans
 from kvcache.volatile_rules import (
@@ -104,6 +105,20 @@ QWEN3_REAL_RULE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# Gemma 3's shape: the system prompt renders as nothing of its own and opens the
+# first user turn's text (Llama 2's <<SYS>> inside the first [INST] is alike).
+GEMMA3_LIKE = (
+    "{{ bos_token }}"
+    "{%- if messages[0].role == 'system' %}{% set prefix = messages[0].content + '\n\n' %}"
+    "{% set loop_messages = messages[1:] %}"
+    "{%- else %}{% set prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{%- for m in loop_messages %}"
+    "{%- set role = 'model' if m.role == 'assistant' else m.role %}"
+    "<start_of_turn>{{ role }}\n{{ prefix if loop.first else '' }}{{ m.content | trim }}"
+    "<end_of_turn>\n"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
 TEMPLATES = ("smollm2", "qwen3_like", "plain")
 TOOLS = [
     {
@@ -143,6 +158,7 @@ def tokenizers(smollm2_dir, tmp_path_factory):
         "indexed": INDEXED,
         "three": THREE,
         "qwen3_real_rule": QWEN3_REAL_RULE,
+        "gemma3_like": GEMMA3_LIKE,
     }
     for name, template in variants.items():
         path = tmp_path_factory.mktemp(name)
@@ -200,12 +216,31 @@ def reference_render(tokenizer, messages, relocate_volatile=False, **kwargs) -> 
         canon = canonical_text(text, char_spans, s.start, s.end)
         raw = canon + "\x00" + canonical_tool_calls(m.get("tool_calls"))
         hashes.append(hashlib.blake2b(raw.encode(), digest_size=12).hexdigest())
-    newest_user = max((k for k, m in enumerate(messages) if m["role"] == "user"), default=-1)
-    newest = None
-    if 0 <= newest_user < len(slices):
-        newest = max(ends[newest_user - 1] - 1, 0) if newest_user else 0
+    newest = _reference_newest_user_start(render, messages, text, slices, offsets)
     key = PromptKey.build(ids, token_spans(offsets, char_spans), ends, system_end, newest)
     return RenderedPrompt(key, tuple(hashes), tail=text[-64:])
+
+
+def _reference_newest_user_start(render, messages, text, slices, offsets) -> int | None:
+    """The token at which the newest user message's own text begins, found
+    otherwise than the formatter finds it: the prompt rendered twice more with
+    that message's content swapped for two marks differing in their only
+    character parts where its content goes (a template may have put other
+    text, a folded system prompt, before it in the same turn)."""
+    newest = max((k for k, m in enumerate(messages) if m["role"] == "user"), default=-1)
+    if not 0 <= newest < len(slices):
+        return None
+    if not messages[newest]["content"].strip():  # no text of its own: what follows it
+        at = slices[newest].end
+    else:
+        probes = []
+        for mark in ("\ue000", "\ue001"):
+            probe = [dict(m) for m in messages]
+            probe[newest]["content"] = mark
+            probes.append(render(probe, True))
+        at = len(os.path.commonprefix(probes))
+        at += len(text[at:]) - len(text[at:].lstrip())  # from its first visible character
+    return next((t for t, (_, end) in enumerate(offsets) if end > at), len(offsets))
 
 
 # -- random conversations ------------------------------------------------------
@@ -278,7 +313,7 @@ def _kwargs(tools: bool) -> dict:
     return {"tools": TOOLS} if tools else {}
 
 
-@pytest.mark.parametrize("template", TEMPLATES)
+@pytest.mark.parametrize("template", (*TEMPLATES, "gemma3_like"))
 @EXAMPLES
 @given(conversation=conversations, relocate=st.booleans(), tools=st.booleans())
 def test_cold_render_equals_cumulative_rendering(
@@ -286,9 +321,7 @@ def test_cold_render_equals_cumulative_rendering(
 ):
     tokenizer = tokenizers[template]
     got = ChatFormatter(tokenizer).render_chat(conversation, relocate, **_kwargs(tools))
-    expected = reference_render(tokenizer, conversation, relocate, **_kwargs(tools))
-    assert got == expected
-    assert got.key.newest_user_start == expected.key.newest_user_start  # not compared by ==
+    _assert_same(got, reference_render(tokenizer, conversation, relocate, **_kwargs(tools)))
 
 
 _shared: dict[str, ChatFormatter] = {}
@@ -316,15 +349,22 @@ def test_turn_by_turn_equals_cumulative_rendering(
     for step in steps:
         n = min(n + step, len(conversation))
         turn = conversation[:n]
-        assert formatter.render_chat(turn, relocate, **kwargs) == reference_render(
-            tokenizer, turn, relocate, **kwargs
+        _assert_same(
+            formatter.render_chat(turn, relocate, **kwargs),
+            reference_render(tokenizer, turn, relocate, **kwargs),
         )
     index, content = edit
     edited = [dict(m) for m in conversation]
     edited[index % len(edited)]["content"] = content
-    assert formatter.render_chat(edited, relocate, **kwargs) == reference_render(
-        tokenizer, edited, relocate, **kwargs
+    _assert_same(
+        formatter.render_chat(edited, relocate, **kwargs),
+        reference_render(tokenizer, edited, relocate, **kwargs),
     )
+
+
+def _assert_same(got: RenderedPrompt, expected: RenderedPrompt) -> None:
+    assert got == expected
+    assert got.key.newest_user_start == expected.key.newest_user_start  # not compared by ==
 
 
 def test_long_conversation_grown_two_messages_a_turn(tokenizers):
@@ -797,10 +837,120 @@ def test_an_edited_time_in_the_last_user_message_is_read_after_a_hit(tokenizers)
 
     first = formatter.render_chat(chat("10:42", "10:30 pm")).key
     edited = formatter.render_chat(chat("10:57", "11:45 pm")).key
-    assert edited.newest_user_start == first.message_ends[0] - 1
+    # the user's region opens at their own text, after the template's turn header
+    assert formatter.decode(edited.model_tokens[edited.newest_user_start :]).startswith(
+        "Current time: 11:45 pm"
+    )
     index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m")
     index.insert(first.extended(formatter.encode("Leave at 8.")), 10, True)
     al = index.lookup(edited).hit.alignment
     user_span = next(s for s in edited.spans if s.start >= edited.message_ends[0])
     assert al.stale_tokens > 0  # the system prompt's clock is stepped over
     assert al.request_depth == user_span.start  # the user's new time is prefilled
+
+
+def _nonce_system(nonce: str) -> str:
+    """Claude Code's system prompt: a per-request nonce on its first line."""
+    return f"x-anthropic-billing-header: cc_version=2.0.14; cch={nonce};\n" + (
+        "You are Claude Code, an interactive CLI tool. " * 30
+    )
+
+
+def test_a_nonce_in_a_system_prompt_folded_into_the_first_user_turn_is_stepped_over(tokenizers):
+    """Gemma 3 puts the system text inside the first user turn: the per-request
+    nonce on its line one lies in the newest user message's rendered slice, yet
+    it is not the user's text, so a tool-loop call still reuses the whole prompt
+    the previous call built (it reused the <bos> and header alone)."""
+    from kvcache.index import PrefixIndex
+
+    formatter = ChatFormatter(tokenizers["gemma3_like"])
+    task = {"role": "user", "content": "Fix the failing test in tests/test_app.py"}
+    reply = "I'll read the test file first."
+    first = formatter.render_chat([{"role": "system", "content": _nonce_system("a1b2c")}, task])
+    call = formatter.render_chat(
+        [
+            {"role": "system", "content": _nonce_system("9f8e7")},
+            task,
+            {"role": "assistant", "content": reply},
+            {"role": "tool", "content": "def test_x(): assert add(1, 2) == 3"},
+        ]
+    ).key
+    index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m")
+    index.insert(first.key.extended(formatter.encode(reply + "<end_of_turn>\n")), 10, True)
+    al = index.lookup(call).hit.alignment
+    assert al.stale_tokens > 0  # the old nonce is stepped over
+    # all but the tool result (and the reply's closing newline, which joins what
+    # follows it in the request's tokens): 414 of 454 tokens, not the 10 of <bos>
+    assert al.request_depth >= call.message_ends[2] - 1
+
+
+def test_an_edited_time_in_a_first_user_turn_holding_the_system_prompt_is_read(tokenizers):
+    """The same folded template: the system prompt's clock is stepped over, a
+    time the user edited in their own text is read."""
+    from kvcache.index import PrefixIndex
+
+    formatter = ChatFormatter(tokenizers["gemma3_like"])
+
+    def chat(clock: str, flight: str) -> list[dict[str, str]]:
+        system = "You are a travel agent. " * 8 + f"\nCurrent time: {clock}\nBe brief."
+        return [
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"Current time: {flight}\nWhen should I leave?"},
+        ]
+
+    first = formatter.render_chat(chat("10:42", "10:30 pm")).key
+    edited = formatter.render_chat(chat("10:57", "11:45 pm")).key
+    index = PrefixIndex(max_bytes=10**6, block_size=4, namespace="m")
+    index.insert(first.extended(formatter.encode("Leave at 8.")), 10, True)
+    al = index.lookup(edited).hit.alignment
+    assert len(edited.spans) == 2
+    assert al.stale_tokens > 0  # the system prompt's clock is stepped over
+    assert al.request_depth == edited.spans[1].start  # the user's new time is prefilled
+
+
+def test_a_folded_system_prompt_grown_turn_by_turn_equals_the_reference(tokenizers):
+    """The incremental path places the newest user text as a cold render does,
+    turn after turn, the system prompt folded into the first user turn."""
+    tokenizer = tokenizers["gemma3_like"]
+    formatter = ChatFormatter(tokenizer)
+    chat = [{"role": "system", "content": _nonce_system("a1b2c")}]
+    for turn in range(4):
+        chat.append({"role": "user", "content": f"  step {turn}: Current time: 10:4{turn}\n"})
+        _assert_same(formatter.render_chat(chat), reference_render(tokenizer, chat))
+        chat.append({"role": "assistant", "content": f"done {turn}"})
+        chat.append({"role": "tool", "content": f"result {turn}"})
+        _assert_same(formatter.render_chat(chat), reference_render(tokenizer, chat))
+
+
+def test_own_text_start_finds_the_users_text_not_an_earlier_copy():
+    system = "Say: fix it\n\n"
+    text = f"<bos><turn>user\n{system}fix it<end>\n"
+    start = text.index("<turn>")
+    assert own_text_start(text, start, len(text), " fix it\n") == text.rindex("fix it")
+
+
+def test_own_text_start_begins_at_the_first_text_part():
+    text = "<turn>user\nlook at <img> and this<end>"
+    content = [
+        {"type": "text", "text": "look at "},
+        {"type": "image_url", "image_url": {"url": "x"}},
+        {"type": "text", "text": "and this"},
+    ]
+    assert own_text_start(text, 0, len(text), content) == text.index("look")
+    # a part missing (a template that rewrote it): no start rather than a guess
+    assert own_text_start(text, 0, len(text), [{"type": "text", "text": "gone"}]) is None
+    assert own_text_start(text, 0, len(text), "LOOK AT") is None
+
+
+def test_own_text_start_of_a_message_without_text_is_its_end():
+    text = "<turn>user\n<end>"
+    assert own_text_start(text, 0, len(text), "  \n") == len(text)
+    assert own_text_start(text, 0, len(text), None) == len(text)
+    assert own_text_start(text, 0, len(text), [{"type": "image"}]) == len(text)
+
+
+def test_own_text_start_stays_within_its_slice():
+    text = "fix it<turn>user\nfix it<end>fix it"
+    start, end = text.index("<turn>"), text.index("<end>") + 5
+    assert own_text_start(text, start, end, "fix it") == text.index("fix it", start)
+    assert own_text_start(text, start, start + 10, "fix it") is None
