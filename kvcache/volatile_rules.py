@@ -136,13 +136,15 @@ _DATE_PROOF = re.compile(
 # staging)" after a date is the user's words
 _ZONE_NAME = re.compile(r"\((?-i:(?:[A-Z][a-z]+ ){1,4}Time)\)")
 _DATE_GAP = re.compile(r"[ \t]*[,\u2013\u2014][ \t]*|[ \t]+")  # spaces, a comma or a dash
-# a label opens a line (after a list marker, quote or heading), a sentence or a
-# template tag: "My flight today is at 10:30 pm" is the user's sentence, and an edit
-# of its time, stepped over as a stale value, never reached the model. Linear: a
-# run of markers is read only from its line's start, the blanks after a sentence
-# or a tag only from their first position (no other start can reach them)
+# a label opens a line (after a list marker, quote or heading), a sentence, or
+# follows a closing ">" or "]" (a template tag: Mistral's [INST], [SYSTEM_PROMPT]),
+# a "|", a bullet "•" or a ")" ("1) ", "[cron] "): "My flight today is at 10:30 pm"
+# is the user's sentence, and an edit of its time, stepped over as a stale value,
+# never reached the model. Linear: a run of markers is read only from its line's
+# start, the blanks after a sentence or one of those characters only from their
+# first position (no other start can reach them: one start per character)
 _TIMESTAMP_LEAD = re.compile(
-    r"(?:^[ \t>*#-]*|(?<=[.!?;:][ \t])[ \t]*|(?<=>)[ \t]*)"
+    r"(?:^[ \t>*#-]*|(?<=[.!?;:][ \t])[ \t]*|(?<=[>\]|•)])[ \t]*)"
     r"(?:the )?(?:current (?:date and time|date|time)|today's date|today is)"
     r"(?: in [\w ]{1,30}? format)?(?: is)?:?[ \t]*",
     re.IGNORECASE | re.MULTILINE,

@@ -160,6 +160,11 @@ def test_rule_marks_exactly_its_span(text, rule, span):
         "The standup today is at 9:30",
         "Our deadline today is 17:00 UTC",
         "so the current time is 10:42",
+        # a bracket, bar, bullet or parenthesis must be right before the label
+        "[cron] My flight today is at 10:30 pm",
+        "(see above) so the current time is 10:42",
+        "a | the standup today is at 9:30",
+        "• My flight today is at 10:30 pm",
     ],
 )
 def test_ordinary_text_is_not_volatile(text):
@@ -232,7 +237,30 @@ def test_a_label_followed_by_words_that_read_as_two_kinds_stays_linear():
     assert time.perf_counter() - began < 5  # milliseconds now; hours before
 
 
-@pytest.mark.parametrize("run", [">", "> ", ">\t", "-", " #"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        # Mistral v3/v7, Devstral: the template's tag closes with "]" right before it
+        "<s>[SYSTEM_PROMPT]Current date: 2026-01-05 10:42 UTC\nYou are careful.",
+        "<s>[INST]Current time: 10:42\nFix the bug.[/INST]",
+        "[cron] Current time: 10:42",
+        "a | Current time: 10:42",
+        "• Current time: 10:42",
+        "  •\tCurrent time: 10:42",
+        "1) Current date: 10:42",
+        "Status (live)Current time: 10:42",
+    ],
+)
+def test_a_label_after_a_bracket_bar_bullet_or_parenthesis_is_read(text: str) -> None:
+    """A label right after a template tag's "]", a table's "|", a bullet or a
+    numbered item's ")": anchoring it to a line's or a sentence's start lost them,
+    and a Mistral system prompt's changed clock ended every hit (27 of 195 tokens)."""
+    value = re.search(r"(?:date|time): (.*)$", text, re.MULTILINE)
+    assert value is not None
+    assert marked(text) == [("timestamp", value.group(1))]
+
+
+@pytest.mark.parametrize("run", [">", "> ", ">\t", "-", " #", "]", "] ", "|", "•\t", ")", ") "])
 def test_a_long_run_of_markers_before_a_label_is_read_once(run: str) -> None:
     """A label may follow list markers at a line's start or a tag's ">": a lead
     that could start after every ">" of a run and read the run's rest took the
