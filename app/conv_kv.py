@@ -2,7 +2,8 @@
 
 POST /v1/conv_kv/save pins a conversation's KV on disk beyond eviction,
 POST /v1/conv_kv/load brings it back into RAM ahead of the next turn,
-GET /v1/conv_kv/stats lists the saved ones, DELETE /v1/conv_kv/{id} forgets one.
+GET /v1/conv_kv/stats lists the saved ones, DELETE /v1/conv_kv/{id} forgets one
+(any id but those three names).
 The KV manager does the work on the engine thread; these routes only wait.
 """
 
@@ -13,9 +14,10 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, TypeVar
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Path
 from fastapi import Request as HTTPRequest
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.convertors import PathConvertor, register_url_convertor
 
 from app.body import parse_body
 from app.errors import APIError
@@ -32,6 +34,20 @@ from scheduler.admission import EngineUnavailable
 
 router = APIRouter()
 T = TypeVar("T")
+# this router's own resources: never a conversation id in DELETE /v1/conv_kv/{id}
+RESERVED = ("save", "load", "stats")
+
+
+class ConversationIdConvertor(PathConvertor):
+    """Any path (ids hold "/": "team/alice") but a reserved name: DELETE
+    /v1/conv_kv/save reached the delete handler (a 400 "prefix cache is off")
+    where routing, Allow and the document all say POST only (a 405)."""
+
+    regex = rf"(?!(?:{'|'.join(RESERVED)})$).*"
+
+
+register_url_convertor("conversation_id", ConversationIdConvertor())
+
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 
@@ -67,6 +83,13 @@ WHY = {
     400: "Invalid body, or the prefix cache is off (--prompt-cache-bytes 0).",
     404: "No cached KV for this conversation id.",
     507: "The SSD tier is off or full (the message names the limit).",
+}
+# DELETE on a reserved name: that path is another route, which Allow names
+GONE_ELSEWHERE = {
+    "description": f"The id is one of {', '.join(RESERVED)}: that path is another route, "
+    "whose method the Allow header names.",
+    "headers": {"Allow": {"schema": {"type": "string"}}},
+    "content": json_content(ref(OPENAI_ERROR)),
 }
 
 
@@ -140,7 +163,13 @@ async def stats(http: HTTPRequest) -> dict[str, Any]:
     return {"object": "list", "data": [_view(s) for s in saved]}
 
 
-@router.delete("/v1/conv_kv/{conversation_id:path}", responses=_responses(SAVED, (400, 404, 503)))
-async def delete(conversation_id: str, http: HTTPRequest) -> dict[str, Any]:
+@router.delete(
+    "/v1/conv_kv/{conversation_id:conversation_id}",
+    responses={**_responses(SAVED, (400, 404, 503)), 405: GONE_ELSEWHERE},
+)
+async def delete(
+    http: HTTPRequest,
+    conversation_id: str = Path(json_schema_extra={"not": {"enum": list(RESERVED)}}),
+) -> dict[str, Any]:
     deleted = await _on_engine(http, lambda kv: kv.delete_conversation(conversation_id))
     return {**_view(deleted), "deleted": True}

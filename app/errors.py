@@ -324,8 +324,9 @@ def _served_routes(routes: Iterable[Any]) -> Iterator[Any]:
 def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
     """Every method the routes of this path serve (Starlette's 405 names only the
     first matching route's). Of the routes whose template matches, those with the
-    fewest parameters: /v1/conv_kv/save is its own resource, not a conversation id
-    that /v1/conv_kv/{conversation_id} would also take (the document says so)."""
+    fewest parameters: a fixed path is its own resource, not a value a parameter
+    route would also take (/v1/conv_kv/{conversation_id} refuses save, load and
+    stats itself: this keeps Allow right should another such pair appear)."""
     path = get_route_path(scope)
     matched: list[tuple[int, set[str]]] = []
     for route in _served_routes(app.router.routes):

@@ -440,6 +440,11 @@ def test_unknown_route_and_method_use_the_error_shape(base):
         ("POST", "/v1/models", {"GET"}),
         # its own resource: not a conversation id /v1/conv_kv/{id} (DELETE) also takes
         ("PUT", "/v1/conv_kv/save", {"POST"}),
+        # nor to DELETE: the conversation-id route refuses the reserved names (it took
+        # them and answered 400 "prefix cache is off" while Allow said POST / GET)
+        ("DELETE", "/v1/conv_kv/save", {"POST"}),
+        ("DELETE", "/v1/conv_kv/load", {"POST"}),
+        ("DELETE", "/v1/conv_kv/stats", {"GET"}),
     ],
 )
 def test_a_405_names_the_methods_the_path_serves(base, method, path, allowed):
@@ -832,8 +837,21 @@ def test_a_conversation_id_with_a_slash_can_be_deleted():
     with serve_app(app) as base:
         app.state.kvwarm.engine.kv = kv
         r = httpx.delete(base + "/v1/conv_kv/team/alice")
+        # a reserved name is an id where it is not the whole path's last part
+        others = [httpx.delete(base + f"/v1/conv_kv/{i}") for i in ("saved", "stats/x", "x/load")]
     assert r.status_code == 200 and r.json()["conversation_id"] == "team/alice"
-    assert deleted == ["team/alice"]
+    assert [o.status_code for o in others] == [200, 200, 200]
+    assert deleted == ["team/alice", "saved", "stats/x", "x/load"]
+
+
+def test_the_document_keeps_the_reserved_names_out_of_conversation_ids():
+    """What routing refuses the document does not offer (schemathesis would send
+    DELETE /v1/conv_kv/save and get a 405 the operation never states)."""
+    doc = make_app().openapi()
+    delete = doc["paths"]["/v1/conv_kv/{conversation_id}"]["delete"]
+    (param,) = delete["parameters"]
+    assert param["schema"]["not"] == {"enum": ["save", "load", "stats"]}
+    assert "Allow" in delete["responses"]["405"]["headers"]  # what such a DELETE gets
 
 
 def test_behind_a_key_health_says_the_engine_stopped_but_not_its_exception():
