@@ -151,8 +151,9 @@ _TIMESTAMP_LEAD = re.compile(
 )
 MAX_TIMESTAMP = 80
 # the template's end-of-turn tag closing a message's last line (<|im_end|>, </s>,
-# <end_of_turn>): a clock on a system prompt's last line shares its line with it
-_END_OF_TURN = re.compile(r"<[^\s<>]{1,40}>[ \t]*\Z")
+# <end_of_turn>, Mistral's [/INST]): a clock on a system prompt's last line shares
+# its line with it
+_END_OF_TURN = re.compile(r"(?:<[^\s<>]{1,40}>|\[/[A-Z_]{1,30}\])[ \t]*\Z")
 
 
 def timestamps(text: str) -> Iterator[tuple[int, int]]:

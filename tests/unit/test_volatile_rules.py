@@ -288,7 +288,18 @@ def test_rules_never_cross_a_message_boundary():
     assert [(RULES[s.rule].name, text[s.start : s.end]) for s in spans] == [("timestamp", "10:00")]
 
 
-@pytest.mark.parametrize("end", ["<|im_end|>", "<|eot_id|>", "<end_of_turn>", "</s>", "<|end|> "])
+@pytest.mark.parametrize(
+    "end",
+    [
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<end_of_turn>",
+        "</s>",
+        "<|end|> ",
+        "[/INST]",
+        "[/SYSTEM_PROMPT]",
+    ],
+)
 def test_a_timestamp_closing_its_message_is_found_before_the_end_of_turn_tag(end):
     # a clock on a system prompt's last line shares its line with the template's
     # end-of-turn tag: a changed value there ended every hit
