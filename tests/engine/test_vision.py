@@ -460,6 +460,26 @@ def test_a_vision_models_stored_kv_has_a_namespace_of_its_image_scheme(
     assert names == {"text": [], "vision": ["img2"]}  # the text model's as before
 
 
+def _fed_per_step(loaded, monkeypatch, req, step: int):
+    """Run ``req`` alone with prefill slices of ``step``: the tokens fed to the
+    model in each engine step, and the reply's tokens."""
+    fed: list[int] = []
+    feed = loaded.vision._feed
+    monkeypatch.setattr(
+        loaded.vision, "_feed", lambda ids, *a, **k: (fed.append(ids.shape[1]), feed(ids, *a, **k))
+    )
+    runner = BatchRunner(loaded.model, loaded.tokenizer, 4, step, 4, vision=loaded.vision)
+    runner.add(req)
+    per_step, tokens = [], []
+    while runner.active:
+        fed.clear()
+        for out in runner.step():
+            assert out.error is None, out.error
+            tokens += out.token_ids
+        per_step.append(sum(fed))
+    return per_step, tokens
+
+
 def test_text_before_an_image_is_prefilled_within_the_step_budget(vlm, monkeypatch):
     """A long history before a screenshot was prefilled in one engine step, whatever
     --prefill-step-size or --max-step-ms said: every running row's next token waited
@@ -485,20 +505,7 @@ def test_text_before_an_image_is_prefilled_within_the_step_budget(vlm, monkeypat
     req = screenshot_request()
     (image,) = req.images
     assert image.start > 3 * step  # the text before it spans several steps
-    fed: list[int] = []
-    feed = loaded.vision._feed
-    monkeypatch.setattr(
-        loaded.vision, "_feed", lambda ids, *a, **k: (fed.append(ids.shape[1]), feed(ids, *a, **k))
-    )
-    runner = BatchRunner(loaded.model, loaded.tokenizer, 4, step, 4, vision=loaded.vision)
-    runner.add(req)
-    per_step, tokens = [], []
-    while runner.active:
-        fed.clear()
-        for out in runner.step():
-            assert out.error is None, out.error
-            tokens += out.token_ids
-        per_step.append(sum(fed))
+    per_step, tokens = _fed_per_step(loaded, monkeypatch, req, step)
     assert max(per_step) <= step + len(image.tokens)
     monkeypatch.undo()
     assert (tuple(tokens), 0) == run(runner_for(loaded, cache=False), screenshot_request())[0]
@@ -627,21 +634,8 @@ def test_an_image_is_prefilled_within_the_step_budget_across_steps(vlm, monkeypa
     req = request(vlm, "what is this?", data_url(png_bytes(*SIZE, (77, 1, 99))))
     (image,) = req.images
     step = max(2, len(image.tokens) // 3)  # the image spans three steps or more
-    fed: list[int] = []
-    feed = loaded.vision._feed
-    monkeypatch.setattr(
-        loaded.vision, "_feed", lambda ids, *a, **k: (fed.append(ids.shape[1]), feed(ids, *a, **k))
-    )
     runs = loaded.vision.counters.encoder_runs
-    runner = BatchRunner(loaded.model, loaded.tokenizer, 4, step, 4, vision=loaded.vision)
-    runner.add(req)
-    per_step, tokens = [], []
-    while runner.active:
-        fed.clear()
-        for out in runner.step():
-            assert out.error is None, out.error
-            tokens += out.token_ids
-        per_step.append(sum(fed))
+    per_step, tokens = _fed_per_step(loaded, monkeypatch, req, step)
     assert max(per_step) <= step and sum(per_step) == image.end
     assert loaded.vision.counters.encoder_runs - runs == 1
     monkeypatch.undo()
