@@ -323,19 +323,15 @@ def _served_routes(routes: Iterable[Any]) -> Iterator[Any]:
 
 def allowed_methods(app: FastAPI, scope: Scope) -> list[str]:
     """Every method the routes of this path serve (Starlette's 405 names only the
-    first matching route's). Of the routes whose template matches, those with the
-    fewest parameters: a fixed path is its own resource, not a value a parameter
-    route would also take (/v1/conv_kv/{conversation_id} refuses save, load and
-    stats itself: this keeps Allow right should another such pair appear)."""
+    first matching route's)."""
     path = get_route_path(scope)
-    matched: list[tuple[int, set[str]]] = []
+    methods: set[str] = set()
     for route in _served_routes(app.router.routes):
         regex = getattr(route, "path_regex", None)
         route_methods = getattr(route, "methods", None)
         if regex is not None and route_methods and regex.match(path):
-            matched.append((len(getattr(route, "param_convertors", ()) or ()), set(route_methods)))
-    fewest = min((params for params, _ in matched), default=0)
-    return sorted({m for params, methods in matched if params == fewest for m in methods})
+            methods |= set(route_methods)
+    return sorted(methods)
 
 
 class InternalErrorMiddleware:
