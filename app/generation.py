@@ -197,7 +197,7 @@ class CallIds:
     renders it back, so the reply's KV is reused), unless another call of the reply
     already has it or ``legal`` refuses it; then a fresh ``<prefix>_...`` id. Clients
     pair results with calls by id: two calls of one id lose a result. ``short``: the
-    template reads only 9-alphanumeric ids (app.protocol.call_ids), and a fresh id is
+    template reads only 9-alphanumeric ids (engine.call_ids), and a fresh id is
     one, so the id the client sends back is the very id the model reads."""
 
     def __init__(
