@@ -30,7 +30,7 @@ from kvcache.disk_reads import (
     SharedRead,
     read_files,
 )
-from kvcache.entry_files import key_from, key_manifest, mlx_arrays, numpy_arrays
+from kvcache.entry_files import key_manifest, mlx_arrays, numpy_arrays
 from kvcache.index import CacheEntry, Lookup, PrefixIndex, PromptCacheConfig
 from kvcache.interface import SavedConversation
 from kvcache.layout import KVQuant
@@ -38,6 +38,7 @@ from kvcache.namespaces import prune_other_namespaces
 from kvcache.os_memory import MemoryReturner
 from kvcache.payloads import BlockArrays, KVLayoutOps, PrivatePart, rebuild_private
 from kvcache.prompt_key import PromptKey
+from kvcache.restore import restore_entries
 from kvcache.safetensors_io import GONE, CorruptFile
 from kvcache.sessions import SessionStore
 from kvcache.stats import KVCacheStats, TierStats
@@ -675,85 +676,10 @@ class TieredKVManager:
     def _restore(self) -> None:
         """Index every complete entry on disk: the first turn after a restart is warm."""
         assert self.disk is not None
-        scan = self.disk.scan()
-        pins = self.disk.read_pins()
-        pinned_uids = {pin["uid"] for pin in pins.values()}
-        # saved conversations first, then the newest: what a smaller budget keeps
-        order = sorted(
-            scan.entries, key=lambda e: (e.uid not in pinned_uids, -_created(e.manifest))
-        )
-        dropped: list[tuple[str, list[Digest]]] = []
-        kept_aside: dict[str, tuple[str, int]] = {}  # saved uid -> (why not indexed, bytes)
-        for found in order:
-            m = found.manifest
-            entry_id, held, why = None, EntryBytes(), ""
-            try:
-                # its blocks first: a key that cannot be read still names the
-                # blocks to delete with it
-                held = EntryBytes(
-                    tuple((bytes.fromhex(d), int(n)) for d, n in m["blocks"]),
-                    int(m["private_bytes"]),
-                )
-                key = key_from(m["key"])
-                variant = str(m.get("variant", ""))
-                why = "written under another --kv-block-size"
-                if self._addresses_match(key, held, variant):
-                    why = "over a smaller --kv-disk-bytes"
-                    entry_id = self.index.restore(
-                        key,
-                        held,
-                        bool(m["trimmable"]),
-                        m.get("session"),
-                        found.uid,
-                        pinned=found.uid in pinned_uids,
-                        variant=variant,
-                        own_session=m.get("own_session") is True,
-                    )
-            except Exception:  # noqa: BLE001 - a damaged manifest is discarded, never raised on
-                log.warning("KV disk tier: entry %s discarded: its manifest is damaged", found.uid)
-                why = ""
-            if entry_id is None and why and found.uid in pinned_uids:
-                # a save: the budget shrank (an automatic one does as the disk fills)
-                # or the block size changed; a restart as before serves it again
-                kept_aside[found.uid] = (why, held.total)
-                self._kept_blocks.update(d for d, _ in held.blocks)
-                continue
-            if entry_id is None:
-                dropped.append((found.uid, [d for d, _ in held.blocks]))
-                continue
-            self.restored += 1
-        # a dropped entry's blocks go with it unless a restored entry holds them
-        kept = self.index.disk.refs
-        gone: set[Digest] = set()
-        for uid, digests in dropped:
-            freed = [
-                d for d in digests if d not in kept and d not in gone and d not in self._kept_blocks
-            ]
-            gone.update(freed)
-            self.disk.delete_entry(uid, freed)
-            self.disk.counters.files_discarded += 1
-        self.conversations.adopt(pins, {e.uid for e in self.index.entries()}, set(kept_aside))
-        if kept_aside:
-            reasons: dict[str, int] = {}
-            for why, _ in kept_aside.values():
-                reasons[why] = reasons.get(why, 0) + 1
-            log.warning(
-                "KV disk tier %s: %d saved conversation entries (%.1f MiB) kept on disk but "
-                "not served in this run (%s); a restart with the earlier setting serves them "
-                "again, and nothing deletes them meanwhile",
-                self.disk.dir,
-                len(kept_aside),
-                sum(n for _, n in kept_aside.values()) / 2**20,
-                ", ".join(f"{n} {why}" for why, n in sorted(reasons.items())),
-            )
-        if scan.entries or scan.discarded:
-            log.info(
-                "KV disk tier %s: %d entries restored (%.0f MiB), %d files discarded",
-                self.disk.dir,
-                self.restored,
-                self.index.disk.nbytes / 2**20,
-                scan.discarded,
-            )
+        done = restore_entries(self.disk, self.index, self._addresses_match, self._kept_blocks)
+        self.restored = done.count
+        known = {e.uid for e in self.index.entries()}
+        self.conversations.adopt(done.pins, known, set(done.kept_aside))
 
     def _addresses_match(self, key: PromptKey, held: EntryBytes, variant: str) -> bool:
         """Whether a stored entry's blocks are where this server would put its
@@ -870,11 +796,3 @@ def _empty_tail(private: PrivatePart) -> PrivatePart:
         for layer in private.layers
     ]
     return PrivatePart(layers, 0)
-
-
-def _created(manifest: dict[str, Any]) -> float:
-    """When a stored entry was written (0 if its manifest cannot say)."""
-    try:
-        return float(manifest.get("created", 0))
-    except (TypeError, ValueError):
-        return 0.0
