@@ -16,8 +16,23 @@ Frames = str | Iterator[str]
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
 
+# Line breaks JSON lets through raw but str.splitlines (httpx's iter_lines, many
+# Python SSE clients) splits at: one would cut a data line in two.
+_SPLITLINES_BREAKS = (("\u2028", "\\u2028"), ("\u2029", "\\u2029"), ("\u0085", "\\u0085"))
+
+
+def sse_json(value: Any) -> str:
+    """``value`` as one line of compact UTF-8 JSON: the three line breaks above
+    escaped (the same JSON), each replaced only when present."""
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    for raw, escaped in _SPLITLINES_BREAKS:
+        if raw in text:
+            text = text.replace(raw, escaped)
+    return text
+
+
 def sse_data(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {sse_json(payload)}\n\n"
 
 
 class FrameTemplate:
@@ -34,9 +49,7 @@ class FrameTemplate:
         self._head, self._tail = head, rest[0]
 
     def __call__(self, value: Any) -> str:
-        return (
-            self._head + json.dumps(value, ensure_ascii=False, separators=(",", ":")) + self._tail
-        )
+        return self._head + sse_json(value) + self._tail
 
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -47,8 +60,7 @@ KEEPALIVE_S = 10.0  # a long queue wait or prefill must not look like a dead ser
 
 def sse_event(event: str, payload: dict[str, Any]) -> str:
     """A named event (Anthropic and Responses streams name every event)."""
-    data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"event: {event}\ndata: {data}\n\n"
+    return f"event: {event}\ndata: {sse_json(payload)}\n\n"
 
 
 async def with_heartbeat(items: AsyncIterator[T], interval: float) -> AsyncIterator[list[T] | None]:

@@ -16,7 +16,7 @@ from app.images import ImageSource
 from app.response_store import ResponseStore
 from app.server import create_app
 from app.settings import Settings
-from app.sse import FrameTemplate, sse_data, with_heartbeat
+from app.sse import FrameTemplate, sse_data, sse_event, with_heartbeat
 from tests.helpers.fake_engine import FakeEngine
 from tests.helpers.http_server import serve_app
 
@@ -297,3 +297,28 @@ def test_a_frame_template_gives_sse_datas_bytes(meta, value, usage):
         return {**chunk, "usage": None} if usage else chunk
 
     assert FrameTemplate(payload(FrameTemplate.HOLE))(value) == sse_data(payload(value))
+
+
+# what str.splitlines (httpx's iter_lines, Python SSE clients) also ends a line at
+_LINE_BREAKS_JSON_ALLOWS = "\u2028\u2029\u0085"
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from('ab \u2028\u2029\u0085\u00e9\\"')))
+@example(text="line one\u2028line two\u2029three\u0085four")
+def test_a_frame_has_no_line_break_but_its_own_and_decodes_to_the_same_text(text):
+    """U+2028, U+2029 and U+0085 went out raw: a client splitting lines as
+    str.splitlines does cut the data line and the turn failed ("unreadable stream
+    chunk"). Escaped, the JSON reads back the same."""
+    payload = {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    frames = [
+        sse_data(payload),
+        FrameTemplate({"choices": [{"index": 0, "delta": FrameTemplate.HOLE}]})({"content": text}),
+        sse_event("content_block_delta", {"delta": {"text": text}}),
+    ]
+    for frame in frames:
+        assert not set(frame) & set(_LINE_BREAKS_JSON_ALLOWS)
+        assert frame.splitlines() == frame.split("\n")[:-1]  # lines end at \n alone
+    assert json.loads(frames[0][6:])["choices"][0]["delta"]["content"] == text
+    assert json.loads(frames[1][6:])["choices"][0]["delta"]["content"] == text
+    assert json.loads(frames[2].splitlines()[1][6:])["delta"]["text"] == text
