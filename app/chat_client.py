@@ -7,7 +7,8 @@ by hand, so it works against kvwarm, mlx_lm.server, llama.cpp, vLLM or OpenAI al
 from __future__ import annotations
 
 import json
-from collections.abc import Generator
+import re
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +114,7 @@ class ChatClient:
                         + ", not an event stream"
                     )
                 finished = False  # a finish_reason: complete even if [DONE] never comes
-                for line in response.iter_lines():
+                for line in sse_lines(response.iter_bytes()):
                     if not line.startswith("data:"):
                         continue  # blank separators, `event:` lines, `: keep-alive` comments
                     data = line[5:].strip()
@@ -128,6 +129,36 @@ class ChatClient:
         # what came so far is no whole reply, and must not join the conversation
         if not finished:
             raise ChatError("the stream ended before the reply was complete")
+
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+def sse_lines(chunks: Iterable[bytes]) -> Iterator[str]:
+    """An event stream's lines, ended by CR, LF or CRLF only (the SSE grammar).
+
+    Not ``iter_lines``: it splits as str.splitlines does, also at U+2028, U+2029
+    and U+0085, which JSON strings may hold raw, cutting a data line in two.
+    Lines are split as bytes (CR and LF never occur inside a UTF-8 character),
+    and only the newest piece is scanned, so a long line costs linear time."""
+    pending = bytearray()
+    skip_lf = False  # the last piece ended in CR: an LF opening the next one ends no line
+    for chunk in chunks:
+        if skip_lf and chunk:
+            skip_lf = False
+            chunk = chunk[1:] if chunk[:1] == b"\n" else chunk
+        ends = max(chunk.rfind(b"\n"), chunk.rfind(b"\r"))
+        if ends < 0:
+            pending += chunk
+            continue
+        skip_lf = chunk.endswith(b"\r")
+        pending += chunk[: ends + 1]
+        *lines, _ = _LINE_END.split(bytes(pending))
+        pending = bytearray(chunk[ends + 1 :])
+        for line in lines:
+            yield line.decode("utf-8", "replace")
+    if pending:  # a last line with no line end
+        yield pending.decode("utf-8", "replace")
 
 
 def _parse_chunk(data: str) -> Generator[Delta | Usage, None, bool]:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import io
+import json
+import re
 from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from app.chat_client import ChatClient, ChatError, Delta, Usage
+from app.chat_client import ChatClient, ChatError, Delta, Usage, sse_lines
 from app.chat_repl import ChatRepl, ReplyPrinter, TurnStats
 
 
@@ -173,3 +177,60 @@ def test_a_line_input_could_not_decode_is_one_error_and_the_repl_stays(monkeypat
     repl = ChatRepl(_Client([]), "m", 8, None, out=io.StringIO())  # type: ignore[arg-type]
     assert repl.run() == 0
     assert "error: that line is not utf-8 text; nothing was sent" in capsys.readouterr().err
+
+
+class _Chunks(httpx.SyncByteStream):
+    """A body arriving in the given pieces, as a network delivers it."""
+
+    def __init__(self, *chunks: bytes) -> None:
+        self.chunks = chunks
+
+    def __iter__(self):
+        yield from self.chunks
+
+
+def _chunk(content: str, finish: str | None = None) -> bytes:
+    delta = {"choices": [{"delta": {"content": content}, "finish_reason": finish}]}
+    return json.dumps(delta, ensure_ascii=False).encode()
+
+
+def test_raw_unicode_line_separators_in_a_chunk_do_not_cut_it():
+    """A server that sends U+2028, U+2029 or U+0085 unescaped (JSON allows it):
+    iter_lines split the data line there, and the turn failed with "unreadable
+    stream chunk". Only CR, LF and CRLF end an SSE line."""
+    text = "one\u2028two\u2029three\u0085four"
+    body = b"data: " + _chunk(text) + b"\n\ndata: " + _chunk("", "stop") + b"\n\n"
+    client = _mock_client(httpx.Response(200, headers=SSE, content=body))
+    assert list(client.stream({"messages": []})) == [Delta(content=text)]
+    client.close()
+
+
+def test_sse_lines_end_at_cr_lf_or_crlf_wherever_the_chunks_break():
+    """A CRLF split between two reads is one line end, and a character's UTF-8
+    bytes split between two reads are one character."""
+    first, second = _chunk("h\u00e9\u2028"), _chunk("!", "stop")
+    whole = b"data: " + first + b"\r\n\r\ndata: " + second + b"\r\rdata: [DONE]\n\n"
+    cut = whole.index("\u00e9".encode()) + 1  # inside é
+    crlf = whole.index(b"\r\n") + 1  # between CR and LF
+    stream = _Chunks(whole[:cut], whole[cut:crlf], whole[crlf:])
+    client = _mock_client(httpx.Response(200, headers=SSE, stream=stream))
+    assert list(client.stream({"messages": []})) == [
+        Delta(content="h\u00e9\u2028"),
+        Delta(content="!"),
+    ]
+    client.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.text(alphabet=st.sampled_from("a \r\n\u2028\u0085\u00e9\U0001f600")),
+    cuts=st.lists(st.integers(min_value=0), max_size=6),
+)
+def test_sse_lines_do_not_depend_on_where_the_body_is_cut(text: str, cuts: list[int]):
+    body = text.encode()
+    at = sorted({0, len(body), *(c % (len(body) + 1) for c in cuts)})
+    pieces = [body[a:b] for a, b in zip(at, at[1:])] + [b""]  # an empty read too
+    expected = re.split(r"\r\n|\r|\n", text)
+    if expected[-1] == "":  # a body ending in a line end has no line after it
+        expected.pop()
+    assert list(sse_lines(pieces)) == expected
