@@ -12,6 +12,7 @@ import base64
 import io
 import mimetypes
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -22,12 +23,13 @@ import httpx
 from dotenv import dotenv_values
 
 from app.chat_client import ChatClient, ChatError, Delta, Usage
+from app.chat_input import read_typed
 
 HELP = (
+    '""" alone on a line opens or closes a message of several lines, \\ ending a line goes on · '
     "image:PATH attaches an image · /reset or Ctrl-N: new conversation · "
     "/quit, /exit or Ctrl-D: leave · Ctrl-C stops a reply"
 )
-PROMPT = "> "
 CTRL_N = "\x0e"
 # SGR codes: reasoning dim cyan, stats dim, errors red
 REASONING_STYLE, STATS_STYLE, ERROR_STYLE = "2;36", "2", "31"
@@ -35,21 +37,29 @@ REASONING_STYLE, STATS_STYLE, ERROR_STYLE = "2;36", "2", "31"
 Content = str | list[dict[str, Any]]
 
 
-def build_content(line: str) -> Content:
-    """The user message for a typed line: `image:PATH` words become image parts.
+IMAGE_WORD = re.compile(r"(?<!\S)image:(\S+)")
+
+
+def build_content(text: str) -> Content:
+    """The user message for typed text, kept as typed: `image:PATH` words become
+    image parts (a line that held one keeps its indentation, its other words
+    joined by single spaces).
 
     Raises ChatError for an image that cannot be read, so the turn is not sent.
     """
-    words = line.split()
-    is_image = [w.startswith("image:") and len(w) > len("image:") for w in words]
-    if not any(is_image):
-        return line.strip()
-    text = " ".join(w for w, image in zip(words, is_image) if not image)
-    parts: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
-    for word, image in zip(words, is_image):
-        if image:
-            url = image_data_url(word[len("image:") :])
-            parts.append({"type": "image_url", "image_url": {"url": url}})
+    paths = IMAGE_WORD.findall(text)
+    if not paths:
+        return text
+    lines = text.split("\n")
+    for i, line in enumerate(lines):
+        if IMAGE_WORD.search(line):
+            indent = line[: len(line) - len(line.lstrip())]
+            words = IMAGE_WORD.sub("", line).split()
+            lines[i] = indent + " ".join(words) if words else ""
+    text = "\n".join(lines).strip("\n")
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}] if text.strip() else []
+    for path in paths:
+        parts.append({"type": "image_url", "image_url": {"url": image_data_url(path)}})
     return parts
 
 
@@ -189,32 +199,33 @@ class ChatRepl:
         self.print(style(HELP, STATS_STYLE, self.colour))
         while True:
             try:
-                line = clean_text(input(PROMPT))
+                typed = read_typed(lambda prompt: clean_text(input(prompt)))
             except (EOFError, KeyboardInterrupt):  # Ctrl-D / Ctrl-C at the prompt
                 self.print("")
                 return 0
             except UnicodeDecodeError as exc:  # a stdin that could not be reconfigured
                 self.error(f"that line is not {exc.encoding} text; nothing was sent")
                 continue
-            command = line.strip()
+            # stripped only to be recognised: a message is sent as typed
+            command = typed.text.strip() if typed.one_line else ""
             if command in ("/quit", "/exit"):
                 return 0
-            if command == "/reset" or CTRL_N in line:  # raw ^N: a terminal without readline
+            if command == "/reset" or CTRL_N in typed.text:  # raw ^N: no readline
                 self.history.clear()
                 self.print(style("(new conversation)", STATS_STYLE, self.colour))
             elif command == "/help":
                 self.print(HELP)
             elif command.startswith("/") and " " not in command:
                 self.error(f"unknown command {command}; {HELP}")
-            elif command:
+            elif typed.text.strip():
                 try:
-                    self.turn(command)
+                    self.turn(typed.text)
                 except KeyboardInterrupt:  # while it looked the model up or read an image
                     self.print(style("[interrupted]", STATS_STYLE, self.colour))
 
-    def turn(self, line: str) -> None:
+    def turn(self, text: str) -> None:
         try:
-            user = {"role": "user", "content": build_content(line)}
+            user = {"role": "user", "content": build_content(text)}
             self.model = model = self.model or self.client.first_model()
         except ChatError as exc:
             self.error(str(exc))

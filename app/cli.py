@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="A terminal REPL against any OpenAI-compatible server. Replies stream as "
         "they are generated, reasoning shown apart from the answer, and each turn ends with "
         "TTFT, tokens/s and the prompt tokens the server had cached. In the prompt: "
-        "image:PATH attaches an image (several allowed), /reset or Ctrl-N starts a new "
+        '""" alone on a line opens or closes a message of several lines, a line ending in '
+        "\\ goes on to the next, image:PATH attaches an image (several allowed), /reset or Ctrl-N starts a new "
         "conversation, /quit, /exit or Ctrl-D leaves, Ctrl-C stops a streaming reply.",
     )
     chat.add_argument(

@@ -478,6 +478,15 @@ def test_without_a_terminal_the_blocks_are_labelled_and_uncoloured(fake) -> None
     assert "\x1b" not in result.stdout
 
 
+def test_a_pasted_snippet_is_one_message_with_its_indentation(fake) -> None:
+    """Each line of a paste was its own request, stripped of its indentation."""
+    typed = '"""\nReview:\ndef f(x):\n    return x + 1\n"""\nand this \\\n  two\n/quit\n'
+    result = piped_chat(fake, typed)
+    assert result.returncode == 0, result.stderr
+    first = "Review:\ndef f(x):\n    return x + 1"
+    assert [user_turns(b) for b in fake.bodies] == [[first], [first, "and this \n  two"]]
+
+
 @pytest.mark.parametrize(
     ("host", "url"),
     [

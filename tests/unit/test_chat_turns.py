@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.chat_client import ChatClient, ChatError, Delta, Usage, sse_lines
-from app.chat_repl import ChatRepl, ReplyPrinter, TurnStats
+from app.chat_repl import ChatRepl, ReplyPrinter, TurnStats, build_content
 
 
 class _Client:
@@ -234,3 +234,63 @@ def test_sse_lines_do_not_depend_on_where_the_body_is_cut(text: str, cuts: list[
     if expected[-1] == "":  # a body ending in a line end has no line after it
         expected.pop()
     assert list(sse_lines(pieces)) == expected
+
+
+def _typing(monkeypatch, typed: list[Any]) -> list[str]:
+    """input() gives ``typed`` in turn (an exception is raised, as Ctrl-C or
+    Ctrl-D would); returns the prompts shown."""
+    prompts: list[str] = []
+
+    def read(prompt: str) -> str:
+        prompts.append(prompt)
+        item = typed.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    monkeypatch.setattr("builtins.input", read)
+    return prompts
+
+
+def _sent(client: _Client) -> list[list[Any]]:
+    return [[m["content"] for m in b["messages"] if m["role"] == "user"] for b in client.bodies]
+
+
+def test_a_triple_quoted_block_is_one_message_kept_as_typed(monkeypatch):
+    """A pasted snippet was one request per line, each stripped of its indentation."""
+    typed = ['"""', "Review this:", "def f(x):", '    """Doc."""', "    return x+1", ""]
+    typed += ["/reset", '    """', '"""', "/quit"]
+    prompts = _typing(monkeypatch, typed)
+    client = _Client([Delta(content="ok"), Usage(1, 0)])
+    assert ChatRepl(client, "m", 8, None, out=io.StringIO()).run() == 0  # type: ignore[arg-type]
+    block = 'Review this:\ndef f(x):\n    """Doc."""\n    return x+1\n\n/reset\n    """'
+    assert _sent(client) == [[block]]
+    assert prompts == ["> "] + ["... "] * 8 + ["> "]
+
+
+def test_a_line_ending_in_a_backslash_goes_on_to_the_next(monkeypatch):
+    _typing(monkeypatch, ["  first \\", "  second\\", "third  ", "/reset\\", "x", "/quit"])
+    client = _Client([Delta(content="ok"), Usage(1, 0)])
+    assert ChatRepl(client, "m", 8, None, out=io.StringIO()).run() == 0  # type: ignore[arg-type]
+    assert _sent(client) == [
+        ["  first \n  second\nthird  "],
+        ["  first \n  second\nthird  ", "/reset\nx"],
+    ]
+
+
+@pytest.mark.parametrize("typed", [["hi", EOFError()], ["hi", '"""', "unfinished", EOFError()]])
+def test_ctrl_d_leaves_even_in_an_open_block(monkeypatch, typed: list[Any]):
+    _typing(monkeypatch, typed)
+    client = _Client([Delta(content="ok"), Usage(1, 0)])
+    assert ChatRepl(client, "m", 8, None, out=io.StringIO()).run() == 0  # type: ignore[arg-type]
+    assert _sent(client) == [["hi"]]
+
+
+def test_image_words_leave_the_rest_of_a_message_as_typed(tmp_path):
+    (tmp_path / "x.png").write_bytes(b"\x89PNG")
+    text = f"look at  image:{tmp_path}/x.png this\n    def f():\n        pass  \n"
+    assert build_content(text) == [
+        {"type": "text", "text": "look at this\n    def f():\n        pass  "},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw=="}},
+    ]
+    assert build_content("  as typed  \n") == "  as typed  \n"
