@@ -28,7 +28,7 @@ from app.chat_input import read_typed
 HELP = (
     '""" alone on a line opens or closes a message of several lines, \\ ending a line goes on · '
     "image:PATH attaches an image · /reset or Ctrl-N: new conversation · "
-    "/quit, /exit or Ctrl-D: leave · Ctrl-C stops a reply"
+    "/quit, /exit or Ctrl-D: leave · Ctrl-C drops the line or stops a reply"
 )
 CTRL_N = "\x0e"
 # SGR codes: reasoning dim cyan, stats dim, errors red
@@ -200,9 +200,12 @@ class ChatRepl:
         while True:
             try:
                 typed = read_typed(lambda prompt: clean_text(input(prompt)))
-            except (EOFError, KeyboardInterrupt):  # Ctrl-D / Ctrl-C at the prompt
+            except EOFError:  # Ctrl-D
                 self.print("")
                 return 0
+            except KeyboardInterrupt:  # Ctrl-C drops the line or block, as Python's REPL does
+                self.print("")
+                continue
             except UnicodeDecodeError as exc:  # a stdin that could not be reconfigured
                 self.error(f"that line is not {exc.encoding} text; nothing was sent")
                 continue

@@ -164,8 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
         "they are generated, reasoning shown apart from the answer, and each turn ends with "
         "TTFT, tokens/s and the prompt tokens the server had cached. In the prompt: "
         '""" alone on a line opens or closes a message of several lines, a line ending in '
-        "\\ goes on to the next, image:PATH attaches an image (several allowed), /reset or Ctrl-N starts a new "
-        "conversation, /quit, /exit or Ctrl-D leaves, Ctrl-C stops a streaming reply.",
+        "\\ goes on to the next, image:PATH attaches an image (several allowed), /reset or "
+        "Ctrl-N starts a new conversation, /quit, /exit or Ctrl-D leaves, Ctrl-C drops the "
+        "line being typed or stops a streaming reply.",
     )
     chat.add_argument(
         "--host",

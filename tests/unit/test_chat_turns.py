@@ -278,6 +278,18 @@ def test_a_line_ending_in_a_backslash_goes_on_to_the_next(monkeypatch):
     ]
 
 
+def test_ctrl_c_at_the_prompt_drops_the_line_or_block_and_keeps_the_conversation(monkeypatch):
+    """Ctrl-C at the prompt left the REPL, and the conversation with it."""
+    typed = ["hello", KeyboardInterrupt(), '"""', "a draft", KeyboardInterrupt(), "more \\"]
+    typed += [KeyboardInterrupt(), "again", "/quit"]
+    prompts = _typing(monkeypatch, typed)
+    client = _Client([Delta(content="ok"), Usage(1, 0)])
+    repl = ChatRepl(client, "m", 8, None, out=io.StringIO())  # type: ignore[arg-type]
+    assert repl.run() == 0
+    assert _sent(client) == [["hello"], ["hello", "again"]]
+    assert prompts == ["> ", "> ", "> ", "... ", "... ", "> ", "... ", "> ", "> "]
+
+
 @pytest.mark.parametrize("typed", [["hi", EOFError()], ["hi", '"""', "unfinished", EOFError()]])
 def test_ctrl_d_leaves_even_in_an_open_block(monkeypatch, typed: list[Any]):
     _typing(monkeypatch, typed)
