@@ -24,6 +24,7 @@ from scheduler.fit import (
     TYPICAL_CONTEXT,
     MachineFacts,
     ModelFacts,
+    NotAssessable,
     apple_matrix,
     as_loaded,
     assess,
@@ -127,6 +128,9 @@ def listed_entry(facts: ModelFacts, machine: MachineFacts, budget_bytes: int) ->
     values must not take the whole listing (every other model) down with it."""
     try:
         return library_entry(facts, machine, budget_bytes)
+    except NotAssessable as exc:  # what serve would refuse says so first
+        why = facts.why_unsupported or f"could not be assessed: {exc}"
+        return {"id": facts.name, "path": facts.path, "supported": False, "why_unsupported": why}
     except Exception as exc:  # noqa: BLE001 - a config nothing else checked
         return {
             "id": facts.name,

@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from engine import config_fields as fields
 from engine.gguf_archs import ARCHS as GGUF_ARCHS  # what engine.gguf_convert converts
 from engine.gguf_archs import ROPE_FREQS, ROPE_FREQS_WHY, split_file, unreadable_types
 from engine.model_errors import UnsupportedModelError
@@ -176,10 +177,10 @@ def dir_facts(
     active = params
     if experts and per_token and expert_params:
         active = params - expert_params + expert_params * per_token // experts
-    heads = _int(text, "num_attention_heads", "n_head", default=1)
-    kv_heads = _int(text, "num_key_value_heads", "n_kv_heads", default=heads)
-    head_dim = _int(text, "head_dim", default=_int(text, "hidden_size") // max(1, heads))
-    layers = _int(text, "num_hidden_layers", "n_layer")
+    heads = fields.first_int(text, fields.HEADS, default=1)
+    kv_heads = fields.kv_heads(text, heads)
+    head_dim = _int(text, "head_dim", default=fields.first_int(text, fields.WIDTH) // max(1, heads))
+    layers = fields.first_int(text, fields.LAYERS)
     # activations (and so the KV) have the width most of the float tensors have: a
     # few kept float32 by mlx-lm (router biases) do not make a bf16 model's KV float32
     act_bytes = max(float_numel, key=lambda w: float_numel[w]) if float_numel else 2
@@ -204,7 +205,7 @@ def dir_facts(
         params=params,
         active_params=active,
         kv_bytes_per_token=per_layer * _attention_layers(text, layers),
-        context_length=_int(text, "max_position_embeddings", "max_seq_len", default=4096),
+        context_length=_context(config),
         num_heads=heads,
         quant_bits=int(bits) if bits else None,
         vision=vision,
@@ -213,6 +214,13 @@ def dir_facts(
         layout=_window_layout(str(text.get("model_type", model_type)), text, layers, per_layer),
         kv_value_bytes=act_bytes,
     )
+
+
+def _context(config: dict[str, Any]) -> int:
+    """What serve reads (engine.loader, through the same reader); 4096 where the
+    config is silent (serve asks the tokenizer then, which fit has not loaded)."""
+    found = fields.context_length(config)
+    return 4096 if found is None else found
 
 
 # mlx-lm families whose make_cache gives sliding-window layers a RotatingKVCache:

@@ -22,6 +22,7 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
 )
 
+from engine import config_fields
 from engine.file_digest import content_digest
 from engine.gguf_convert import convert_gguf
 from engine.model_errors import UnsupportedModelError
@@ -77,11 +78,9 @@ def _generation_defaults(model_dir: Path) -> dict[str, Any]:
 
 
 def _context_length(config: dict[str, Any], tokenizer) -> int:
-    text_config = config.get("text_config", {})
-    for key in ("max_position_embeddings", "max_seq_len", "seq_length", "n_positions"):
-        for source in (config, text_config):
-            if isinstance(source.get(key), int):
-                return source[key]
+    stated = config_fields.context_length(config)  # fit reads it the same way
+    if stated is not None:
+        return stated
     limit = getattr(tokenizer, "model_max_length", None)
     return limit if isinstance(limit, int) and limit < 10**7 else 4096
 
@@ -203,13 +202,19 @@ def _num_heads(model: Any, config: dict[str, Any]) -> int:
     args = getattr(model, "args", None)
     # a wrapper's (Gemma 3) text_config, with the defaults mlx-lm filled in
     text_args = getattr(args, "text_config", None)
-    heads = (
-        getattr(args, "num_attention_heads", 0)
-        or (text_args.get("num_attention_heads", 0) if isinstance(text_args, dict) else 0)
-        or config.get("num_attention_heads", 0)
-        or (config.get("text_config") or {}).get("num_attention_heads", 0)  # a VLM's
+    sources = (
+        {key: getattr(args, key, None) for key in config_fields.HEADS},
+        text_args,
+        config,
+        config.get("text_config"),  # a VLM's
     )
-    return int(heads or 1)
+    for source in sources:  # under each name ModelArgs use (GPT-2's n_head, DBRX's n_heads)
+        heads = (
+            config_fields.first_int(source, config_fields.HEADS) if isinstance(source, dict) else 0
+        )
+        if heads:
+            return heads
+    return 1
 
 
 def load_vision_model(source: ModelSource, model_dir: Path) -> LoadedModel:

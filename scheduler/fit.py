@@ -32,6 +32,12 @@ PREFILL_CHUNK = 512  # --prefill-step-size's default: sizes the transient reserv
 COMFORTABLE_CONTEXT = 8192  # below this ceiling an agent's context runs tight
 
 
+class NotAssessable(ValueError):
+    """A model whose KV cost could not be read from its config (layers, heads or
+    widths under names nothing here knows): priced at nothing, any memory would
+    seem to hold millions of its sequences."""
+
+
 @dataclass(frozen=True)
 class ModelFacts:
     """What a model costs, read from its config and weight-file headers only."""
@@ -59,6 +65,13 @@ class ModelFacts:
     # bytes per cached key/value element the KV above is priced at (a GGUF's width
     # beside its weights: float32 for Gemma and Gemma 2, float16 otherwise)
     kv_value_bytes: int = 2
+
+    @property
+    def priced(self) -> bool:
+        """Its sequences cost something: KV per token, or (a state-space model) a state."""
+        return self.kv_bytes_per_token > 0 or (
+            self.layout is not None and self.layout.sequence_bytes(1) > 0
+        )
 
     @property
     def active_weight_bytes(self) -> int:
@@ -206,10 +219,15 @@ def budget_for(model: ModelFacts, budget_bytes: int) -> MemoryBudget:
     """The MemoryBudget ``kvwarm serve`` would enforce for ``model`` on
     ``budget_bytes`` with its defaults (admission.plan_budget, as engine.boot
     calls it: 512-token prefill chunks, the prompt cache's automatic share)."""
+    if not model.priced:
+        raise NotAssessable(
+            f"no KV cost per token could be read from its config ({model.model_type}: "
+            "layers, heads or width under names kvwarm does not know)"
+        )
     return plan_budget(
         budget_bytes,
         model.weights_bytes,
-        max(1, model.kv_bytes_per_token),
+        model.kv_bytes_per_token,
         model.context_length,
         model.num_heads,
         PREFILL_CHUNK,
@@ -230,6 +248,8 @@ def assess(model: ModelFacts, budget_bytes: int, bandwidth_bytes_s: float | None
 
 def apple_matrix(model: ModelFacts) -> list[dict[str, Any]]:
     """Which Macs run it: per unified-memory size, the verdict and the context."""
+    if not model.priced:
+        return []  # nothing to say about any Mac (see NotAssessable)
     rows = []
     loaded = as_loaded(model, "gpu")  # Metal: a GGUF as mx.load reads it there
     for gb in APPLE_MEMORY_GB:

@@ -172,3 +172,51 @@ def test_a_gemma3_vision_checkpoint_silent_on_heads_is_read_with_mlx_lms_default
     assert facts.num_heads == 8 and _num_heads(model, config) == 8
     real = cached_bytes_per_token(model, tokens=8)  # inside every window: all grow alike
     assert facts.kv_bytes_per_token == real
+
+
+EXAONE = dict(
+    model_type="exaone", vocab_size=256, hidden_size=64, num_layers=2, intermediate_size=128,
+    num_attention_heads=4, num_key_value_heads=2, rope_theta=1e4, layer_norm_epsilon=1e-5,
+    max_position_embeddings=2048,
+)  # fmt: skip
+GPT2 = dict(
+    model_type="gpt2", vocab_size=256, n_embd=64, n_head=4, n_layer=2, n_ctx=512,
+    n_positions=512, layer_norm_epsilon=1e-5,
+)  # fmt: skip
+GPT_BIGCODE = dict(
+    model_type="gpt_bigcode", vocab_size=256, n_embd=64, n_head=4, n_layer=2, n_inner=128,
+    n_positions=512, layer_norm_epsilon=1e-5, multi_query=True,
+)  # fmt: skip
+GPTJ = dict(
+    model_type="gptj", vocab_size=256, n_embd=64, n_head=4, n_layer=2, n_positions=512,
+    rotary_dim=8,
+)  # fmt: skip
+DBRX = dict(
+    model_type="dbrx", vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=1024,
+    attn_config={"kv_n_heads": 2, "clip_qkv": 8, "rope_theta": 1e4},
+    ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 4, "moe_top_k": 2},
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config, heads, context",
+    [(EXAONE, 4, 2048), (GPT2, 4, 512), (GPT_BIGCODE, 4, 512), (GPTJ, 4, 512), (DBRX, 4, 1024)],
+    ids=["exaone-num_layers", "gpt2-n_layer", "gpt-bigcode-multi-query", "gptj", "dbrx-n_layers"],
+)
+def test_configs_naming_layers_heads_and_width_otherwise_are_read(tmp_path, config, heads, context):
+    """Only num_hidden_layers / num_attention_heads / hidden_size were read: EXAONE
+    3, DBRX, GPT-2, GPT-BigCode and GPT-J came out at no KV at all, priced at one
+    byte a token ("fits", with millions of sequences); GPT-2's n_positions context
+    was read as 4096. Fit, serve's context and serve's attention heads now agree."""
+    from importlib import import_module
+
+    from engine.loader import _context_length, _num_heads
+
+    module = import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    real = cached_bytes_per_token(model)
+    facts = dir_facts(save(model, config, tmp_path / "m", quantize=False))
+    assert real > 0 and facts.kv_bytes_per_token == real
+    assert facts.num_heads == _num_heads(model, config) == heads
+    assert facts.context_length == _context_length(config, None) == context
