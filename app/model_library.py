@@ -40,6 +40,11 @@ _FP8 = frozenset({"F8_E4M3", "F8_E5M2"})
 # multi-head latent attention whose mlx-lm module caches every head's keys and values
 # (the latent expanded), not the compressed latent its config describes
 _MLA_FULL_HEADS = frozenset({"deepseek_v2", "minicpm3", "youtu_llm"})
+# each layer's cache a CacheList of two KVCaches: DeepSeek V3.2 and GLM-5 (DSA) keep
+# the sparse-attention indexer's keys beside the latent, and a values array of the
+# same size; LongCat-Flash runs two latent attentions per layer
+_DSA_INDEXER = frozenset({"deepseek_v32", "glm_moe_dsa"})
+_TWO_MLA = frozenset({"longcat_flash", "longcat_flash_ngram"})
 _EXPERT_MARKERS = (".experts.", ".switch_mlp.", ".block_sparse_moe.experts")
 
 
@@ -263,7 +268,8 @@ def _window_layout(
 def _kv_per_layer(model_type: str, text: dict[str, Any], kv_heads: int, head_dim: int) -> int:
     """KV values one attention layer caches per token: multi-head latent attention
     (DeepSeek V3, Kimi K2) caches one compressed latent and its rotary part, not
-    every head's keys and values, except where mlx-lm's module expands it first."""
+    every head's keys and values, except where mlx-lm's module expands it first;
+    DSA models add their indexer's cache, LongCat-Flash caches two latents."""
     latent = _int(text, "kv_lora_rank")
     if latent and model_type in _MLA_FULL_HEADS:
         # each module's own defaults; MiniCPM3's value heads are always hidden / heads
@@ -278,7 +284,10 @@ def _kv_per_layer(model_type: str, text: dict[str, Any], kv_heads: int, head_dim
         )
         return heads * (key + value)
     if latent:
-        return latent + _int(text, "qk_rope_head_dim")
+        one = latent + _int(text, "qk_rope_head_dim")
+        if model_type in _DSA_INDEXER:  # deepseek_v32's ModelArgs default: 128
+            return one + 2 * _int(text, "index_head_dim", default=128)
+        return 2 * one if model_type in _TWO_MLA else one
     return kv_heads * head_dim * 2
 
 

@@ -220,3 +220,43 @@ def test_configs_naming_layers_heads_and_width_otherwise_are_read(tmp_path, conf
     assert real > 0 and facts.kv_bytes_per_token == real
     assert facts.num_heads == _num_heads(model, config) == heads
     assert facts.context_length == _context_length(config, None) == context
+
+
+DEEPSEEK_V32 = dict(
+    DEEPSEEK_V2, model_type="deepseek_v32", index_head_dim=32, index_n_heads=4, index_topk=16,
+)  # fmt: skip
+GLM_MOE_DSA = dict(
+    DEEPSEEK_V32, model_type="glm_moe_dsa", routed_scaling_factor=1.0, topk_method="noaux_tc",
+    scoring_func="sigmoid", norm_topk_prob=True, n_group=1, topk_group=1, moe_layer_freq=1,
+    first_k_dense_replace=1, rms_norm_eps=1e-6, attention_bias=False,
+    rope_parameters={"rope_theta": 10000.0, "type": "default"},
+)  # fmt: skip
+LONGCAT = dict(
+    model_type="longcat_flash", attention_method="MLA", zero_expert_type="identity",
+    hidden_size=128, ffn_hidden_size=256, moe_topk=2, expert_ffn_hidden_size=64,
+    n_routed_experts=4, zero_expert_num=2, num_layers=2, vocab_size=256,
+    max_position_embeddings=8192, num_attention_heads=8, kv_lora_rank=64, q_lora_rank=96,
+    qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64, routed_scaling_factor=1.0,
+    rms_norm_eps=1e-6, rope_theta=10000.0, mla_scale_q_lora=True, mla_scale_kv_lora=True,
+    attention_bias=False,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "config",
+    [DEEPSEEK_V32, GLM_MOE_DSA, LONGCAT],
+    ids=["deepseek-v32-indexer", "glm-moe-dsa-indexer", "longcat-flash-two-mla"],
+)
+def test_caches_of_several_parts_per_layer_are_priced_whole(tmp_path, config):
+    """Each layer's cache is a CacheList of two KVCaches: DeepSeek V3.2 and GLM-5
+    keep the sparse-attention indexer's keys (index_head_dim wide, and values as
+    large) beside the latent, LongCat-Flash two latent attentions. Fit priced one
+    latent (LongCat-Flash, whose layers are num_layers, at nothing)."""
+    from importlib import import_module
+
+    from engine.loader import probe_layout
+
+    module = import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))  # float32: CPU MoE kernels
+    facts = dir_facts(save(model, config, tmp_path / "m", quantize=False))
+    assert facts.kv_bytes_per_token == probe_layout(model).bytes_per_token > 0
