@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from app.recurrent_state import state_layout
 from engine import config_fields as fields
 from engine.gguf_archs import ARCHS as GGUF_ARCHS  # what engine.gguf_convert converts
 from engine.gguf_archs import ROPE_FREQS, ROPE_FREQS_WHY, split_file, unreadable_types
@@ -191,6 +192,9 @@ def dir_facts(
     act_bytes = max(float_numel, key=lambda w: float_numel[w]) if float_numel else 2
     model_type = str(config.get("model_type", "?"))
     per_layer = _kv_per_layer(model_type, text, kv_heads, head_dim) * act_bytes
+    family = str(text.get("model_type", model_type))  # a vision model's text model
+    # Mamba, RWKV-7: a constant state per sequence, no KV that grows
+    states = state_layout(family, text, layers, act_bytes)
     vision = "vision_config" in config
     types = _mlx_lm_types() if mlx_types is None else mlx_types
     why = ""
@@ -209,14 +213,14 @@ def dir_facts(
         weights_bytes=weights,
         params=params,
         active_params=active,
-        kv_bytes_per_token=per_layer * _attention_layers(text, layers),
+        kv_bytes_per_token=0 if states else per_layer * _attention_layers(text, layers),
         context_length=_context(config),
         num_heads=heads,
         quant_bits=int(bits) if bits else None,
         vision=vision,
         supported=not why,
         why_unsupported=why,
-        layout=_window_layout(str(text.get("model_type", model_type)), text, layers, per_layer),
+        layout=states or _window_layout(family, text, layers, per_layer),
         kv_value_bytes=act_bytes,
     )
 

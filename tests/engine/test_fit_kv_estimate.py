@@ -260,3 +260,42 @@ def test_caches_of_several_parts_per_layer_are_priced_whole(tmp_path, config):
     model = module.Model(module.ModelArgs.from_dict(config))  # float32: CPU MoE kernels
     facts = dir_facts(save(model, config, tmp_path / "m", quantize=False))
     assert facts.kv_bytes_per_token == probe_layout(model).bytes_per_token > 0
+
+
+MAMBA = dict(
+    model_type="mamba", vocab_size=256, hidden_size=64, intermediate_size=128, state_size=16,
+    num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=8,
+)  # fmt: skip
+MAMBA2 = dict(
+    model_type="mamba2", num_heads=8, head_dim=16, vocab_size=256, hidden_size=64,
+    intermediate_size=128, state_size=16, num_hidden_layers=2, layer_norm_epsilon=1e-5,
+    conv_kernel=4, n_groups=2, use_bias=False, use_conv_bias=True, tie_word_embeddings=True,
+    time_step_limit=[0.0, 1e9], time_step_rank=8,
+)  # fmt: skip
+RWKV7 = dict(
+    model_type="rwkv7", vocab_size=256, hidden_size=64, intermediate_size=128, norm_eps=1e-5,
+    head_dim=16, num_hidden_layers=2, a_low_rank_dim=8, v_low_rank_dim=8, gate_low_rank_dim=8,
+    decay_low_rank_dim=8,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("config", [MAMBA, MAMBA2, RWKV7], ids=["mamba", "mamba2", "rwkv7"])
+def test_a_state_space_model_costs_a_constant_state_per_sequence(tmp_path, config, dtype):
+    """mlx-lm gives every layer of Mamba, Mamba 2 and RWKV-7 an ArraysCache: a
+    state that does not grow with the context. Fit priced them as attention (a
+    Mamba 2.8B at 640 KB a token, 2 sequences of 4k on 16 GB)."""
+    from importlib import import_module
+
+    from engine.loader import probe_layout
+    from kvcache.layout import LayerKind
+
+    module = import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(dtype)
+    real = probe_layout(model)  # Mamba 2's SSM state is float32 whatever the weights
+    facts = dir_facts(save(model, config, tmp_path / "m", quantize=False))
+    assert facts.kv_bytes_per_token == real.bytes_per_token == 0
+    assert facts.layout is not None
+    assert [la.kind for la in facts.layout.layers] == [LayerKind.STATE] * len(real.layers)
+    assert facts.layout.state_bytes == real.state_bytes > 0
