@@ -15,7 +15,7 @@ from typing import Any
 from app.fit_api import listed_entry
 from app.machine import machine_facts
 from app.model_library import Found, ModelLibrary, read_entry
-from scheduler.fit import apple_matrix
+from scheduler.fit import WORKING_SET_FROM, apple_matrix
 
 
 def _size(nbytes: float) -> str:
@@ -116,4 +116,6 @@ def run_fit(models: list[str], folders: list[Path], as_json: bool, matrix: bool)
                 for r in e["apple_matrix"]
             )
             print(f"  {e['id']} on Apple memory sizes: {cells}")
+    if matrix:  # the budgets are not measured: no Mac is at hand
+        print(f"Apple memory sizes: budget = Metal's working set, {WORKING_SET_FROM}")
     return 0 if all("fit" in e for e in entries) else 1

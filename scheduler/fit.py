@@ -25,8 +25,11 @@ from scheduler.admission import MemoryBudget, plan_budget
 GiB = 2**30
 # unified memory sizes Apple ships (GB), for the "which Mac runs it" matrix
 APPLE_MEMORY_GB = (8, 16, 18, 24, 32, 36, 48, 64, 96, 128, 192, 256, 512)
-# Metal's default recommended working set is about three quarters of unified memory
-METAL_WORKING_SET = 0.75
+# Metal's recommended working set (recommendedMaxWorkingSetSize), an estimate: about
+# 2/3 of a Mac's memory in GiB up to 36 GB and 3/4 above (recent macOS gives 128 GB+
+# Macs more; 3/4 is the conservative figure). A Mac's "16 GB" is 16 GiB.
+SMALL_MAC_GB = 36
+WORKING_SET_FROM = "estimate: 2/3 of the memory up to 36 GB, 3/4 above (Metal's recommended)"
 TYPICAL_CONTEXT = 4096  # the context the predicted decode rate is quoted at
 PREFILL_CHUNK = 512  # --prefill-step-size's default: sizes the transient reserve
 COMFORTABLE_CONTEXT = 8192  # below this ceiling an agent's context runs tight
@@ -246,6 +249,12 @@ def assess(model: ModelFacts, budget_bytes: int, bandwidth_bytes_s: float | None
     )
 
 
+def metal_working_set(memory_gb: int) -> int:
+    """The budget ``--memory-budget auto`` would likely get on a Mac of ``memory_gb``."""
+    memory = memory_gb * GiB
+    return memory * 2 // 3 if memory_gb <= SMALL_MAC_GB else memory * 3 // 4
+
+
 def apple_matrix(model: ModelFacts) -> list[dict[str, Any]]:
     """Which Macs run it: per unified-memory size, the verdict and the context."""
     if not model.priced:
@@ -253,10 +262,13 @@ def apple_matrix(model: ModelFacts) -> list[dict[str, Any]]:
     rows = []
     loaded = as_loaded(model, "gpu")  # Metal: a GGUF as mx.load reads it there
     for gb in APPLE_MEMORY_GB:
-        a = assess(loaded, int(gb * 1e9 * METAL_WORKING_SET), None)
+        working_set = metal_working_set(gb)
+        a = assess(loaded, working_set, None)
         rows.append(
             {
                 "memory_gb": gb,
+                "working_set_bytes": working_set,
+                "working_set_from": WORKING_SET_FROM,
                 "verdict": a.verdict,
                 "max_context": a.max_context,
                 "sequences_at_4k": a.sequences_at_typical,

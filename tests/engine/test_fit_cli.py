@@ -27,6 +27,7 @@ def test_fit_prints_a_table_and_json_for_a_model_dir(tiny_llama_dir):
     assert lines[1].split()[:3] == ["model", "type", "size"]
     assert any(line.startswith(tiny_llama_dir.name) and " fits " in line for line in lines)
     assert "on Apple memory sizes: 8GB fits" in out.stdout
+    assert "Metal's working set, estimate: 2/3 of the memory up to 36 GB" in out.stdout
     doc = json.loads(run(str(tiny_llama_dir), "--json").stdout)
     (entry,) = doc["data"]
     assert entry["type"] == "llama" and entry["params"] > 0
