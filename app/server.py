@@ -31,15 +31,13 @@ from app.middleware import (
     RequestCounter,
     RequestIdHeader,
 )
+from app.models_api import router as models_router
 from app.openai_chat import router as chat_router
 from app.openai_completions import router as completions_router
 from app.openai_responses import router as responses_router
 from app.openapi_doc import (
     HEALTH,
-    MODELS,
-    OPENAI_ERROR,
     RETRY_AFTER,
-    errors,
     install_openapi,
     json_content,
 )
@@ -106,6 +104,7 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
     app.include_router(conv_kv_router)
     app.include_router(adapters_router)
     app.include_router(fit_router)
+    app.include_router(models_router)
     _add_admin_routes(app)
     install_openapi(
         app,
@@ -237,42 +236,6 @@ def _add_admin_routes(app: FastAPI) -> None:
                 for status, doc in documented.items()
             },
         )
-
-    @app.get(
-        "/v1/models",
-        responses={
-            200: {"description": "The loaded model.", "content": json_content(MODELS)},
-            **errors(OPENAI_ERROR, [503]),
-        },
-    )
-    async def models(request: Request) -> dict[str, Any]:
-        state: AppState = request.app.state.kvwarm
-        info = state.model_info()
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": info.model_id,
-                    "object": "model",
-                    "created": int(state.started_at),
-                    "owned_by": "kvwarm",
-                    "context_length": info.context_length,
-                },
-                # mounted LoRA adapters, each selectable by its id as the model (vLLM's shape)
-                *(
-                    {
-                        "id": a.id,
-                        "object": "model",
-                        "created": int(state.started_at),
-                        "owned_by": "kvwarm",
-                        "parent": info.model_id,
-                        "root": a.path,
-                        "context_length": info.context_length,
-                    }
-                    for a in state.engine.adapters()
-                ),
-            ],
-        }
 
     @app.get("/stats")
     async def stats(request: Request) -> dict[str, Any]:
