@@ -205,10 +205,24 @@ TOKEN_COUNT = {
     "required": ["input_tokens"],
     "properties": {"input_tokens": {"type": "integer", "minimum": 0}},
 }
+MODEL = {
+    "type": "object",
+    "required": ["id", "object", "created", "owned_by", "context_length"],
+    "properties": {
+        "id": {"type": "string"},
+        "object": {"const": "model"},
+        "created": {"type": "integer"},
+        "owned_by": {"type": "string"},
+        "context_length": {"type": "integer"},
+        "max_model_context": {"type": "integer"},
+        "parent": {"type": "string"},  # an adapter's base model
+        "root": {"type": "string"},  # an adapter's directory
+    },
+}
 MODELS = {
     "type": "object",
     "required": ["object", "data"],
-    "properties": {"object": {"const": "list"}, "data": {"type": "array"}},
+    "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": MODEL}},
 }
 HEALTH = {
     "type": "object",

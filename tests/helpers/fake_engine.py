@@ -233,6 +233,7 @@ class FakeEngine(EngineThread):
         adapters: tuple[tuple[str, Path], ...] = (),
         ranks: object = None,
         on_load_failure: Callable[[str, bool], None] | None = None,
+        model_id: str = "fake-model",
     ):
         budget = MemoryBudget(
             # one request of kv_budget_tokens (a 256 multiple) fits, with the part of a
@@ -243,7 +244,7 @@ class FakeEngine(EngineThread):
             kv_bytes_per_token=10,
         )
         info = ModelInfo(
-            model_id="fake-model",
+            model_id=model_id,
             path="/fake",
             context_length=context_length,
             budget=budget,

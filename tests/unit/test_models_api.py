@@ -1,15 +1,16 @@
-"""GET /v1/models over HTTP (model-free engine)."""
+"""GET /v1/models and /v1/models/{model} over HTTP (model-free engine)."""
 
 from __future__ import annotations
 
 import json
 
 import httpx
+import openai
 import pytest
 
 from tests.helpers.http_server import serve_app
 from tests.helpers.safetensors_bytes import one_element_tensors
-from tests.unit.test_http_api import make_app
+from tests.unit.test_http_api import assert_error, make_app
 
 MODELS = "/v1/models"
 
@@ -53,3 +54,26 @@ def test_context_length_is_the_models_when_the_budget_admits_more():
     with serve_app(make_app(eos_after=3, context_length=2048, kv_budget_tokens=4096)) as url:
         (entry,) = httpx.get(url + MODELS).json()["data"]
         assert entry["context_length"] == entry["max_model_context"] == 2048
+
+
+@pytest.mark.parametrize("model_id", ["fake-model", "org/fake-model"])
+def test_retrieve_a_model_by_id(model_id, adapter_dir):
+    """openai's models.retrieve(id) was a 404 "Not Found": the route did not exist."""
+    with serve_app(make_app(eos_after=3, model_id=model_id)) as url:
+        httpx.post(url + "/v1/adapters", json={"id": "sql", "path": str(adapter_dir)})
+        listed = {m["id"]: m for m in httpx.get(url + MODELS).json()["data"]}
+        assert set(listed) == {model_id, "sql"}
+        for wanted in listed:
+            r = httpx.get(url + MODELS + "/" + wanted)
+            assert r.status_code == 200, r.text
+            assert r.json() == listed[wanted]
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        assert client.models.retrieve(model_id).id == model_id
+
+
+def test_retrieve_an_unknown_model_is_404_model_not_found():
+    with serve_app(make_app(eos_after=3)) as url:
+        err = assert_error(httpx.get(url + MODELS + "/nope/x"), 404, "model_not_found")
+        assert "nope/x" in err["message"]
+        doc = httpx.get(url + "/openapi.json").json()["paths"]["/v1/models/{model}"]["get"]
+        assert {"200", "404"} <= set(doc["responses"])
