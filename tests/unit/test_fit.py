@@ -400,7 +400,7 @@ def test_published_bandwidth_is_only_the_exact_chips(chip, gb_s):
     assert known_bandwidth(chip) == (gb_s * 1e9 if gb_s else None)
 
 
-def _llama_gguf(path: Path, extra: dict[str, int] | None = None, tensors=None) -> Path:
+def _llama_gguf(path: Path, extra: dict[str, int | str] | None = None, tensors=None) -> Path:
     """A llama GGUF header: ``tensors`` (name, dims, ggml type), no tensor data."""
 
     def text(value: str) -> bytes:
@@ -416,12 +416,22 @@ def _llama_gguf(path: Path, extra: dict[str, int] | None = None, tensors=None) -
     out += text("general.architecture") + struct.pack("<I", 8) + text("llama")
     out += text("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2) + text("a") + text("b")
     for key, value in meta.items():
-        out += text(key) + struct.pack("<II", 4, value)
+        if isinstance(value, str):
+            out += text(key) + struct.pack("<I", 8) + text(value)
+        else:
+            out += text(key) + struct.pack("<II", 4, value)
     for name, dims, ttype in tensors:
         out += text(name) + struct.pack("<I", len(dims))
         out += b"".join(struct.pack("<Q", d) for d in dims) + struct.pack("<IQ", ttype, 0)
     path.write_bytes(bytes(out) + b"\0" * 4096)
     return path
+
+
+MIXTRAL = [
+    ("token_embd.weight", (64, 100), 12),
+    ("blk.0.ffn_gate_inp.weight", (64, 8), 0),
+    ("blk.0.ffn_up_exps.weight", (64, 32, 8), 12),
+]
 
 
 @pytest.mark.parametrize(
@@ -432,6 +442,16 @@ def _llama_gguf(path: Path, extra: dict[str, int] | None = None, tensors=None) -
         (None, [("blk.0.attn_q.weight", (64, 64), 23)], "IQ4_XS tensors are not read"),
         # the first of a split model's files: its tensors are a part of the model
         ({"split.count": 3}, None, "split GGUF's 3 files"),
+        # what the architecture's own config check refuses
+        ({"llama.rope.scaling.type": "yarn"}, None, "rope scaling 'yarn' is not supported"),
+        # Mixtral: a llama-architecture GGUF whose feed-forward is routed experts
+        (
+            {"llama.expert_count": 8, "llama.expert_used_count": 2},
+            MIXTRAL,
+            "mixture-of-experts GGUFs are not converted",
+        ),
+        # a tensor the converter has no name for
+        (None, [("blk.0.ssm_conv1d.weight", (4, 64), 0)], "unexpected GGUF tensor"),
     ],
 )
 def test_ggufs_serve_would_refuse_are_not_listed_as_supported(tmp_path, extra, tensors, why):
@@ -442,6 +462,27 @@ def test_ggufs_serve_would_refuse_are_not_listed_as_supported(tmp_path, extra, t
     assert gguf_facts(_llama_gguf(tmp_path / "3.gguf", None, llama3)).supported  # Llama 3.1+
     facts = gguf_facts(_llama_gguf(tmp_path / "x.gguf", extra, tensors))
     assert not facts.supported and why in facts.why_unsupported
+
+
+@pytest.mark.parametrize(
+    "extra, tensors, why",
+    [
+        ({"llama.rope.scaling.type": "yarn"}, None, "rope scaling 'yarn' is not supported"),
+        ({"llama.expert_count": 8}, MIXTRAL, "mixture-of-experts GGUFs are not converted"),
+        (None, [("blk.0.attn_q.weight", (64, 64), 13)], "Q5_K tensors are not read"),
+    ],
+)
+def test_serve_refuses_such_a_gguf_from_its_header_before_reading_it(tmp_path, extra, tensors, why):
+    """serve hashed and mx.load-ed the whole file first, then said "unexpected GGUF
+    tensor 'blk.0.ffn_up_exps.weight' for llama" (or nothing, for yarn): resolving
+    --model (no mlx, no tensor data) now refuses it, as /library does."""
+    from engine.model_errors import UnsupportedModelError
+    from engine.model_source import resolve_model
+
+    path = _llama_gguf(tmp_path / "x.gguf", extra, tensors)
+    with pytest.raises(UnsupportedModelError, match=why):
+        resolve_model(str(path))
+    assert resolve_model(str(_llama_gguf(tmp_path / "ok.gguf"))).kind == "gguf"
 
 
 def test_a_gguf_from_the_hub_cache_or_in_capitals_is_still_a_gguf(tmp_path):
