@@ -33,7 +33,15 @@ def _params(n: int) -> str:
 def gather(models: list[str], folders: list[Path]) -> list[Found]:
     if not models:
         return ModelLibrary(folders).scan()
-    return [read_entry(Path(m).expanduser()) for m in models]
+    return [_read(m) for m in models]
+
+
+def _read(model: str) -> Found:
+    try:
+        path = Path(model).expanduser()
+    except RuntimeError:  # "~name" of a user this machine does not have
+        return (model, model, "no such home directory")
+    return read_entry(path)
 
 
 def table(entries: list[dict[str, Any]]) -> str:

@@ -14,7 +14,6 @@ import ast
 import functools
 import importlib.util
 import json
-import os
 import struct
 import threading
 import time
@@ -28,7 +27,7 @@ from engine import config_fields as fields
 from engine.gguf_archs import ARCHS as GGUF_ARCHS  # what engine.gguf_convert converts
 from engine.gguf_header import gguf_problem, read_gguf_header
 from engine.model_errors import NotAModel, UnsupportedModelError
-from engine.model_source import missing_shards
+from engine.model_source import hub_roots, missing_shards
 from engine.vision_families import SERVED_FAMILIES as VISION_FAMILIES
 from kvcache.layout import KVLayout, LayerKind, LayerKV
 from scheduler.fit import ModelFacts
@@ -428,23 +427,6 @@ def real_path(path: Path) -> str:
         return str(path.resolve())
     except (OSError, RuntimeError):
         return str(path.absolute())
-
-
-def hub_roots() -> list[Path]:
-    """The hub cache by huggingface_hub's rules (its constants.HF_HUB_CACHE, where
-    mlx-lm and `hf download` put models): HF_HUB_CACHE, the older
-    HUGGINGFACE_HUB_CACHE, else $HF_HOME/hub with HF_HOME defaulting to
-    $XDG_CACHE_HOME/huggingface; ~ and $VARS expanded. Read on each call, not
-    frozen at import as that constant is."""
-
-    def expand(path: str) -> str:
-        return os.path.expandvars(os.path.expanduser(path))
-
-    env = os.environ
-    cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    home = expand(env.get("HF_HOME") or os.path.join(cache, "huggingface"))
-    hub = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
-    return [Path(expand(hub))]
 
 
 def _snapshots(repo: Path) -> list[Path]:

