@@ -128,39 +128,55 @@ def template_messages(body: CountTokensRequest) -> list[dict[str, Any]]:
     system = _system_text(body.system)
     if system is not None:
         out.append({"role": "system", "content": system})
+    run: list[dict[str, Any]] = []  # consecutive turns of one role, joined once
     final = len(body.messages) - 1
     for i, message in enumerate(body.messages):
         where = f"messages.{i}.content"
         for translated in _translate(message, where):
-            last = out[-1] if out else None
             # a final assistant turn stays apart: it is the prefill the reply continues
             prefill = i == final and translated["role"] == "assistant"
-            if (
-                last is not None
-                and not prefill
-                and last["role"] == translated["role"] in ("user", "assistant")
-            ):
-                _merge_into(last, translated)  # as Anthropic does: templates may need turns
-            else:
+            if run and not prefill and run[-1]["role"] == translated["role"]:
+                run.append(translated)  # as Anthropic does: templates may need turns
+                continue
+            if run:
+                out.append(_joined(run))
+            run = [translated]
+            if translated["role"] not in ("user", "assistant"):
                 out.append(translated)
+                run = []
+    if run:
+        out.append(_joined(run))
     return out
 
 
-def _merge_into(first: dict[str, Any], second: dict[str, Any]) -> None:
-    """Two consecutive turns of one role as one (Anthropic joins them; templates
-    that want alternating roles refused the request)."""
-    a, b = first.get("content") or "", second.get("content") or ""
-    if isinstance(a, str) and isinstance(b, str):
-        first["content"] = "\n".join(t for t in (a, b) if t)
-    else:
-        first["content"] = _as_parts(a) + _as_parts(b)
-    reasoning = "\n".join(
-        t for t in (first.get("reasoning_content"), second.get("reasoning_content")) if t
-    )
+def _joined(run: list[dict[str, Any]]) -> dict[str, Any]:
+    """Consecutive turns of one role as one (Anthropic joins them; templates that
+    want alternating roles refused the request). One pass over the run: folding
+    turn by turn rebuilt the joined text per turn, quadratic in the run."""
+    if len(run) == 1:
+        return run[0]
+    first = run[0]
+    first["content"] = _joined_content([m.get("content") or "" for m in run])
+    reasoning = "\n".join(t for m in run if (t := m.get("reasoning_content")))
     if reasoning:
         first["reasoning_content"] = reasoning
-    if second.get("tool_calls"):
-        first["tool_calls"] = [*first.get("tool_calls", ()), *second["tool_calls"]]
+    calls = [call for m in run for call in m.get("tool_calls") or ()]
+    if calls:
+        first["tool_calls"] = calls
+    return first
+
+
+def _joined_content(contents: list[str | list[dict[str, Any]]]) -> str | list[dict[str, Any]]:
+    """Texts joined by newlines; once a turn holds parts (images), the texts before
+    it are one text part and every later turn adds its own parts."""
+    head = next((i for i, c in enumerate(contents) if isinstance(c, list)), len(contents))
+    text = "\n".join(c for c in contents[:head] if isinstance(c, str) and c)
+    if head == len(contents):
+        return text
+    parts = _as_parts(text)
+    for content in contents[head:]:
+        parts += _as_parts(content)
+    return parts
 
 
 def _as_parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
