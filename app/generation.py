@@ -74,6 +74,11 @@ class Outcome:
     event_marks: deque[int] = field(default_factory=deque)
     _last: RequestOutput | None = field(default=None, repr=False)
     _merged: int = field(default=0, repr=False)  # raw_events already merged, from the start
+    # tool calls among the events (merging keeps them): the stop kind without a scan
+    _calls: int = field(default=0, repr=False)
+
+    def __post_init__(self) -> None:
+        self._calls = sum(isinstance(e, ToolCall) for e in self.raw_events)
 
     def add_output(self, out: RequestOutput) -> None:
         if out is self._last:  # the first output is added by start() and events() both
@@ -119,6 +124,7 @@ class Outcome:
 
     def add_event(self, event: Event) -> None:
         self.raw_events.append(event)
+        self._calls += isinstance(event, ToolCall)
 
     @property
     def events(self) -> list[Event]:
@@ -178,7 +184,9 @@ class Outcome:
     @property
     def stop_kind(self) -> str:
         """``tool_calls`` when the turn ended in calls, else the engine's reason."""
-        if self.tool_calls and self.finish_reason == FinishReason.STOP:
+        # read once per item by a Responses reply: a scan of the events each time
+        # cost items x events on the event loop
+        if self._calls and self.finish_reason == FinishReason.STOP:
             return "tool_calls"
         return self.finish_reason.value if self.finish_reason else "abort"
 

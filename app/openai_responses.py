@@ -229,11 +229,10 @@ def _response(
     }
 
 
-def _message_status(done: Outcome, last: bool) -> str:
-    """The last message is incomplete when the reply was cut (max_output_tokens) or
-    failed mid-way: its text is not whole. One followed by more output is."""
-    cut = done.failed or done.timed_out or done.stop_kind == "length"
-    return "incomplete" if last and cut else "completed"
+def _cut(done: Outcome) -> bool:
+    """The reply was cut (max_output_tokens) or failed mid-way: its last message's
+    text is not whole, so that message is incomplete. One followed by more output is."""
+    return done.failed or done.timed_out or done.stop_kind == "length"
 
 
 # kvwarm's failure codes as the Responses schema names them (ResponseError.code)
@@ -250,9 +249,11 @@ def _finalise(
     response: dict[str, Any], done: Outcome, items: _Items, request_timeout: float = 0.0
 ) -> dict[str, Any]:
     items.close()
+    cut = _cut(done)  # once: not per item
     for i, item in enumerate(items.items):
         if item["type"] == "message":
-            item["status"] = _message_status(done, last=i == len(items.items) - 1)
+            last = i == len(items.items) - 1
+            item["status"] = "incomplete" if last and cut else "completed"
     response["output"] = items.items
     if done.failed:
         response["status"] = "failed"
@@ -582,7 +583,7 @@ async def _stream(gen: Generation, response: dict[str, Any], store) -> AsyncIter
         return  # the client left
     items.close()
     if items.current is not None:
-        status = _message_status(done, last=True)
+        status = "incomplete" if _cut(done) else "completed"
         for frame in _item_done_frames(emit, items.current, len(items.items) - 1, status):
             yield frame
     _finalise(response, done, items, gen.state.settings.request_timeout)

@@ -955,3 +955,30 @@ def test_a_replys_events_are_merged_once_however_often_they_are_read(monkeypatch
     assert outcome.events and merged == [300]
     outcome.add_event(Content("c"))
     assert outcome.content.endswith("c") and len(merged) == 2
+
+
+def test_finalising_a_response_reads_the_events_a_bounded_number_of_times(monkeypatch):
+    """Each message item's status asked the stop kind, which copied and scanned
+    every event: items x events on the event loop for a reply of many calls."""
+    from app.generation import Outcome
+    from app.openai_responses import _apply, _finalise, _Items
+    from app.protocol.output_parser import Content
+    from app.protocol.tool_formats import ToolCall
+    from scheduler.request import FinishReason
+
+    done = Outcome()
+    for i in range(200):
+        done.add_event(Content(f"t{i} "))
+        done.add_event(ToolCall("f", "{}", f"call_{i}"))
+    done.finish_reason = FinishReason.STOP
+    items = _Items()
+    for event in done.events:
+        _apply(items, event)
+    reads = []
+    real = Outcome.events
+    monkeypatch.setattr(Outcome, "events", property(lambda o: reads.append(1) or real.fget(o)))
+    response = _finalise({}, done, items)
+    assert len(reads) <= 1
+    messages = [i for i in response["output"] if i["type"] == "message"]
+    assert len(messages) == 200 and {m["status"] for m in messages} == {"completed"}
+    assert response["status"] == "completed" and done.stop_kind == "tool_calls"
