@@ -228,7 +228,11 @@ def _output_side(
     opened = _opens_reasoning(rendered.tail, call.prefill, syntax)
     parses = bool(call.tools) and call.tool_choice.parses
     markup = (syntax.tool_call_start or "", syntax.tool_call_end or "")
-    decoder = ToolCallDecoder(call.tools, syntax.tool_family, markup) if parses else None
+    decoder = (
+        ToolCallDecoder(call.tools, syntax.tool_family, markup, call.tool_choice.allowed)
+        if parses
+        else None
+    )
     parser = OutputParser(
         Syntax(syntax.think_start, syntax.think_end, starts_in_reasoning=opened),
         decoder,

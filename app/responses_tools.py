@@ -75,13 +75,33 @@ def read_tools(
     kind = getattr(choice, "type", None)
     if kind == "allowed_tools":
         mode, names = _allowed(choice.model_extra or {})
-        allowed = [t for t in functions if t["function"]["name"] in names]
-        return ResponsesTools(allowed, choice_of(mode, allowed), unserved)
+        # every function stays shown (allowed_tools keeps the tools block, and so the
+        # cached prefix, constant across turns); the list narrows what may be called
+        allowed = [t["function"]["name"] for t in functions if t["function"]["name"] in names]
+        return ResponsesTools(functions, _allowed_choice(mode, allowed), unserved)
     if kind in UNSERVED_CHOICES:  # that tool is not served: the model chooses freely
         ignored = (*unserved, f"tool_choice.{kind}")
         return ResponsesTools(functions, choice_of("auto", functions), ignored)
     # chat's choices, and the 400 for any other type
     return ResponsesTools(functions, parse_openai_tool_choice(choice, functions), unserved)
+
+
+def _allowed_choice(mode: str, allowed: list[str]) -> ToolChoice:
+    """``mode`` over the allowed functions: required of one forces that one; with
+    none allowed, nothing is called."""
+    if not allowed and mode == "auto":
+        return ToolChoice("none")
+    if mode == "required":
+        if not allowed:
+            raise APIError(
+                400,
+                "tool_choice allowed_tools requires a tool call, but lists none of the "
+                "request's function tools.",
+                param="tool_choice",
+            )
+        if len(allowed) == 1:
+            return ToolChoice("required", allowed[0], frozenset(allowed))
+    return ToolChoice(mode, allowed=frozenset(allowed))
 
 
 def _allowed(fields: Mapping[str, Any]) -> tuple[str, frozenset[str]]:

@@ -471,9 +471,11 @@ class ToolCallDecoder:
         tools: Sequence[Mapping[str, Any]],
         family: str | None = None,
         family_markup: tuple[str, str] | None = None,
+        allowed: frozenset[str] | None = None,
     ):
         self.tools = list(tools)
         self.family = family
+        self.allowed = allowed  # a call naming another function stays text
         self._schemas = parameter_schemas(self.tools)
         self._types = parameter_types(self._schemas)  # here, in the request's preparation
         self.markups: tuple[Markup, ...] = MARKED
@@ -495,6 +497,8 @@ class ToolCallDecoder:
                     continue  # a JSON answer that merely looks like a call
                 if not all(_plausible(name, c, self._schemas) for c in calls):
                     continue  # another parser may read it; else it stays text
+                if self.allowed is not None and any(c["name"] not in self.allowed for c in calls):
+                    continue  # a function this turn does not allow: not a call
                 nulls = _null_texts(inner) if name in XML_PARAMETERS else {}
                 return [self._finish(c, nulls, name not in TYPED_VALUES) for c in calls]
             except Exception as exc:  # noqa: BLE001 - any model text must be survivable

@@ -15,10 +15,13 @@ _INT = re.compile(r"[+-]?\d+")
 
 @dataclass(frozen=True)
 class ToolChoice:
-    """``mode``: none, auto or required; ``name`` set when one function is forced."""
+    """``mode``: none, auto or required; ``name`` set when one function is forced;
+    ``allowed``: the functions a call may name (Responses' allowed_tools), None: any.
+    Every tool is still shown: the tools block stays one prefix turn after turn."""
 
     mode: str = "auto"
     name: str | None = None
+    allowed: frozenset[str] | None = None
 
     @property
     def parses(self) -> bool:

@@ -8,9 +8,7 @@ import openai
 import pytest
 from openai.types.responses import Response
 
-from tests.helpers.dialects import (
-    RESPONSES_TOOLS,
-)
+from tests.helpers.dialects import PROMPTS, RESPONSES_TOOLS
 from tests.helpers.http_server import serve_app
 
 
@@ -416,8 +414,6 @@ def test_tool_choice_objects_the_agents_sdk_sends(server):
     r = httpx.post(url, json={"input": "hi", "tools": tools, "tool_choice": allowed})
     assert r.status_code == 200, r.text
     assert r.json()["tool_choice"] == allowed
-    rendered = [t["function"]["name"] for t in server.formatter.last_kwargs["tools"]]
-    assert rendered == ["get_time"]
     for hosted in ({"type": "file_search"}, {"type": "mcp", "server_label": "x"}):
         r = httpx.post(url, json={"input": "hi", "tools": tools, "tool_choice": hosted})
         assert r.status_code == 200, r.text
@@ -429,6 +425,50 @@ def test_tool_choice_objects_the_agents_sdk_sends(server):
     ):
         r = httpx.post(url, json={"input": "hi", "tools": tools, "tool_choice": bad})
         assert r.status_code == 400 and "tool_choice" in r.text, r.text
+
+
+def test_allowed_tools_keep_every_tool_shown_and_narrow_only_the_calls(server):
+    """allowed_tools exists so the tools block stays constant for prompt caching: the
+    template was shown the allowed subset alone, so each turn's choice changed the
+    prefix. All function tools are rendered; calls to others stay text, and a
+    required choice of one tool forces that tool."""
+    import httpx
+
+    url = server.url + "/v1/responses"
+    tools = [*RESPONSES_TOOLS, {**RESPONSES_TOOLS[0], "name": "get_time"}]
+
+    def allowed(mode: str, *names: str) -> dict:
+        listed = [{"type": "function", "name": n} for n in names]
+        return {"type": "allowed_tools", "mode": mode, "tools": listed}
+
+    shown = []
+    for choice in (allowed("auto", "get_time"), allowed("auto", "get_weather", "get_time")):
+        r = httpx.post(url, json={"input": "hi", "tools": tools, "tool_choice": choice})
+        assert r.status_code == 200, r.text
+        shown.append([t["function"]["name"] for t in server.formatter.last_kwargs["tools"]])
+    assert shown == [["get_weather", "get_time"]] * 2
+    # the model calls get_weather, which this turn does not allow: its markup stays text
+    r = httpx.post(
+        url, json={"input": "SANDWICH", "tools": tools, "tool_choice": allowed("auto", "get_time")}
+    )
+    out = r.json()["output"]
+    assert [i["type"] for i in out] == ["message"] and "get_weather" in out[0]["content"][0]["text"]
+    r = httpx.post(
+        url,
+        json={"input": "SANDWICH", "tools": tools, "tool_choice": allowed("auto", "get_weather")},
+    )
+    assert [i["name"] for i in r.json()["output"] if i["type"] == "function_call"] == [
+        "get_weather"
+    ]
+    # required over one allowed tool forces that very tool
+    r = httpx.post(
+        url, json={"input": "FORCE", "tools": tools, "tool_choice": allowed("required", "get_time")}
+    )
+    calls = [
+        (i["name"], i["arguments"]) for i in r.json()["output"] if i["type"] == "function_call"
+    ]
+    assert calls == [("get_time", '{"city": "Oslo"}')]
+    assert PROMPTS[-1].endswith('<tool_call>\n{"name": "get_time", "arguments": ')
 
 
 def test_a_failed_response_over_the_context_says_context_length_exceeded():
