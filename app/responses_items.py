@@ -112,19 +112,28 @@ class Listed(NamedTuple):
 
 def listed(items: str | list[Any]) -> Listed:
     """The input items as OpenAI lists them: each with an id (the client's, else a
-    new one), a message's text as parts (a worker thread's job)."""
+    new one), a message's text as parts (a worker thread's job). An id already
+    given to an item (a client's sent twice, two references to one stored item)
+    is the first's; the next gets a new one. The listing's cursor is an id: under
+    a shared one, the page after the second item was the one after the first, and a
+    client following has_more paged forever. OpenAI refuses such input with a 400;
+    kvwarm accepted it before, and still does."""
     if isinstance(items, str):
         items = [MessageItem(content=items)]
     out = []
-    minted = set()
+    minted: set[str] = set()
+    given: set[str] = set()
     for item in items:
         if isinstance(item, HostedItem):
             shown = item.model_dump(exclude_none=True)  # its fields were never read
         else:  # the fields read, not a client's extra keys
             shown = item.model_dump(include=set(type(item).model_fields), exclude_none=True)
-        shown["id"] = item.id or new_id(_ID_PREFIX.get(item.type, "item"))
-        if item.id is None:
+        if item.id is None or item.id in given:
+            shown["id"] = new_id(_ID_PREFIX.get(item.type, "item"))
             minted.add(shown["id"])
+        else:
+            shown["id"] = item.id
+        given.add(shown["id"])
         if isinstance(item, MessageItem):
             shown["content"] = _message_parts(item)
         if not isinstance(item, (HostedItem, ReasoningItem)):

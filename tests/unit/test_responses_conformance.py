@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
@@ -432,3 +433,30 @@ def test_ids_clients_chose_name_nothing_in_the_store(server):
 
 def _ref(item_id: str) -> dict:
     return {"type": "item_reference", "id": item_id}
+
+
+@pytest.mark.parametrize("order", ["asc", "desc"])
+def test_input_items_sent_under_one_id_twice_are_paged_through_once(server, order):
+    """The cursor is an item's id: two items under one id (a client's own, or two
+    references to one stored item) sent the page after the second back to the
+    first, and a client following has_more paged forever. A repeated id is listed
+    under an id of its own; its first item keeps the client's."""
+    ids = ["m_x", "m_y", "m_z", "m_y", "m_w"]
+    items = [{"role": "user", "content": c, "id": i} for c, i in zip("abcde", ids, strict=True)]
+    created = httpx.post(server.url + "/v1/responses", json={"input": items})
+    assert created.status_code == 200, created.text
+    url = server.url + f"/v1/responses/{created.json()['id']}/input_items"
+    seen, after = [], None
+    for _ in range(len(items)):  # a page of two at a time: three pages, not more
+        params = {"order": order, "limit": 2, **({"after": after} if after else {})}
+        page = httpx.get(url, params=params).json()
+        seen += page["data"]
+        after = page["last_id"]
+        if not page["has_more"]:
+            break
+    assert not page["has_more"]
+    texts = [i["content"][0]["text"] for i in seen]
+    assert texts == (list("abcde") if order == "asc" else list("edcba"))
+    listed = {i["content"][0]["text"]: i["id"] for i in seen}
+    assert [listed[t] for t in "abce"] == ["m_x", "m_y", "m_z", "m_w"]
+    assert listed["d"].startswith("msg_") and len(set(listed.values())) == 5
