@@ -347,8 +347,8 @@ async def create_response(http: HTTPRequest):
     if body.previous_response_id:
         stored = state.responses.get(body.previous_response_id)
         if stored is None:
-            raise APIError(
-                404,
+            raise APIError(  # a 400, as OpenAI answers it (GET of an unknown id is a 404)
+                400,
                 f"Previous response with id '{body.previous_response_id}' not found.",
                 "invalid_request_error",
                 "previous_response_not_found",

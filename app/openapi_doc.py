@@ -26,8 +26,8 @@ OPENAI_ERROR = "OpenAIError"
 ANTHROPIC_ERROR = "AnthropicError"
 WHY = {
     400: "Invalid request: a field out of its bounds (named in the message), a prompt over "
-    "the context or the memory budget, content this model cannot read, or a Host header "
-    "outside --allowed-hosts.",
+    "the context or the memory budget, content this model cannot read, a "
+    "previous_response_id no stored response has, or a Host header outside --allowed-hosts.",
     401: "Missing or wrong API key.",
     403: "Sent by a web page from an origin outside --cors-origins.",
     404: "No such stored response.",

@@ -42,8 +42,16 @@ def test_responses_items_and_previous_response_id(server):
     client.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(first.id)
-    with pytest.raises(openai.NotFoundError):
+    # as OpenAI answers it: a 400 naming the field (an unknown stored response is a 404)
+    with pytest.raises(openai.BadRequestError) as gone:
         client.responses.create(model="m", previous_response_id=first.id, input="again")
+    error = gone.value.body
+    assert (error["type"], error["code"], error["param"]) == (
+        "invalid_request_error",
+        "previous_response_not_found",
+        "previous_response_id",
+    )
+    assert first.id in error["message"]
 
 
 def test_a_response_validates_against_the_sdks_own_model(server):

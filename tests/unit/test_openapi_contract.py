@@ -2,8 +2,9 @@
 does what it says, with every check on, against a model-free engine.
 
 Statuses a schema-valid body may still get: 400 (a prompt over the context, a
-forced tool that is not in ``tools``, an image for a text model: semantics no
-JSON schema states) and 404 (a ``previous_response_id`` nobody stored). No 5xx
+forced tool that is not in ``tools``, an image for a text model, a
+``previous_response_id`` nobody stored: semantics no JSON schema states) and 404
+(an adapter nobody mounted). No 5xx
 is ever acceptable here: the fake engine is healthy and the queue is large.
 """
 
