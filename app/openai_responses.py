@@ -132,8 +132,9 @@ def _reply_message(done: Outcome, kept: str, call_ids: list[str]) -> dict[str, A
 class _Items:
     """Output items, built as events arrive (the same for streamed and not)."""
 
-    def __init__(self, short_call_ids: bool = False) -> None:
+    def __init__(self, short_call_ids: bool = False, summarise: bool = False) -> None:
         self.items: list[dict[str, Any]] = []
+        self.summarise = summarise  # a reasoning item's summary is its whole text
         self.call_ids: list[str] = []
         # unique in the reply, whatever the model wrote
         self._choose_id = CallIds("call", short=short_call_ids)
@@ -153,7 +154,10 @@ class _Items:
     def close(self) -> None:
         """The current text item's text, complete (before it is read)."""
         if self._pieces is not None:
-            self.items[-1]["content"][0]["text"] = "".join(self._pieces)
+            item = self.items[-1]
+            item["content"][0]["text"] = text = "".join(self._pieces)
+            if self.summarise and item["type"] == "reasoning":
+                item["summary"] = [{"type": "summary_text", "text": text}]
             self._pieces = None
 
     def _open(self, item: dict[str, Any], text: bool) -> dict[str, Any]:
@@ -193,6 +197,17 @@ class _Items:
             "status": "completed",
         }
         return self._open(item, text=False)
+
+
+# reasoning.summary values that ask for one (OpenAI's); others (none, null) do not
+SUMMARIES = frozenset({"auto", "concise", "detailed"})
+
+
+def _summarised(response: dict[str, Any]) -> bool:
+    """Whether the request asked for reasoning summaries (as echoed in ``response``):
+    Codex asks for "auto" and shows them. The model writes no summary of its own,
+    so the summary is the reasoning's text."""
+    return response["reasoning"]["summary"] in SUMMARIES
 
 
 def _response(
@@ -382,7 +397,7 @@ async def create_response(http: HTTPRequest):
             media_type="text/event-stream",
             headers={**SSE_HEADERS, **gen.response_headers()},
         )
-    items = _Items(gen.prepared.short_call_ids)
+    items = _Items(gen.prepared.short_call_ids, _summarised(response))
     done = await gen.collect(http)
     if done is None:
         return Response(status_code=499)  # the client left: nothing to build or store
@@ -508,6 +523,8 @@ def _item_done_frames(
                 part=part,
             )
         )
+        if item["type"] == "reasoning":
+            frames += _summary_done_frames(emit, item, index, status)
     else:
         frames.append(
             emit(
@@ -522,9 +539,20 @@ def _item_done_frames(
     return frames
 
 
+def _summary_done_frames(emit: _Events, item: dict[str, Any], index: int, status: str) -> list[str]:
+    """The end of a reasoning item's summary parts (none unless one was asked for)."""
+    cut = {"status": "incomplete"} if status == "incomplete" else {}
+    frames = []
+    for at, part in enumerate(item["summary"]):
+        where = {"item_id": item["id"], "output_index": index, "summary_index": at}
+        frames.append(emit("response.reasoning_summary_text.done", **where, text=part["text"]))
+        frames.append(emit("response.reasoning_summary_part.done", **where, part=part, **cut))
+    return frames
+
+
 async def _stream(gen: Generation, response: dict[str, Any], store) -> AsyncIterator[str]:
     emit = _Events()
-    items = _Items(gen.prepared.short_call_ids)
+    items = _Items(gen.prepared.short_call_ids, _summarised(response))
     yield emit("response.created", response=dict(response))
     yield emit("response.in_progress", response=dict(response))
 
@@ -549,6 +577,14 @@ async def _stream(gen: Generation, response: dict[str, Any], store) -> AsyncIter
                     content_index=0,
                     part=empty,
                 )
+            if item["type"] == "reasoning" and items.summarise:
+                yield emit(
+                    "response.reasoning_summary_part.added",
+                    item_id=item["id"],
+                    output_index=index,
+                    summary_index=0,
+                    part={"type": "summary_text", "text": ""},
+                )
         if isinstance(event, Reasoning):
             yield emit(
                 "response.reasoning_text.delta",
@@ -557,6 +593,14 @@ async def _stream(gen: Generation, response: dict[str, Any], store) -> AsyncIter
                 content_index=0,
                 delta=event.text,
             )
+            if items.summarise:
+                yield emit(
+                    "response.reasoning_summary_text.delta",
+                    item_id=item["id"],
+                    output_index=index,
+                    summary_index=0,
+                    delta=event.text,
+                )
         elif isinstance(event, Content):
             yield emit(
                 "response.output_text.delta",

@@ -460,3 +460,40 @@ def test_input_items_sent_under_one_id_twice_are_paged_through_once(server, orde
     listed = {i["content"][0]["text"]: i["id"] for i in seen}
     assert [listed[t] for t in "abce"] == ["m_x", "m_y", "m_z", "m_w"]
     assert listed["d"].startswith("msg_") and len(set(listed.values())) == 5
+
+
+@pytest.mark.parametrize("summary", ["auto", "detailed", None])
+def test_a_reasoning_summary_asked_for_holds_the_reasoning(server, summary):
+    """reasoning.summary was echoed but every reasoning item's summary was empty:
+    clients that show summaries (Codex asks for "auto") showed nothing. Asked for,
+    the summary is the reasoning's text, streamed in the summary events too."""
+    body = {"input": "THINK", "reasoning": {"summary": summary}}
+    whole = httpx.post(server.url + "/v1/responses", json=body).json()
+    events = _events(server.url, body)  # each event validated by the SDK's types
+    final = Response.model_validate(events[-1]["response"])
+    wanted = [{"type": "summary_text", "text": "plan"}] if summary else []
+    for reasoning in (whole["output"][0], final.output[0].model_dump(exclude_none=True)):
+        assert reasoning["type"] == "reasoning" and reasoning["summary"] == wanted
+        assert reasoning["content"] == [{"type": "reasoning_text", "text": "plan"}]
+    kinds = [e["type"] for e in events]
+    summaries = [e for e in events if e["type"].startswith("response.reasoning_summary")]
+    if not summary:
+        assert summaries == []
+        return
+    assert [e["type"] for e in summaries][0] == "response.reasoning_summary_part.added"
+    assert [e["type"] for e in summaries][-2:] == [
+        "response.reasoning_summary_text.done",
+        "response.reasoning_summary_part.done",
+    ]
+    deltas = [e["delta"] for e in summaries if e["type"].endswith("text.delta")]
+    assert "".join(deltas) == "plan" and summaries[-2]["text"] == "plan"
+    assert summaries[-1]["part"] == wanted[0]
+    assert {(e["item_id"], e["output_index"], e["summary_index"]) for e in summaries} == {
+        (final.output[0].id, 0, 0)
+    }
+    # each within its item: after it is added, before it is done
+    added = kinds.index("response.output_item.added")
+    assert added < kinds.index("response.reasoning_summary_part.added")
+    assert kinds.index("response.reasoning_summary_part.done") < kinds.index(
+        "response.output_item.done"
+    )
