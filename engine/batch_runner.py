@@ -615,13 +615,25 @@ class BatchRunner:
             return
         try:
             entries = token_logprobs([a for _, a in asked], self._pieces, self._logprob_stream)
-        except Exception as exc:  # noqa: BLE001 - those rows fail; the others go on
-            for out, _ in asked:
+        except Exception:  # noqa: BLE001 - whose? each row is read again on its own
+            self._read_logprobs_alone(asked, failed)
+            return
+        for (out, _), entry in zip(asked, entries):
+            out.logprobs = (entry,)
+
+    def _read_logprobs_alone(
+        self, asked: list[tuple[RequestOutput, Asked]], failed: dict[int, str]
+    ) -> None:
+        """The step's read failed: row by row, only the rows whose own read fails
+        fail (one token without a piece failed every row asking in that step)."""
+        for out, one in asked:
+            try:
+                (entry,) = token_logprobs([one], self._pieces, self._logprob_stream)
+            except Exception as exc:  # noqa: BLE001 - this row's own
                 uid = self._uids.get(out.request_id)
                 if uid is not None:
                     failed[uid] = f"log probabilities: {type(exc).__name__}: {exc}"
-            return
-        for (out, _), entry in zip(asked, entries):
+                continue
             out.logprobs = (entry,)
 
     def _store_checkpoint(self, uid: int, row: Row, failed: dict[int, str]) -> None:

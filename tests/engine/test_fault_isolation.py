@@ -408,3 +408,46 @@ def test_the_failed_batch_is_freed_before_its_rows_are_probed(byte_tokenizer):
     rogue = Request([3, POISON, 5], max_tokens=9, sampling=GREEDY, request_id="rogue")
     drive(runner, [*good_requests(), rogue])
     assert alive_during_probe and not any(alive_during_probe)
+
+
+def _asking(n: int = 3) -> list[Request]:
+    return [
+        Request(
+            [5 + i, 9, 13 + 2 * i] * (3 + i),
+            max_tokens=6,
+            sampling=GREEDY,
+            ignore_eos=True,
+            logprobs=2,
+            request_id=f"lp{i}",
+        )
+        for i in range(n)
+    ]
+
+
+def test_a_row_whose_logprobs_cannot_be_read_fails_alone(byte_tokenizer):
+    """The rows asking for log probabilities are read together; one row's failure
+    there (its token's piece cannot be named) failed every row asking in that step,
+    though each of the others, alone, finishes."""
+    from engine.token_logprobs import TokenPieces
+
+    clean = drive(make_runner(byte_tokenizer), _asking())
+    bad = tokens(clean["lp0"])[2]
+    assert all(bad not in tokens(clean[rid]) for rid in ("lp1", "lp2"))
+    runner = make_runner(byte_tokenizer)
+    pieces = runner._pieces  # noqa: SLF001
+
+    def later(token: int) -> bytes:
+        if token == bad:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "no piece for this token")
+        return pieces.later(token)
+
+    runner._pieces = TokenPieces(later, later)  # noqa: SLF001
+    seen = drive(runner, _asking())
+    assert seen["lp0"][-1].finish_reason is FinishReason.ERROR
+    assert "no piece for this token" in seen["lp0"][-1].error
+    for rid in ("lp1", "lp2"):
+        assert seen[rid][-1].finish_reason is FinishReason.LENGTH
+        assert tokens(seen[rid]) == tokens(clean[rid])
+        got = [e for o in seen[rid] for e in o.logprobs]
+        assert got == [e for o in clean[rid] for e in o.logprobs]
+    assert runner.row_faults == 1
