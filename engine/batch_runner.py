@@ -12,7 +12,8 @@ text deltas, stop *strings*, aborts, per-request bookkeeping, and fault
 isolation: a row whose sampler, logits processor, detokeniser or cache raises
 fails alone while the step goes on for the others (``engine.row_faults``); a
 step that raises without saying whose fault it was rebuilds the batch and
-re-admits each row alone first, so only the faulty ones fail.
+replays its rows, and if the fault comes back then, tries each alone first, so
+only the faulty ones fail.
 """
 
 from __future__ import annotations
@@ -47,8 +48,9 @@ from scheduler.step_budget import SlicePlan, StepBudget
 from scheduler.step_timings import StepTimings
 
 log = logging.getLogger("kvwarm.engine")
-# unexplained step faults in a row, with no good step between them, before the
-# engine gives up: a fault that survives re-admitting every row alone is not a row's
+# rebuilds of the batch for one step fault nobody owned before the engine gives up
+# (the first replays every row, the next ones try rows alone first): a fault that
+# keeps coming back with every row replayed or tried alone is not a row's
 MAX_RECOVERIES = 3
 READ_WAIT_S = 0.05  # an idle step's wait for a disk-tier hit's read
 
@@ -112,8 +114,8 @@ class BatchRunner:
         self.generated_tokens = 0
         self.last_step_prefill = 0
         self.row_faults = 0  # rows failed alone (a fault of their own)
-        self.recoveries = 0  # batches rebuilt after a step fault nobody owned
-        self._recovering = 0  # recoveries since the batch last decoded as a whole
+        self.recoveries = 0  # step faults nobody owned that rebuilt the batch
+        self._recovering = 0  # rebuilds since the batch last decoded as a whole
         # rows the last recovery re-admitted -> the tokens each must reach before the
         # batch counts as decoding again (their prefills alone prove nothing)
         self._readmitted: dict[int, int] = {}
@@ -721,17 +723,22 @@ class BatchRunner:
         return self._recover(exc)
 
     def _recover(self, exc: Exception) -> list[RequestOutput]:
-        """The batch's state is no longer trustworthy: rebuild it, try rows on their
-        own (prefill + one decode step), newest first, until one faults alone; fail
-        it and re-admit the others from their prompt and what they generated so far."""
-        self.recoveries += 1
+        """The batch's state is no longer trustworthy: rebuild it and replay every
+        row from its prompt and what it generated so far, together (one batched
+        prefill: a transient fault costs that and no more). Only a fault that comes
+        back before the replay has decoded is looked for: rows are tried alone,
+        newest first, until one faults; it fails and the others are replayed."""
+        looking = self._recovering > 0  # it came back during the last one's replay
+        if not looking:
+            self.recoveries += 1  # one per fault, however many rebuilds it takes
         self._recovering += 1
         rows = list(self._rows.values())
         log.error(
-            "engine step failed (%s: %s); rebuilding the batch and re-admitting %d rows alone",
+            "engine step failed (%s: %s); rebuilding the batch and replaying %d rows%s",
             type(exc).__name__,
             exc,
             len(rows),
+            ", each tried alone first" if looking else "",
             exc_info=exc,
         )
         if self._recovering > MAX_RECOVERIES:
@@ -743,45 +750,54 @@ class BatchRunner:
         self._prefilled.clear()
         self._readmitted.clear()
         self.faults.clear()
-        now = time.monotonic()
-        outputs = []
-        survivors = []
-        # the row that joined last is the likeliest culprit; once one is found the
-        # others go back unprobed (a probe prefills a row's whole context, and the
-        # replay does it again): should another fault, the next recovery finds it
-        for row in reversed(rows):
+        for row in rows:
             self._release(row)
             row.checkpoints = []
-            error = None if outputs else self._probe(row)
-            if error is None:
-                survivors.append(row)
-                continue
-            if not self._model_healthy():  # not this row's: no row would run
-                raise EngineFault(f"the model no longer runs: {type(exc).__name__}: {exc}") from exc
+        culprit = self._culprit(rows, exc) if looking else None
+        outputs = []
+        if culprit is not None:
+            row, error = culprit
+            rows.remove(row)
             self.row_faults += 1
             log.error("%s: failed alone in the engine: %s", row.request.request_id, error)
-            outputs.append(row.failure(now, error))
-        for row in reversed(survivors):
-            # the KV is rebuilt from the request's own tokens, whatever a hit had reused
-            row.kv_key = row.request.cache.key if row.request.cache else None
-            replay, cache, cached_tokens = self._replay(row)
-            row.prefill_len, row.stops, row.replayed = (
-                len(replay),
-                (len(replay) - 1,),
-                row.generated,
-            )
-            # its next draw is its next token's, whatever the probe and the lost step drew
-            rewind(row.sampler, row.generated, row.processors)
-            uid = self._insert(row, [replay], cache, cached_tokens)
-            self._prefilled[uid] = 0
-            # the token its prefill yields, then one decoded with the batch
-            self._readmitted[uid] = row.generated + 2
+            outputs.append(row.failure(time.monotonic(), error))
+        for row in rows:
+            self._readmit(row)
         if outputs:
             # the fault has its owner: no endless rebuild, whatever comes next (a
             # client retrying a bad request during a long replay took the engine down)
             self._recovering = 0
             self._readmitted.clear()
         return outputs
+
+    def _culprit(self, rows: list[Row], exc: Exception) -> tuple[Row, str] | None:
+        """The first of ``rows``, newest first (the likeliest), that faults alone,
+        with its fault; None if none does. Once one is found the others go back
+        unprobed (a probe prefills a row's whole context, and the replay does it
+        again): should another fault, the next recovery finds it. Not bisected:
+        probing halves together runs up to twice the batch's context where this
+        stops at the first culprit (the newest, usually, and short)."""
+        for row in reversed(rows):
+            error = self._probe(row)
+            if error is None:
+                continue
+            if not self._model_healthy():  # not this row's: no row would run
+                raise EngineFault(f"the model no longer runs: {type(exc).__name__}: {exc}") from exc
+            return row, error
+        return None
+
+    def _readmit(self, row: Row) -> None:
+        """The row back in the rebuilt batch, from its prompt and what it generated."""
+        # the KV is rebuilt from the request's own tokens, whatever a hit had reused
+        row.kv_key = row.request.cache.key if row.request.cache else None
+        replay, cache, cached_tokens = self._replay(row)
+        row.prefill_len, row.stops, row.replayed = len(replay), (len(replay) - 1,), row.generated
+        # its next draw is its next token's, whatever a probe and the lost step drew
+        rewind(row.sampler, row.generated, row.processors)
+        uid = self._insert(row, [replay], cache, cached_tokens)
+        self._prefilled[uid] = 0
+        # the token its prefill yields, then one decoded with the batch
+        self._readmitted[uid] = row.generated + 2
 
     def _drop_generator(self, exc: Exception) -> None:
         """Free the failed batch before its rows are probed and replayed: the

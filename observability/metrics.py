@@ -217,7 +217,7 @@ class _StateCollector(Collector):
         )
         yield counter(
             "engine_batch_recoveries",
-            "Batches rebuilt after a step fault no single request could be blamed for.",
+            "Step faults no single request could be blamed for, each rebuilding the batch.",
             eng.recoveries,
         )
         kinds = CounterMetricFamily(

@@ -225,7 +225,7 @@ class EngineStats:
     # MLX allocator bytes (active, peak, cache), sampled by the engine thread
     memory: dict[str, int] = field(default_factory=dict)
     row_faults: int = 0  # requests failed alone by a fault of their own
-    recoveries: int = 0  # batches rebuilt after a step fault no row owned
+    recoveries: int = 0  # step faults no row owned (each rebuilt the batch)
     steps_report: StepReport | None = None  # step times, prefill slices, the cost model
     vision: VisionStats | None = None  # None: a text model
 

@@ -395,19 +395,23 @@ def test_the_failed_batch_is_freed_before_its_rows_are_probed(byte_tokenizer):
     import weakref
 
     runner = make_runner(byte_tokenizer, PoisonedModel())
-    failed = weakref.ref(runner._generator)  # noqa: SLF001 - the batch that will fail
+    failed: list[weakref.ref] = []  # every batch that failed (the first, then the replay)
     alive_during_probe: list[bool] = []
-    probe = runner._probe  # noqa: SLF001
+    probe, drop = runner._probe, runner._drop_generator  # noqa: SLF001
+
+    def dropping(exc):
+        failed.append(weakref.ref(runner._generator))  # noqa: SLF001
+        drop(exc)
 
     def watched(row):
         gc.collect()
-        alive_during_probe.append(failed() is not None)
+        alive_during_probe.append(any(ref() is not None for ref in failed))
         return probe(row)
 
-    runner._probe = watched  # noqa: SLF001
+    runner._probe, runner._drop_generator = watched, dropping  # noqa: SLF001
     rogue = Request([3, POISON, 5], max_tokens=9, sampling=GREEDY, request_id="rogue")
     drive(runner, [*good_requests(), rogue])
-    assert alive_during_probe and not any(alive_during_probe)
+    assert len(failed) == 2 and alive_during_probe and not any(alive_during_probe)
 
 
 def _asking(n: int = 3) -> list[Request]:
@@ -451,3 +455,78 @@ def test_a_row_whose_logprobs_cannot_be_read_fails_alone(byte_tokenizer):
         got = [e for o in seen[rid] for e in o.logprobs]
         assert got == [e for o in clean[rid] for e in o.logprobs]
     assert runner.row_faults == 1
+
+
+class FlakyModel(KVSumModel):
+    """Raises on the forward calls numbered in ``fail_at`` only (a device hiccup, a
+    passing out-of-memory): no row's fault. Counts the positions it runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.positions = 0
+        self.fail_at: set[int] = set()
+
+    def __call__(self, inputs: mx.array, cache=None, **kw) -> mx.array:
+        self.calls += 1
+        if self.calls in self.fail_at:
+            raise RuntimeError("[metal::Device] command buffer failed")
+        self.positions += inputs.size
+        return super().__call__(inputs, cache=cache, **kw)
+
+
+def _long_rows() -> list[Request]:
+    return [
+        Request(
+            [5 + i, 9, 13] * 200,
+            max_tokens=40,
+            sampling=GREEDY,
+            ignore_eos=True,
+            request_id=f"long{i}",
+        )
+        for i in range(4)
+    ]
+
+
+def _with_faults(tokenizer, faults: int) -> tuple[FlakyModel, BatchRunner, dict, int]:
+    """The long rows run to the end, ``faults`` forward calls in a row failing once
+    every row decodes; also the batch's context (prompts and replies) at the fault."""
+    model = FlakyModel()
+    runner = make_runner(tokenizer, model)
+    for r in _long_rows():
+        runner.add(r)
+    seen: dict[str, list] = {}
+    context = 0
+    while runner.active:
+        rows = list(runner._rows.values())  # noqa: SLF001
+        if not context and len(rows) == 4 and all(r.generated >= 5 for r in rows):
+            context = sum(len(r.request.prompt_tokens) + r.generated for r in rows)
+            model.fail_at = set(range(model.calls + 1, model.calls + 1 + faults))
+        for out in runner.step():
+            seen.setdefault(out.request_id, []).append(out)
+    assert context
+    return model, runner, seen, context
+
+
+def test_a_transient_fault_costs_one_replay_of_the_batch(byte_tokenizer):
+    """A fault no row owns was met by probing every row alone with its whole
+    context, one after the other, then replaying them all: 1.8x the batch's context
+    run again, no stream getting a token meanwhile. The rows are replayed together
+    first; only a fault that comes back then is looked for row by row."""
+    clean = FlakyModel()
+    alone = drive(make_runner(byte_tokenizer, clean), _long_rows())
+    model, runner, seen, context = _with_faults(byte_tokenizer, 1)
+    assert runner.recoveries == 1 and runner.row_faults == 0
+    for rid, outs in alone.items():
+        assert tokens(seen[rid]) == tokens(outs)
+    assert model.positions - clean.positions <= context
+
+
+def test_a_fault_that_comes_back_in_the_replay_but_is_no_rows_fails_nobody(byte_tokenizer):
+    """Faulting again during the replay, the rows are probed; none faults alone: all
+    are replayed again, and the recovery (one) ends once they decode together."""
+    alone = drive(make_runner(byte_tokenizer), _long_rows())
+    _, runner, seen, _ = _with_faults(byte_tokenizer, 2)
+    assert runner.recoveries == 1 and runner.row_faults == 0
+    for rid, outs in alone.items():
+        assert tokens(seen[rid]) == tokens(outs)
