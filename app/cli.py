@@ -58,6 +58,7 @@ _FLAGS: dict[str, dict[str, Any]] = {
     "kv_group_size": {"type": int, "choices": [32, 64, 128]},
     "quantized_kv_start": {"type": int, "metavar": "N"},
     "request_timeout": {"type": float, "metavar": "SECONDS"},
+    "stall_timeout": {"type": float, "metavar": "SECONDS"},
     "thinking": {"choices": ["on", "off"]},
     "strip_thinking": {"action": argparse.BooleanOptionalAction},  # --no-*: undo the env
     "adapter": {"action": "append", "metavar": "ID=PATH"},

@@ -227,7 +227,11 @@ MODELS = {
 HEALTH = {
     "type": "object",
     "required": ["status"],
-    "properties": {"status": {"enum": ["ok", "loading", "draining", "error"]}},
+    "properties": {
+        "status": {"enum": ["ok", "loading", "stalled", "draining", "error"]},
+        "error": {"type": ["string", "null"]},  # why the engine died (status error)
+        "step_running_s": {"type": "number"},  # how long the stalled step has run
+    },
 }
 
 # request lists whose length the loaded model bounds (see schemas.check_message_count)

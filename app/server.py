@@ -173,13 +173,19 @@ def _context_length(app: FastAPI) -> int | None:
     return info.context_length if info is not None else None
 
 
-def _status(state: AppState) -> str:
-    """ok / loading / draining / error: what /health answers and /stats says."""
+def _status(state: AppState, running_s: float | None = None) -> str:
+    """ok / loading / stalled / draining / error: what /health answers and /stats
+    says; ``running_s``: the step in progress's time, as read once by the caller
+    (None: read it here)."""
     engine = state.engine
     if not engine.alive:
         return "error"
     if not engine.ready:
         return "loading"
+    if state.stalled(state.step_running_s() if running_s is None else running_s):
+        # a step that does not return (a GPU hang, swap thrash) is no healthy engine:
+        # the thread is alive, but nothing it holds moves until the step ends
+        return "stalled"
     return "draining" if state.service.scheduler.draining else "ok"
 
 
@@ -187,7 +193,8 @@ def _add_admin_routes(app: FastAPI) -> None:
     health_responses: dict[int | str, dict[str, Any]] = {
         200: {"description": "Ready.", "content": json_content(HEALTH)},
         503: {
-            "description": "Loading, draining for shutdown, or the engine died.",
+            "description": "Loading, draining for shutdown, a step running past "
+            "--stall-timeout (stalled), or the engine died.",
             "content": json_content(HEALTH),
             "headers": RETRY_AFTER,
         },
@@ -199,7 +206,8 @@ def _add_admin_routes(app: FastAPI) -> None:
     @app.get("/health", responses=health_responses)
     async def health(request: Request) -> JSONResponse:
         state: AppState = request.app.state.kvwarm
-        status = _status(state)
+        running_s = state.step_running_s()
+        status = _status(state, running_s)
         if status == "error":
             # /health needs no key: behind one, why the engine died (paths, exception
             # text) is for /stats and the log, which do
@@ -207,6 +215,9 @@ def _add_admin_routes(app: FastAPI) -> None:
             if state.settings.api_key:
                 failure = "the inference engine stopped; /stats and the server log say why"
             return JSONResponse({"status": status, "error": failure}, 503)
+        if status == "stalled":
+            stalled = {"status": status, "step_running_s": round(running_s or 0.0, 3)}
+            return JSONResponse(stalled, 503, headers=RETRY_LATER)
         if status != "ok":
             return JSONResponse({"status": status}, 503, headers=RETRY_LATER)
         return JSONResponse({"status": status})
@@ -245,8 +256,9 @@ def _add_admin_routes(app: FastAPI) -> None:
         sched = state.service.scheduler.stats()
         eng = engine.engine_stats()
         budget = info.budget if info else None
+        running_s = state.step_running_s()
         return {
-            "status": _status(state),
+            "status": _status(state, running_s),
             "model": info.model_id if info else None,
             "model_path": info.path if info else None,
             "device": info.device if info else None,
@@ -282,6 +294,9 @@ def _add_admin_routes(app: FastAPI) -> None:
                 "alive": engine.alive,
                 "failure": engine.failure,
                 "steps": eng.steps,
+                # the step (or control job) in progress, None when idle: past
+                # --stall-timeout, status is "stalled"
+                "step_running_s": None if running_s is None else round(running_s, 3),
                 "prefill_tokens": eng.prefill_tokens,
                 "generated_tokens": eng.generated_tokens,
                 "row_faults": eng.row_faults,

@@ -278,6 +278,15 @@ class Settings(BaseSettings):
         "running request ends with finish_reason length and what it generated, and a "
         "queued one gets 503 + Retry-After; 0 = never",
     )
+    stall_timeout: float = Field(
+        120.0,
+        ge=0.0,
+        description="seconds one engine step (or one conversation load/save or adapter "
+        "mount between steps) may run before /health answers 503 stalled and calls "
+        "waiting on the engine (/v1/conv_kv, /v1/adapters) get 503; a step is sized to "
+        "--max-step-ms and a whole prefill chunk takes seconds, so the default is far "
+        "above any; 0 = never",
+    )
     thinking: Literal["on", "off"] = Field(
         "on",
         description="thinking for requests that do not say (enable_thinking, thinking, "

@@ -52,6 +52,16 @@ class AppState:
             engine=self.engine.engine_stats(),
         )
 
+    def step_running_s(self) -> float | None:
+        """How long the engine's step (or control job) in progress has run; None: idle."""
+        since = self.engine.busy_since
+        return None if since is None else max(0.0, time.monotonic() - since)
+
+    def stalled(self, running_s: float | None) -> bool:
+        """A step has run past --stall-timeout (0: never counted as stalled)."""
+        limit = self.settings.stall_timeout
+        return bool(limit) and running_s is not None and running_s > limit
+
     def adapter(self, adapter_id: str | None, model: object = None) -> str | None:
         """A request's adapter: None (the base model) or a mounted one; else a 400.
         Without an ``adapter`` field, a ``model`` naming a mounted adapter selects it

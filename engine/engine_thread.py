@@ -139,6 +139,9 @@ class EngineThread(threading.Thread):
         self._model_info: ModelInfo | None = None
         self._runner: Runner | None = None
         self._steps = 0
+        # when the step or control job in progress began (monotonic; None: idle):
+        # written by this thread only, read lock-free by /health to see a hung step
+        self._busy_since: float | None = None
         self._memory: dict[str, int] = {}
         self._memory_at = 0.0
         self._read_memory: Callable[[], dict[str, int]] | None = None
@@ -169,6 +172,10 @@ class EngineThread(threading.Thread):
     @property
     def model_info(self) -> ModelInfo | None:
         return self._model_info
+
+    @property
+    def busy_since(self) -> float | None:
+        return self._busy_since
 
     def engine_stats(self) -> EngineStats:
         runner = self._runner
@@ -339,6 +346,7 @@ class EngineThread(threading.Thread):
                 return
             if not future.set_running_or_notify_cancel():
                 continue
+            self._busy_since = time.monotonic()  # each job timed alone (a load may be long)
             try:
                 future.set_result(op(self._runner))
             except Exception as exc:  # noqa: BLE001 - the caller's to report
@@ -455,6 +463,7 @@ class EngineThread(threading.Thread):
         runner = self._runner
         scheduler = self.scheduler
         while not self._stopping.is_set():
+            self._busy_since = time.monotonic()
             if self._fault is not None:
                 raise self._fault
             self._run_controls(CONTROLS_PER_STEP if runner.active else None)
@@ -485,6 +494,7 @@ class EngineThread(threading.Thread):
             if runner.active == 0:
                 self._sample_memory()  # idle gauges still move (freed cache, clear_cache)
                 if not failed:  # a failed start freed a slot the queue's next may take now
+                    self._busy_since = None
                     scheduler.wait_for_work(timeout=0.5)
                 continue
             outputs = runner.step()

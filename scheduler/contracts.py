@@ -327,6 +327,12 @@ class EngineHandle(Protocol):
     @property
     def model_info(self) -> ModelInfo | None: ...
 
+    @property
+    def busy_since(self) -> float | None:
+        """When the engine step or control job in progress began (time.monotonic);
+        None while idle. Read without a lock: a step that never ends shows here."""
+        ...
+
     def engine_stats(self) -> EngineStats: ...
 
     def kv(self, op: Callable[[KVCacheManager], T]) -> Future[T]:

@@ -1,0 +1,138 @@
+"""A stuck engine step, on a tiny random llama: the step blocks on an Event.
+
+A step that never returns (a GPU hang, swap thrash, a long recovery) left
+/health 200 and every deadline unenforced: the watchdog ran only inside the
+engine's own loop. Waits here are upper bounds for "it happened", never timings.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import httpx
+
+from app.server import create_app
+from app.settings import Settings
+from engine.engine_thread import EngineConfig, EngineThread
+from engine.model_source import ModelSource
+from tests.helpers.http_server import serve_app
+
+CHAT = "/v1/chat/completions"
+WAIT_S = 20.0  # an upper bound for what must happen, never a measured duration
+
+
+class Gate:
+    """Holds the engine's next step (once ``when`` holds) until released."""
+
+    def __init__(self) -> None:
+        self.armed = threading.Event()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def wrap(self, runner, when: Callable[[], bool] = lambda: True) -> None:
+        step = runner.step
+
+        def held_step(*args, **kwargs):
+            if self.armed.is_set() and when():
+                self.entered.set()
+                self.release.wait(2 * WAIT_S)  # bounded: a failed test still ends
+            return step(*args, **kwargs)
+
+        runner.step = held_step
+
+
+@contextmanager
+def tiny_server(model_dir, gate: Gate, when=lambda r: True, **settings) -> Iterator[tuple]:
+    config = EngineConfig(source=ModelSource("mlx", model_dir, "tiny"), prefill_step_size=32)
+    holder: dict = {}
+
+    def factory(scheduler, router):
+        holder["engine"] = EngineThread(config, scheduler, router)
+        return holder["engine"]
+
+    app = create_app(Settings(_env_file=None, **settings), factory)
+    try:
+        with serve_app(app) as url:
+            engine = holder["engine"]
+            gate.wrap(engine._runner, lambda: when(engine._runner))  # noqa: SLF001
+            yield url, app, engine
+            gate.release.set()
+    finally:
+        gate.release.set()
+
+
+def until(check: Callable[[], object], what: str) -> object:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"never happened: {what}"
+        time.sleep(0.02)
+
+
+def background(url: str, body: dict, results: dict, name: str) -> threading.Thread:
+    """POST ``body`` on a thread; its response (or the exception) lands in ``results``."""
+
+    def post() -> None:
+        try:
+            results[name] = httpx.post(url + CHAT, json=body, timeout=WAIT_S)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            results[name] = exc
+
+    thread = threading.Thread(target=post, daemon=True)
+    thread.start()
+    return thread
+
+
+def chat(max_tokens: int = 400, **extra) -> dict:
+    return {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **extra,
+    }
+
+
+def test_a_step_running_past_the_stall_timeout_turns_health_503_until_it_returns(
+    tiny_llama_dir,
+):
+    gate = Gate()
+    with tiny_server(tiny_llama_dir, gate, stall_timeout=0.2) as (url, _, _engine):
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+        gate.armed.set()
+        client = background(url, chat(4), {}, "stalled")
+        assert gate.entered.wait(WAIT_S)
+        stalled = until(
+            lambda: (r := httpx.get(url + "/health")).status_code == 503 and r,
+            "/health 503 while the step hangs",
+        )
+        body = stalled.json()
+        assert body["status"] == "stalled"
+        assert body["step_running_s"] > 0.2  # past the threshold it reports
+        assert stalled.headers["retry-after"]
+        stats = httpx.get(url + "/stats").json()
+        assert stats["status"] == "stalled" and stats["engine"]["step_running_s"] > 0.2
+        gate.armed.clear()
+        gate.release.set()
+        until(lambda: httpx.get(url + "/health").status_code == 200, "/health ok again")
+        client.join(WAIT_S)
+        assert httpx.get(url + "/stats").json()["engine"]["step_running_s"] is None  # idle
+
+
+def test_a_stall_timeout_of_zero_never_reports_a_stall(tiny_llama_dir):
+    """The control for the test above: the same hang, the check turned off."""
+    gate = Gate()
+    with tiny_server(tiny_llama_dir, gate, stall_timeout=0) as (url, _, engine):
+        gate.armed.set()
+        client = background(url, chat(4), {}, "stalled")
+        assert gate.entered.wait(WAIT_S)
+        until(lambda: engine.busy_since is not None, "the engine reports its step")
+        time.sleep(0.3)  # past what turned the test above 503 (not a timing assertion)
+        assert httpx.get(url + "/health").json() == {"status": "ok"}
+        gate.release.set()
+        client.join(WAIT_S)
