@@ -18,6 +18,7 @@ from fastapi import Request as HTTPRequest
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.body import parse_body
+from app.engine_wait import engine_answer
 from app.errors import APIError
 from app.openapi_doc import OPENAI_ERROR, errors, json_content, ref
 from app.settings import ADAPTER_ID
@@ -93,9 +94,9 @@ def _responses(ok: dict[str, Any], statuses: tuple[int, ...]) -> dict[int | str,
     return out
 
 
-async def _on_engine(future: Future[AdapterInfo]) -> AdapterInfo:
+async def _on_engine(state: AppState, future: Future[AdapterInfo]) -> AdapterInfo:
     try:
-        return await asyncio.wrap_future(future)
+        return await engine_answer(state, future)
     except AdapterNotFound as exc:
         raise APIError(404, str(exc), code="adapter_not_found") from exc
     except AdapterInUse as exc:
@@ -164,12 +165,12 @@ async def _read_and_mount(state: AppState, body: AdapterMountRequest) -> Adapter
         raise APIError(400, str(exc), code="adapter_over_budget", param="path") from exc
     except AdapterError as exc:
         raise APIError(400, str(exc), code="invalid_adapter", param="path") from exc
-    return await _on_engine(state.engine.mount_adapter(body.id, files, body.scale))
+    return await _on_engine(state, state.engine.mount_adapter(body.id, files, body.scale))
 
 
 @router.delete("/v1/adapters/{adapter_id}", responses=_responses(ADAPTER, (404, 409)))
 async def unmount(adapter_id: str, http: HTTPRequest) -> dict[str, Any]:
     state: AppState = http.app.state.kvwarm
-    info = await _on_engine(state.engine.unmount_adapter(adapter_id))
+    info = await _on_engine(state, state.engine.unmount_adapter(adapter_id))
     state.obs.adapter_unmounted(adapter_id)
     return {**info.public(), "deleted": True}

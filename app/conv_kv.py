@@ -9,7 +9,6 @@ The KV manager does the work on the engine thread; these routes only wait.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, TypeVar
@@ -20,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.convertors import PathConvertor, register_url_convertor
 
 from app.body import parse_body
+from app.engine_wait import engine_answer
 from app.errors import APIError
 from app.openapi_doc import OPENAI_ERROR, errors, json_content, ref
 from app.state import AppState
@@ -110,7 +110,7 @@ def _body(model: type[BaseModel]) -> dict[str, Any]:
 async def _on_engine(http: HTTPRequest, op: Callable[[KVCacheManager], T]) -> T:
     state: AppState = http.app.state.kvwarm
     try:
-        return await asyncio.wrap_future(state.engine.kv(op))
+        return await engine_answer(state, state.engine.kv(op))
     except ConversationNotFound as exc:
         raise APIError(404, str(exc), code="conversation_not_found") from exc
     except StorageFull as exc:

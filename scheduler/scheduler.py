@@ -146,6 +146,29 @@ class Scheduler:
                 self._pending_aborts.add(request_id)
         self._wake.set()
 
+    def expire(self, request_id: str) -> RequestState | None:
+        """The watchdog, from the handler side: a request past its deadline while the
+        engine was busy in one step (its own watchdog runs between steps only) leaves
+        as that watchdog takes it, counted once; a running one's row is dropped at
+        the engine's next step, as for a client gone. Where it was (WAITING or
+        RUNNING); None: it had left already, and the engine has its end in hand."""
+        with self._lock:
+            req = next((r for r in self._waiting if r.request_id == request_id), None)
+            if req is not None:
+                self._waiting.remove(req)
+                where = RequestState.WAITING
+            else:
+                req = self._running.pop(request_id, None)
+                if req is None:
+                    return None
+                self._pending_aborts.add(request_id)  # removed from the batch, uncounted
+                where = RequestState.RUNNING
+            req.state = RequestState.ABORTED
+            self._watchdog_aborts += 1
+            self._aborted += 1
+        self._wake.set()
+        return where
+
     # -- engine side --------------------------------------------------------
     def drain(self) -> None:
         """Stop admitting: new requests are refused, queued and running ones go on."""

@@ -7,6 +7,7 @@ engine's own loop. Waits here are upper bounds for "it happened", never timings.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -136,3 +137,77 @@ def test_a_stall_timeout_of_zero_never_reports_a_stall(tiny_llama_dir):
         assert httpx.get(url + "/health").json() == {"status": "ok"}
         gate.release.set()
         client.join(WAIT_S)
+
+
+def sse_choices(text: str) -> tuple[list[dict], dict]:
+    """A streamed chat reply's choices, and its usage chunk."""
+    events = [
+        json.loads(line[6:])
+        for line in text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+    usage = next(e["usage"] for e in events if e.get("usage"))
+    return [e["choices"][0] for e in events if e.get("choices")], usage
+
+
+def test_request_deadlines_are_enforced_while_the_engine_step_hangs(tiny_llama_dir, monkeypatch):
+    """The running request ends as the engine's watchdog ends it (finish length with
+    what it generated), the queued one with 503 queue_timeout; each is counted once
+    as a watchdog end, and the engine drops the row once its step returns."""
+    monkeypatch.setattr("scheduler.service.DEADLINE_GRACE_S", 0.0, raising=False)
+    gate = Gate()
+    settings = {"batch": 1, "request_timeout": 1.0, "stall_timeout": 0}
+    results: dict = {}
+    with tiny_server(
+        tiny_llama_dir, gate, lambda runner: runner.generated_tokens >= 3, **settings
+    ) as (url, app, engine):
+        gate.armed.set()
+        body = chat(400, stream=True, stream_options={"include_usage": True})
+        running = background(url, body, results, "running")
+        assert gate.entered.wait(WAIT_S)  # 3 tokens out, then the step hangs
+        queued = background(url, chat(4), results, "queued")
+        running.join(WAIT_S)
+        queued.join(WAIT_S)
+        stats = httpx.get(url + "/stats").json()
+        assert not gate.release.is_set()  # all of it while the engine was stuck
+        gate.armed.clear()
+        gate.release.set()
+        until(lambda: engine.engine_stats().active_rows == 0, "the row is dropped")
+        after = httpx.get(url + "/stats").json()["requests"]
+        ok = httpx.post(url + CHAT, json=chat(2), timeout=WAIT_S)
+    streamed, refused = results["running"], results["queued"]
+    assert isinstance(streamed, httpx.Response), streamed
+    choices, usage = sse_choices(streamed.text)
+    assert choices[-1]["finish_reason"] == "length"
+    assert usage["completion_tokens"] >= 3  # what it generated is counted as delivered
+    assert isinstance(refused, httpx.Response), refused
+    assert refused.status_code == 503 and refused.headers["retry-after"]
+    assert refused.json()["error"]["code"] == "queue_timeout"
+    assert stats["requests"]["watchdog"] == 2 and stats["requests"]["aborted"] == 2
+    # counted once: the step's late outputs and the abort that follows add nothing
+    assert after == stats["requests"] | {"admitted": after["admitted"]}
+    assert (after["watchdog"], after["finished"], after["failed"]) == (2, 0, 0)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_calls_waiting_on_a_stalled_engine_get_a_503(tiny_llama_dir):
+    """Control jobs run between steps: behind a hung one an adapter call waited for
+    ever. Past --stall-timeout it is a 503; the engine still serves jobs afterwards."""
+    gate = Gate()
+    with tiny_server(tiny_llama_dir, gate, stall_timeout=0.2) as (url, _, engine):
+        control = httpx.delete(url + "/v1/adapters/none", timeout=WAIT_S)
+        assert control.status_code == 404  # the control: the engine answers it
+        ran: list = []
+        gate.armed.set()
+        client = background(url, chat(4), {}, "stalled")
+        assert gate.entered.wait(WAIT_S)
+        stalled = httpx.delete(url + "/v1/adapters/none", timeout=WAIT_S)
+        job = engine.control(ran.append)
+        gate.armed.clear()
+        gate.release.set()
+        job.result(WAIT_S)
+        client.join(WAIT_S)
+    assert stalled.status_code == 503, stalled.text
+    assert stalled.json()["error"]["code"] == "engine_stalled"
+    assert stalled.headers["retry-after"]
+    assert len(ran) == 1

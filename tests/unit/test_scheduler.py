@@ -115,6 +115,25 @@ def test_abort_waiting_and_running():
     assert (st.running, st.waiting, st.aborted_total) == (0, 0, 2)
 
 
+def test_a_deadline_enforced_off_the_engine_is_counted_once_and_drops_the_row():
+    """The stream ends a late request while the engine is stuck in a step: the
+    scheduler lets it go as its watchdog would, and the row leaves at the next step
+    as an abort, neither counted again nor ended again by the engine's watchdog."""
+    s = make(max_running=1)
+    s.request_timeout_s = 60.0
+    s.add(req("run"))
+    s.add(req("wait"))
+    s.schedule()
+    assert s.expire("run") is RequestState.RUNNING
+    assert s.expire("wait") is RequestState.WAITING
+    assert s.expire("run") is None  # left already: the engine ends it
+    plan = s.schedule()  # the engine's next step, once the stuck one returned
+    assert plan.abort == ["run"] and not plan.timed_out and not plan.expired
+    st = s.stats()
+    assert (st.running, st.waiting) == (0, 0)
+    assert (st.watchdog_aborts_total, st.aborted_total, st.finished_total) == (2, 2, 0)
+
+
 def test_abort_of_unknown_id_is_harmless():
     s = make()
     s.abort("ghost")
