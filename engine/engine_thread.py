@@ -139,6 +139,9 @@ class EngineThread(threading.Thread):
         self._model_info: ModelInfo | None = None
         self._runner: Runner | None = None
         self._steps = 0
+        # requests whose start (runner.add) raised: failed alone, as the runner's own
+        # row faults (counted here: a distributed runner's wrapper delegates reads only)
+        self._start_faults = 0
         # when the step or control job in progress began (monotonic; None: idle):
         # written by this thread only, read lock-free by /health to see a hung step
         self._busy_since: float | None = None
@@ -187,7 +190,7 @@ class EngineThread(threading.Thread):
             prompt_cache=runner.prefix_cache.stats() if runner and runner.prefix_cache else None,
             batch_sizes=tuple(runner.batch_sizes) if runner else (),
             memory=dict(self._memory),
-            row_faults=runner.row_faults if runner else 0,
+            row_faults=(runner.row_faults if runner else 0) + self._start_faults,
             recoveries=runner.recoveries if runner else 0,
             steps_report=runner.timings.snapshot() if runner else None,
             vision=_vision_stats(runner),
@@ -479,12 +482,14 @@ class EngineThread(threading.Thread):
                     if first is not None:
                         started.append(first)
                 except AdapterNotFound as exc:  # unmounted after the request was validated
+                    # the client's 400, not an engine fault: no row fault counted
                     scheduler.fail(request.request_id)
                     failed.append(
                         RequestOutput.failure(request.request_id, str(exc), "adapter_not_found")
                     )
                 except Exception as exc:  # one bad request must not take the engine down
                     log.exception("%s: could not start", request.request_id)
+                    self._start_faults += 1
                     scheduler.fail(request.request_id)
                     failed.append(
                         RequestOutput.failure(request.request_id, f"{type(exc).__name__}: {exc}")

@@ -180,8 +180,20 @@ async def test_a_request_that_fails_to_start_fails_alone(tiny_llama_dir):
         outs = [o async for o in h.service.submit(bad)]
         assert outs[-1].finish_reason == FinishReason.ERROR and "TypeError" in outs[-1].error
         assert h.engine.alive
+        # counted as a row fault, as the same failure one stage later in the runner is
+        assert h.engine.engine_stats().row_faults == 1
         _, tokens, _ = await h.run(h.request("y", 3, ignore_eos=True))
         assert len(tokens) == 3
+
+
+async def test_an_adapter_unmounted_before_its_request_starts_is_no_engine_fault(
+    tiny_llama_dir,
+):
+    """The client's 400 (adapter_not_found), not a fault of the engine's: uncounted."""
+    async with Harness(tiny_llama_dir) as h:
+        outs = [o async for o in h.service.submit(h.request("x", 4, adapter="gone"))]
+        assert outs[-1].error_code == "adapter_not_found"
+        assert h.engine.engine_stats().row_faults == 0
 
 
 async def test_shutdown_ends_open_streams(tiny_llama_dir):
