@@ -114,10 +114,10 @@ def test_a_step_running_past_the_stall_timeout_turns_health_503_until_it_returns
         )
         body = stalled.json()
         assert body["status"] == "stalled"
-        assert body["step_running_s"] > 0.2  # past the threshold it reports
+        assert body["step_running_s"] >= 0.2  # past the threshold (rounded to ms)
         assert stalled.headers["retry-after"]
         stats = httpx.get(url + "/stats").json()
-        assert stats["status"] == "stalled" and stats["engine"]["step_running_s"] > 0.2
+        assert stats["status"] == "stalled" and stats["engine"]["step_running_s"] >= 0.2
         gate.armed.clear()
         gate.release.set()
         until(lambda: httpx.get(url + "/health").status_code == 200, "/health ok again")
