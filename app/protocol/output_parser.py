@@ -361,8 +361,10 @@ class OutputParser:
     ) -> None:
         """``calls``: ``inner`` decoded already."""
         assert self.tools is not None
+        rest = ""
         if calls is None:
-            calls = self.tools.decode(markup, inner)
+            decoded = self.tools.decode_reply(markup, inner)
+            calls, rest = decoded if decoded is not None else (None, "")
         self._tool = None
         if calls:
             if self.max_calls is not None:
@@ -370,6 +372,13 @@ class OutputParser:
             self._calls += len(calls)
             self._out.extend(calls)
             self._to_boundary()
+            # text after the calls that is no part of their markup (a markup running
+            # to the end of the reply: Mistral's), spaces dropped as after any call
+            text = rest.lstrip()
+            self._kept.append(rest[: len(rest) - len(text)])
+            if text:
+                self._emit(Content, text)
+                self._mode = _Mode.CONTENT
         else:  # not a call after all: the markup is what the model said
             self._emit(Content, markup.start + inner + end)
             self._mode = _Mode.CONTENT

@@ -234,17 +234,32 @@ _NAME_RUN = regex.compile(r"[\w-]+")
 _SPACES = regex.compile(r"\s*")
 
 
+@dataclass(frozen=True)
+class _Rest:
+    """What a parser read (``calls``), and the text the model wrote after it."""
+
+    calls: Any
+    rest: str
+
+
 def _mistral(text: str) -> list[dict[str, Any]] | dict[str, Any]:
+    """mlx-lm's Mistral parser (see ``_mistral_read``): the calls alone."""
+    return _mistral_read(text).calls
+
+
+def _mistral_read(text: str) -> _Rest:
     """mlx-lm's Mistral parser, its ``name[ARGS]{...}`` form read in one pass: its
     header regex, searched for, backtracked through a whole run of word characters
     from each of them when ``[ARGS]`` came later (prose holding a 16 KB hex string,
-    then ``f[ARGS]``: 6 s on the event loop, for a model of any family)."""
+    then ``f[ARGS]``: 6 s on the event loop, for a model of any family). Its
+    markup runs to the end of the reply: what follows the last call's arguments
+    ("I have called f; ...") is the rest, which mlx-lm dropped."""
     try:
         listed = isinstance(json.loads(text), list)
     except json.JSONDecodeError:  # as mlx-lm: any other error is no call
         listed = False
     if listed:  # its JSON form: one json.loads, no header regex (an empty list has no run)
-        return _mlx_parser("mistral")(text)
+        return _Rest(_mlx_parser("mistral")(text), "")
     decoder, calls, pos = json.JSONDecoder(), [], 0
     while (header := _mistral_header(text, pos)) is not None:
         name, pos = header
@@ -252,7 +267,7 @@ def _mistral(text: str) -> list[dict[str, Any]] | dict[str, Any]:
         calls.append({"name": name, "arguments": arguments})
     if not calls:
         raise ValueError("no Mistral tool call")
-    return calls
+    return _Rest(calls, text[pos:])
 
 
 def _mistral_header(text: str, pos: int) -> tuple[str, int] | None:
@@ -490,9 +505,18 @@ class ToolCallDecoder:
         return self.family is None
 
     def decode(self, markup: Markup, inner: str) -> list[ToolCall] | None:
+        decoded = self.decode_reply(markup, inner)
+        return None if decoded is None else decoded[0]
+
+    def decode_reply(self, markup: Markup, inner: str) -> tuple[list[ToolCall], str] | None:
+        """The calls in ``inner``, and the text after them that is no part of
+        their markup (Mistral's, which runs to the end of the reply)."""
         for name, parser in self._parsers(markup, inner):
             try:
-                calls = _as_calls(parser(inner))
+                parsed, rest = parser(inner), ""
+                if isinstance(parsed, _Rest):
+                    parsed, rest = parsed.calls, parsed.rest
+                calls = _as_calls(parsed)
                 if markup is BARE_JSON and any(c["name"] not in self._schemas for c in calls):
                     continue  # a JSON answer that merely looks like a call
                 if not all(_plausible(name, c, self._schemas) for c in calls):
@@ -500,7 +524,7 @@ class ToolCallDecoder:
                 if self.allowed is not None and any(c["name"] not in self.allowed for c in calls):
                     continue  # a function this turn does not allow: not a call
                 nulls = _null_texts(inner) if name in XML_PARAMETERS else {}
-                return [self._finish(c, nulls, name not in TYPED_VALUES) for c in calls]
+                return [self._finish(c, nulls, name not in TYPED_VALUES) for c in calls], rest
             except Exception as exc:  # noqa: BLE001 - any model text must be survivable
                 log.debug("%s markup did not parse: %s", markup.kind, exc)
         return None
@@ -530,7 +554,7 @@ class ToolCallDecoder:
         if markup is GEMMA4:
             return [("gemma4", _gemma4)]
         if markup is MISTRAL:
-            return [("mistral", _mistral)]
+            return [("mistral", _mistral_read)]
         # the family's own markup, and mlx-lm's parser for it unless read here
         if (reader := READERS.get(markup.kind)) is not None:
             return [(markup.kind, reader)]

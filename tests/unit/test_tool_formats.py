@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.protocol.output_parser import Content, OutputParser, Reasoning, Syntax
+from app.protocol.output_parser import Content, OutputParser, Reasoning, Syntax, merge
 from app.protocol.thinking import resolve_thinking
 from app.protocol.tool_formats import (
     MINICPM,
@@ -193,6 +193,23 @@ def test_mistral_name_args_form():
         Content("Let me run it."),
         ToolCall("run", '{"command": "make test", "dry_run": true}'),
     ]
+
+
+@pytest.mark.parametrize("gap", ["", " ", "\n\n"])
+def test_text_after_a_mistral_call_is_content(gap):
+    """What the model wrote after its last call's arguments was in neither the
+    reply nor the text kept for the echoed turn."""
+    call = '[TOOL_CALLS]run[ARGS]{"command": "ls"}'
+    after = "I have called run; it lists the folder."
+    text = f"Looking.{call}{gap}{after}"
+    expected = [Content("Looking."), ToolCall("run", '{"command": "ls"}'), Content(after)]
+    whole = OutputParser(Syntax(), ToolCallDecoder(TOOLS, "mistral"))
+    assert whole.parse(text) == expected
+    assert whole.kept_text == f"Looking.{gap}{after}"
+    streamed = OutputParser(Syntax(), ToolCallDecoder(TOOLS, "mistral"))
+    events = [e for c in text for e in streamed.feed(c)] + streamed.finish()
+    assert merge(events) == expected
+    assert streamed.kept_text == whole.kept_text
 
 
 def test_llama3_bare_json_and_python_tag():
