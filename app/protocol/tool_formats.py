@@ -478,6 +478,39 @@ def _as_calls(parsed: Any) -> list[dict[str, Any]]:
     return calls
 
 
+def _allows_text(types: frozenset[str]) -> bool:
+    """A parameter a string may be given for: one of its types, or none known."""
+    return "string" in types or not types - {"null"}
+
+
+def _text_tools(
+    schemas: Mapping[str, Mapping[str, Any]], types: Mapping[str, Mapping[str, frozenset[str]]]
+) -> list[dict[str, Any]]:
+    """The tools as mlx-lm's GLM and LongCat parsers are to read them: those keep a
+    value as text only where its schema says exactly ``"type": "string"``, and read
+    every other one as JSON or a Python literal, so an Optional[str] (pydantic's,
+    FastMCP's ``anyOf``), a ``["string", "null"]``, a ``$ref`` or an untyped
+    parameter written "1.10", "true" or "3" became 1.1, True or 3 (no schema
+    check after them can tell it was text). Each such parameter reads here as
+    ``{"type": "string"}``; the others keep their schemas."""
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": name,
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        key: {"type": "string"} if _allows_text(types[name][key]) else schema
+                        for key, schema in props.items()
+                    },
+                },
+            },
+        }
+        for name, props in schemas.items()
+    ]
+
+
 class ToolCallDecoder:
     """Decodes withheld markup into calls, against one request's tools."""
 
@@ -493,6 +526,7 @@ class ToolCallDecoder:
         self.allowed = allowed  # a call naming another function stays text
         self._schemas = parameter_schemas(self.tools)
         self._types = parameter_types(self._schemas)  # here, in the request's preparation
+        self._text_tools = _text_tools(self._schemas, self._types)
         self.markups: tuple[Markup, ...] = MARKED
         if family and family not in BUILT_IN_FAMILIES and family_markup and family_markup[0]:
             own = Markup(family, family_markup[0], family_markup[1] or "")
@@ -543,7 +577,7 @@ class ToolCallDecoder:
                     if n == "qwen3_coder"
                     else _json_values
                     if n == "json_tools"
-                    else (lambda text: _mlx_parser("glm47")(_glm_pairs(text), self.tools))
+                    else (lambda text: self._text_valued("glm47", _glm_pairs(text)))
                     if n == "glm47"
                     else _mlx_parser(n),
                 )
@@ -562,8 +596,30 @@ class ToolCallDecoder:
             return [(markup.kind, lambda text: read(text, self.tools))]
         if markup.kind == "longcat":  # GLM's pairs under other tags, open ones dropped
             pairs = lambda text: _glm_pairs(text, "longcat_arg_key", "longcat_arg_value")  # noqa: E731
-            return [("longcat", lambda text: _mlx_parser("longcat")(pairs(text), self.tools))]
+            return [("longcat", lambda text: self._text_valued("longcat", pairs(text)))]
         return [(markup.kind, lambda text: _mlx_parser(markup.kind)(text, self.tools))]
+
+    def _text_valued(self, parser: str, text: str) -> Any:
+        """mlx-lm's GLM or LongCat parser on ``text``, values written as text kept as
+        text wherever the schema allows a string (``_text_tools``): ``_finish`` types
+        them against the whole schema, as it types Qwen's. JSON the model wrote
+        (their fallbacks) is read against the tools as given: it typed its values."""
+        if parser == "glm47":  # its pairs, else JSON, else "name key=value" text
+            as_text = "<arg_key>" in text or "{" not in text
+        else:  # LongCat: JSON when it starts as JSON (tools unread), else its pairs
+            as_text = not text.lstrip().startswith("{")
+        call = _mlx_parser(parser)(text, self._text_tools if as_text else self.tools)
+        name = call.get("name") if isinstance(call, dict) else None
+        args = call.get("arguments") if isinstance(call, dict) else None
+        if not as_text or not isinstance(name, str) or not isinstance(args, dict):
+            return call
+        schemas, types = self._schemas.get(name, {}), self._types.get(name, {})
+        for key, value in args.items():
+            # any casing of null is null, unless the value must be a string (as Qwen's)
+            if isinstance(value, str) and value.lower() == "null" and key in types:
+                if not wants_text(schemas.get(key), types[key]):
+                    args[key] = None
+        return call
 
     def _finish(
         self, call: dict[str, Any], nulls: dict[str, list[str]], from_text: bool

@@ -158,6 +158,81 @@ def test_glm47_key_values_keep_string_params_strings():
     ]
 
 
+# pydantic's / FastMCP's Optional[str], a type list, a $ref, no type at all, an integer
+_RELEASE = function_tools(
+    [{"type": "function", "function": {"name": "release", "parameters": {"type": "object",
+      "$defs": {"Ref": {"type": "string"}},
+      "properties": {
+          "version": {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None},
+          "tag": {"type": ["string", "null"]},
+          "ref": {"$ref": "#/$defs/Ref"},
+          "msg": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+          "note": {"description": "free text"},
+          "count": {"type": "integer"},
+      }}}}]
+)  # fmt: skip
+_RELEASE_ARGS = {
+    "version": "1.10",
+    "tag": "true",
+    "ref": "3",
+    "msg": "[1, 2]",
+    "note": "7",
+    "count": "3",
+}
+_RELEASE_DECODED = {
+    "version": "1.10",
+    "tag": "true",
+    "ref": "3",
+    "msg": "[1, 2]",
+    "note": "7",
+    "count": 3,
+}
+
+
+@pytest.mark.parametrize(
+    ("family", "markup", "tags"),
+    [
+        ("glm47", None, ("arg_key", "arg_value")),
+        (
+            "longcat",
+            ("<longcat_tool_call>", "</longcat_tool_call>"),
+            ("longcat_arg_key", "longcat_arg_value"),
+        ),
+    ],
+)
+def test_key_value_markup_keeps_text_where_the_schema_allows_a_string(family, markup, tags):
+    """mlx-lm's GLM and LongCat parsers keep a value as text only where its schema
+    says exactly "type": "string", and read every other one as JSON or a Python
+    literal: Optional[str] "1.10" became 1.1, "true" True, a $ref's "3" 3. Their
+    text is typed here, against the whole schema, as Qwen's is."""
+    key, value = tags
+    pairs = "".join(
+        f"<{key}>{k}</{key}>\n<{value}>{v}</{value}>\n" for k, v in _RELEASE_ARGS.items()
+    )
+    decoder = ToolCallDecoder(_RELEASE, family, markup)
+    assert decoder.decode(decoder.markups[0], f"release\n{pairs}") == [
+        ToolCall("release", json.dumps(_RELEASE_DECODED))
+    ]
+    # null written for a parameter that may be null is null; for a string one, its text
+    nulls = f"release\n<{key}>version</{key}><{value}>null</{value}>"
+    assert decoder.decode(decoder.markups[0], nulls) == [ToolCall("release", '{"version": null}')]
+    text = f"release\n<{key}>count</{key}><{value}>x</{value}>"  # not an integer: as written
+    assert decoder.decode(decoder.markups[0], text) == [ToolCall("release", '{"count": "x"}')]
+
+
+def test_glm_key_value_text_keeps_text_and_its_json_stays_typed():
+    """GLM's fallbacks: ``name key=value`` is text like its pairs; JSON the model
+    typed itself (a null for an Optional[str]) keeps its types."""
+    decoder = ToolCallDecoder(_RELEASE, "glm47")
+    assert decoder.decode(decoder.markups[0], "release version=1.10 count=2") == [
+        ToolCall("release", '{"version": "1.10", "count": 2}')
+    ]
+    typed = '{"name": "release", "arguments": {"version": null, "count": 2}}'
+    assert decoder.decode(decoder.markups[0], typed) == [
+        ToolCall("release", '{"version": null, "count": 2}')
+    ]
+
+
 def test_glm_reasoning_without_opening_tag():
     text = "The file is small.</think>Done."
     assert parse(text, "glm47", in_reasoning=True) == [
