@@ -366,8 +366,8 @@ def test_gemma4_calls_never_closed_never_reach_mlx_lms_regex(monkeypatch):
     )
     looping = 'call:run{command:<|"|>ls<|"|>}' + "call:run{" * 4000
     calls = ToolCallDecoder(TOOLS, "qwen3_coder").decode(tf.GEMMA4, looping)
-    assert seen == ['call:run{command:<|"|>ls<|"|>}']  # the one closed call, alone
-    assert calls is not None and len(calls) == 1
+    assert calls == [ToolCall("run", '{"command": "ls"}')]  # the one closed call
+    assert seen == []  # read here: mlx-lm's regex never runs
 
 
 def test_qwen3_coder_two_functions_in_one_block_are_two_calls():
