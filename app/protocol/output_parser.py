@@ -90,6 +90,7 @@ class OutputParser:
         self._buf = ""
         self._markups: tuple[Markup, ...] = self.tools.markups if self.tools else ()
         self._tool: Markup | None = None
+        self._orphan = ""  # a closing to drop if it comes next (``Markup.orphan``)
         # a call's markup so far, in pieces (joined once, at its end: += would copy
         # it on every token), and the text an end tag split across tokens may start in
         self._tool_parts: list[str] = []
@@ -206,6 +207,14 @@ class OutputParser:
             if final:
                 self._release_ws()
             return False
+        if self._orphan:
+            if stripped.startswith(self._orphan):  # the closing of an opening left out
+                self._drop_ws()
+                self._buf, self._orphan = stripped[len(self._orphan) :], ""
+                return True
+            if not final and self._orphan.startswith(stripped):
+                return False  # could still be that closing
+            self._orphan = ""
         think = self.syntax.think_start if self._think else None
         if think and stripped.startswith(think):
             self._drop_ws()
@@ -314,7 +323,8 @@ class OutputParser:
         self._tool_len += len(new)
         if final and self._skipped is not None:
             self._give_back(markup, "".join(self._tool_parts))  # a value never closed
-        elif final and (self._truncated or self._cut_by_stop(markup)):
+        elif final and (self._truncated or self._cut_by_stop(markup) or markup.orphan):
+            # cut short, or a call without its opening that never reached its end
             self._tool = None
             self._emit(Content, markup.start + "".join(self._tool_parts))
             self._mode = _Mode.CONTENT
@@ -372,6 +382,7 @@ class OutputParser:
             self._calls += len(calls)
             self._out.extend(calls)
             self._to_boundary()
+            self._orphan = markup.orphan
             # text after the calls that is no part of their markup (a markup running
             # to the end of the reply: Mistral's), spaces dropped as after any call
             text = rest.lstrip()

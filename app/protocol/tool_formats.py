@@ -41,11 +41,14 @@ log = logging.getLogger("kvwarm.tools")
 
 @dataclass(frozen=True)
 class Markup:
-    """Where a call starts and ends in the text; ``end`` "" = at the end of the output."""
+    """Where a call starts and ends in the text; ``end`` "" = at the end of the output.
+    ``orphan``: the closing of an opening the model left out, which ``start``
+    stands in for: dropped right after the call; such a call needs its ``end``."""
 
     kind: str
     start: str
     end: str
+    orphan: str = ""
 
 
 TOOL_CALL_TAG = Markup("tool_call", "<tool_call>", "</tool_call>")  # Qwen, GLM, Hermes
@@ -56,6 +59,10 @@ PYTHON_TAG = Markup("llama3_json", "<|python_tag|>", "")  # Llama 3.x
 BARE_JSON = Markup("llama3_json", "", "")  # Llama 3.x JSON with no tag, at the start of a reply
 
 MARKED = (TOOL_CALL_TAG, MINICPM, MISTRAL, GEMMA4, PYTHON_TAG)
+# Qwen3-Coder and Qwen3.5+ (mlx-lm's qwen3_coder family) often leave out the opening
+# <tool_call> and write "<function=f>...</function>\n</tool_call>" (vLLM's parser keys
+# on <function=): for that family a call when it names one of the request's tools
+QWEN_FUNCTION = Markup("qwen_function", "<function=", "</function>", "</tool_call>")
 # families whose markup is one of MARKED; any other family mlx-lm detects (Kimi,
 # MiniMax, LFM2 pythonic, ...) brings its own markup and parser
 BUILT_IN_FAMILIES = frozenset(
@@ -194,6 +201,27 @@ def _function_span(piece: str) -> str:
     if start < 0 or close < start or not piece.startswith("</function>", close):
         raise ValueError("No function provided.")  # as mlx-lm's parser
     return piece[start : close + len("</function>")]
+
+
+_QWEN_NAME = re.compile(r"[^\s<>]+>")
+
+
+def _bare_qwen_function(inner: str) -> list[dict[str, Any]]:
+    """A function written without its ``<tool_call>`` (``inner``: what follows
+    ``<function=``, up to its ``</function>``): its name, then only parameters,
+    else it is prose quoting the markup. One pass."""
+    name = _QWEN_NAME.match(inner)
+    if name is None:
+        raise ValueError("no function name")
+    pos = name.end()
+    while (pos := _spaces_end(inner, pos)) < len(inner):
+        if not inner.startswith("<parameter=", pos):
+            raise ValueError("text that is no parameter")
+        close = inner.find("</parameter>", pos)
+        if close < 0:
+            raise ValueError("an argument is never closed")
+        pos = close + len("</parameter>")
+    return _qwen3_coder(f"<function={inner}</function>")
 
 
 def _all_closed(piece: str, opening: str, closing: str) -> None:
@@ -566,6 +594,8 @@ class ToolCallDecoder:
         self._types = parameter_types(self._schemas)  # here, in the request's preparation
         self._text_tools = _text_tools(self._schemas, self._types)
         self.markups: tuple[Markup, ...] = MARKED
+        if family == "qwen3_coder":
+            self.markups = (*MARKED, QWEN_FUNCTION)
         if family and family not in BUILT_IN_FAMILIES and family_markup and family_markup[0]:
             own = Markup(family, family_markup[0], family_markup[1] or "")
             self.markups = (own, *(m for m in MARKED if m.start != own.start))
@@ -589,8 +619,10 @@ class ToolCallDecoder:
                 if isinstance(parsed, _Rest):
                     parsed, rest = parsed.calls, parsed.rest
                 calls = _as_calls(parsed)
-                if markup is BARE_JSON and any(c["name"] not in self._schemas for c in calls):
-                    continue  # a JSON answer that merely looks like a call
+                if markup in (BARE_JSON, QWEN_FUNCTION) and any(
+                    c["name"] not in self._schemas for c in calls
+                ):
+                    continue  # a JSON answer, or prose quoting markup, that looks like a call
                 if not all(_plausible(name, c, self._schemas) for c in calls):
                     continue  # another parser may read it; else it stays text
                 if self.allowed is not None and any(c["name"] not in self.allowed for c in calls):
@@ -621,6 +653,8 @@ class ToolCallDecoder:
                 )
                 for n in names
             ]
+        if markup is QWEN_FUNCTION:
+            return [("qwen3_coder", _bare_qwen_function)]
         if markup is MINICPM:
             return [("minicpm5", _minicpm)]
         if markup is GEMMA4:

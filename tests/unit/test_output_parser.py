@@ -457,3 +457,86 @@ def test_a_stop_string_keeps_a_call_only_when_it_is_the_calls_closing_tag():
     open_arg = "<tool_call>\n<function=run>\n<parameter=command>\nls\n"
     assert parsed(open_arg, "</parameter>") == [Content(open_arg)]
     assert parsed(whole, "<parameter=") == [Content(whole)]
+
+
+_BARE_QWEN = "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n</function>"
+_OSLO = ToolCall("get_weather", '{"city": "Oslo"}')
+
+
+def _qwen(text: str, family: str | None = "qwen3_coder") -> tuple[list, str]:
+    """``text`` parsed whole and fed a character at a time: both must agree."""
+    whole = OutputParser(Syntax(), ToolCallDecoder(TOOLS, family))
+    events = whole.parse(text)
+    streamed = OutputParser(Syntax(), ToolCallDecoder(TOOLS, family))
+    assert merge([e for c in text for e in streamed.feed(c)] + streamed.finish()) == events
+    assert streamed.kept_text == whole.kept_text
+    return events, whole.kept_text
+
+
+@pytest.mark.parametrize(
+    ("text", "expected", "kept"),
+    [
+        # Qwen3-Coder / Qwen3.5 leave out the opening <tool_call>: the closing is dropped
+        (
+            f"I'll check.\n{_BARE_QWEN}\n</tool_call>",
+            [Content("I'll check.\n"), _OSLO],
+            "I'll check.\n\n",
+        ),
+        (_BARE_QWEN, [_OSLO], ""),
+        (
+            f"{_BARE_QWEN}\n{_BARE_QWEN}\n</tool_call>\nDone.",
+            [_OSLO, _OSLO, Content("Done.")],
+            None,
+        ),
+        # a closing not right after the call is text
+        (f"{_BARE_QWEN} then </tool_call>", [_OSLO, Content("then </tool_call>")], None),
+        # a function the request does not offer is text, its closing too
+        (
+            "See <function=search>\n<parameter=q>\nx\n</parameter>\n</function>\n</tool_call>",
+            [
+                Content(
+                    "See <function=search>\n<parameter=q>\nx\n</parameter>\n</function>\n</tool_call>"
+                )
+            ],
+            None,
+        ),
+        # a value holding </function> is not the call's end
+        (
+            "<function=get_weather>\n<parameter=city>\na</function>b\n</parameter>\n</function>",
+            [ToolCall("get_weather", '{"city": "a</function>b"}')],
+            None,
+        ),
+    ],
+)
+def test_a_qwen_function_without_its_tool_call_opening_is_a_call(text, expected, kept):
+    events, kept_text = _qwen(text)
+    assert events == expected
+    if kept is not None:
+        assert kept_text == kept
+
+
+def test_a_bare_qwen_function_is_a_call_only_for_the_qwen3_coder_family():
+    text = f"I'll check.\n{_BARE_QWEN}\n</tool_call>"
+    assert _qwen(text, "glm47")[0] == [Content(text)]
+
+
+def test_the_start_of_a_bare_qwen_function_is_held_back_while_it_streams():
+    parser = OutputParser(Syntax(), ToolCallDecoder(TOOLS, "qwen3_coder"))
+    assert parser.feed("I'll check.\n<func") == [Content("I'll check.\n")]
+    assert parser.feed("tion=get_weather>\n<parameter=city>\nOslo\n") == []
+    assert parser.feed("</parameter>\n</function>\n</tool") == [_OSLO]
+    assert parser.feed("_call>") + parser.finish() == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Call <function=get_weather> and close it with </function>.",
+        "Call <function=get_weather>\n<parameter=city>\nOslo\n</parameter>\nthen </function> ends",
+        "It ends the reply: <function=get_weather>\n<parameter=city>\nOslo\n</parameter>\n",
+    ],
+)
+def test_prose_quoting_a_bare_qwen_function_stays_text(text):
+    """Without its <tool_call> a call is only a function's own markup: its name,
+    parameters, its closing; not prose that names it in passing."""
+    assert _qwen(text)[0] == [Content(text)]
