@@ -32,7 +32,7 @@ from kvcache.sessions import fallback_session_id
 from observability.escape import ascii_escaped
 from scheduler.admission import AdmissionError
 from scheduler.contracts import ImageFront, ModelInfo, TextSyntax
-from scheduler.request import CacheHints, Request, SamplingParams
+from scheduler.request import CacheHints, ReasoningTags, Request, SamplingParams
 
 log = logging.getLogger("kvwarm.http")
 
@@ -221,9 +221,11 @@ def _opens_reasoning(tail: str, prefill: str, syntax: TextSyntax) -> bool:
 
 def _output_side(
     call: ChatCall, info: ModelInfo, rendered: RenderedPrompt
-) -> tuple[PromptKey, OutputParser]:
+) -> tuple[PromptKey, OutputParser, ReasoningTags | None]:
     """The parser for the reply and the final prompt: a forced tool choice appends
-    the opening of the call, and the parser starts inside it."""
+    the opening of the call, and the parser starts inside it. And the think tags
+    as the parser reads them, for the engine's stop strings (None: the reply
+    starts in a forced call, where no block can open)."""
     syntax = info.syntax
     opened = _opens_reasoning(rendered.tail, call.prefill, syntax)
     parses = bool(call.tools) and call.tool_choice.parses
@@ -255,14 +257,20 @@ def _output_side(
                 param="tool_choice",
             )
     appended = call.prefill
+    tags = (
+        ReasoningTags(syntax.think_start, syntax.think_end, opened)
+        if syntax.think_start and syntax.think_end
+        else None
+    )
     if parses and call.tool_choice.mode == "required":
         forced = forced_opening(syntax.tool_family, call.tool_choice.name)
         closing = f"{syntax.think_end}\n\n" if opened and syntax.think_end else ""
         appended += closing + forced.text
         parser.open_tool(forced.markup, forced.seed)
+        tags = None
     if appended:
         key = info.formatter.continued(rendered, appended)
-    return key, parser
+    return key, parser, tags
 
 
 def _image_salts(
@@ -383,7 +391,7 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
         raise  # a prompt no context could hold: 400 context_length_exceeded
     except Exception as exc:  # jinja errors of the model's own template
         raise APIError(400, f"The chat template rejected these messages: {exc}") from exc
-    key, parser = _output_side(call, info, rendered)
+    key, parser, reasoning = _output_side(call, info, rendered)
     prompt, image_inputs = list(key.model_tokens), ()
     if info.vision is not None:
         key, prompt, image_inputs = attach_images(key, images, info.vision)
@@ -397,6 +405,7 @@ def prepare_chat(call: ChatCall, state: AppState, headers: Mapping[str, str]) ->
         ignore_eos=call.ignore_eos,
         # a reply continuing a prefill keeps its first space ("The answer is" + " 42")
         trim_leading_space=not call.prefill,
+        reasoning=reasoning,  # client stop strings match the answer, not the reasoning
         cache=CacheHints(
             key, session, rendered.message_hashes, call.kv_bits, own_conversation=bool(scope)
         )

@@ -160,7 +160,9 @@ class BatchRunner:
         processors = [GuardedProcessor(p, rid, self.faults) for p in made]
         row = Row(
             request,
-            TextOutput(self._detokenizer(), request.stop, request.trim_leading_space),
+            TextOutput(
+                self._detokenizer(), request.stop, request.trim_leading_space, request.reasoning
+            ),
             self._samplers.sampler(params),
             processors,
             slot=slot,

@@ -117,6 +117,16 @@ class TokenLogprob:
     top: tuple[TokenChoice, ...] = ()
 
 
+@dataclass(frozen=True)
+class ReasoningTags:
+    """How a chat reply's reasoning is marked, as its output parser reads it:
+    client stop strings match only the answer after it (engine.reasoning_gate)."""
+
+    start: str  # the think tag: opens a block at the reply's start
+    end: str
+    opened: bool  # the prompt ends inside an opened block: the reply starts in it
+
+
 @dataclass(eq=False)  # one object per request: identity, not an O(prompt) field compare
 class Request:
     """One generation job. ``prompt_tokens`` are exactly what the model sees."""
@@ -129,6 +139,8 @@ class Request:
     # a chat reply drops the space a BPE detokeniser puts before its first word;
     # a raw completion continues the prompt's text and keeps it
     trim_leading_space: bool = True
+    # None: stop strings match all the text (a raw completion, a forced tool call)
+    reasoning: ReasoningTags | None = None
     cache: CacheHints | None = None  # None: this request neither reads nor feeds the cache
     adapter: str | None = None  # a mounted LoRA adapter's id; None: the base model
     images: tuple[ImageInput, ...] = ()  # in prompt order (vision models)

@@ -64,3 +64,25 @@ def test_a_completion_keeps_the_space_before_its_first_word(byte_tokenizer):
 
     assert text(trim=True) == "Paris."  # a chat reply starts at its first word
     assert text(trim=False) == " Paris."  # "The capital of France is" + " Paris."
+
+
+def test_a_stop_string_in_the_reasoning_does_not_end_the_reply(byte_tokenizer):
+    """A thinking model restating the question ("Question:") while it thinks: the
+    stop matches in the answer after the block only; raw text matches everywhere."""
+    from scheduler.request import ReasoningTags
+
+    text = "Question: 2+2?</think>\n\nQuestion: 4. Question: next"
+    tokens = byte_tokenizer.encode(text, add_special_tokens=False)
+
+    def reply(reasoning: ReasoningTags | None) -> tuple[str, bool]:
+        out = TextOutput(byte_tokenizer.detokenizer, ("Question:",), reasoning=reasoning)
+        chunks = []
+        for tok in tokens:
+            chunks.append(out.add_token(tok))
+            if out.stopped:
+                return "".join(chunks), True
+        return "".join(chunks) + out.finish(), out.stopped
+
+    opened = ReasoningTags("<think>", "</think>", opened=True)
+    assert reply(opened) == ("Question: 2+2?</think>\n\n", True)
+    assert reply(None) == ("", True)

@@ -14,6 +14,7 @@ from app.settings import Settings
 from tests.helpers.dialects import (
     ANTHROPIC_TOOLS,
     PROMPTS,
+    REQUESTS,
     RESPONSES_TOOLS,
     TOOLS,
     Served,
@@ -562,3 +563,23 @@ def test_chat_tool_call_ids_are_unique_whatever_the_model_wrote():
         ]
     for ids in ([c.id for c in whole], streamed):
         assert len(ids) == 2 and ids[0] == "1" and ids[1] != "1", ids
+
+
+def test_the_engine_is_told_the_think_tags_its_stop_strings_skip(server):
+    """Client stop strings match the answer, not the reasoning (engine.reasoning_gate):
+    a chat request says how its reply's block is marked; raw text says nothing."""
+    from scheduler.request import ReasoningTags
+
+    client = server.openai()
+    user = {"role": "user", "content": "x"}
+    client.chat.completions.create(model="m", messages=[user], max_tokens=2, stop=["Q:"])
+    assert REQUESTS[-1].reasoning == ReasoningTags("<think>", "</think>", opened=False)
+    prefill = {"role": "assistant", "content": "<think>Let me"}  # Anthropic's prefill
+    server.anthropic().messages.create(model="c", max_tokens=2, messages=[user, prefill])
+    assert REQUESTS[-1].reasoning == ReasoningTags("<think>", "</think>", opened=True)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    forced = {"role": "user", "content": "FORCE"}
+    client.chat.completions.create(model="m", messages=[forced], tools=TOOLS, tool_choice=named)
+    assert REQUESTS[-1].reasoning is None  # the reply starts inside the forced call
+    client.completions.create(model="m", prompt="<think>", max_tokens=2, stop=["Q:"])
+    assert REQUESTS[-1].reasoning is None

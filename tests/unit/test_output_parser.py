@@ -424,8 +424,10 @@ def test_a_prefill_that_closes_the_prompts_think_block_is_answered_as_content(pr
     info = SimpleNamespace(syntax=TextSyntax(), vision=None, formatter=CharFormatter())
     call = ChatCall(messages=[{"role": "user", "content": "q"}], fields={}, prefill=prefill)
     rendered = RenderedPrompt(PromptKey.build(encode(tail)), tail=tail)
-    _, parser = _output_side(call, info, rendered)
+    _, parser, tags = _output_side(call, info, rendered)
     assert parser.parse(" 42.") == expected
+    # the engine's stop strings skip the same block (engine.reasoning_gate)
+    assert tags is not None and tags.opened == isinstance(expected[0], Reasoning)
 
 
 def test_whitespace_a_model_loops_on_is_held_in_linear_time():
