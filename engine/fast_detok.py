@@ -25,7 +25,8 @@ from mlx_lm.tokenizer_utils import (
 )
 
 from engine.emitted_text import EmittedOutput, EmittedText
-from engine.window_detok import WindowDetokenizer
+from engine.utf8_tail import complete_text
+from engine.window_detok import WindowDetokenizer, token_bytes
 
 D = TypeVar("D", "TableBPEDetokenizer", "PiecewiseSPMDetokenizer")
 
@@ -97,11 +98,11 @@ class TableBPEDetokenizer(EmittedOutput, BPEStreamingDetokenizer):
     def finalize(self) -> None:
         run = self._run
         if run.streams:  # its tokens so far finalize to their table bytes (HeldRun.add)
-            self._emit_run(run.take() + run.pending.decode("utf-8", "replace"))
-        else:  # mlx-lm's finalize, exactly (its strict byte map)
+            self._emit_run(run.take() + complete_text(run.pending))
+        else:  # mlx-lm's finalize (its strict byte map), but for a character cut at the end
             decoder = _byte_decoder()
             held = "".join(self.tokenmap[t] if t < len(self._table) else "!" for t in run.ids)
-            current = bytearray(decoder[c] for c in held).decode("utf-8", "replace")
+            current = complete_text(bytes(decoder[c] for c in held))
             self._out.emit(self._maybe_trim_space(current))
         run.clear()
 
@@ -151,7 +152,7 @@ class PiecewiseSPMDetokenizer(EmittedOutput, SPMStreamingDetokenizer):
 
     def finalize(self) -> None:
         run = self._run
-        self._emit_run(run.take() + run.pending.decode("utf-8", "replace"))
+        self._emit_run(run.take() + complete_text(run.pending))
         run.clear()
 
 
@@ -239,7 +240,8 @@ def detokenizer_factory(tokenizer: Any) -> Callable[[], Any]:
     template = tokenizer.detokenizer
     if type(template) is NaiveStreamingDetokenizer:
         hf, clean = template._tokenizer, template._clean_spaces  # noqa: SLF001 - its probe
-        return lambda: WindowDetokenizer(hf, clean)
+        read = token_bytes(hf)  # built once per tokenizer
+        return lambda: WindowDetokenizer(hf, clean, read)
     if type(template) is SPMStreamingDetokenizer:
         return _copies(PiecewiseSPMDetokenizer(template))
     if type(template) is not BPEStreamingDetokenizer:

@@ -17,9 +17,14 @@ still rewrite once the next token comes (a space, ``" '"``, ``" n'"``...).
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
+from mlx_lm.tokenizer_utils import _byte_decoder
+
 from engine.emitted_text import EmittedOutput, EmittedText
+from engine.utf8_tail import cut_length
 
 CONTEXT = 4  # tokens decoded before the new ones, never emitted again
 WINDOW = 16  # tokens a window may reach before it restarts from its last CONTEXT
@@ -34,6 +39,9 @@ CLEANUPS = (" .", " ?", " !", " ,", " ' ", " n't", " 'm", " 's", " 've", " 're")
 CASCADES = ("  ' s", "  ' m", "  ' ve", "  ' re")
 _OPEN_CLEANUPS = frozenset(c[:k] for c in CLEANUPS + CASCADES for k in range(1, len(c)))
 _LONGEST_OPEN = max(map(len, _OPEN_CLEANUPS))
+# a character's bytes (at most 4) begin within the last this many tokens
+CUT_TOKENS = 4
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def cleanup_tail(text: str) -> int:
@@ -48,9 +56,15 @@ class WindowDetokenizer(EmittedOutput):
     """The ``StreamingDetokenizer`` interface ``engine.text_output`` reads, over
     ``tokenizer.decode`` (a Hugging Face tokenizer)."""
 
-    def __init__(self, tokenizer: Any, clean_spaces: bool):
+    def __init__(
+        self,
+        tokenizer: Any,
+        clean_spaces: bool,
+        token_bytes: Callable[[int], bytes] | None = None,
+    ):
         self._tokenizer = tokenizer
         self._clean_spaces = clean_spaces
+        self._token_bytes = token_bytes  # None: tokens never hold part of a character
         self.reset()
 
     def reset(self) -> None:
@@ -115,9 +129,59 @@ class WindowDetokenizer(EmittedOutput):
         return len(before) if window.startswith(before) else 0
 
     def finalize(self) -> None:
-        window = self._tokenizer.decode(self.tokens[self._start :])
+        window = self._without_cut_character(self._tokenizer.decode(self.tokens[self._start :]))
         if len(window) > self._done:
             self._out.emit(window[self._done :])
         self._start = len(self.tokens)
         self._done = 0
         self._emitted_at = len(self.tokens)
+
+    def _without_cut_character(self, window: str) -> str:
+        """The window less a character the reply ends inside (engine.utf8_tail):
+        decoded without the tokens holding only its bytes (a byte-fallback decode
+        turns their whole run to U+FFFDs), else less the one U+FFFD a lossy decode
+        made of it."""
+        read = self._token_bytes
+        if read is None or not window.endswith("\ufffd"):
+            return window
+        n = len(self.tokens)
+        pieces = [read(t) for t in self.tokens[max(self._start, n - CUT_TOKENS) :]]
+        cut = cut_length(b"".join(pieces))
+        if not cut:
+            return window
+        k = size = 0
+        while size < cut:  # the last tokens the character's bytes are in
+            k += 1
+            size += len(pieces[-k])
+        if size == cut:
+            shorter: str = self._tokenizer.decode(self.tokens[self._start : n - k])
+            if shorter.startswith(window[: self._done]):
+                return shorter
+        return window[:-1]
+
+
+def token_bytes(tokenizer: Any) -> Callable[[int], bytes] | None:
+    """A token's bytes, for a Hugging Face tokenizer whose tokens may hold part of
+    a character (a ByteLevel or ByteFallback decoder); None where they never do
+    (a Metaspace or word decoder) or cannot be read (no tokenizers backend: its
+    decode's U+FFFD stays)."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    if decoder is None:
+        return None
+    kinds = set(re.findall(r'"type":\s*"(\w+)"', decoder.__getstate__().decode()))
+    byte_level, fallback = "ByteLevel" in kinds, "ByteFallback" in kinds
+    if not (byte_level or fallback):
+        return None
+    table = _byte_decoder()
+
+    def read(token: int) -> bytes:
+        piece = tokenizer.convert_ids_to_tokens(token)
+        if not isinstance(piece, str):
+            return b""
+        if fallback and (m := _BYTE_TOKEN.fullmatch(piece)):
+            return bytes((int(m[1], 16),))
+        if byte_level and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return piece.encode()  # whole text
+
+    return read

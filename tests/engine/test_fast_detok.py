@@ -1,5 +1,6 @@
 """The table-driven byte-level BPE detokenizer and the SentencePiece one holding
-its text in pieces stream exactly what mlx-lm's do."""
+its text in pieces stream exactly what mlx-lm's do, but for a character the
+reply ends inside, which they drop (mlx-lm's end in U+FFFD)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,26 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from engine import fast_detok
 from engine.fast_detok import TableBPEDetokenizer, detokenizer_factory
 from engine.text_output import TextOutput, _keep_leading_space
+from engine.utf8_tail import complete_text
 from tests.helpers.tiny_models import write_spm_tokenizer
+
+
+def cut(streamed: tuple[list[str], str], data: bytes) -> tuple[list[str], str]:
+    """mlx-lm's segments and text, less the U+FFFD its finalize decodes a
+    character the reply ends inside to (kvwarm drops it: complete_text)."""
+    segments, text = streamed
+    if complete_text(data) == data.decode("utf-8", "replace"):
+        return segments, text
+    assert segments[-1].endswith("\ufffd")
+    return [*segments[:-1], segments[-1][:-1]], text[:-1]
+
+
+def bpe_bytes(detok, tokens: list[int]) -> bytes:
+    return b"".join(detok._table[t] if t < len(detok._table) else b"!" for t in tokens)
+
+
+def spm_bytes(detok, tokens: list[int]) -> bytes:
+    return b"".join(detok.tokenmap[t] for t in tokens)
 
 
 def stream(detok, tokens, push=False):
@@ -57,7 +77,7 @@ def test_same_segments_and_text_as_mlx_lm(byte_tokenizer, make, data, trim, push
     if not trim:
         _keep_leading_space(theirs)
         _keep_leading_space(ours)
-    assert stream(ours, tokens, push) == stream(theirs, tokens)
+    assert stream(ours, tokens, push) == cut(stream(theirs, tokens), bpe_bytes(ours, tokens))
 
 
 def test_fresh_detokenizers_share_nothing_but_the_table(make):
@@ -94,7 +114,7 @@ def test_sentencepiece_streams_the_segments_and_text_mlx_lms_does(spm, data, tri
     if not trim:
         _keep_leading_space(theirs)
         _keep_leading_space(ours)
-    assert stream(ours, tokens, push) == stream(theirs, tokens)
+    assert stream(ours, tokens, push) == cut(stream(theirs, tokens), spm_bytes(ours, tokens))
 
 
 def test_a_sentencepiece_reply_is_held_in_pieces_not_copied_per_token(spm):
@@ -193,7 +213,8 @@ def test_a_run_streamed_past_hold_ends_in_mlx_lms_text(byte_tokenizer, make, dat
         if not trim:
             _keep_leading_space(theirs)
             _keep_leading_space(ours)
-        assert stream(ours, tokens, True)[1] == stream(theirs, tokens)[1]
+        expected = cut(stream(theirs, tokens), bpe_bytes(ours, tokens))
+        assert stream(ours, tokens, True)[1] == expected[1]
 
 
 @settings(max_examples=300, deadline=None)
@@ -207,4 +228,38 @@ def test_a_sentencepiece_run_streamed_past_hold_ends_in_mlx_lms_text(spm, data, 
         if not trim:
             _keep_leading_space(theirs)
             _keep_leading_space(ours)
-        assert stream(ours, tokens, True)[1] == stream(theirs, tokens)[1]
+        expected = cut(stream(theirs, tokens), spm_bytes(ours, tokens))
+        assert stream(ours, tokens, True)[1] == expected[1]
+
+
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8"))
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (_utf8("Done ") + [0xE6, 0x97], "Done "),  # cut by max_tokens mid-character
+        (_utf8("Done ") + [0xF0, 0x9F, 0x98], "Done "),
+        (_utf8("Done ") + [0xFF], "Done \ufffd"),  # an invalid byte is no character begun
+        (_utf8("a") + [0xFF, 0xE6], "a\ufffd"),  # invalid, then a character begun
+        (_utf8("a") + [0xED, 0xA0], "a\ufffd\ufffd"),  # a surrogate's start: never completes
+        (_utf8("a") + [0xE6, 0x41], "a\ufffdA"),  # not at the end: replaced, as before
+    ],
+)
+@pytest.mark.parametrize("kind", ["bpe", "bpe streamed", "spm", "spm streamed"])
+def test_a_character_cut_at_the_end_is_dropped_not_replaced(
+    byte_tokenizer, spm, kind, data, expected
+):
+    """A reply max_tokens cut inside a character ended in U+FFFD ("Done \\ufffd")."""
+    if kind.startswith("bpe"):
+        tokens, make = (
+            [_byte_id(byte_tokenizer, b) for b in data],
+            detokenizer_factory(byte_tokenizer),
+        )
+    else:
+        tokens, make = [3 + b for b in data], detokenizer_factory(spm)
+    with pytest.MonkeyPatch.context() as patch:
+        if kind.endswith("streamed"):
+            patch.setattr(fast_detok, "HOLD", 1)
+        assert stream(make(), tokens, push=True)[1] == expected

@@ -119,3 +119,64 @@ def test_a_run_of_multi_space_tokens_still_restarts_the_window(metaspace_clean):
     several-space tokens decoded the whole run per token (quadratic)."""
     many = CLEAN_WORDS.index("\u2581\u2581\u2581") + 2
     _bounded_pass(metaspace_clean, [2] + [many] * 2000 + [9], True)  # "it", spaces, "x"
+
+
+@pytest.fixture(scope="module")
+def naive_spm(tmp_path_factory):
+    """A byte-fallback tokenizer behind the windowed detokenizer."""
+    from mlx_lm.tokenizer_utils import NaiveStreamingDetokenizer, TokenizerWrapper
+
+    from tests.helpers.tiny_models import write_spm_tokenizer
+
+    path = Path(tmp_path_factory.mktemp("naive_spm"))
+    write_spm_tokenizer(path)
+    return TokenizerWrapper(load_tokenizer(path)._tokenizer, NaiveStreamingDetokenizer)
+
+
+def _raw(wrapper, kind: str, data: bytes) -> list[int]:
+    """Ids of one raw byte each (ByteLevel characters, or <0xNN> tokens)."""
+    from mlx_lm.tokenizer_utils import _byte_decoder
+
+    chars = {b: c for c, b in _byte_decoder().items()}
+    names = [chars[b] if kind == "bytes" else f"<0x{b:02X}>" for b in data]
+    return wrapper.convert_tokens_to_ids(names)
+
+
+@pytest.mark.parametrize(
+    ("data", "cut"),
+    [
+        (b"\xe6\x97", True),  # max_tokens cut the reply mid-character
+        (b"\xf0\x9f\x98", True),
+        (b"\xff", False),  # an invalid byte is no character begun: as before
+        ("\ufffd".encode(), False),  # a real U+FFFD is text
+    ],
+)
+@pytest.mark.parametrize("kind", ["bytes", "byte fallback"])
+def test_a_character_cut_at_the_end_is_dropped_not_replaced(
+    naive_bytes, naive_spm, kind, data, cut
+):
+    """As engine.fast_detok drops it: the reply ended in U+FFFD ("Done \\ufffd")."""
+    wrapper = naive_bytes if kind == "bytes" else naive_spm
+    make = detokenizer_factory(wrapper)
+    assert isinstance(make(), WindowDetokenizer)
+    if kind == "bytes":
+        before = wrapper.encode("hello 日本", add_special_tokens=False)
+    else:  # words: a byte-fallback decode turns a whole run of byte tokens to U+FFFDs
+        before = wrapper.convert_tokens_to_ids(["\u2581hello", "\u2581日本"])
+    ids = before + _raw(wrapper, kind, data)
+    _, whole = stream(make, ids)
+    assert whole == wrapper.decode(before if cut else ids)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet=st.sampled_from(list(" ab,é€😀\ufffd日")), max_size=40),
+    drop=st.integers(0, 3),
+)
+def test_any_reply_cut_anywhere_ends_before_the_cut_character(naive_bytes, text, drop):
+    from engine.utf8_tail import cut_length
+
+    data = text.encode()[: max(0, len(text.encode()) - drop)]
+    tokens = naive_bytes.encode(text, add_special_tokens=False)[: len(data)]  # one per byte
+    _, whole = stream(detokenizer_factory(naive_bytes), tokens)
+    assert whole == naive_bytes.decode(tokens[: len(tokens) - cut_length(data)])
