@@ -590,7 +590,9 @@ class BatchRunner:
         # only EOS tokens are token-level stops; with ignore_eos one is generated
         # past, and its text ("<|im_end|>") is no part of the reply either
         eos = resp.finish_reason == "stop" or token in self._eos_ids
-        first = not row.text.started  # its text may differ mid-reply (token_pieces)
+        # its text may differ mid-reply (token_pieces): where the reply drops the
+        # space before its first word, as a completion does not
+        first = not row.text.started and row.request.trim_leading_space
         text = "" if eos else row.text.add_token(token)
         out = row.output(text, (token,), at=now)
         top = row.request.logprobs

@@ -88,3 +88,5 @@ def _keep_leading_space(detokenizer: Any) -> None:
         detokenizer.trim_space = False
     if hasattr(detokenizer, "_maybe_trim_space"):  # byte-level BPE
         detokenizer._maybe_trim_space = lambda text: text
+    if hasattr(detokenizer, "keep_leading_space"):  # a decoder that drops it (Metaspace)
+        detokenizer.keep_leading_space()

@@ -12,7 +12,6 @@ for the whole forward (1.4 s against 1 ms measured here), stalling every row.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,11 +24,10 @@ from mlx_lm.tokenizer_utils import (
 )
 
 from engine.fast_detok import bpe_token_bytes, strict_bpe_bytes
+from engine.window_detok import BYTE_TOKEN, anchor
 from scheduler.request import TokenChoice, TokenLogprob
 
 SPM_SPACE = "\u2581".encode()
-# SentencePiece's byte-fallback tokens: one byte each, named by its value
-BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 PieceOf = Callable[[int], bytes]
 
@@ -82,7 +80,7 @@ class DecodedPieces:
     def __init__(self, tokenizer: Any):
         self._tokenizer = tokenizer
         self._size = len(tokenizer)
-        self._anchor = _anchor(tokenizer)
+        self._anchor = anchor(tokenizer)
         self._later: dict[int, bytes] = {}
         self._first: dict[int, bytes] = {}
 
@@ -112,16 +110,6 @@ class DecodedPieces:
             if raw is not None:
                 return raw
         return text.encode()
-
-
-def _anchor(tokenizer: Any) -> tuple[int, str] | None:
-    """The token each is decoded after, with its text: the last of "a"'s (a plain
-    word: no space for a decoder to drop, no character left open)."""
-    ids = tokenizer.encode("a", add_special_tokens=False)
-    if not ids:
-        return None
-    head = tokenizer.decode(ids[-1:])
-    return (ids[-1], head) if head and "\ufffd" not in head else None
 
 
 def _raw_bytes(name: object) -> bytes | None:

@@ -41,7 +41,8 @@ _OPEN_CLEANUPS = frozenset(c[:k] for c in CLEANUPS + CASCADES for k in range(1, 
 _LONGEST_OPEN = max(map(len, _OPEN_CLEANUPS))
 # a character's bytes (at most 4) begin within the last this many tokens
 CUT_TOKENS = 4
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+# SentencePiece's byte-fallback tokens: one byte each, named by its value
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def cleanup_tail(text: str) -> int:
@@ -65,7 +66,17 @@ class WindowDetokenizer(EmittedOutput):
         self._tokenizer = tokenizer
         self._clean_spaces = clean_spaces
         self._token_bytes = token_bytes  # None: tokens never hold part of a character
+        self._lead: list[int] = []  # decoded before the first token (keep_leading_space)
+        self._lead_text = ""
         self.reset()
+
+    def keep_leading_space(self) -> None:
+        """Keep the space a decoder drops before a sequence's first word (Metaspace:
+        a completion's " world" came back "world"): windows from the first token
+        decode after one lead token, whose text is cut (later ones have context)."""
+        lead = anchor(self._tokenizer) if hasattr(self._tokenizer, "encode") else None
+        if lead is not None:
+            self._lead, self._lead_text = [lead[0]], lead[1]
 
     def reset(self) -> None:
         self.offset = 0
@@ -78,7 +89,7 @@ class WindowDetokenizer(EmittedOutput):
     def add_token(self, token: int) -> None:
         self.tokens.append(token)
         n = len(self.tokens)
-        window = self._tokenizer.decode(self.tokens[self._start :])
+        window = self._decode(self._start)
         safe, held = len(window), 0  # held: the last tokens whose text waits (None: unknown)
         if window.endswith("\ufffd"):
             safe, held = len(window.rstrip("\ufffd")), None
@@ -106,7 +117,7 @@ class WindowDetokenizer(EmittedOutput):
         decoding it all again), carrying what of their text was emitted."""
         n = len(self.tokens)
         for held in range(1, PENDING + 1):
-            before = self._tokenizer.decode(self.tokens[self._start : n - held])
+            before = self._decode(self._start, n - held)
             if len(before) <= safe and window.startswith(before):
                 self._restart(n - held, window[len(before) : safe])
                 return
@@ -116,8 +127,8 @@ class WindowDetokenizer(EmittedOutput):
         ``end`` emitted, and ``carried`` of what follows), if the longer window's
         text begins with the context's and that."""
         start = max(self._start, end - CONTEXT)
-        context = self._tokenizer.decode(self.tokens[start:end])
-        if self._tokenizer.decode(self.tokens[start:]).startswith(context + carried):
+        context = self._decode(start, end)
+        if self._decode(start).startswith(context + carried):
             self._start, self._done = start, len(context) + len(carried)
 
     def _settled(self, window: str) -> int:
@@ -125,16 +136,25 @@ class WindowDetokenizer(EmittedOutput):
         ``PENDING`` tokens decode to, when the window still begins with it (an
         incomplete character lies within those last tokens; earlier U+FFFDs are
         real ones, which held back, streamed nothing and grew the window)."""
-        before = self._tokenizer.decode(self.tokens[self._start : len(self.tokens) - PENDING])
+        before = self._decode(self._start, len(self.tokens) - PENDING)
         return len(before) if window.startswith(before) else 0
 
     def finalize(self) -> None:
-        window = self._without_cut_character(self._tokenizer.decode(self.tokens[self._start :]))
+        window = self._without_cut_character(self._decode(self._start))
         if len(window) > self._done:
             self._out.emit(window[self._done :])
         self._start = len(self.tokens)
         self._done = 0
         self._emitted_at = len(self.tokens)
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        """The text of ``tokens[start:end]``, from the first token after the lead."""
+        ids = self.tokens[start:end]
+        if start or not self._lead:
+            return str(self._tokenizer.decode(ids))
+        text = str(self._tokenizer.decode(self._lead + ids))
+        lead = self._lead_text
+        return text[len(lead) :] if text.startswith(lead) else str(self._tokenizer.decode(ids))
 
     def _without_cut_character(self, window: str) -> str:
         """The window less a character the reply ends inside (engine.utf8_tail):
@@ -154,7 +174,7 @@ class WindowDetokenizer(EmittedOutput):
             k += 1
             size += len(pieces[-k])
         if size == cut:
-            shorter: str = self._tokenizer.decode(self.tokens[self._start : n - k])
+            shorter = self._decode(self._start, n - k)
             if shorter.startswith(window[: self._done]):
                 return shorter
         return window[:-1]
@@ -178,10 +198,20 @@ def token_bytes(tokenizer: Any) -> Callable[[int], bytes] | None:
         piece = tokenizer.convert_ids_to_tokens(token)
         if not isinstance(piece, str):
             return b""
-        if fallback and (m := _BYTE_TOKEN.fullmatch(piece)):
+        if fallback and (m := BYTE_TOKEN.fullmatch(piece)):
             return bytes((int(m[1], 16),))
         if byte_level and all(c in table for c in piece):
             return bytes(table[c] for c in piece)
         return piece.encode()  # whole text
 
     return read
+
+
+def anchor(tokenizer: Any) -> tuple[int, str] | None:
+    """A token to decode others after, with its text: the last of "a"'s (a plain
+    word: no space for a decoder to drop, no character left open)."""
+    ids = tokenizer.encode("a", add_special_tokens=False)
+    if not ids:
+        return None
+    head = tokenizer.decode(ids[-1:])
+    return (ids[-1], head) if head and "\ufffd" not in head else None

@@ -119,16 +119,17 @@ def test_alternatives_tied_at_the_cut_are_the_lowest_ids():
 # so the pieces rebuild the reply and legacy completions' offsets point into it.
 
 
-def pieces_of(tokenizer, tokens: list[int]) -> list[bytes]:
-    """The chosen tokens' pieces as the runner names them, a reply's first marked."""
+def pieces_of(tokenizer, tokens: list[int], trim: bool = True) -> list[bytes]:
+    """The chosen tokens' pieces as the runner names them, a reply's first marked
+    (where its text drops the space before it)."""
     zeros = mx.zeros(len(tokenizer))
-    asked = [Asked(zeros, t, 0, first=i == 0) for i, t in enumerate(tokens)]
+    asked = [Asked(zeros, t, 0, first=trim and i == 0) for i, t in enumerate(tokens)]
     stream = mx.new_stream(mx.cpu)
     return [e.chosen.piece for e in token_logprobs(asked, token_pieces(tokenizer), stream)]
 
 
-def streamed(tokenizer, tokens: list[int]) -> str:
-    out = TextOutput(detokenizer_factory(tokenizer)(), (), trim_leading_space=False)
+def streamed(tokenizer, tokens: list[int], trim: bool = False) -> str:
+    out = TextOutput(detokenizer_factory(tokenizer)(), (), trim_leading_space=trim)
     return "".join(out.add_token(t) for t in tokens) + out.finish()
 
 
@@ -171,23 +172,27 @@ def test_invalid_utf8_pieces_decode_to_the_text(naive_bytes, data):
 
 
 @settings(max_examples=150, deadline=None)
-@given(tokens=st.lists(st.integers(1, len(METASPACE_WORDS) + 1), max_size=30))
-def test_metaspace_pieces_rebuild_the_text(metaspace, tokens):
+@given(tokens=st.lists(st.integers(1, len(METASPACE_WORDS) + 1), max_size=30), trim=st.booleans())
+def test_metaspace_pieces_rebuild_the_text(metaspace, tokens, trim):
     """Decoded alone a Metaspace token lost its space ("hello world hello" named
     hello, world, hello): the offsets drifted and chat tokens did not join to the
-    content. Only a reply's first token drops it, as decoding the reply does."""
-    pieces, whole = pieces_of(metaspace, tokens), streamed(metaspace, tokens)
+    content. Only a reply's first token drops it, as decoding the reply does, and
+    not a completion's, which keeps it."""
+    pieces, whole = pieces_of(metaspace, tokens, trim), streamed(metaspace, tokens, trim)
     assert b"".join(pieces) == whole.encode()
     assert_offsets_point_at_the_tokens(tokens, pieces, whole)
     chat = chat_logprobs([TokenLogprob(TokenChoice(t, -0.1, p)) for t, p in zip(tokens, pieces)])
     assert "".join(c["token"] for c in chat["content"]) == whole
 
 
+@pytest.mark.parametrize("trim", [True, False])
 @pytest.mark.parametrize("lead_eos", [False, True])
-def test_the_runner_names_a_replys_first_token_as_decoding_the_reply_does(metaspace, lead_eos):
+def test_the_runner_names_a_replys_first_token_as_decoding_the_reply_does(
+    metaspace, lead_eos, trim
+):
     """The runner marks the first token the text has (an EOS generated past with
     ignore_eos adds none): "hello world" named " hello", " world" had a space
-    the reply has not."""
+    the reply has not. A completion keeps that space, in its text and its piece."""
     prompt = metaspace.encode("hello world", add_special_tokens=False)
     words = metaspace.encode("hello world hello", add_special_tokens=False)
     (eos,) = metaspace.eos_token_ids
@@ -196,7 +201,12 @@ def test_the_runner_names_a_replys_first_token_as_decoding_the_reply_does(metasp
         ScriptModel(script), metaspace, max_batch=1, prefill_step_size=16, prefill_batch=1
     )
     request = Request(
-        prompt, len(words) + lead_eos, sampling=GREEDY, ignore_eos=lead_eos, logprobs=1
+        prompt,
+        len(words) + lead_eos,
+        sampling=GREEDY,
+        ignore_eos=lead_eos,
+        logprobs=1,
+        trim_leading_space=trim,
     )
     runner.add(request)
     text, pieces = "", []
@@ -205,5 +215,6 @@ def test_the_runner_names_a_replys_first_token_as_decoding_the_reply_does(metasp
             text += out.text
             pieces += [e.chosen.piece for e in out.logprobs]
     runner.close()
-    assert text == "hello world hello"
-    assert pieces == [b"hello", b" world", b" hello"]
+    space = "" if trim else " "
+    assert text == space + "hello world hello"
+    assert pieces == [space.encode() + b"hello", b" world", b" hello"]

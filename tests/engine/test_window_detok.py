@@ -180,3 +180,28 @@ def test_any_reply_cut_anywhere_ends_before_the_cut_character(naive_bytes, text,
     tokens = naive_bytes.encode(text, add_special_tokens=False)[: len(data)]  # one per byte
     _, whole = stream(detokenizer_factory(naive_bytes), tokens)
     assert whole == naive_bytes.decode(tokens[: len(tokens) - cut_length(data)])
+
+
+def _untrimmed(make, tokens: list[int]) -> str:
+    out = TextOutput(make(), (), trim_leading_space=False)
+    return "".join(out.add_token(t) for t in tokens) + out.finish()
+
+
+def test_a_completion_keeps_the_space_before_its_first_word(metaspace, naive_bytes):
+    """A Metaspace decoder drops a sequence's first space: "The capital is" +
+    " Paris" came back as "The capital isParis" from /v1/completions."""
+    ids = metaspace.convert_tokens_to_ids(["\u2581world", "\u2581!"])
+    make = detokenizer_factory(metaspace)
+    assert isinstance(make(), WindowDetokenizer)
+    assert _untrimmed(make, ids) == " world !"
+    assert stream(make, ids)[1] == "world !"  # a chat reply starts at its first word
+    ids = naive_bytes.encode(" Paris, 日本", add_special_tokens=False)  # a decoder dropping none
+    assert _untrimmed(detokenizer_factory(naive_bytes), ids) == " Paris, 日本"
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(1, len(WORDS) + 1), max_size=60))
+def test_untrimmed_metaspace_words_stream_every_space(metaspace, ids):
+    """The text of each token, spaces and all (what a decoder dropping nothing gives)."""
+    pieces = metaspace.convert_ids_to_tokens(ids)
+    assert _untrimmed(detokenizer_factory(metaspace), ids) == "".join(pieces).replace("\u2581", " ")
