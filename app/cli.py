@@ -466,10 +466,9 @@ def _serve(settings: Settings, boot: BootDeadline) -> int:
         )
 
     app = create_app(settings, engine_factory)
-    if settings.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_key:
-        log.warning(
-            "binding %s without --api-key: anyone who can reach it can use it", settings.host
-        )
+    warning = _open_bind_warning(settings)
+    if warning:
+        log.warning("%s", warning)
     before, after = raise_open_files_limit()
     if after > before:
         log.info("open files limit raised from %d to %d (one per connection)", before, after)
@@ -492,6 +491,15 @@ def _serve(settings: Settings, boot: BootDeadline) -> int:
     if server.exit_code:
         log.error("exiting with status %d: the engine died", server.exit_code)
     return _leave_group(server.exit_code) if dist is not None else server.exit_code
+
+
+def _open_bind_warning(settings: Settings) -> str | None:
+    """What to say of a bind beyond loopback with no --api-key; None: nothing."""
+    from app.host_names import is_loopback
+
+    if is_loopback(settings.host) or settings.api_key:
+        return None
+    return f"binding {settings.host} without --api-key: anyone who can reach it can use it"
 
 
 def _unwritable(flag: str, folder: str | Path | None) -> str | None:

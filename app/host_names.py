@@ -9,7 +9,7 @@ clients send instead of never matching.
 from __future__ import annotations
 
 import re
-from ipaddress import AddressValueError, IPv6Address
+from ipaddress import AddressValueError, IPv6Address, ip_address
 from typing import NamedTuple
 
 _NAME = re.compile(r"^(\*\.)?[a-z0-9_~%!$&'()+;=-]+(\.[a-z0-9_~%!$&'()+;=-]+)*\.?$")
@@ -56,6 +56,19 @@ def host_pattern(item: str) -> HostPattern:
     except AddressValueError:
         raise ValueError(f"{item!r}: {address!r} is no IPv6 address; write {HOST_FORMS}") from None
     return HostPattern(f"[{address}]", port)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding ``host`` (a --host value) reaches this machine only: an
+    address in 127.0.0.0/8 or ::1, an IPv4-mapped one too, or the name localhost
+    in any case and with trailing dots. Compared as strings, LOCALHOST or
+    127.0.0.2 dropped the DNS-rebinding guard and warned of an open server."""
+    try:
+        address = ip_address(host)
+    except ValueError:
+        return host.rstrip(".").lower() == "localhost"
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1 (not loopback before 3.13)
+    return (mapped or address).is_loopback
 
 
 def host_item(item: str) -> str:

@@ -18,7 +18,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from app.host_names import host_item, origin_item
+from app.host_names import host_item, is_loopback, origin_item
 from app.images import ImageLimits
 from engine.distributed_config import DistributedConfig, launched
 from engine.gguf_archs import ARCHS as GGUF_ARCHS
@@ -26,7 +26,6 @@ from kvcache.eviction import EVICTION_POLICIES
 from kvcache.index import PromptCacheConfig, VolatilePolicy
 from kvcache.layout import KVQuant
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Host headers a loopback server answers to (DNS rebinding: a web page must not
 # reach it through a name of its own that resolves to 127.0.0.1)
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]", "::1")
@@ -662,7 +661,10 @@ class Settings(BaseSettings):
         """Host header values to answer (["*"]: any)."""
         if self.allowed_hosts:
             return list(_comma_list(self.allowed_hosts))
-        return list(LOOPBACK_NAMES) if self.host in LOOPBACK_HOSTS else ["*"]
+        if not is_loopback(self.host):
+            return ["*"]
+        # and the address as bound, which its clients send (127.0.0.2:8080)
+        return list(dict.fromkeys([*LOOPBACK_NAMES, host_item(self.host)]))
 
     @property
     def cors_allowlist(self) -> list[str]:

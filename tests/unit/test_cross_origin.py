@@ -217,3 +217,46 @@ def test_a_refused_preflight_is_in_the_json_error_shape():
         assert r.status_code == 400 and r.json()["type"] == "error", r.text
         allowed = {**asked, "Origin": "http://app.lan"}
         assert client.options(CHAT, headers=allowed).status_code == 200
+
+
+def _loopback_answer(bound: str, host: str) -> int:
+    from starlette.responses import PlainTextResponse
+    from starlette.testclient import TestClient
+
+    from app.middleware import HostCheckMiddleware
+
+    hosts = Settings(_env_file=None, host=bound).host_allowlist
+    client = TestClient(HostCheckMiddleware(PlainTextResponse("ok"), hosts))
+    return client.get("/health", headers={"Host": host}).status_code
+
+
+@pytest.mark.parametrize(
+    ("bound", "own_host"),
+    [
+        ("LOCALHOST", "localhost:8080"),
+        ("localhost.", "localhost.:8080"),
+        ("127.0.0.2", "127.0.0.2:8080"),
+        ("::ffff:127.0.0.1", "[::ffff:127.0.0.1]:8080"),
+        ("0:0:0:0:0:0:0:1", "[0:0:0:0:0:0:0:1]:8080"),
+    ],
+)
+def test_every_spelling_of_loopback_keeps_the_dns_rebinding_guard(bound, own_host):
+    """Loopback was recognised by exact string: --host LOCALHOST, 127.0.0.2 or
+    ::ffff:127.0.0.1 answered any Host (a rebound page's too) and warned that
+    anyone could use it. The address it is bound to is answered besides."""
+    from app.cli import _open_bind_warning
+
+    assert "*" not in Settings(_env_file=None, host=bound).host_allowlist
+    assert _loopback_answer(bound, "evil.example:8080") == 400
+    assert _loopback_answer(bound, "localhost:8080") == 200
+    assert _loopback_answer(bound, own_host) == 200
+    assert _open_bind_warning(Settings(_env_file=None, host=bound)) is None
+
+
+@pytest.mark.parametrize("bound", ["0.0.0.0", "::", "192.168.1.5", "localhost.example", "fe80::1"])
+def test_a_host_beyond_loopback_answers_any_host_and_warns_without_a_key(bound):
+    from app.cli import _open_bind_warning
+
+    assert Settings(_env_file=None, host=bound).host_allowlist == ["*"]
+    assert bound in str(_open_bind_warning(Settings(_env_file=None, host=bound)))
+    assert _open_bind_warning(Settings(_env_file=None, host=bound, api_key="k")) is None
