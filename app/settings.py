@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from ipaddress import IPv6Address
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -73,7 +74,8 @@ class Settings(BaseSettings):
     host: str = Field(
         "127.0.0.1",
         min_length=1,
-        description="address to bind (keep 127.0.0.1 unless you set --api-key)",
+        description="address or host name to bind, without a port (that is --port) "
+        "(keep 127.0.0.1 unless you set --api-key)",
     )
     port: int = Field(8080, ge=1, le=65535, description="TCP port")
 
@@ -87,6 +89,12 @@ class Settings(BaseSettings):
             host = host[1:-1]
         if not host or any(c.isspace() for c in host):
             raise ValueError(f"{value!r} is no address or host name")
+        # a URL, a name:port or a network failed to resolve: exit 1, retried for ever
+        if "/" in host or (":" in host and not _ipv6(host)):
+            raise ValueError(
+                f"{value!r}: an address or host name only, without a scheme, port or "
+                "prefix (e.g. 127.0.0.1, 0.0.0.0, ::1); the port is --port"
+            )
         try:  # as getaddrinfo encodes it: an empty or over-63-character label raised there
             host.encode("idna")
         except UnicodeError:
@@ -718,6 +726,14 @@ _GROUP_ONLY = (  # distributed_config: when joining a group
     "rank_timeout",
     "distributed_boot_timeout",
 )
+
+
+def _ipv6(text: str) -> bool:
+    try:
+        IPv6Address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _comma_list(value: str | None) -> tuple[str, ...]:

@@ -368,3 +368,22 @@ def test_a_settings_description_says_percent_as_it_is_read():
 
     schema = Settings.model_json_schema()["properties"]
     assert all("%%" not in str(p.get("description")) for p in schema.values())
+
+
+@pytest.mark.parametrize(
+    "host", ["127.0.0.1:8080", "http://0.0.0.0", "0.0.0.0/0", "mybox.lan:80", "[::1]:8080"]
+)
+def test_a_host_with_a_port_scheme_or_prefix_is_a_settings_error(host, capsys):
+    """They ended in "cannot resolve --host ...", exit 1: a supervisor retried for
+    ever what no start could bind. Refused at once, pointing at --port."""
+    assert main(["serve", "--host", host, "--no-log-json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvwarm: error: invalid settings: --host") and "--port" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]", "fe80::1%eth0", "::"])
+def test_an_ipv6_host_is_no_port(host):
+    from app.settings import Settings
+
+    assert Settings(_env_file=None, host=host).host == host.strip("[]")
