@@ -448,6 +448,18 @@ class Settings(BaseSettings):
         --kv-dir and --model-dir do (it made a folder named "~")."""
         return str(Path(value).expanduser()) if value else value
 
+    @field_validator("api_key")
+    @classmethod
+    def _usable_key(cls, value: str | None) -> str | None:
+        # "" (--api-key "$KEY" with KEY unset) served with no key at all, and a key
+        # with blanks around it never matched the presented one, which is stripped
+        if value is not None and (not value or value != value.strip()):
+            raise ValueError(
+                "an empty key, or one with blanks around it, which no client can present "
+                "(unset it to serve without a key)"
+            )
+        return value
+
     @field_validator("allowed_hosts")
     @classmethod
     def _some_hosts(cls, value: str | None) -> str | None:

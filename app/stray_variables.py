@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from dotenv import dotenv_values
+from dotenv.parser import parse_stream
 from pydantic import AliasChoices
 
 from app.settings import Settings
@@ -48,10 +49,22 @@ def setting_variables() -> dict[str, str]:
     return names
 
 
+def _unparsed(env_file: str) -> list[str]:
+    """The lines of ``env_file`` naming KVWARM_* that python-dotenv cannot read: it
+    dropped them with a warning of its own (KVWARM_API_KEY secret: served keyless)."""
+    with open(env_file, encoding="utf-8") as stream:
+        return [
+            f"line {b.original.line} of {env_file} ({b.original.string.rstrip(chr(10))!r}) "
+            "does not parse"
+            for b in parse_stream(stream)
+            if b.error and "KVWARM_" in b.original.string.upper()
+        ]
+
+
 def stray_variables(flags: Mapping[str, str]) -> str | None:
-    """The KVWARM_* variables of the environment and .env that set nothing, each with
-    the setting it may have meant (``flags``: field -> its flag, where it has one);
-    None: every one sets something."""
+    """The KVWARM_* lines of .env that do not parse, else the KVWARM_* variables of
+    the environment and .env that set nothing, each with the setting it may have
+    meant (``flags``: field -> its flag, where it has one); None: none of either."""
     sources: list[tuple[str, dict[str, str | None]]] = [("the environment", dict(os.environ))]
     env_file = Settings.model_config.get("env_file")
     if isinstance(env_file, str) and Path(env_file).is_file():
@@ -59,6 +72,11 @@ def stray_variables(flags: Mapping[str, str]) -> str | None:
     known = setting_variables()
     # matched without the prefix all share, which made any name look close to any other
     suffixes = {n.removeprefix("KVWARM_"): n for n in known if n.startswith("KVWARM_")}
+    unparsed = _unparsed(str(env_file)) if len(sources) > 1 else []
+    if unparsed:
+        return (
+            f"{'; '.join(unparsed)}: it would be dropped, its setting left unset (write NAME=VALUE)"
+        )
     stray: list[str] = []
     for where, variables in sources:
         for name, value in variables.items():

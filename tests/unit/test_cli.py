@@ -387,3 +387,41 @@ def test_an_ipv6_host_is_no_port(host):
     from app.settings import Settings
 
     assert Settings(_env_file=None, host=host).host == host.strip("[]")
+
+
+@pytest.mark.parametrize("key", ["", " abc ", "abc\n", "\tabc"])
+def test_an_empty_key_or_one_with_surrounding_blanks_is_refused(key, monkeypatch, capsys):
+    """--api-key "$KEY" with KEY unset served with no key at all, and a key with
+    blanks around it never matched (the presented one is stripped): every call 401."""
+    from app import cli
+
+    def loads(settings):
+        raise AssertionError("serve went on to load the model")
+
+    monkeypatch.setattr(cli, "_prepare_runtime", loads)
+    monkeypatch.delenv("KVWARM_API_KEY", raising=False)
+    assert main(["serve", "--api-key", key, "--no-log-json"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvwarm: error: invalid settings: --api-key (KVWARM_API_KEY)")
+    assert err.count("\n") == 1
+    from app.settings import Settings
+
+    assert Settings(_env_file=None, api_key="a b").api_key == "a b"  # inner blanks are its own
+
+
+@pytest.mark.parametrize("line", ["KVWARM_API_KEY secret", "KVWARM_PORT: 9100", 'KVWARM_X="open'])
+def test_a_kvwarm_line_of_env_that_does_not_parse_is_refused(line, tmp_path, monkeypatch, capsys):
+    """python-dotenv dropped such a line with a warning of its own, and the server
+    started without the key (or on another port) it was meant to set."""
+    from app import cli
+
+    def loads(settings):
+        raise AssertionError("serve went on to load the model")
+
+    monkeypatch.setattr(cli, "_prepare_runtime", loads)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text(f"# a comment\nOTHER_TOOL x\n{line}\nKVWARM_BATCH=2\n")
+    assert main(["serve", "--no-log-json"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert err.startswith("kvwarm: error: ") and f"line 3 of .env ({line!r})" in err
+    assert "NAME=VALUE" in err
