@@ -22,6 +22,7 @@ from app.settings import Settings
 
 if TYPE_CHECKING:
     from engine.boot_deadline import BootDeadline
+    from engine.model_source import ModelSource
 
 log = logging.getLogger("kvwarm")
 LEAVE_GROUP_S = 0.5  # a distributed rank waits this long for its last sends before exiting
@@ -302,17 +303,40 @@ def _os_problem(exc: OSError, path: str | None = None) -> str:
     return f"{where}: {exc.strerror or exc}" if where else str(exc.strerror or exc)
 
 
-def _unloadable(path: Path) -> str | None:
+def _unloadable(path: Path, lenient: bool = False) -> str | None:
     """Why serve would refuse the model, as far as its config and weight headers
-    tell (no weights are read): prepare is `make serve`'s check step."""
-    from app.model_library import read_entry
+    tell (no weights are read): prepare is `make serve`'s check step. ``lenient``:
+    a header this reader cannot take (no NotAModel) is left to the load to judge."""
+    from app.model_library import model_facts
+    from engine.model_errors import NotAModel
 
-    found = read_entry(path)
-    if isinstance(found, tuple):
-        return found[2]
+    try:
+        found = model_facts(path)
+    except NotAModel as exc:
+        return str(exc)
+    except Exception as exc:  # noqa: BLE001 - a broken file said, not raised
+        return None if lenient else f"{path}: unreadable: {exc}"
     if not found.vision and not found.supported:  # a vision model's text half may still serve
         return f"{path}: {found.why_unsupported}"
     return None
+
+
+def _unservable(settings: Settings, source: ModelSource) -> str | None:
+    """What refuses this start whatever the moment, as far as the settings and the
+    model's headers tell: said before the port is bound and the model loads (it was
+    a traceback once /health answered). No mlx import unless a budget is set."""
+    if settings.memory_budget_bytes is not None:
+        from engine.boot import check_budget
+        from engine.device_memory import machine_memory
+        from engine.model_errors import BudgetBeyondMachine
+
+        try:
+            check_budget(settings.memory_budget_bytes, machine_memory())
+        except BudgetBeyondMachine as exc:
+            return str(exc)
+    if source.kind == "gguf":  # resolve_model read its header; converting it is the engine's
+        return None
+    return _unloadable(source.path, lenient=True)
 
 
 def cmd_fit(settings: Settings, models: list[str], as_json: bool, matrix: bool) -> int:
@@ -365,6 +389,9 @@ def _serve(settings: Settings, boot: BootDeadline) -> int:
         return _fail(str(exc))
     except OSError as exc:  # the model file unreadable (EIO, a permission): exit 1, as prepare
         return _fail(f"cannot read the model: {_os_problem(exc, settings.model)}", NOT_NOW)
+    problem = _unservable(settings, source)
+    if problem is not None:
+        return _fail(problem)
     if shared:
         log.info("distributed: %s", shared)
     ignored = settings.ignored_settings()

@@ -105,10 +105,19 @@ def _remapped(utils: Path) -> set[str]:
 
 def _safetensors_header(path: Path) -> dict[str, Any]:
     with open(path, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
+        head = f.read(8)
+        if len(head) < 8:
+            raise NotAModel(f"{path}: truncated ({len(head)} bytes: no safetensors header)")
+        (size,) = struct.unpack("<Q", head)
         if size > 100 * 2**20:
             raise NotAModel(f"{path}: implausible safetensors header ({size} bytes)")
-        header = json.loads(f.read(size))
+        raw = f.read(size)
+        if len(raw) < size:
+            raise NotAModel(f"{path}: truncated (its header is cut off)")
+        try:
+            header = json.loads(raw)
+        except ValueError:
+            raise NotAModel(f"{path}: the safetensors header is not JSON") from None
     if not isinstance(header, dict):
         raise NotAModel(f"{path}: the safetensors header is not an object")
     header.pop("__metadata__", None)
@@ -120,6 +129,14 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
             and len(info["data_offsets"]) == 2
         ):
             raise NotAModel(f"{path}: tensor {name!r} has no shape and offsets")
+    # an interrupted download or copy: mlx failed reading it, naming no file
+    data = max((int(info["data_offsets"][1]) for info in header.values()), default=0)
+    have = path.stat().st_size
+    if have < 8 + size + data:
+        raise NotAModel(
+            f"{path}: truncated ({have} bytes where its header describes {8 + size + data}: "
+            "an interrupted download or copy?)"
+        )
     return header
 
 

@@ -580,7 +580,11 @@ class EngineThread(threading.Thread):
             threading.Timer(self.rank_lost_exit_s, exit_now, args=(1,)).start()
 
     def _die(self, reason: str, exc: BaseException) -> None:
-        log.error("%s", reason, exc_info=exc)
+        if isinstance(exc, LastingLoadError):  # the model or the settings: the reason says it
+            log.error("%s", reason)
+            log.debug("%s: where it was raised", reason, exc_info=exc)
+        else:
+            log.error("%s", reason, exc_info=exc)
         self._failure = reason
         if self._runner is not None and hasattr(self._runner, "failure"):
             self._runner.failure = reason  # a group's other ranks stop as failed too

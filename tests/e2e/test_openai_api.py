@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import struct
 import subprocess
 import time
 
@@ -214,10 +213,12 @@ def test_unknown_model_path_exits_nonzero(tmp_path):
 
 
 def test_model_that_fails_to_load_exits_nonzero(tmp_path):
+    from tests.unit.test_fit import write_safetensors
+
     bad = tmp_path / "bad-model"
     bad.mkdir()
     (bad / "config.json").write_text('{"model_type": "no_such_architecture"}')
-    (bad / "model.safetensors").write_bytes(struct.pack("<Q", 2) + b"{}")  # valid, empty
+    write_safetensors(bad / "model.safetensors", {"w": ("F16", [4])})
     proc = subprocess.run(
         [KVWARM, "serve", "--model", str(bad), "--port", str(free_port())],
         capture_output=True,
@@ -226,7 +227,9 @@ def test_model_that_fails_to_load_exits_nonzero(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 2  # the model, not the moment: a supervisor leaves it down
-    assert "model load failed" in proc.stderr and "no_such_architecture" in proc.stderr
+    # said from its config before the port is bound, in one line
+    assert f"kvwarm: error: {bad}: mlx-lm has no 'no_such_architecture'" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Uvicorn running" not in proc.stderr
 
 
 def test_a_memory_budget_beyond_the_machine_is_refused_before_loading(tmp_path):
@@ -244,6 +247,7 @@ def test_a_memory_budget_beyond_the_machine_is_refused_before_loading(tmp_path):
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--memory-budget 92200.9 GiB is more than this machine's" in proc.stderr
+    assert "Traceback" not in proc.stderr and "Uvicorn running" not in proc.stderr  # not bound
 
 
 def test_completion_continues_the_prompt_with_its_own_spacing(client):

@@ -339,6 +339,49 @@ def test_load_failures_say_whether_the_next_start_would_fail_alike(tmp_path):
     assert "--adapter fake-model=" in seen[0][0] and "--adapter a=" in seen[1][0]
 
 
+def test_a_lasting_load_failure_is_logged_without_a_traceback(caplog):
+    """A failure every start meets again (the model, the settings) came as three
+    chained tracebacks: the reason is one line, a traceback only for the others."""
+    import asyncio
+    import logging
+
+    from engine.engine_thread import EngineConfig, EngineThread
+    from engine.model_errors import UnsupportedModelError
+    from scheduler.scheduler import Scheduler
+    from scheduler.streams import OutputRouter
+
+    loop = asyncio.new_event_loop()
+
+    def failing(exc: Exception):
+        def boot(_config):
+            try:
+                raise ValueError("Model type foomodel not supported.")
+            except ValueError as cause:
+                raise exc from cause
+
+        return boot
+
+    try:
+        for exc in (UnsupportedModelError("mlx-lm cannot load m"), RuntimeError("odd")):
+            thread = EngineThread(
+                EngineConfig(source=None),  # type: ignore[arg-type]  # never loaded
+                Scheduler(None, max_running=1, max_queue=4),
+                OutputRouter(loop),
+                boot=failing(exc),
+            )
+            with caplog.at_level(logging.ERROR, logger="kvwarm.engine"):
+                thread.start()
+                thread.join(30)
+    finally:
+        loop.close()
+    failed = [r for r in caplog.records if "model load failed" in r.getMessage()]
+    assert [r.getMessage() for r in failed] == [
+        "model load failed: mlx-lm cannot load m",
+        "model load failed: odd",
+    ]
+    assert failed[0].exc_info is None and failed[1].exc_info is not None
+
+
 def test_a_load_that_fails_after_the_boot_closes_what_the_boot_made(tmp_path):
     """An --adapter that failed to mount returned before the close: the runner's
     disk tier was not flushed and a group's other ranks, never told to stop, sat

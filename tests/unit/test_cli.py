@@ -205,7 +205,10 @@ def _serve_stubbed(monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     blas = SimpleNamespace(describe=lambda: "stub")
-    source = SimpleNamespace(path=tmp_path / "model", kind="mlx")
+    # a model its headers pass: serve checks them before the port
+    source = SimpleNamespace(
+        path=_model_dir(tmp_path / "model", '{"model_type": "llama"}'), kind="mlx"
+    )
     monkeypatch.setattr(cli, "_prepare_runtime", lambda settings: (blas, source))
 
     def unbindable(host, port):
@@ -425,3 +428,71 @@ def test_a_kvwarm_line_of_env_that_does_not_parse_is_refused(line, tmp_path, mon
     err = capsys.readouterr().err.splitlines()[-1]
     assert err.startswith("kvwarm: error: ") and f"line 3 of .env ({line!r})" in err
     assert "NAME=VALUE" in err
+
+
+def _no_http(monkeypatch) -> None:
+    """Make binding (create_app) fail the test: the refusal must come before it."""
+    from app import server
+
+    def binds(*args, **kwargs):
+        raise AssertionError("serve went on to build the HTTP app")
+
+    monkeypatch.setattr(server, "create_app", binds)
+
+
+def _model_dir(path, config: str, weights: bytes | None = None):
+    from tests.unit.test_fit import write_safetensors
+
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(config)
+    write_safetensors(path / "model.safetensors", {"w": ("F16", [4])})
+    if weights is not None:
+        (path / "model.safetensors").write_bytes(weights)
+    return path
+
+
+@pytest.mark.parametrize(
+    "case, fragment",
+    [
+        ("foomodel", "no 'foomodel' model class"),
+        ("five bytes", "model.safetensors: truncated"),
+        ("data cut", "model.safetensors: truncated"),
+    ],
+)
+def test_a_model_its_headers_refuse_is_refused_before_http(
+    case, fragment, tmp_path, monkeypatch, capsys
+):
+    """An unknown model_type or a truncated weight file bound the port, said
+    loading, then died in tracebacks ("Unable to read 3 bytes from file", naming
+    no file): one line now, exit 2, nothing bound, as `kvwarm prepare` says it."""
+    from tests.unit.test_fit import write_safetensors
+
+    _no_http(monkeypatch)
+    model = _model_dir(tmp_path / "m", '{"model_type": "foomodel"}')
+    if case != "foomodel":
+        model = _model_dir(tmp_path / "m", '{"model_type": "llama"}')
+        write_safetensors(model / "model.safetensors", {"w": ("F16", [64])})
+        whole = (model / "model.safetensors").read_bytes()
+        cut = whole[:5] if case == "five bytes" else whole[:-3]
+        (model / "model.safetensors").write_bytes(cut)
+    assert main(["serve", "--model", str(model), "--no-log-json"]) == 2
+    err = capsys.readouterr().err
+    assert f"kvwarm: error: {model}" in err and fragment in err and "Traceback" not in err
+    assert main(["prepare", "--model", str(model)]) == 2  # the same check
+    assert fragment in capsys.readouterr().err
+
+
+def test_a_memory_budget_beyond_the_machine_is_refused_before_http(monkeypatch, capsys):
+    """--memory-budget 10TB bound the port, said loading, then a traceback, exit 2."""
+    _no_http(monkeypatch)
+    from types import SimpleNamespace
+
+    from app import cli
+
+    blas = SimpleNamespace(describe=lambda: "stub")
+    source = SimpleNamespace(path="/nonexistent-model", kind="mlx")  # the budget comes first
+    monkeypatch.setattr(cli, "_prepare_runtime", lambda settings: (blas, source))
+    assert main(["serve", "--memory-budget", "10PB", "--no-log-json"]) == 2
+    err = capsys.readouterr().err
+    assert "kvwarm: error: --memory-budget" in err and "more than this machine's" in err
+    assert "Traceback" not in err
