@@ -502,9 +502,10 @@ def _serve(settings: Settings, boot: BootDeadline) -> int:
     elif after < 4096:
         log.warning("open files limit is %d: at most about that many connections at once", after)
     server = GracefulServer(server_config(app, settings), app, settings.shutdown_timeout)
-    log.info(
-        "kvwarm serving on http://%s:%d (batch %d, queue %d, model %s)",
-        settings.host,
+    log.info(  # bound next, but not serving yet: the engine says "ready" once loaded
+        "kvwarm listening on http://%s:%d (batch %d, queue %d), loading model %s "
+        "(/health answers 503 until it is ready)",
+        f"[{settings.host}]" if ":" in settings.host else settings.host,  # IPv6, as URLs write it
         settings.port,
         settings.batch,
         settings.max_queue,

@@ -181,7 +181,7 @@ def boot_mlx(config: EngineConfig) -> Booted:
     )
     log.info(
         "model %s ready in %.1fs: context %d, weights %.0f MiB, KV %s, "
-        "budget %.0f MiB (%s), KV ceiling %d tokens/request, batch %d, "
+        "budget %.0f MiB (%s), up to %d tokens/request (%s), batch %d, "
         "prompt cache %.0f MiB (%s), decode bandwidth %.1f GB/s (measured)",
         loaded.model_id,
         time.monotonic() - started,
@@ -190,7 +190,10 @@ def boot_mlx(config: EngineConfig) -> Booted:
         loaded.layout.describe(),
         total / 2**20,
         budget.source,
-        budget.ceiling_tokens,
+        min(loaded.context_length, budget.ceiling_tokens),  # what /v1/models advertises
+        "the model's context"
+        if budget.ceiling_tokens >= loaded.context_length
+        else "the memory budget's KV",
         cfg.max_batch,
         cache_bytes / 2**20,
         f"policy {pc.policy.value}, blocks of {pc.block_size}" if prefix_cache else "off",

@@ -275,3 +275,30 @@ async def test_a_mount_is_priced_at_its_peak_the_bytes_read_beside_the_arrays_bu
         assert loads == []  # refused before its tensors were built
         h.scheduler.admission.budget = roomy
         assert (await asyncio.wrap_future(h.engine.mount_adapter("big", files))).id == "big"
+
+
+@pytest.mark.parametrize("budget_mib", [1024, 322])  # 322: KV for less than the 8192 context
+def test_the_ready_line_gives_what_one_request_may_use(
+    tiny_llama_dir, budget_mib, monkeypatch, caplog
+):
+    """It said "context 8192 ... KV ceiling 274432 tokens/request": the budget's
+    figure, past anything a request could use. It gives the smaller of the two,
+    as /v1/models does, and says which one limits."""
+    import logging
+
+    from engine import device_memory
+    from engine.boot import boot_mlx
+
+    monkeypatch.setattr(device_memory, "measure_bandwidth", lambda: 1e10)
+    config = EngineConfig(
+        ModelSource("mlx", tiny_llama_dir, "tiny"), memory_budget_bytes=budget_mib * 2**20
+    )
+    with caplog.at_level(logging.INFO, logger="kvwarm.engine"):
+        booted = boot_mlx(config)
+    context, ceiling = booted.info.context_length, booted.info.budget.ceiling_tokens
+    assert (ceiling < context) == (budget_mib == 322)  # both cases are met
+    (ready,) = [r.getMessage() for r in caplog.records if " ready in " in r.getMessage()]
+    usable = min(context, ceiling)
+    assert f"up to {usable} tokens/request" in ready, ready
+    assert ("(the memory budget's KV" in ready) == (ceiling < context), ready
+    assert ("(the model's context" in ready) == (ceiling >= context), ready

@@ -496,3 +496,35 @@ def test_a_memory_budget_beyond_the_machine_is_refused_before_http(monkeypatch, 
     err = capsys.readouterr().err
     assert "kvwarm: error: --memory-budget" in err and "more than this machine's" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "host, url", [("::1", "http://[::1]:18948"), ("127.0.0.1", "http://127.0.0.1:18948")]
+)
+def test_the_start_line_says_listening_and_loading_with_a_url_one_can_open(
+    host, url, tmp_path, monkeypatch, caplog
+):
+    """It said "kvwarm serving on http://::1:18948" (no URL) before the model
+    had loaded, while /health still answered 503."""
+    import logging
+
+    from app import lifecycle, server
+
+    _serve_stubbed(monkeypatch, tmp_path)
+    monkeypatch.setattr(lifecycle, "unbindable", lambda *args, **kwargs: None)
+    monkeypatch.setattr(server, "create_app", lambda settings, factory: object())
+    monkeypatch.setattr(lifecycle, "server_config", lambda app, settings: None)
+
+    class Server:
+        def __init__(self, *args):
+            pass
+
+        def run(self):
+            raise _Started
+
+    monkeypatch.setattr(lifecycle, "GracefulServer", Server)
+    with caplog.at_level(logging.INFO, logger="kvwarm"), pytest.raises(_Started):
+        main(["serve", "--no-log-json", "--host", host, "--port", "18948"])
+    (line,) = [r.getMessage() for r in caplog.records if url in r.getMessage()]
+    assert line.startswith(f"kvwarm listening on {url}") and "loading model" in line
+    assert "serving" not in line
