@@ -13,6 +13,7 @@ from pydantic import (
     ByteSize,
     Field,
     PrivateAttr,
+    TypeAdapter,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -35,6 +36,7 @@ ADAPTER_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 # a size as a whole: pydantic's own pattern reads only the number's start, so
 # "25%" was 25 bytes (a prefix cache that silently held nothing) and "1,5GB" 1
 _SIZE = re.compile(r"^\s*\d*\.?\d+\s*[a-z]*\s*$", re.IGNORECASE)  # pydantic names the units
+_SIZE_NUMBER = re.compile(r"\s*\d*\.?\d+")
 
 
 def _whole_size(value: object) -> object:
@@ -43,6 +45,10 @@ def _whole_size(value: object) -> object:
             f"{value!r} is not a size: a number of bytes with an optional unit "
             "(KB, MB, GB, KiB, MiB, GiB, ...)"
         )
+    # "0.4" was read as 0 bytes, which turns a cache off: only a 0 says that
+    number = _SIZE_NUMBER.match(value) if isinstance(value, str) else None
+    if number and float(number.group()) and int(TypeAdapter(ByteSize).validate_python(value)) == 0:
+        raise ValueError(f"{value!r} is less than one byte (0 is written 0)")
     return value
 
 

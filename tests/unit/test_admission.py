@@ -51,6 +51,18 @@ def test_every_size_setting_is_read_whole(field):
     assert getattr(Settings(_env_file=None, **{field: " 25 MiB "}), field) == 25 * 2**20
 
 
+@pytest.mark.parametrize("value", ["0.4", "0.0001KB", ".5", " 0.9 b "])
+@pytest.mark.parametrize("field", ["prompt_cache_bytes", "kv_disk_bytes"])
+def test_a_size_that_rounds_to_no_bytes_is_refused(field, value):
+    """--prompt-cache-bytes 0.4 was read as 0 bytes: the prefix cache quietly off
+    (0 turns it off, said as 0)."""
+    with pytest.raises(ValidationError, match="less than one byte"):
+        Settings(_env_file=None, **{field: value})
+    assert getattr(Settings(_env_file=None, **{field: "0"}), field) == 0
+    assert getattr(Settings(_env_file=None, **{field: "0.0"}), field) == 0
+    assert getattr(Settings(_env_file=None, **{field: "0.5KB"}), field) == 500
+
+
 def test_kv_bytes_per_token_smollm2_float32():
     # 30 layers x 3 kv heads x 64 dims x (k and v) x 4 bytes
     assert kv_bytes_per_token(30, 3, 64, 4) == 46080
