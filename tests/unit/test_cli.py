@@ -528,3 +528,10 @@ def test_the_start_line_says_listening_and_loading_with_a_url_one_can_open(
     (line,) = [r.getMessage() for r in caplog.records if url in r.getMessage()]
     assert line.startswith(f"kvwarm listening on {url}") and "loading model" in line
     assert "serving" not in line
+
+
+def test_the_model_help_names_hub_ids(capsys):
+    """--model resolves org/name from the Hugging Face hub cache, as README says;
+    the help named only directories and .gguf files."""
+    model = _serve_help(capsys)["model"]
+    assert "Hugging Face hub" in model and "org/name" in model
