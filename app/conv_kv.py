@@ -3,7 +3,10 @@
 POST /v1/conv_kv/save pins a conversation's KV on disk beyond eviction,
 POST /v1/conv_kv/load brings it back into RAM ahead of the next turn,
 GET /v1/conv_kv/stats lists the saved ones, DELETE /v1/conv_kv/{id} forgets one
-(any id but those three names).
+(any id but those three names). An id the server derived (``auto-``) is shared by
+every client without one of its own whose prompt starts alike: it loads (that only
+warms the cache) but is never saved nor deleted (one client's save or delete
+would take the others' KV).
 The KV manager does the work on the engine thread; these routes only wait.
 """
 
@@ -22,6 +25,7 @@ from app.body import parse_body
 from app.engine_wait import engine_answer
 from app.errors import APIError
 from app.openapi_doc import OPENAI_ERROR, errors, json_content, ref
+from app.session_id import DERIVED_PREFIX
 from app.state import AppState
 from kvcache.interface import (
     ConversationNotFound,
@@ -80,7 +84,8 @@ SAVED_LIST = {
     "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": SAVED}},
 }
 WHY = {
-    400: "Invalid body, or the prefix cache is off (--prompt-cache-bytes 0).",
+    400: "Invalid body, the prefix cache is off (--prompt-cache-bytes 0), or a save or "
+    f"delete names an id the server derived ({DERIVED_PREFIX}...), which many clients share.",
     404: "No cached KV for this conversation id.",
     507: "The SSD tier is off or full (the message names the limit).",
 }
@@ -122,6 +127,33 @@ async def _on_engine(http: HTTPRequest, op: Callable[[KVCacheManager], T]) -> T:
         raise APIError(503, exc.message, "server_error", exc.code, headers=headers) from exc
 
 
+def _derived(conversation_id: str) -> APIError:
+    return APIError(
+        400,
+        f"{conversation_id!r} is an id the server derived from the prompt's first 128 "
+        "tokens: every client that names no conversation and whose prompt starts alike "
+        "shares it, so it is never saved or deleted (it may be loaded). Send "
+        "conversation_id (or session_id; top level, in metadata or in extra_body) or an "
+        "X-Session-Id header with your requests to get a conversation of your own.",
+        code="derived_conversation_id",
+        param="conversation_id",
+    )
+
+
+def _forget(conversation_id: str) -> Callable[[KVCacheManager], SavedConversation | None]:
+    """Delete ``conversation_id``; None (refused) for a derived id, unless an earlier
+    version saved it: its pin would hold its disk for good."""
+
+    def op(kv: KVCacheManager) -> SavedConversation | None:
+        if conversation_id.startswith(DERIVED_PREFIX) and conversation_id not in {
+            s.conversation_id for s in kv.saved_conversations()
+        }:
+            return None
+        return kv.delete_conversation(conversation_id)
+
+    return op
+
+
 def _view(saved: SavedConversation) -> dict[str, Any]:
     return asdict(saved)
 
@@ -140,6 +172,8 @@ async def _parsed(http: HTTPRequest, model: type[BaseModel]) -> Any:
 )
 async def save(http: HTTPRequest) -> dict[str, Any]:
     body: ConvSaveRequest = await _parsed(http, ConvSaveRequest)
+    if body.conversation_id.startswith(DERIVED_PREFIX):
+        raise _derived(body.conversation_id)
     saved = await _on_engine(
         http, lambda kv: kv.save_conversation(body.conversation_id, body.title)
     )
@@ -171,5 +205,7 @@ async def delete(
     http: HTTPRequest,
     conversation_id: str = Path(json_schema_extra={"not": {"enum": list(RESERVED)}}),
 ) -> dict[str, Any]:
-    deleted = await _on_engine(http, lambda kv: kv.delete_conversation(conversation_id))
+    deleted = await _on_engine(http, _forget(conversation_id))
+    if deleted is None:
+        raise _derived(conversation_id)
     return {**_view(deleted), "deleted": True}

@@ -7,6 +7,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from app.errors import APIError
+
 SESSION_FIELDS = (
     "session_id",
     "conversation_id",
@@ -25,6 +27,9 @@ SESSION_HEADERS = ("x-session-id", "x-conversation-id", "session_id", "conversat
 _CLAUDE_CODE_USER = "_session_"
 MAX_USER_ID_JSON = 4096
 MAX_LEN = 256
+# kvcache.sessions.fallback_session_id's ids: the head of a prompt, which every
+# client without an id of its own that starts alike shares; no client may name one
+DERIVED_PREFIX = "auto-"
 
 
 def _bounded(value: str) -> str:
@@ -38,17 +43,41 @@ def _bounded(value: str) -> str:
     return value.encode("utf-8", "backslashreplace").decode("utf-8")[:MAX_LEN]
 
 
+def client_id(value: object) -> str | None:
+    """A conversation id as a client sent it, the way every route reads it: a
+    string or an integer, surrounding spaces stripped, bounded; None when blank or
+    of another type."""
+    if isinstance(value, (str, int)) and str(value).strip():
+        return _bounded(str(value).strip())
+    return None
+
+
+def _own(found: str | None, param: str | None) -> str | None:
+    if found is not None and found.startswith(DERIVED_PREFIX):
+        raise APIError(
+            400,
+            f"Conversation ids beginning {DERIVED_PREFIX!r} are reserved: they are the ids "
+            "the server derives for requests that name none, shared by every client whose "
+            "prompt starts alike. Choose another id.",
+            code="reserved_conversation_id",
+            param=param,
+        )
+    return found
+
+
 def _from_mapping(
     data: Mapping[str, Any] | None, fields: tuple[str, ...] = SESSION_FIELDS
-) -> str | None:
+) -> tuple[str, str] | None:
+    """The first of ``fields`` naming an id: (the id, the field)."""
     if not isinstance(data, Mapping):
         return None
     for name in fields:
         value = data.get(name)
         if isinstance(value, Mapping):
             value = value.get("id")
-        if isinstance(value, (str, int)) and str(value).strip():
-            return _bounded(str(value).strip())
+        found = client_id(value)
+        if found:
+            return found, name
     return None
 
 
@@ -57,27 +86,33 @@ def session_id_from(
 ) -> str | None:
     """The client's session id, or None (the cache then groups by prompt head);
     ``cache_key`` False: a conversation's own id only, never a prompt_cache_key
-    (one app's key, perhaps, shared by all its users)."""
-    for source in (body, body.get("metadata"), body.get("extra_body")):
-        found = _from_mapping(source)
-        if found:
-            return found
+    (one app's key, perhaps, shared by all its users). An id beginning
+    ``DERIVED_PREFIX`` is a 400 (APIError): it would join derived conversations."""
+    sources = (
+        ("", body),
+        ("metadata.", body.get("metadata")),
+        ("extra_body.", body.get("extra_body")),
+    )
+    for where, source in sources:
+        named = _from_mapping(source)
+        if named:
+            return _own(named[0], where + named[1])
     metadata = body.get("metadata")
     user = metadata.get("user_id") if isinstance(metadata, Mapping) else None
     if isinstance(user, str):
-        found = _claude_code_session(user)
+        found = _own(_claude_code_session(user), "metadata.user_id")
         if found:
             return found
     for name in SESSION_HEADERS:
-        value = headers.get(name)
-        if value and value.strip():
-            return _bounded(value.strip())
-    if not cache_key:
-        return None
-    for source in (body, body.get("metadata"), body.get("extra_body")):
-        found = _from_mapping(source, (CACHE_KEY_FIELD,))
+        found = _own(client_id(headers.get(name)), None)
         if found:
             return found
+    if not cache_key:
+        return None
+    for where, source in sources:
+        named = _from_mapping(source, (CACHE_KEY_FIELD,))
+        if named:
+            return _own(named[0], where + named[1])
     return None
 
 
@@ -88,9 +123,9 @@ def _claude_code_session(user: str) -> str | None:
             parsed = json.loads(text)
         except ValueError:
             parsed = None
-        found = _from_mapping(parsed) if isinstance(parsed, Mapping) else None
-        if found:
-            return found
+        named = _from_mapping(parsed) if isinstance(parsed, Mapping) else None
+        if named:
+            return named[0]
     if _CLAUDE_CODE_USER in text:
         return _bounded(text.rsplit(_CLAUDE_CODE_USER, 1)[1].strip()) or None
     return None
