@@ -14,18 +14,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Path
 from fastapi import Request as HTTPRequest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from starlette.convertors import PathConvertor, register_url_convertor
 
 from app.body import parse_body
 from app.engine_wait import engine_answer
 from app.errors import APIError
 from app.openapi_doc import OPENAI_ERROR, errors, json_content, ref
-from app.session_id import DERIVED_PREFIX
+from app.session_id import DERIVED_PREFIX, MAX_LEN, client_id
 from app.state import AppState
 from kvcache.interface import (
     ConversationNotFound,
@@ -55,15 +55,35 @@ register_url_convertor("conversation_id", ConversationIdConvertor())
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
 
+def _as_chat_reads_it(value: object) -> object:
+    """The id a chat request naming ``value`` gets (5 is "5", spaces around are
+    dropped, bounded): other values stay, for the schema to refuse."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return value
+    return client_id(value) or ""
+
+
+ConversationId = Annotated[
+    str,
+    BeforeValidator(_as_chat_reads_it, json_schema_input_type=str | int),
+    # no maxLength: a longer id is cut to its first MAX_LEN characters, as in chat
+    Field(
+        min_length=1,
+        description=f"As chat requests read it: an integer is its digits, spaces around "
+        f"it are dropped, and only its first {MAX_LEN} characters count.",
+    ),
+]
+
+
 class ConvSaveRequest(BaseModel):
     model_config = _STRICT
-    conversation_id: str = Field(min_length=1, max_length=256)
+    conversation_id: ConversationId
     title: str | None = Field(None, max_length=256)
 
 
 class ConvLoadRequest(BaseModel):
     model_config = _STRICT
-    conversation_id: str = Field(min_length=1, max_length=256)
+    conversation_id: ConversationId
 
 
 SAVED = {
@@ -205,6 +225,9 @@ async def delete(
     http: HTTPRequest,
     conversation_id: str = Path(json_schema_extra={"not": {"enum": list(RESERVED)}}),
 ) -> dict[str, Any]:
+    conversation_id = client_id(conversation_id) or ""  # as save and load read theirs
+    if not conversation_id:
+        raise APIError(400, "The conversation id is blank.", param="conversation_id")
     deleted = await _on_engine(http, _forget(conversation_id))
     if deleted is None:
         raise _derived(conversation_id)

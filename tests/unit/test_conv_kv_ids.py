@@ -126,3 +126,44 @@ def test_a_client_cannot_name_a_derived_id(served, path, body, headers, param):
 def test_ids_that_merely_contain_the_prefix_are_the_clients_own():
     assert session_id_from({"conversation_id": "my-auto-1"}, {}) == "my-auto-1"
     assert session_id_from({"conversation_id": "Auto-1"}, {}) == "Auto-1"
+
+
+@pytest.mark.parametrize("sent", [5, " abc ", "x" * 300, "\tteam/alice\n"])
+def test_conv_kv_reads_an_id_as_a_chat_request_does(served, sent):
+    """Chat took "conversation_id": 5 as "5" and stripped spaces; save and load
+    answered 400 for 5 and 404 for " abc": the id X-Conv-Id showed was unreachable."""
+    base, store = served
+    chat = httpx.post(
+        base + CHAT, json={"messages": msgs(), "max_tokens": 2, "conversation_id": sent}
+    )
+    own = chat.headers["x-conv-id"]
+    for route in ("save", "load"):
+        r = httpx.post(base + f"/v1/conv_kv/{route}", json={"conversation_id": sent})
+        assert r.status_code == 200, r.text
+        assert r.json()["conversation_id"] == own
+    assert store.calls == [("save", own), ("load", own)]
+
+
+def test_conv_kv_refuses_what_names_no_conversation(served):
+    base, store = served
+    for sent in ("  ", True, 5.0, None, {"id": "x"}):
+        r = httpx.post(base + "/v1/conv_kv/save", json={"conversation_id": sent})
+        assert r.status_code == 400, (sent, r.text)
+        assert r.json()["error"]["param"] == "conversation_id"
+    assert store.calls == []
+
+
+def test_a_derived_id_with_spaces_around_it_is_still_derived(served):
+    base, store = served
+    r = httpx.post(base + "/v1/conv_kv/save", json={"conversation_id": " " + DERIVED})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "derived_conversation_id"
+    r = httpx.delete(base + "/v1/conv_kv/%20" + DERIVED)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "derived_conversation_id"
+    assert store.calls == []
+
+
+def test_delete_reads_the_path_id_as_save_does(served):
+    base, store = served
+    r = httpx.delete(base + "/v1/conv_kv/%20abc%20")
+    assert r.status_code == 200, r.text
+    assert store.calls == [("delete", "abc")]
