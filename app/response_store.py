@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import sys
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Collection, Sequence
@@ -29,8 +30,21 @@ from app.images import ImageSource
 
 log = logging.getLogger("kvwarm.http")
 
-# what an entry's reference to a shared message costs besides it (its digest and pointer)
-REF_BYTES = 64
+# What CPython spends besides the JSON (3.11, 64-bit; measured with tracemalloc,
+# tests/unit/test_response_store_memory.py holds the cap to it). JSON lengths
+# alone undercounted 500 small items' responses ~3x. Each object's own size is
+# sys.getsizeof's (its GC header apart); these are the objects around it:
+# a response: its StoredResponse and _Held with their __dicts__, its LRU entry,
+# its deadline (a tuple and a float), GC headers of its tuples and index
+ENTRY_BYTES = 600
+# an entry's reference to a message: its two tuple slots (counted by getsizeof)
+# and its own digest object
+DIGEST_BYTES = sys.getsizeof(bytes(16))
+# a message held once: the shared table's slot and its [message, count] list
+SHARED_BYTES = 136
+# an id an item_reference may name: its Slot (a 3-tuple, an int past the small
+# ones), its slots in the index and in the store's owners table
+INDEXED_ID_BYTES = 180
 
 
 class Slot(NamedTuple):
@@ -109,14 +123,24 @@ class StoredResponse:
 
     @property
     def own_bytes(self) -> int:
-        """What it holds besides the messages it may share."""
-        ids = sum(len(i) + REF_BYTES for i in self.item_ids + self.output_ids)
-        return len(self.response_json) + REF_BYTES * len(self.messages) + ids
+        """What it holds besides the messages it may share, Python's overheads included
+        (the same before and after the store swaps in the shared messages)."""
+        size = sys.getsizeof
+        containers = (self.messages, self.digests, self.item_ids, self.output_ids, self.index)
+        ids = sum(size(i) for i in self.item_ids) + sum(size(i) for i in self.output_ids)
+        return (
+            ENTRY_BYTES
+            + size(self.response_json)
+            + sum(size(c) for c in containers)
+            + DIGEST_BYTES * len(self.digests)
+            + ids
+            + INDEXED_ID_BYTES * len(self.index)
+        )
 
     @property
     def nbytes(self) -> int:
         """What it holds on its own (shared messages included)."""
-        return self.own_bytes + sum(len(m) for m in self.messages)
+        return self.own_bytes + sum(shared_bytes(m) for m in self.messages)
 
     @property
     def _conversation(self) -> tuple[bytes, ...]:
@@ -260,7 +284,7 @@ class ResponseStore:
         shared = self._shared.get(digest)
         if shared is None:
             self._shared[digest] = [message, 1]
-            self._bytes += len(message)
+            self._bytes += shared_bytes(message)
             return message
         shared[1] += 1
         return shared[0]  # type: ignore[no-any-return]
@@ -275,7 +299,7 @@ class ResponseStore:
             shared[1] -= 1
             if shared[1] == 0:
                 del self._shared[digest]
-                self._bytes -= len(shared[0])
+                self._bytes -= shared_bytes(shared[0])
 
     def _expire(self) -> None:
         now = self._clock()
@@ -285,6 +309,11 @@ class ResponseStore:
             if held is not None and held.expires == expires:
                 del self._items[response_id]
                 self._release(response_id, held.item)
+
+
+def shared_bytes(message: bytes) -> int:
+    """What a message held once costs: its bytes object and the shared table's share."""
+    return sys.getsizeof(message) + SHARED_BYTES
 
 
 def _json(value: Any) -> bytes:

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from app.images import ImageSource
-from app.response_store import ResponseStore
+from app.response_store import ResponseStore, StoredResponse, shared_bytes
 from app.server import create_app
 from app.settings import Settings
 from app.sse import FrameTemplate, sse_data, sse_event, with_heartbeat
@@ -36,15 +36,18 @@ def test_entries_expire_after_the_ttl():
 
 
 def test_byte_cap_evicts_least_recently_used():
-    store = ResponseStore(max_bytes=3000)
+    one = StoredResponse.of(_resp("a", 900), [])
+    assert one is not None
+    cap = 3 * one.nbytes + one.nbytes // 2
+    store = ResponseStore(max_bytes=cap)
     for rid in "abc":
         store.put(_resp(rid, 900), [])
     assert store.get("a") is not None  # a is now the most recently used
     store.put(_resp("d", 900), [])
     assert store.get("b") is None
     assert {r for r in "acd" if store.get(r)} == {"a", "c", "d"}
-    assert store.nbytes <= 3000
-    store.put(_resp("huge", 5000), [])  # larger than the cap: not stored, nothing evicted
+    assert store.nbytes <= cap
+    store.put(_resp("huge", cap), [])  # larger than the cap: not stored, nothing evicted
     assert store.get("huge") is None and len(store) == 3
 
 
@@ -70,7 +73,10 @@ def test_the_byte_cap_counts_what_is_held():
     store.put({"id": "a", "metadata": {"k": "v"}}, [{"role": "user", "content": "é"}])
     stored = store.get("a")
     assert stored is not None and store.nbytes == stored.nbytes
-    assert stored.nbytes == len(stored.response_json) + len(stored.conversation_json) - 2 + 64
+    # the JSON and what Python holds around it (test_response_store_memory: how much)
+    (message,) = stored.messages
+    assert stored.nbytes == stored.own_bytes + shared_bytes(message)
+    assert stored.own_bytes > len(stored.response_json) and shared_bytes(message) > len(message)
     assert stored.conversation() == [{"role": "user", "content": "é"}]
     assert stored.conversation() is not stored.conversation()  # a fresh copy each time
 
