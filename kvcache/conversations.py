@@ -122,7 +122,8 @@ class SavedConversations:
 
     # -- the four operations ---------------------------------------------------
     def save(self, conversation_id: str, title: str | None) -> SavedConversation:
-        """Pin the conversation's KV on disk beyond eviction."""
+        """Pin the conversation's KV on disk beyond eviction. ``title`` None keeps
+        the earlier save's title, an empty one clears it."""
         store = self._store
         store.poll()
         disk = store.disk
@@ -168,7 +169,14 @@ class SavedConversations:
             and not self._pinned_elsewhere(earlier, conversation_id)
         ):
             index.set_pinned(earlier.entry_id, False)  # an ordinary entry again
-        self.pins[conversation_id] = {"uid": entry.uid, "title": title, "saved_at": time.time()}
+        if title is None:  # absent or null: a re-save keeps the title given before
+            earlier_pin = self.pins.get(conversation_id) or self.unindexed.get(conversation_id)
+            title = earlier_pin.get("title") if earlier_pin else None
+        self.pins[conversation_id] = {
+            "uid": entry.uid,
+            "title": title or None,  # "" clears it
+            "saved_at": time.time(),
+        }
         self.unindexed.pop(conversation_id, None)  # saved anew: the new turn replaces it
         self._write_pins()
         return self._describe(conversation_id, entry)
