@@ -133,16 +133,15 @@ class SavedConversations:
         index = store.index
         earlier = self._saved_entry(conversation_id)
         entry = self._latest_entry(conversation_id, earlier)
-        pinned = sum(
-            e.held.total
-            for e in index.entries()
-            if e.pinned and e is not entry and e is not earlier  # the earlier turn is let go
-        )
+        # the earlier turn is let go
+        others = [e for e in index.entries() if e.pinned and e is not entry and e is not earlier]
+        pinned = saved_bytes(others)
+        after = saved_bytes([*others, entry])
         limit = index.disk.max_bytes
-        if pinned + entry.held.total > limit:
+        if after > limit:
             raise StorageFull(
-                f"saving {entry.held.total / 2**20:.1f} MiB would put saved conversations at "
-                f"{(pinned + entry.held.total) / 2**20:.1f} MiB, over the SSD tier's limit of "
+                f"saving {(after - pinned) / 2**20:.1f} MiB would put saved conversations at "
+                f"{after / 2**20:.1f} MiB, over the SSD tier's limit of "
                 f"{limit / 2**20:.1f} MiB (--kv-disk-bytes)"
             )
         if not (entry.on_disk or entry.persisting):
@@ -256,3 +255,10 @@ class SavedConversations:
             index.forget(entry_id)
         store.sessions.forget(conversation_id)
         return described
+
+
+def saved_bytes(entries: list[CacheEntry]) -> int:
+    """Disk bytes ``entries`` hold together: a block they share counted once (a
+    long system prompt under every conversation), each one's own part apiece."""
+    blocks = {d: n for e in entries for d, n in e.held.blocks}
+    return sum(blocks.values()) + sum(e.held.private for e in entries)
