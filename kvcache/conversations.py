@@ -3,6 +3,9 @@
 A pin names the entry (by its on-disk uid) that holds a conversation's latest
 turn; pinned entries outlive eviction and restarts. This module decides which
 entry a save pins and keeps the pin list on disk; the KV manager moves the bytes.
+A re-save whose entry is still being written waits beside the earlier save,
+which stands (on disk and in the list) until the new write lands, and stays if
+it fails; a save whose write fails is taken back.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ class SavedConversations:
     def __init__(self, store: ConversationStore):
         self._store = store
         self.pins: Pins = {}
+        # re-saves whose entry is not written yet: ``pins`` keeps the earlier save
+        # (its entry pinned) until the write lands (``settle``)
+        self.pending: Pins = {}
         # saves whose files are on disk but that this run could not index (a smaller
         # budget, another block size): not served, but kept in the list written
         self.unindexed: Pins = {}
@@ -61,8 +67,12 @@ class SavedConversations:
             self._store.disk.write_pins({**self.unindexed, **self.pins})
 
     # -- which entry -----------------------------------------------------------
+    def _pin(self, conversation_id: str) -> dict[str, Any] | None:
+        """The conversation's latest save: a re-save being written, else its pin."""
+        return self.pending.get(conversation_id) or self.pins.get(conversation_id)
+
     def _saved_entry(self, conversation_id: str) -> CacheEntry | None:
-        return self._pinned(self.pins.get(conversation_id))
+        return self._pinned(self._pin(conversation_id))
 
     def _pinned(self, pin: dict[str, Any] | None) -> CacheEntry | None:
         if pin is not None:
@@ -102,7 +112,7 @@ class SavedConversations:
     ) -> SavedConversation:
         """``pin``: the save's record if already off the list; ``entry`` None: its KV is gone."""
         if pin is None:
-            pin = self.pins.get(conversation_id)
+            pin = self._pin(conversation_id)
         if entry is None:
             tier = "none"
         else:
@@ -117,8 +127,12 @@ class SavedConversations:
             pin.get("saved_at") if pin else None,
         )
 
-    def _pinned_elsewhere(self, entry: CacheEntry, conversation_id: str) -> bool:
-        return any(p["uid"] == entry.uid for c, p in self.pins.items() if c != conversation_id)
+    def _let_go(self, entry: CacheEntry | None) -> None:
+        """``entry`` is an ordinary one again unless a save still names it."""
+        if entry is None:
+            return
+        if not any(p["uid"] == entry.uid for p in (*self.pins.values(), *self.pending.values())):
+            self._store.index.set_pinned(entry.entry_id, False)
 
     # -- the four operations ---------------------------------------------------
     def save(self, conversation_id: str, title: str | None) -> SavedConversation:
@@ -131,10 +145,11 @@ class SavedConversations:
             why = disk.degraded if disk is not None else "--kv-disk-bytes 0 or no usable --kv-dir"
             raise StorageFull(f"the SSD tier is off ({why}): nothing can be saved")
         index = store.index
-        earlier = self._saved_entry(conversation_id)
-        entry = self._latest_entry(conversation_id, earlier)
-        # the earlier turn is let go
-        others = [e for e in index.entries() if e.pinned and e is not entry and e is not earlier]
+        confirmed = self._pinned(self.pins.get(conversation_id))
+        waiting = self._pinned(self.pending.get(conversation_id))
+        entry = self._latest_entry(conversation_id, waiting or confirmed)
+        mine = (entry, confirmed, waiting)  # the earlier turns are let go
+        others = [e for e in index.entries() if e.pinned and not any(e is m for m in mine)]
         pinned = saved_bytes(others)
         after = saved_bytes([*others, entry])
         limit = index.disk.max_bytes
@@ -162,21 +177,19 @@ class SavedConversations:
                     f"(limit {limit / 2**20:.1f} MiB, --kv-disk-bytes)"
                 )
         index.set_pinned(entry.entry_id, True)
-        if (
-            earlier is not None
-            and earlier is not entry
-            and not self._pinned_elsewhere(earlier, conversation_id)
-        ):
-            index.set_pinned(earlier.entry_id, False)  # an ordinary entry again
         if title is None:  # absent or null: a re-save keeps the title given before
-            earlier_pin = self.pins.get(conversation_id) or self.unindexed.get(conversation_id)
+            earlier_pin = self._pin(conversation_id) or self.unindexed.get(conversation_id)
             title = earlier_pin.get("title") if earlier_pin else None
-        self.pins[conversation_id] = {
-            "uid": entry.uid,
-            "title": title or None,  # "" clears it
-            "saved_at": time.time(),
-        }
+        pin = {"uid": entry.uid, "title": title or None, "saved_at": time.time()}  # "" clears
+        self.pending.pop(conversation_id, None)
+        if confirmed is None or entry is confirmed or entry.on_disk:
+            self.pins[conversation_id] = pin
+        else:  # the earlier save stands until this turn is on disk (``settle``)
+            self.pending[conversation_id] = pin
         self.unindexed.pop(conversation_id, None)  # saved anew: the new turn replaces it
+        for earlier in (confirmed, waiting):
+            if earlier is not entry:
+                self._let_go(earlier)
         self._write_pins()
         return self._describe(conversation_id, entry)
 
@@ -216,20 +229,46 @@ class SavedConversations:
                 continue
         return out
 
-    def unsave(self, entry: CacheEntry) -> None:
-        """``entry``'s write failed after its save was acknowledged: the saves naming
-        it are taken back (logged), so no listing shows KV that nothing on disk holds."""
-        lost = [c for c, p in self.pins.items() if p["uid"] == entry.uid]
-        for conversation_id in lost:
-            del self.pins[conversation_id]
+    def settle(self) -> None:
+        """Saves after their entries' writes: a re-save whose write landed replaces
+        the earlier save, one whose write failed is dropped and the earlier kept;
+        a save whose KV is not on disk nor being written is taken back (logged), so
+        no listing shows KV that nothing on disk holds."""
+        by_uid = {e.uid: e for e in self._store.index.entries()}
+        changed = False
+        for conversation_id, pin in list(self.pending.items()):
+            entry = by_uid.get(pin["uid"])
+            if entry is not None and entry.persisting:
+                continue
+            del self.pending[conversation_id]
+            if entry is not None and entry.on_disk:
+                earlier = self.pins.get(conversation_id)
+                self.pins[conversation_id] = pin
+                changed = True
+                self._let_go(by_uid.get(earlier["uid"]) if earlier else None)
+                continue
             log.error(
-                "saved conversation %s is no longer saved: its KV could not be written "
-                "to the SSD tier (%s)",
+                "saved conversation %s: its latest save could not be written to the SSD "
+                "tier (%s)%s",
                 ascii_escaped(conversation_id),
-                "still cached in RAM" if entry.in_ram else "lost",
+                "still cached in RAM" if entry is not None and entry.in_ram else "lost",
+                "; the earlier save stays" if conversation_id in self.pins else "",
             )
-        self._store.index.set_pinned(entry.entry_id, False)
-        if lost:
+            self._let_go(entry)
+        for conversation_id, pin in list(self.pins.items()):
+            entry = by_uid.get(pin["uid"])
+            if entry is not None and (entry.on_disk or entry.persisting):
+                continue
+            del self.pins[conversation_id]
+            changed = True
+            log.error(
+                "saved conversation %s is no longer saved: its KV could not be kept on "
+                "the SSD tier (%s)",
+                ascii_escaped(conversation_id),
+                "still cached in RAM" if entry is not None and entry.in_ram else "lost",
+            )
+            self._let_go(entry)
+        if changed:
             self._write_pins()
 
     def delete(self, conversation_id: str) -> SavedConversation:
@@ -237,6 +276,7 @@ class SavedConversations:
         running now keeps its own copy). A save whose KV is gone is deleted too."""
         store = self._store
         index = store.index
+        waiting = self._pinned(self.pending.pop(conversation_id, None))
         pin = self.pins.pop(conversation_id, None)
         if pin is None:  # a save this run could not index: deleted from the list
             pin = self.unindexed.pop(conversation_id, None)
@@ -251,7 +291,8 @@ class SavedConversations:
             self._write_pins()
         described = self._describe(conversation_id, entry, pin)
         own = {e.entry_id for e in index.entries() if e.session == conversation_id}
-        for entry_id in own | ({entry.entry_id} if entry is not None else set()):
+        own |= {e.entry_id for e in (entry, waiting) if e is not None}
+        for entry_id in own:
             index.forget(entry_id)
         store.sessions.forget(conversation_id)
         return described

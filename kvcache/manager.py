@@ -668,10 +668,13 @@ class TieredKVManager:
         """Apply the disk writes that finished since the last call."""
         if self.disk is None:
             return
+        saved = False
         for entry_id, write, ok in self.disk.completed():
-            failed = self.index.end_persist(entry_id, ok, write)
-            if failed is not None and failed.pinned:
-                self.conversations.unsave(failed)
+            entry = self.index.get(entry_id)
+            saved = saved or (entry is not None and entry.pinned)
+            self.index.end_persist(entry_id, ok, write)
+        if saved:  # a save's write landed or failed
+            self.conversations.settle()
 
     def _restore(self) -> None:
         """Index every complete entry on disk: the first turn after a restart is warm."""
@@ -727,7 +730,11 @@ class TieredKVManager:
         if self._reader is not None:
             self._reader.close()
         if self.disk is not None:
-            self.disk.close(timeout)
+            # re-saves whose writes land now: their list goes out before the writer stops
+            deadline = time.monotonic() + timeout
+            self.disk.flush(timeout)
+            self.poll()
+            self.disk.close(max(0.0, deadline - time.monotonic()))
             self.poll()
 
     # -- stats -----------------------------------------------------------------

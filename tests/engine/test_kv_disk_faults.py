@@ -381,6 +381,7 @@ def test_saving_again_pins_the_turn_reached_since_and_lets_the_old_one_go(tmp_pa
         latest = store(m, first_turn + list(range(600, 900)), session="S")
         again = m.save_conversation("S", "work")
         assert again.tokens == 400 and m.load_conversation("S").tokens == 400
+        m.flush()  # the earlier save stands until the new turn's write lands
         assert m.index.get(latest).pinned and not m.index.get(old).pinned
         assert [c.tokens for c in m.saved_conversations()] == [400]
     finally:

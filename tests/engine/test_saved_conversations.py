@@ -5,8 +5,12 @@ test_kv_disk_faults)."""
 
 from __future__ import annotations
 
+import json
+import threading
+
+import kvcache.disk as disk_module
 from kvcache.manager import TieredKVManager
-from tests.engine.test_kv_disk_faults import manager, store
+from tests.engine.test_kv_disk_faults import NS, manager, store
 
 
 def _two_conversations_on_one_prefix(m: TieredKVManager) -> tuple[list[int], list[int]]:
@@ -56,3 +60,77 @@ def test_saves_sharing_blocks_count_them_once_against_the_disk_limit(tmp_path):
         assert [c.conversation_id for c in small.saved_conversations()] == ["A", "B"]
     finally:
         small.close()
+
+
+def _writes_fail(monkeypatch) -> None:
+    real = disk_module.encode
+
+    def failing(arrays, meta, bf16=frozenset()):
+        if "manifest" in meta:  # an entry's own file: the write fails
+            raise ValueError("simulated bad write")
+        return real(arrays, meta, bf16)
+
+    monkeypatch.setattr(disk_module, "encode", failing)
+
+
+def test_a_resave_whose_write_fails_keeps_the_earlier_save(tmp_path, monkeypatch):
+    """A re-save let the earlier turn go and pinned the new one before its write
+    landed; the write failed and the conversation was no longer saved at all."""
+    m = manager(tmp_path)
+    try:
+        first = list(range(1000, 1100))
+        store(m, first, "S")
+        m.flush()
+        m.save_conversation("S", "my work")
+        _writes_fail(monkeypatch)
+        store(m, first + list(range(3000, 3050)), "S")
+        m.flush()  # write-through failed: in RAM only, the save writes it again
+        assert m.save_conversation("S", None).tokens == 150
+        m.flush()  # and fails again
+        monkeypatch.undo()
+        (saved,) = m.saved_conversations()
+        assert (saved.tokens, saved.title, saved.tier) == (100, "my work", "ram+disk")
+        assert [e.length for e in m.index.entries() if e.pinned] == [100]
+    finally:
+        m.close()
+    again = manager(tmp_path)
+    try:
+        assert [(c.conversation_id, c.tokens) for c in again.saved_conversations()] == [("S", 100)]
+    finally:
+        again.close()
+
+
+def test_a_resave_lets_the_earlier_turn_go_once_its_write_lands(tmp_path, monkeypatch):
+    m = manager(tmp_path)
+    gate = threading.Event()
+    try:
+        first = list(range(1000, 1100))
+        old = store(m, first, "S")
+        m.flush()
+        m.save_conversation("S", "my work")
+        m.flush()
+        real = disk_module.encode
+
+        def held(arrays, meta, bf16=frozenset()):
+            assert gate.wait(5)
+            return real(arrays, meta, bf16)
+
+        monkeypatch.setattr(disk_module, "encode", held)
+        new = store(m, first + list(range(3000, 3050)), "S")
+        assert m.save_conversation("S", None).tokens == 150
+        # until the new turn is on disk the earlier save stands (on disk and pinned)
+        assert m.index.get(old).pinned and m.index.get(new).pinned
+        on_disk = json.loads((tmp_path / NS / "saved.json").read_text())
+        assert [p["uid"] for p in on_disk.values()] == [m.index.get(old).uid]
+        gate.set()
+        m.flush()
+        assert not m.index.get(old).pinned and m.index.get(new).pinned
+        assert [(c.tokens, c.title) for c in m.saved_conversations()] == [(150, "my work")]
+    finally:
+        gate.set()
+        m.close()
+    again = manager(tmp_path)
+    try:
+        assert [(c.tokens, c.title) for c in again.saved_conversations()] == [(150, "my work")]
+    finally:
+        again.close()
