@@ -5,7 +5,7 @@ turn; pinned entries outlive eviction and restarts. This module decides which
 entry a save pins and keeps the pin list on disk; the KV manager moves the bytes.
 A re-save whose entry is still being written waits beside the earlier save,
 which stands (on disk and in the list) until the new write lands, and stays if
-it fails; a save whose write fails is taken back.
+it fails; a save whose KV leaves the disk (a failed write, damage) is taken back.
 """
 
 from __future__ import annotations
@@ -220,13 +220,14 @@ class SavedConversations:
         return self._describe(conversation_id, entry)
 
     def listing(self) -> list[SavedConversation]:
+        """The saves and the entries they pin (never another turn of theirs)."""
         self._store.poll()
+        self.settle()
         out = []
-        for conversation_id in sorted(self.pins):
-            try:
-                out.append(self._describe(conversation_id, self._entry_of(conversation_id)))
-            except ConversationNotFound:
-                continue
+        for conversation_id in sorted({*self.pins, *self.pending}):
+            entry = self._saved_entry(conversation_id)
+            if entry is not None:
+                out.append(self._describe(conversation_id, entry))
         return out
 
     def settle(self) -> None:
@@ -248,8 +249,8 @@ class SavedConversations:
                 self._let_go(by_uid.get(earlier["uid"]) if earlier else None)
                 continue
             log.error(
-                "saved conversation %s: its latest save could not be written to the SSD "
-                "tier (%s)%s",
+                "saved conversation %s: its latest save is not kept, its write failed or "
+                "its files were damaged (%s)%s",
                 ascii_escaped(conversation_id),
                 "still cached in RAM" if entry is not None and entry.in_ram else "lost",
                 "; the earlier save stays" if conversation_id in self.pins else "",
@@ -262,8 +263,8 @@ class SavedConversations:
             del self.pins[conversation_id]
             changed = True
             log.error(
-                "saved conversation %s is no longer saved: its KV could not be kept on "
-                "the SSD tier (%s)",
+                "saved conversation %s is no longer saved: its KV is not on the SSD tier "
+                "any more, its write failed or its files were damaged (%s)",
                 ascii_escaped(conversation_id),
                 "still cached in RAM" if entry is not None and entry.in_ram else "lost",
             )

@@ -545,11 +545,14 @@ class TieredKVManager:
             lost = self.index.lose_block(exc.digest)
             if lost:
                 log.warning("%d more cached entries on disk named the damaged block", lost)
+                self.conversations.settle()  # saves among them are taken back
 
     def _discard(self, entry: CacheEntry) -> None:
         if self.disk is not None and (entry.on_disk or entry.persisting):  # files go
             self.disk.counters.files_discarded += 1
         self.index.remove(entry.entry_id)
+        if entry.pinned:  # a save's KV: taken back, not listed for an unsaved turn
+            self.conversations.settle()
 
     def release(self, entry_id: int) -> None:
         self.index.release(entry_id)

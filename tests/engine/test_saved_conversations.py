@@ -9,7 +9,9 @@ import json
 import threading
 
 import kvcache.disk as disk_module
+from kvcache.disk import CorruptBlock
 from kvcache.manager import TieredKVManager
+from kvcache.safetensors_io import CorruptFile
 from tests.engine.test_kv_disk_faults import NS, manager, store
 
 
@@ -134,3 +136,41 @@ def test_a_resave_lets_the_earlier_turn_go_once_its_write_lands(tmp_path, monkey
         assert [(c.tokens, c.title) for c in again.saved_conversations()] == [(150, "my work")]
     finally:
         again.close()
+
+
+def test_a_save_whose_kv_is_found_damaged_is_taken_back(tmp_path):
+    """The pin outlived its damaged entry: the listing showed a later, unsaved turn
+    under the saved title, and the restart had nothing."""
+    m = manager(tmp_path)
+    try:
+        first = list(range(1000, 1100))
+        store(m, first, "A")
+        m.save_conversation("A", "important")
+        store(m, first + list(range(3000, 3040)), "A")  # a later turn, not saved
+        m.flush()
+        (pinned,) = [e for e in m.index.entries() if e.pinned]
+        m.damaged(pinned, CorruptFile("a damaged file, found by a read"))
+        assert m.saved_conversations() == []
+        m.flush()
+        assert json.loads((tmp_path / NS / "saved.json").read_text()) == {}
+    finally:
+        m.close()
+
+
+def test_a_damaged_block_takes_back_every_save_naming_it(tmp_path):
+    """A save whose disk copy a damaged shared block took (its RAM copy kept) was
+    still listed, as RAM only, and gone after a restart."""
+    m = manager(tmp_path)
+    try:
+        _two_conversations_on_one_prefix(m)
+        m.save_conversation("A", "a")
+        m.save_conversation("B", "b")
+        m.flush()
+        a = next(e for e in m.index.entries() if e.session == "A")
+        digest, _ = a.held.blocks[0]
+        m.damaged(a, CorruptBlock("a damaged block", digest))
+        b = next(e for e in m.index.entries() if e.session == "B")
+        assert b.in_ram and not b.on_disk and not b.pinned
+        assert m.saved_conversations() == []
+    finally:
+        m.close()
