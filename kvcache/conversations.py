@@ -16,7 +16,6 @@ from typing import Any, Protocol
 
 from kvcache.index import CacheEntry, PrefixIndex
 from kvcache.interface import ConversationNotFound, SavedConversation, StorageFull
-from kvcache.safetensors_io import CorruptFile
 from kvcache.sessions import SessionStore
 from kvcache.tiers import PersistentTier
 from observability.escape import ascii_escaped
@@ -37,9 +36,9 @@ class ConversationStore(Protocol):
 
     def persist(self, entry_id: int) -> bool: ...
 
-    def read_back(self, entry: CacheEntry) -> object: ...
+    def read_ahead(self, entry: CacheEntry) -> None: ...
 
-    def damaged(self, entry: CacheEntry, exc: CorruptFile) -> None: ...
+    def loading(self, entry: CacheEntry) -> bool: ...
 
 
 class SavedConversations:
@@ -115,6 +114,8 @@ class SavedConversations:
             pin = self._pin(conversation_id)
         if entry is None:
             tier = "none"
+        elif not entry.in_ram and self._store.loading(entry):
+            tier = "loading"  # a load's read under way
         else:
             here = (("ram", entry.in_ram), ("disk", entry.on_disk))
             tier = "+".join(t for t, held in here if held) or "writing"
@@ -194,29 +195,16 @@ class SavedConversations:
         return self._describe(conversation_id, entry)
 
     def load(self, conversation_id: str) -> SavedConversation:
-        """Bring the conversation's KV into RAM ahead of its next turn."""
+        """Begin bringing the conversation's KV into RAM ahead of its next turn:
+        its files are read on the reader thread (``tier`` says ``loading`` until
+        the engine thread has them in RAM; a turn arriving meanwhile joins the
+        read). Out of RAM with its write still queued, there is nothing to read
+        yet (``writing``): the write lands shortly."""
         store = self._store
         store.poll()
         entry = self._entry_of(conversation_id)
-        if not entry.loadable:
-            # out of RAM with its write still queued: nothing to read yet (and
-            # files not written yet are no damage); the write lands shortly
-            return self._describe(conversation_id, entry)
-        if not entry.in_ram:
-            try:
-                store.read_back(entry)
-            except CorruptFile as exc:
-                store.damaged(entry, exc)
-                raise ConversationNotFound(
-                    f"the saved KV of {conversation_id!r} was damaged and is discarded ({exc})"
-                ) from exc
-            except Exception as exc:  # noqa: BLE001 - a read that may pass: the save stays
-                log.warning(
-                    "saved conversation %s not loaded this time, kept on disk (%s: %s)",
-                    ascii_escaped(conversation_id),
-                    type(exc).__name__,
-                    exc,
-                )
+        if entry.on_disk and not entry.in_ram:
+            store.read_ahead(entry)
         return self._describe(conversation_id, entry)
 
     def listing(self) -> list[SavedConversation]:

@@ -39,7 +39,7 @@ class SavedConversation:
     title: str | None
     tokens: int
     bytes: int
-    tier: str  # ram+disk, disk, ram, writing (queued); none: a deleted save's KV was gone
+    tier: str  # ram+disk, disk, ram, writing (queued), loading (read into RAM); none: gone
     saved_at: float | None  # wall clock; None: cached but not saved
 
 

@@ -105,6 +105,8 @@ class TieredKVManager:
         self.disk: PersistentTier | None = None
         self._reader: DiskReader | None = None  # disk hits read off the engine thread
         self._reads: dict[int, SharedRead] = {}  # entry id -> its read in flight
+        # reads a conversation's load began (its entry held): ``poll`` takes them up
+        self._loads: list[tuple[CacheEntry, SharedRead]] = []
         disk_bytes = 0
         ram_bytes = max_bytes
         if disk is not None and disk.max_bytes > 0:
@@ -370,32 +372,92 @@ class TieredKVManager:
                 entry.entry_id,
             )
         else:
-            if self._reader is None:
-                self._reader = DiskReader()
-            disk, uid, private = self.disk, entry.uid, entry.held.private
-            need, whole = plan.need, plan.whole
-            ticket = self._reader.submit(lambda: read_files(disk, uid, private, need, whole))
-            read = self._reads[entry.entry_id] = SharedRead(ticket, plan)
+            read = self._submit_read(entry, plan)
+            part = f"its first {plan.blocks} of {len(entry.held.blocks)} blocks"
             log.info(
                 "%s: prefix cache hit on disk, entry %d: reading %s",
                 request_id,
                 entry.entry_id,
-                "it" if whole else f"its first {plan.blocks} of {len(entry.held.blocks)} blocks",
+                "it" if plan.whole else part,
             )
         return PendingHit(request_id, hints, entry, result, read, miss, known)
 
-    def _leave_read(self, pending: PendingHit) -> None:
-        """``pending``'s row is done with its read: the last row's going drops it
+    def _submit_read(self, entry: CacheEntry, plan: ReadPlan) -> SharedRead:
+        """Hand ``plan``'s files to the reader thread: the entry's read in flight."""
+        assert self.disk is not None
+        if self._reader is None:
+            self._reader = DiskReader()
+        disk, uid, private = self.disk, entry.uid, entry.held.private
+        need, whole = plan.need, plan.whole
+        ticket = self._reader.submit(lambda: read_files(disk, uid, private, need, whole))
+        read = self._reads[entry.entry_id] = SharedRead(ticket, plan)
+        return read
+
+    def _leave_read(self, entry_id: int, read: SharedRead) -> None:
+        """A row (or a load) is done with ``read``: the last one's going drops it
         (skipped if not begun, its bytes and MLX arrays let go)."""
-        read = pending.read
         read.rows -= 1
         if read.rows > 0:
             return
         read.ticket.cancel()
         read.plan.have.clear()
         read.loaded = None
-        if self._reads.get(pending.entry.entry_id) is read:
-            del self._reads[pending.entry.entry_id]
+        if self._reads.get(entry_id) is read:
+            del self._reads[entry_id]
+
+    # -- a saved conversation's load: its read on the reader thread too ------------
+    def read_ahead(self, entry: CacheEntry) -> None:
+        """Begin reading a disk entry whole on the reader thread (a conversation's
+        load, a control job on the engine thread: a multi-GB read there paused
+        every running stream); ``poll`` makes it MLX arrays in RAM once read. A
+        whole read in flight is joined; the entry is held until then."""
+        if self.disk is None or entry.in_ram or not entry.on_disk or self.loading(entry):
+            return
+        plan = self._read_plan(entry, entry.length)
+        read = self._reads.get(entry.entry_id)
+        if read is not None and not read.failed and read.plan.covers(plan):
+            read.rows += 1
+        else:
+            read = self._submit_read(entry, plan)
+        entry.refs += 1  # as a hit's: nothing evicts or deletes it while read
+        self._loads.append((entry, read))
+        log.info("entry %d: a saved conversation's load reads it", entry.entry_id)
+
+    def loading(self, entry: CacheEntry) -> bool:
+        """Whether a load's read of ``entry`` is under way."""
+        return any(e is entry for e, _ in self._loads)
+
+    def _finish_loads(self) -> None:
+        """Loads whose files are read: their KV made MLX arrays and counted into
+        RAM (damage discarded, a read that may pass kept on disk)."""
+        done = [(e, r) for e, r in self._loads if r.ticket.done]
+        self._loads = [(e, r) for e, r in self._loads if not r.ticket.done]
+        for entry, read in done:
+            try:
+                if self.index.get(entry.entry_id) is entry and not read.failed:
+                    self._load(entry, read)
+            finally:
+                self._leave_read(entry.entry_id, read)
+                self.index.release(entry.entry_id)
+        self._return_memory()
+
+    def _load(self, entry: CacheEntry, read: SharedRead) -> None:
+        if read.loaded is not None:  # a row sharing the read made its arrays first
+            return
+        try:
+            read.loaded = self._to_mlx(entry, read.plan, read.ticket.outcome())
+        except CorruptFile as exc:
+            read.failed = True
+            log.warning("a saved conversation's KV on disk discarded: %s", exc)
+            self.damaged(entry, exc)
+        except Exception as exc:  # noqa: BLE001 - a read that may pass: the save stays
+            read.failed = True  # the rows sharing it miss (and read it afresh next time)
+            log.warning(
+                "entry %d not loaded this time, kept on disk (%s: %s)",
+                entry.entry_id,
+                type(exc).__name__,
+                exc,
+            )
 
     def wait_reads(self, timeout: float) -> None:
         """Until a disk read finishes or ``timeout`` passes (nothing else to run)."""
@@ -438,7 +500,7 @@ class TieredKVManager:
             served = True
             return hit
         finally:
-            self._leave_read(pending)
+            self._leave_read(entry.entry_id, read)
             if not served:  # whatever raised: marked released, it must be (else held for good)
                 self.index.release(entry.entry_id)
                 self._return_memory()
@@ -448,7 +510,7 @@ class TieredKVManager:
         the other rows sharing it, or is dropped with the last."""
         if not pending.released:
             pending.released = True
-            self._leave_read(pending)
+            self._leave_read(pending.entry.entry_id, pending.read)
             self.index.release(pending.entry.entry_id)
 
     def _caches(self, entry: CacheEntry, keep: int) -> list[Any]:
@@ -668,9 +730,11 @@ class TieredKVManager:
         self.disk.submit(job)
 
     def poll(self) -> None:
-        """Apply the disk writes that finished since the last call."""
+        """Apply the disk writes and loads' reads that finished since the last call."""
         if self.disk is None:
             return
+        if self._loads:
+            self._finish_loads()
         saved = False
         for entry_id, write, ok in self.disk.completed():
             entry = self.index.get(entry_id)
@@ -722,9 +786,12 @@ class TieredKVManager:
         )
 
     def flush(self, timeout: float = 30.0) -> None:
-        """Wait for queued disk writes and apply them (shutdown, tests)."""
+        """Wait for queued disk writes and loads' reads, and apply them (tests)."""
         if self.disk is not None:
+            deadline = time.monotonic() + timeout
             self.disk.flush(timeout)
+            for _, read in self._loads:
+                read.ticket.wait(max(0.0, deadline - time.monotonic()))
             self.poll()
 
     def close(self, timeout: float = 15.0) -> None:

@@ -97,6 +97,18 @@ def settle(base: str, timeout: float = 30) -> dict:
         time.sleep(0.2)
 
 
+def in_ram(base: str, conversation_id: str, timeout: float = 60.0) -> None:
+    """Wait until a loaded conversation's KV is in RAM."""
+    deadline = time.monotonic() + timeout
+    while True:
+        listed = httpx.get(base + "/v1/conv_kv/stats").json()["data"]
+        tiers = [c["tier"] for c in listed if c["conversation_id"] == conversation_id]
+        if tiers and "ram" in tiers[0]:
+            return
+        assert time.monotonic() < deadline, listed
+        time.sleep(0.2)
+
+
 def test_restart_is_warm_and_saved_conversations_survive(model_cache, tmp_path):
     kv, log = tmp_path / "kv", tmp_path / "kvwarm.log"
     with served(model_cache, kv, log) as (base, _):
@@ -120,7 +132,8 @@ def test_restart_is_warm_and_saved_conversations_survive(model_cache, tmp_path):
         assert [c["conversation_id"] for c in listed] == ["conv-a"]
         assert listed[0]["title"] == "sums"
         loaded = httpx.post(base + "/v1/conv_kv/load", json={"conversation_id": "conv-a"})
-        assert loaded.status_code == 200 and "ram" in loaded.json()["tier"]
+        assert loaded.status_code == 200 and loaded.json()["tier"] in ("loading", "ram+disk")
+        in_ram(base, "conv-a")  # read on the reader thread: in RAM shortly
         warm = chat(base, messages(2))
         assert warm.headers["x-conv-kv"] == "hit"
         assert int(warm.headers["x-conv-cached-tokens"]) > 0

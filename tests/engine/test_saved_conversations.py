@@ -10,9 +10,12 @@ import threading
 
 import kvcache.disk as disk_module
 from kvcache.disk import CorruptBlock
+from kvcache.disk_reads import PendingHit
 from kvcache.manager import TieredKVManager
+from kvcache.prompt_key import PromptKey
 from kvcache.safetensors_io import CorruptFile
-from tests.engine.test_kv_disk_faults import NS, manager, store
+from scheduler.request import CacheHints
+from tests.engine.test_kv_disk_faults import NS, manager, served, store
 
 
 def _two_conversations_on_one_prefix(m: TieredKVManager) -> tuple[list[int], list[int]]:
@@ -172,5 +175,64 @@ def test_a_damaged_block_takes_back_every_save_naming_it(tmp_path):
         b = next(e for e in m.index.entries() if e.session == "B")
         assert b.in_ram and not b.on_disk and not b.pinned
         assert m.saved_conversations() == []
+    finally:
+        m.close()
+
+
+def test_a_load_reads_the_saved_kv_off_the_engine_thread(tmp_path, monkeypatch):
+    """POST /v1/conv_kv/load read the files on the thread that called it (the
+    engine's, as a control job): a multi-GB save paused every running stream for
+    the whole read. The reader thread reads them now, the load answers at once,
+    and a turn arriving meanwhile joins that read."""
+    tokens = list(range(1000, 1400))
+    m = manager(tmp_path)
+    store(m, tokens, "conv")
+    m.save_conversation("conv", None)
+    m.close()
+    m = manager(tmp_path)  # restarted: the save is on disk only
+    gate, readers = threading.Event(), []
+    real = m.disk.read_entry
+
+    def held(uid, nbytes=None):
+        readers.append(threading.current_thread().name)
+        gate.wait(5)
+        return real(uid, nbytes)
+
+    monkeypatch.setattr(m.disk, "read_entry", held)
+    try:
+        assert m.load_conversation("conv").tier == "loading"
+        assert [c.tier for c in m.saved_conversations()] == ["loading"]
+        hints = CacheHints(PromptKey.build(tokens + [1, 2]), "probe")
+        pending, _ = m.lookup("r", hints, max_growth=0, defer_disk=True)
+        assert isinstance(pending, PendingHit)
+        gate.set()
+        assert pending.ticket.wait(5)
+        reuse, report = m.finish_read(pending)
+        assert reuse is not None and report.tier == "disk"
+        m.release(reuse.entry_id)
+        assert readers == ["kvwarm-kv-reader"]  # read once, off the calling thread
+        m.flush()
+        assert [c.tier for c in m.saved_conversations()] == ["ram+disk"]
+        assert all(e.refs == 0 for e in m.index.entries())
+    finally:
+        gate.set()
+        m.close()
+
+
+def test_a_load_nobody_joins_lands_in_ram(tmp_path):
+    tokens = list(range(1000, 1400))
+    m = manager(tmp_path)
+    store(m, tokens, "conv")
+    m.save_conversation("conv", None)
+    m.close()
+    m = manager(tmp_path)
+    try:
+        m.load_conversation("conv")
+        assert m.load_conversation("conv").tier == "loading"  # one read, not two
+        m.flush()  # the read done, the engine thread's poll makes it arrays in RAM
+        assert m.load_conversation("conv").tier == "ram+disk"
+        assert m.disk.counters.loads == 1
+        assert served(m, tokens + [1]) == (tokens, "ram")
+        assert all(e.refs == 0 for e in m.index.entries())
     finally:
         m.close()
