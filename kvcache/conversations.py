@@ -23,6 +23,9 @@ from observability.escape import ascii_escaped
 log = logging.getLogger("kvwarm.kvcache")
 
 Pins = dict[str, dict[str, Any]]  # conversation id -> {"uid", "title", "saved_at"}
+# messages a side request sends at most (a system prompt and one question): a
+# save passes over them for the conversation's own turns
+SIDE_REQUEST_MESSAGES = 2
 
 
 class ConversationStore(Protocol):
@@ -86,9 +89,12 @@ class SavedConversations:
         return saved if saved is not None else self._latest_entry(conversation_id, None)
 
     def _latest_entry(self, conversation_id: str, saved: CacheEntry | None) -> CacheEntry:
-        """The longest of the conversation's entries (the session record's and the
-        ``saved`` one among them; after a restart, on disk): a save pins the turn
-        it has reached since its last."""
+        """The turn a save pins, of the conversation's entries (the session
+        record's and the ``saved`` one among them; after a restart, on disk): the
+        one stored last past a first question, else the longest. Sub-agents send
+        their conversation's session id (Claude Code) and may run longer than it,
+        but end before it goes on; side requests (a client's title or topic
+        request: a system prompt and one question) may be written last."""
         index = self._store.index
         own = [e for e in index.entries() if e.session == conversation_id and not e.forgotten]
         if saved is not None:
@@ -99,9 +105,11 @@ class SavedConversations:
                 own.append(recorded)
         if not own:
             raise ConversationNotFound(f"no cached KV for conversation {conversation_id!r}")
-        # the longest turn: a session's latest write may be a side request's (a
-        # client's title request), and a save must pin the conversation itself
-        return max(own, key=lambda e: (e.length, e.created))
+        turns = [e for e in own if len(e.key.message_ends) > SIDE_REQUEST_MESSAGES]
+        if turns:
+            return max(turns, key=lambda e: (e.stored_at, e.length))
+        # at its first question (or prompts of no message structure): the longest
+        return max(own, key=lambda e: (e.length, e.stored_at))
 
     def _describe(
         self,

@@ -46,6 +46,9 @@ class CacheEntry:
     session: str | None = None
     created: float = 0.0
     last_used: float = 0.0
+    # wall clock its KV was stored (after a restart, its manifest's): which of a
+    # conversation's turns came last
+    stored_at: float = 0.0
     hits: int = 0
     refs: int = 0  # requests currently reading this entry's KV
     superseded: bool = False  # a longer entry covers it; removed once no longer read

@@ -468,7 +468,9 @@ class PrefixIndex:
         now = self._clock()
         entry_id = self._next_id
         self._next_id += 1
-        entry = CacheEntry(entry_id, key, held, trimmable, hashes, session, now, now)
+        entry = CacheEntry(
+            entry_id, key, held, trimmable, hashes, session, now, now, stored_at=time.time()
+        )
         for name, value in state.items():
             setattr(entry, name, value)
         self._entries[entry_id] = entry
@@ -489,6 +491,7 @@ class PrefixIndex:
         pinned: bool = False,
         variant: str = "",
         own_session: bool = False,
+        stored_at: float = 0.0,
     ) -> int | None:
         """Index an entry found on disk at start (not in RAM); None if the disk
         tier has no room for it (the caller deletes its files)."""
@@ -506,6 +509,7 @@ class PrefixIndex:
             pinned=pinned,
             variant=variant,
             own_session=own_session,
+            stored_at=stored_at,
         )
         self.disk.add(held)
         return entry.entry_id

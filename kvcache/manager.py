@@ -714,7 +714,7 @@ class TieredKVManager:
             "session": entry.session,
             "own_session": entry.own_session,
             "variant": entry.variant,
-            "created": time.time(),
+            "created": entry.stored_at,
         }
         blocks = [(d, numpy_arrays(self._blocks[d])) for d in new_blocks]
         job = WriteEntry(

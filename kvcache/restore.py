@@ -70,6 +70,7 @@ def restore_entries(
                     pinned=found.uid in pinned_uids,
                     variant=variant,
                     own_session=m.get("own_session") is True,
+                    stored_at=_created(m),
                 )
         except Exception:  # noqa: BLE001 - a damaged manifest is discarded, never raised on
             log.warning("KV disk tier: entry %s discarded: its manifest is damaged", found.uid)

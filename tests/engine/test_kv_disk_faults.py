@@ -356,7 +356,9 @@ def test_a_damaged_saved_list_keeps_its_sound_pins_and_the_server_starts(tmp_pat
 
 def test_saving_a_conversation_pins_its_latest_turn_not_a_side_requests(tmp_path):
     """A session's latest write may be a side request's (a client's title request):
-    a save pins the conversation's longest turn, whichever branch wrote last."""
+    with no message structure to tell them apart a save pins the conversation's
+    longest turn, whichever branch wrote last (test_saved_conversations has the
+    chat turns' rule)."""
     m = manager(tmp_path)
     try:
         side = store(m, list(range(700, 760)), session="S")

@@ -15,7 +15,7 @@ from kvcache.manager import TieredKVManager
 from kvcache.prompt_key import PromptKey
 from kvcache.safetensors_io import CorruptFile
 from scheduler.request import CacheHints
-from tests.engine.test_kv_disk_faults import NS, manager, served, store
+from tests.engine.test_kv_disk_faults import NS, caches_for, manager, served, store
 
 
 def _two_conversations_on_one_prefix(m: TieredKVManager) -> tuple[list[int], list[int]]:
@@ -236,3 +236,42 @@ def test_a_load_nobody_joins_lands_in_ram(tmp_path):
         assert all(e.refs == 0 for e in m.index.entries())
     finally:
         m.close()
+
+
+def _turn(m: TieredKVManager, tokens: list[int], messages: int, session: str = "cc") -> int:
+    """A chat turn's KV: ``tokens`` cut into ``messages`` messages."""
+    ends = [len(tokens) * (i + 1) // messages for i in range(messages)]
+    entry_id = m.store(PromptKey.build(tokens, (), ends), caches_for(tokens), session=session)
+    assert entry_id is not None
+    return entry_id
+
+
+def test_a_save_pins_the_latest_turn_not_a_longer_sub_agents(tmp_path):
+    """Claude Code's sub-agents send the session id of the conversation that ran
+    them: a save pinned the session's longest entry, a sub-agent's transcript,
+    and the person's conversation was not the one kept."""
+    main = list(range(1000, 1300))
+    m = manager(tmp_path)
+    try:
+        _turn(m, list(range(7000, 7500)), 6)  # a sub-agent's transcript, longer
+        _turn(m, main, 5)  # the conversation, after the sub-agent answered
+        _turn(m, list(range(9000, 9060)), 2)  # a title request: one question, written last
+        assert m.save_conversation("cc", "refactor").tokens == 300
+    finally:
+        m.close()
+    again = manager(tmp_path)  # after a restart the files say which turn came last
+    try:
+        assert [c.tokens for c in again.saved_conversations()] == [300]
+        again.delete_conversation("cc")
+    finally:
+        again.close()
+    for turns in ([(7000, 500, 6), (1000, 300, 5)], [(1000, 300, 5), (7000, 500, 6)]):
+        m = manager(tmp_path / f"restart-{turns[0][0]}")
+        for start, n, messages in turns:
+            _turn(m, list(range(start, start + n)), messages)
+        m.close()
+        again = manager(tmp_path / f"restart-{turns[0][0]}")
+        try:  # saved after the restart: the turn stored last
+            assert again.save_conversation("cc", None).tokens == turns[-1][1]
+        finally:
+            again.close()
