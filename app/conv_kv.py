@@ -1,7 +1,8 @@
 """Conversation KV save/load (for people who resume work later).
 
 POST /v1/conv_kv/save pins a conversation's KV on disk beyond eviction,
-POST /v1/conv_kv/load brings it back into RAM ahead of the next turn,
+POST /v1/conv_kv/load starts bringing it back into RAM ahead of the next turn
+(answered at once, tier ``loading`` while the reader thread reads its files),
 GET /v1/conv_kv/stats lists the saved ones, DELETE /v1/conv_kv/{id} forgets one
 (any id but those three names). An id the server derived (``auto-``) is shared by
 every client without one of its own whose prompt starts alike: it loads (that only
@@ -94,7 +95,13 @@ SAVED = {
         "title": {"type": ["string", "null"]},
         "tokens": {"type": "integer"},
         "bytes": {"type": "integer"},
-        "tier": {"type": "string"},
+        "tier": {
+            "type": "string",
+            "description": (
+                "Where its KV is: ram, disk, ram+disk, writing (its write queued), "
+                "loading (a load under way)."
+            ),
+        },
         "saved_at": {"type": ["number", "null"]},
     },
 }
