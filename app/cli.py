@@ -516,9 +516,8 @@ def _serve(settings: Settings, boot: BootDeadline) -> int:
         reason, lasting = load_failure[0]
         code = _fail(reason, USAGE if lasting else NOT_NOW)
         return _leave_group(code) if dist is not None else code
-    if server.exit_code:
-        log.error("exiting with status %d: the engine died", server.exit_code)
-    return _leave_group(server.exit_code) if dist is not None else server.exit_code
+    code = server.leave()  # no return with the engine thread still busy: it exits now
+    return _leave_group(code) if dist is not None else code
 
 
 def _open_bind_warning(settings: Settings) -> str | None:

@@ -3,8 +3,9 @@
 The first SIGTERM/SIGINT starts a drain: new requests get 503 + Retry-After and
 /health turns 503, running ones get ``--shutdown-timeout`` seconds to finish,
 whatever is left is then ended with its dialect's terminal error event, and the
-process exits 0 once the streams have been written. A second signal exits at
-once. If the engine thread dies, open streams get their terminal event the same
+process exits 0 once the streams have been written (1 if the engine thread was
+then still busy in the step those requests were cut from). A second signal exits
+at once. If the engine thread dies, open streams get their terminal event the same
 way and the process exits 1, so a supervisor restarts it.
 """
 
@@ -97,6 +98,7 @@ class GracefulServer(uvicorn.Server):
         self.app = app
         self.shutdown_timeout = shutdown_timeout
         self.exit_code = 0
+        self.cut = False  # the drain ended requests before they finished
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
 
@@ -152,6 +154,7 @@ class GracefulServer(uvicorn.Server):
             left = scheduler.in_flight()
             if left:
                 log.warning("shutdown: ending %d unfinished requests", left)
+                self.cut = True
                 scheduler.end_all()
         await self._flush_and_exit()
 
@@ -162,6 +165,25 @@ class GracefulServer(uvicorn.Server):
             while len(state.service.router) and time.monotonic() < deadline:
                 await asyncio.sleep(POLL_S)
         self.should_exit = True
+
+    def leave(self) -> int:
+        """The exit status once ``run`` returned, or no return: with the engine thread
+        still busy past the exit's wait for it (a model load, a long step), the
+        interpreter's teardown waits on the C libraries' busy worker threads
+        (OpenBLAS joins them, then std::terminate: SIGABRT, 134), so the process
+        leaves at once; with 1 if the drain cut requests (queued KV writes are lost
+        with the step: no clean stop), 0 if every request had ended by itself."""
+        busy = getattr(self.app.state, "engine_left_busy", False)
+        code = self.exit_code or (1 if busy and self.cut else 0)
+        if self.exit_code:
+            log.error("exiting with status %d: the engine died", code)
+        elif code:
+            log.error("exiting with status %d: requests were cut, the engine left in a step", code)
+        if busy:
+            from engine.engine_thread import exit_now
+
+            exit_now(code)
+        return code
 
 
 def raise_open_files_limit(wanted: int = 65536) -> tuple[int, int]:

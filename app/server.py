@@ -55,6 +55,9 @@ from scheduler.streams import OutputRouter
 
 log = logging.getLogger("kvwarm.http")
 RETRY_LATER = {"Retry-After": str(RETRY_AFTER_S)}
+# how long the exit waits for the engine thread (its last step, queued KV writes);
+# one still busy then (a model load, a long step) is left: app.lifecycle.leave
+ENGINE_JOIN_S = 20.0
 
 
 class StartableEngine(EngineHandle, Protocol):
@@ -63,6 +66,8 @@ class StartableEngine(EngineHandle, Protocol):
     def stop(self) -> None: ...
 
     def join(self, timeout: float | None = None) -> None: ...
+
+    def is_alive(self) -> bool: ...
 
 
 EngineFactory = Callable[[Scheduler, OutputRouter], StartableEngine]
@@ -92,7 +97,14 @@ def create_app(settings: Settings, engine_factory: EngineFactory) -> FastAPI:
             freezer.cancel()
             engine.stop()
             # waiting on a thread, not MLX work; it flushes queued KV writes first
-            await asyncio.to_thread(engine.join, 20.0)
+            await asyncio.to_thread(engine.join, ENGINE_JOIN_S)
+            if engine.is_alive():
+                log.warning(
+                    "the engine thread is still busy %.0f s after the stop (a model load "
+                    "or a long step): leaving it",
+                    ENGINE_JOIN_S,
+                )
+                app.state.engine_left_busy = True
             await asyncio.to_thread(state.obs.shutdown)  # flushes the last spans
 
     app = FastAPI(title="kvwarm", version="0.1.0", lifespan=lifespan)

@@ -33,7 +33,7 @@ def main(port: int, step_s: float = 0.05, shutdown_s: float = 30.0, header_s: fl
     server = GracefulServer(server_config(app, settings), app, shutdown_s)
     signal.signal(signal.SIGUSR1, lambda *_: engines[0].inject_fault(RuntimeError("injected")))
     server.run()
-    return server.exit_code
+    return server.leave()
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ requests get 503 + Retry-After meanwhile, and the process exits 0."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from tests.helpers.http_server import free_port, read_response, wait_for_process
+from tests.helpers.serve_cli_fake import ENGINE_JOIN_S
 
 ROOT = Path(__file__).resolve().parents[2]
 USER = [{"role": "user", "content": "hi"}]
@@ -247,3 +249,66 @@ def test_the_engine_thread_outliving_the_event_loop_raises_nothing():
     router.publish([RequestOutput("r")])
     server.engine_died("boom")
     assert server.exit_code == 1 and server.should_exit
+
+
+def start_cli(tmp_path: Path, mode: str, *flags: str):
+    """`kvwarm serve` (app.cli) over the fake engine in ``mode`` (tests.helpers.serve_cli_fake)."""
+    port = free_port()
+    log = tmp_path / "server.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVWARM_")}
+    env.update(HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    argv = ["--port", str(port), "--kv-disk-bytes", "0", *flags]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.serve_cli_fake", mode, *argv],
+        cwd=tmp_path,  # no .env of the checkout's
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def wait_answering(proc: subprocess.Popen, url: str, log: Path) -> httpx.Response:
+    deadline = time.monotonic() + 30
+    while True:
+        assert proc.poll() is None, log.read_text()[-3000:]
+        try:
+            return httpx.get(url + "/health", timeout=2)
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+
+
+def test_sigterm_during_a_model_load_exits_without_waiting_for_it(tmp_path):
+    """The engine thread still loading past the exit's wait for it: the process
+    logged "Finished server process", then hung in the C libraries' teardown
+    (OpenBLAS joining its busy workers) and died by SIGABRT (134). Nothing was
+    being served, so nothing was cut: it exits 0, at once."""
+    proc, url, log = start_cli(tmp_path, "load")
+    try:
+        assert wait_answering(proc, url, log).json()["status"] == "loading"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]  # the load lasts 120 s
+    finally:
+        proc.kill()
+    text = log.read_text()
+    assert f"still busy {ENGINE_JOIN_S:.0f} s after the stop" in text, text[-3000:]
+
+
+def test_a_step_outlasting_the_shutdown_exits_one(tmp_path):
+    """A step longer than the drain, the streams' flush and uvicorn's close: the
+    process hung as above. Now it exits 1: stopped, but not cleanly (requests cut,
+    the engine left in its step)."""
+    proc, url, log = start_cli(tmp_path, "step", "--shutdown-timeout", "0.5")
+    try:
+        wait_for_process(proc, url + "/health", log, "kvwarm serve", 30)
+        lines, threads = open_streams(url, tokens=2000)
+        proc.send_signal(signal.SIGUSR2)  # the next steps take a minute each
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(45)
+        assert proc.wait(45) == 1, log.read_text()[-3000:]
+    finally:
+        proc.kill()
+    assert "still busy" in log.read_text()
