@@ -25,6 +25,7 @@ from fastapi import FastAPI
 
 from app.http_protocol import with_head_timeout
 from app.settings import Settings
+from scheduler.request import RequestOutput
 
 log = logging.getLogger("kvwarm")
 
@@ -99,6 +100,7 @@ class GracefulServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self.exit_code = 0
         self.cut = False  # the drain ended requests before they finished
+        self._failure: str | None = None  # why the engine died
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
 
@@ -123,6 +125,7 @@ class GracefulServer(uvicorn.Server):
     def engine_died(self, reason: str) -> None:
         """Called from the engine thread: end the process once streams are flushed."""
         self.exit_code = 1
+        self._failure = reason
         if self._loop is None:  # died while loading: nothing is being served yet
             self.should_exit = True
             return
@@ -161,9 +164,22 @@ class GracefulServer(uvicorn.Server):
     async def _flush_and_exit(self) -> None:
         state = getattr(self.app.state, "kvwarm", None)
         if state is not None:
+            router = state.service.router
             deadline = time.monotonic() + FLUSH_S
-            while len(state.service.router) and time.monotonic() < deadline:
+            while len(router) and time.monotonic() < deadline:
                 await asyncio.sleep(POLL_S)
+            # the engine ends them only between two steps: one still in a long step
+            # (a large prefill) would leave them to be cut by uvicorn's close, with
+            # no terminal event; they get the engine's own end from here instead
+            failure = self._failure
+            ended = router.end_open(
+                RequestOutput.shutdown
+                if failure is None
+                else lambda request_id: RequestOutput.failure(request_id, failure)
+            )
+            if ended:
+                log.warning("shutdown: %d streams the engine has not ended: ended here", ended)
+                self.cut = True
         self.should_exit = True
 
     def leave(self) -> int:

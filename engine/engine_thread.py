@@ -48,12 +48,11 @@ from scheduler.contracts import (
     StepPlan,
     VisionStats,
 )
-from scheduler.request import FinishReason, RequestOutput
+from scheduler.request import SHUTTING_DOWN, FinishReason, RequestOutput
 from scheduler.scheduler import Scheduler
 from scheduler.streams import OutputRouter
 
 log = logging.getLogger("kvwarm.engine")
-SHUTTING_DOWN = "the server is shutting down"
 NOT_ON_A_GROUP = (
     "saving and loading conversations' KV is not available on a distributed group "
     "(each rank holds a shard of it)"
@@ -553,7 +552,7 @@ class EngineThread(threading.Thread):
             outputs.append(RequestOutput.queue_timeout(request_id))
         for request_id in plan.shutdown:
             runner.remove(request_id)
-            outputs.append(RequestOutput.failure(request_id, SHUTTING_DOWN, "server_shutdown"))
+            outputs.append(RequestOutput.shutdown(request_id))
         for request_id, why in plan.over_budget:
             log.warning("%s: refused in the queue: %s", request_id, why)
             outputs.append(RequestOutput.failure(request_id, why, "context_over_budget"))

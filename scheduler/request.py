@@ -194,6 +194,7 @@ class CacheReport:
 
 
 QUEUE_TIMEOUT = "the request waited in the queue past --request-timeout; retry later"
+SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclass(frozen=True)
@@ -247,6 +248,11 @@ class RequestOutput:
     def queue_timeout(cls, request_id: str) -> RequestOutput:
         """The watchdog's end for a request that never started: 503, retry later."""
         return cls.failure(request_id, QUEUE_TIMEOUT, "queue_timeout")
+
+    @classmethod
+    def shutdown(cls, request_id: str) -> RequestOutput:
+        """The end of a request a shutdown cut: 503, retry later (at the next start)."""
+        return cls.failure(request_id, SHUTTING_DOWN, "server_shutdown")
 
     @property
     def finished(self) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from scheduler.request import RequestOutput
 
@@ -41,6 +41,16 @@ class OutputRouter:
             queue = self._queues.get(output.request_id)
             if queue is not None:  # None: the client already left
                 queue.put_nowait(output)
+
+    def end_open(self, final: Callable[[str], RequestOutput]) -> int:
+        """End every open stream with ``final(request_id)`` now, on the loop (the
+        engine, busy in a step, would end them only when it returns); what the
+        engine publishes for them later is dropped, as for a closed stream.
+        Returns how many were ended."""
+        queues, self._queues = self._queues, {}
+        for request_id, queue in queues.items():
+            queue.put_nowait(final(request_id))
+        return len(queues)
 
     def __len__(self) -> int:
         return len(self._queues)

@@ -295,10 +295,13 @@ def test_sigterm_during_a_model_load_exits_without_waiting_for_it(tmp_path):
     assert f"still busy {ENGINE_JOIN_S:.0f} s after the stop" in text, text[-3000:]
 
 
-def test_a_step_outlasting_the_shutdown_exits_one(tmp_path):
+def test_a_step_outlasting_the_shutdown_ends_each_stream_and_exits_one(tmp_path):
     """A step longer than the drain, the streams' flush and uvicorn's close: the
-    process hung as above. Now it exits 1: stopped, but not cleanly (requests cut,
-    the engine left in its step)."""
+    streams waited for the engine's next step boundary, which never came in time,
+    and were cut without their terminal event (curl: rc 18); then the process hung
+    as above. Now each stream gets its dialect's server_shutdown error from the
+    event loop, and the process exits 1: stopped, but not cleanly (the engine was
+    abandoned in its step, requests cut)."""
     proc, url, log = start_cli(tmp_path, "step", "--shutdown-timeout", "0.5")
     try:
         wait_for_process(proc, url + "/health", log, "kvwarm serve", 30)
@@ -311,4 +314,26 @@ def test_a_step_outlasting_the_shutdown_exits_one(tmp_path):
         assert proc.wait(45) == 1, log.read_text()[-3000:]
     finally:
         proc.kill()
-    assert "still busy" in log.read_text()
+    assert_each_stream_failed(lines, "server_shutdown")
+    assert "Traceback" not in log.read_text()
+
+
+def test_streams_ended_by_the_loop_drop_the_engines_later_outputs():
+    """Ended at the flush deadline from the event loop, a stream gets one final
+    output: the engine's own end for it, published when its step returns, goes
+    nowhere (a client counted once)."""
+    import asyncio
+
+    from scheduler.request import FinishReason, RequestOutput
+    from scheduler.streams import OutputRouter
+
+    async def scenario() -> list[RequestOutput]:
+        router = OutputRouter(asyncio.get_running_loop())
+        queue = router.open("r")
+        assert router.end_open(RequestOutput.shutdown) == 1 and len(router) == 0
+        router.publish([RequestOutput.shutdown("r")])  # the engine's, a step later
+        await asyncio.sleep(0.05)
+        return [queue.get_nowait() for _ in range(queue.qsize())]
+
+    (only,) = asyncio.run(scenario())
+    assert only.finish_reason is FinishReason.ERROR and only.error_code == "server_shutdown"
