@@ -5,7 +5,7 @@ The first SIGTERM/SIGINT starts a drain: new requests get 503 + Retry-After and
 whatever is left is then ended with its dialect's terminal error event, and the
 process exits 0 once the streams have been written (1 if the engine thread was
 then still busy in the step those requests were cut from). A second signal exits
-at once. If the engine thread dies, open streams get their terminal event the same
+at once, with 130 (SIGINT) or 143 (SIGTERM). If the engine thread dies, open streams get their terminal event the same
 way and the process exits 1, so a supervisor restarts it.
 """
 
@@ -111,8 +111,14 @@ class GracefulServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # not uvicorn's: it re-raises the signal after shutdown (the process then
         # dies by SIGTERM, which a service manager reports as a crash)
-        if self._stopping or self._loop is None:
+        if self._stopping:
+            # uvicorn's forced exit cancelled every connection (a traceback each),
+            # still waited for the engine thread, and exited 0 as if stopped cleanly
             log.warning("second %s: exiting now", signal.Signals(sig).name)
+            from engine.engine_thread import exit_now
+
+            exit_now(128 + sig)  # the shell's status for a process the signal ended
+        if self._loop is None:  # not started yet: nothing is served, nothing to drain
             self.should_exit = self.force_exit = True
             return
         log.info(

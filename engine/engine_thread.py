@@ -602,8 +602,10 @@ class EngineThread(threading.Thread):
 
 def exit_now(code: int) -> None:
     """Leave without joining threads: one may be blocked in a collective for good."""
-    logging.shutdown()
-    os._exit(code)
+    try:
+        logging.shutdown()  # from a signal handler it may interrupt a write, and raise
+    finally:
+        os._exit(code)
 
 
 def _vision_stats(runner: Runner | None) -> VisionStats | None:
