@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from typing import TypeVar
 
 from app.state import AppState
-from scheduler.admission import RETRY_AFTER_S, EngineUnavailable
+from scheduler.admission import EngineUnavailable
 
 T = TypeVar("T")
 STALL_POLL_S = 0.25  # how often a waiting call looks at the step in progress
@@ -27,15 +27,11 @@ async def engine_answer(state: AppState, future: Future[T]) -> T:
             done, _ = await asyncio.wait({waiting}, timeout=STALL_POLL_S)
             if done:
                 return waiting.result()
-            running_s = state.step_running_s()
-            if state.stalled(running_s):
+            try:
+                state.check_not_stalled()
+            except EngineUnavailable:
                 waiting.cancel()  # cancels the job too, if it has not begun
-                raise EngineUnavailable(
-                    f"The inference engine has been busy in one step for {running_s:.0f} s "
-                    f"(--stall-timeout {state.settings.stall_timeout:g} s); retry later.",
-                    RETRY_AFTER_S,
-                    "engine_stalled",
-                )
+                raise
     except asyncio.CancelledError:  # the caller went away: as awaiting the future did
         waiting.cancel()
         raise

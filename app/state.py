@@ -13,7 +13,7 @@ from app.settings import Settings
 from kvcache.healing import HealingStore
 from observability.hub import Observability
 from observability.records import ServerSnapshot
-from scheduler.admission import EngineUnavailable
+from scheduler.admission import RETRY_AFTER_S, EngineUnavailable
 from scheduler.contracts import EngineHandle, ModelInfo
 from scheduler.service import GenerationService
 
@@ -62,6 +62,19 @@ class AppState:
         limit = self.settings.stall_timeout
         return bool(limit) and running_s is not None and running_s > limit
 
+    def check_not_stalled(self) -> None:
+        """A 503 (engine_stalled) while a step has run past --stall-timeout: a request
+        queued behind it would wait on keep-alives for as long, where a client or a
+        load balancer told at once goes elsewhere."""
+        running_s = self.step_running_s()
+        if self.stalled(running_s):
+            raise EngineUnavailable(
+                f"The inference engine has been busy in one step for {running_s:.0f} s "
+                f"(--stall-timeout {self.settings.stall_timeout:g} s); retry later.",
+                RETRY_AFTER_S,
+                "engine_stalled",
+            )
+
     def adapter(self, adapter_id: str | None, model: object = None) -> str | None:
         """A request's adapter: None (the base model) or a mounted one; else a 400.
         Without an ``adapter`` field, a ``model`` naming a mounted adapter selects it
@@ -93,6 +106,7 @@ class AppState:
     def model_info(self) -> ModelInfo:
         """The loaded model, or a 503 while it loads / after the engine died."""
         self.service.check_available()
+        self.check_not_stalled()
         info = self.engine.model_info
         if info is None:  # pragma: no cover - ready implies info
             raise EngineUnavailable.loading()

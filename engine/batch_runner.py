@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import replace
 
 import mlx.core as mx
@@ -84,6 +85,9 @@ class BatchRunner:
         # a step fault nobody owned is recovered from by re-running rows alone; a
         # sharded model cannot (the other ranks would have to probe the same rows)
         self.recoverable = True
+        # called as a recovery moves on (each row probed, each replayed): the engine
+        # thread's note that its step still progresses, not a hung one (--stall-timeout)
+        self.progress: Callable[[], None] = lambda: None
         # whether every layer can be cut back to any depth (sliding windows and
         # recurrent states cannot once filled): entries then hit only whole
         self._trimmable = plain_kv_only(make_prompt_cache(model))
@@ -766,6 +770,7 @@ class BatchRunner:
             log.error("%s: failed alone in the engine: %s", row.request.request_id, error)
             outputs.append(row.failure(time.monotonic(), error))
         for row in rows:
+            self.progress()  # a vision row runs its images through the tower again
             self._readmit(row)
         if outputs:
             # the fault has its owner: no endless rebuild, whatever comes next (a
@@ -782,6 +787,7 @@ class BatchRunner:
         probing halves together runs up to twice the batch's context where this
         stops at the first culprit (the newest, usually, and short)."""
         for row in reversed(rows):
+            self.progress()
             error = self._probe(row)
             if error is None:
                 continue

@@ -179,6 +179,11 @@ class EngineThread(threading.Thread):
     def busy_since(self) -> float | None:
         return self._busy_since
 
+    def _progressed(self) -> None:
+        """The step in progress moved on (a recovery's probes and replays): a long
+        recovery of several rows is no hung step."""
+        self._busy_since = time.monotonic()
+
     def engine_stats(self) -> EngineStats:
         runner = self._runner
         return EngineStats(
@@ -431,6 +436,7 @@ class EngineThread(threading.Thread):
         booted = self._boot(self.config)
         self.scheduler.admission = booted.admission
         self._runner = booted.runner
+        booted.runner.progress = self._progressed
         self._model_info = booted.info
         self._read_memory = booted.memory
         self._ranks = booted.ranks

@@ -269,6 +269,9 @@ class Runner(Protocol):
     recoveries: int
     timings: StepTimings  # what each step took, and the step budget that sized it
     waited_on_reads: bool  # the last step() only waited on disk reads (not a step)
+    # set by the engine loop, called as one long step moves on (a recovery's probes
+    # and replays): the step is progressing, not hung (--stall-timeout)
+    progress: Callable[[], None]
 
     @property
     def active(self) -> int:

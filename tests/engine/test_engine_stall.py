@@ -211,3 +211,26 @@ def test_calls_waiting_on_a_stalled_engine_get_a_503(tiny_llama_dir):
     assert stalled.json()["error"]["code"] == "engine_stalled"
     assert stalled.headers["retry-after"]
     assert len(ran) == 1
+
+
+def test_a_request_arriving_while_the_engine_is_stalled_is_refused_at_once(tiny_llama_dir):
+    """Queued behind a hung step, a new request waited on keep-alives as long (for
+    ever without --request-timeout): refused with a 503 a client or a balancer can
+    act on. The control: the same request is served before and after the stall."""
+    gate = Gate()
+    with tiny_server(tiny_llama_dir, gate, stall_timeout=0.2) as (url, _, _engine):
+        before = httpx.post(url + CHAT, json=chat(2), timeout=WAIT_S)
+        gate.armed.set()
+        client = background(url, chat(4), {}, "stalled")
+        assert gate.entered.wait(WAIT_S)
+        until(lambda: httpx.get(url + "/health").status_code == 503, "stalled")
+        refused = httpx.post(url + CHAT, json=chat(2), timeout=WAIT_S)
+        gate.armed.clear()
+        gate.release.set()
+        client.join(WAIT_S)
+        until(lambda: httpx.get(url + "/health").status_code == 200, "/health ok again")
+        after = httpx.post(url + CHAT, json=chat(2), timeout=WAIT_S)
+    assert before.status_code == 200 and after.status_code == 200
+    assert refused.status_code == 503, refused.text
+    assert refused.json()["error"]["code"] == "engine_stalled"
+    assert refused.headers["retry-after"]

@@ -7,6 +7,8 @@ other rows' tokens are exactly what they would have been without the bad one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import pytest
 
@@ -488,11 +490,15 @@ def _long_rows() -> list[Request]:
     ]
 
 
-def _with_faults(tokenizer, faults: int) -> tuple[FlakyModel, BatchRunner, dict, int]:
+def _with_faults(
+    tokenizer, faults: int, progress: Callable[[], None] | None = None
+) -> tuple[FlakyModel, BatchRunner, dict, int]:
     """The long rows run to the end, ``faults`` forward calls in a row failing once
     every row decodes; also the batch's context (prompts and replies) at the fault."""
     model = FlakyModel()
     runner = make_runner(tokenizer, model)
+    if progress is not None:
+        runner.progress = progress
     for r in _long_rows():
         runner.add(r)
     seen: dict[str, list] = {}
@@ -520,6 +526,18 @@ def test_a_transient_fault_costs_one_replay_of_the_batch(byte_tokenizer):
     for rid, outs in alone.items():
         assert tokens(seen[rid]) == tokens(outs)
     assert model.positions - clean.positions <= context
+
+
+def test_a_recovery_notes_its_progress_for_each_row_it_probes_or_replays(byte_tokenizer):
+    """Probes and replays run inside one engine step: unnoted, a recovery of a few
+    long rows read as a hung step (/health 503 stalled, --request-timeout ending the
+    rows it was saving). A replay notes each of the 4 rows; one that faults again
+    notes each row probed and each replayed again."""
+    once: list[int] = []
+    _with_faults(byte_tokenizer, 1, lambda: once.append(1))
+    twice: list[int] = []
+    _with_faults(byte_tokenizer, 2, lambda: twice.append(1))
+    assert (len(once), len(twice)) == (4, 4 + 4 + 4)
 
 
 def test_a_fault_that_comes_back_in_the_replay_but_is_no_rows_fails_nobody(byte_tokenizer):

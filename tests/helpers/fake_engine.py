@@ -98,6 +98,7 @@ class FakeRunner:
         self.batch_sizes = [0] * 9
         self.row_faults = 0
         self.recoveries = 0
+        self.progress: Callable[[], None] = lambda: None
         self.timings = StepTimings()
         self.waited_on_reads = False
         self._active: dict[str, list] = {}
