@@ -26,7 +26,7 @@ from app.body import parse_body
 from app.engine_wait import engine_answer
 from app.errors import APIError
 from app.openapi_doc import OPENAI_ERROR, errors, json_content, ref
-from app.session_id import DERIVED_PREFIX, MAX_LEN, client_id
+from app.session_id import MAX_LEN, client_id
 from app.state import AppState
 from kvcache.interface import (
     ConversationNotFound,
@@ -35,6 +35,7 @@ from kvcache.interface import (
     SavedConversation,
     StorageFull,
 )
+from kvcache.sessions import DERIVED_PREFIX, is_derived_id
 from scheduler.admission import EngineUnavailable
 
 router = APIRouter()
@@ -172,7 +173,7 @@ def _forget(conversation_id: str) -> Callable[[KVCacheManager], SavedConversatio
     version saved it: its pin would hold its disk for good."""
 
     def op(kv: KVCacheManager) -> SavedConversation | None:
-        if conversation_id.startswith(DERIVED_PREFIX) and conversation_id not in {
+        if is_derived_id(conversation_id) and conversation_id not in {
             s.conversation_id for s in kv.saved_conversations()
         }:
             return None
@@ -199,7 +200,7 @@ async def _parsed(http: HTTPRequest, model: type[BaseModel]) -> Any:
 )
 async def save(http: HTTPRequest) -> dict[str, Any]:
     body: ConvSaveRequest = await _parsed(http, ConvSaveRequest)
-    if body.conversation_id.startswith(DERIVED_PREFIX):
+    if is_derived_id(body.conversation_id):
         raise _derived(body.conversation_id)
     saved = await _on_engine(
         http, lambda kv: kv.save_conversation(body.conversation_id, body.title)

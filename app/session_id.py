@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from app.errors import APIError
+from kvcache.sessions import DERIVED_PREFIX, is_derived_id
 
 SESSION_FIELDS = (
     "session_id",
@@ -27,9 +28,6 @@ SESSION_HEADERS = ("x-session-id", "x-conversation-id", "session_id", "conversat
 _CLAUDE_CODE_USER = "_session_"
 MAX_USER_ID_JSON = 4096
 MAX_LEN = 256
-# kvcache.sessions.fallback_session_id's ids: the head of a prompt, which every
-# client without an id of its own that starts alike shares; no client may name one
-DERIVED_PREFIX = "auto-"
 
 
 def _bounded(value: str) -> str:
@@ -53,12 +51,14 @@ def client_id(value: object) -> str | None:
 
 
 def _own(found: str | None, param: str | None) -> str | None:
-    if found is not None and found.startswith(DERIVED_PREFIX):
+    # kvcache.sessions.fallback_session_id's ids: the head of a prompt, which every
+    # client without an id of its own that starts alike shares; no client may name one
+    if found is not None and is_derived_id(found):
         raise APIError(
             400,
-            f"Conversation ids beginning {DERIVED_PREFIX!r} are reserved: they are the ids "
-            "the server derives for requests that name none, shared by every client whose "
-            "prompt starts alike. Choose another id.",
+            f"Conversation ids of the form {DERIVED_PREFIX}<16 hex digits> are reserved: "
+            "they are the ids the server derives for requests that name none, shared by "
+            "every client whose prompt starts alike. Choose another id.",
             code="reserved_conversation_id",
             param=param,
         )
@@ -87,7 +87,7 @@ def session_id_from(
     """The client's session id, or None (the cache then groups by prompt head);
     ``cache_key`` False: a conversation's own id only, never a prompt_cache_key
     (one app's key, perhaps, shared by all its users). An id beginning
-    ``DERIVED_PREFIX`` is a 400 (APIError): it would join derived conversations."""
+    derived id's shape is a 400 (APIError): it would join derived conversations."""
     sources = (
         ("", body),
         ("metadata.", body.get("metadata")),

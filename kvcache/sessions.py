@@ -13,6 +13,7 @@ change point is still reused.
 from __future__ import annotations
 
 import hashlib
+import re
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -28,12 +29,24 @@ MAX_MESSAGES = 262_144
 FALLBACK_PREFIX_TOKENS = 128
 
 
+DERIVED_PREFIX = "auto-"
+_DERIVED_DIGEST = 8  # bytes: the id is the prefix and 16 hex digits
+_DERIVED = re.compile(rf"{DERIVED_PREFIX}[0-9a-f]{{{2 * _DERIVED_DIGEST}}}")
+
+
 def fallback_session_id(canonical_tokens: Sequence[int]) -> str:
     """Requests without an explicit session id group by their first 128 cache-key
     tokens (canonical: a per-request nonce in line one must not split sessions)."""
     head = canonical_tokens[:FALLBACK_PREFIX_TOKENS]
-    digest = hashlib.blake2b(struct.pack(f"<{len(head)}q", *head), digest_size=8).hexdigest()
-    return f"auto-{digest}"
+    packed = struct.pack(f"<{len(head)}q", *head)
+    digest = hashlib.blake2b(packed, digest_size=_DERIVED_DIGEST).hexdigest()
+    return f"{DERIVED_PREFIX}{digest}"
+
+
+def is_derived_id(session_id: str) -> bool:
+    """Whether ``session_id`` has the shape of ``fallback_session_id``'s ids (a
+    client's "auto-summarizer" does not)."""
+    return _DERIVED.fullmatch(session_id) is not None
 
 
 @dataclass

@@ -8,9 +8,9 @@ from concurrent.futures import Future
 import httpx
 import pytest
 
-from app.session_id import DERIVED_PREFIX, session_id_from
+from app.session_id import session_id_from
 from kvcache.interface import ConversationNotFound, SavedConversation
-from kvcache.sessions import fallback_session_id
+from kvcache.sessions import DERIVED_PREFIX, fallback_session_id, is_derived_id
 from tests.helpers.http_server import serve_app
 from tests.unit.test_http_api import CHAT, make_app, msgs
 
@@ -35,7 +35,7 @@ class Store:
         return self._done("load", conversation_id)
 
     def delete_conversation(self, conversation_id: str) -> SavedConversation:
-        if conversation_id not in self.saved and conversation_id.startswith(DERIVED_PREFIX):
+        if conversation_id not in self.saved and is_derived_id(conversation_id):
             raise ConversationNotFound(conversation_id)  # not reached: refused before
         return self._done("delete", conversation_id)
 
@@ -62,8 +62,9 @@ def served():
         yield base, store
 
 
-def test_derived_ids_carry_the_reserved_prefix():
-    assert fallback_session_id(list(range(200))).startswith(DERIVED_PREFIX)
+def test_derived_ids_have_the_reserved_shape():
+    for head in ([], [1], list(range(200))):
+        assert is_derived_id(fallback_session_id(head))
 
 
 def test_a_derived_id_is_neither_saved_nor_deleted_but_loads(served):
@@ -73,7 +74,7 @@ def test_a_derived_id_is_neither_saved_nor_deleted_but_loads(served):
     base, store = served
     chat = httpx.post(base + CHAT, json={"messages": msgs(), "max_tokens": 2})
     derived = chat.headers["x-conv-id"]
-    assert derived.startswith(DERIVED_PREFIX)
+    assert is_derived_id(derived)
     refused = [
         httpx.post(base + "/v1/conv_kv/save", json={"conversation_id": derived}),
         httpx.delete(base + "/v1/conv_kv/" + derived),
@@ -102,12 +103,12 @@ def test_a_derived_id_saved_by_an_earlier_version_can_be_deleted(served):
 @pytest.mark.parametrize(
     "body, headers, param",
     [
-        ({"conversation_id": "auto-mine"}, {}, "conversation_id"),
-        ({"metadata": {"session_id": " auto-1"}}, {}, "metadata.session_id"),
-        ({"extra_body": {"conversation": {"id": "auto-x"}}}, {}, "extra_body.conversation"),
-        ({"prompt_cache_key": "auto-app"}, {}, "prompt_cache_key"),
-        ({"metadata": {"user_id": "user_1_session_auto-9"}}, {}, "metadata.user_id"),
-        ({}, {"X-Session-Id": "auto-h"}, None),
+        ({"conversation_id": DERIVED}, {}, "conversation_id"),
+        ({"metadata": {"session_id": f" {DERIVED}"}}, {}, "metadata.session_id"),
+        ({"extra_body": {"conversation": {"id": DERIVED}}}, {}, "extra_body.conversation"),
+        ({"prompt_cache_key": DERIVED}, {}, "prompt_cache_key"),
+        ({"metadata": {"user_id": f"user_1_session_{DERIVED}"}}, {}, "metadata.user_id"),
+        ({}, {"X-Session-Id": DERIVED}, None),
     ],
 )
 @pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
@@ -123,9 +124,25 @@ def test_a_client_cannot_name_a_derived_id(served, path, body, headers, param):
     assert DERIVED_PREFIX in error["message"]
 
 
-def test_ids_that_merely_contain_the_prefix_are_the_clients_own():
-    assert session_id_from({"conversation_id": "my-auto-1"}, {}) == "my-auto-1"
-    assert session_id_from({"conversation_id": "Auto-1"}, {}) == "Auto-1"
+@pytest.mark.parametrize(
+    "sent",
+    ["my-auto-1", "Auto-1", "auto-summarizer", "auto-", DERIVED + "0", DERIVED.upper()],
+)
+def test_ids_not_of_the_derived_shape_are_the_clients_own(sent):
+    """OpenAI takes any prompt_cache_key and metadata value ("auto-summarizer"
+    included): only the derived ids' exact shape is reserved."""
+    assert session_id_from({"conversation_id": sent}, {}) == sent
+    assert session_id_from({"prompt_cache_key": sent}, {}) == sent
+    assert session_id_from({"metadata": {"conversation_id": sent}}, {}) == sent
+
+
+def test_a_clients_own_auto_named_conversation_saves_and_deletes(served):
+    base, store = served
+    own = "auto-summarizer"
+    saved = httpx.post(base + "/v1/conv_kv/save", json={"conversation_id": own})
+    deleted = httpx.delete(base + "/v1/conv_kv/" + own)
+    assert (saved.status_code, deleted.status_code) == (200, 200), (saved.text, deleted.text)
+    assert store.calls == [("save", own), ("delete", own)]
 
 
 @pytest.mark.parametrize("sent", [5, " abc ", "x" * 300, "\tteam/alice\n"])
