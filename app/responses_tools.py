@@ -75,10 +75,14 @@ def read_tools(
     kind = getattr(choice, "type", None)
     if kind == "allowed_tools":
         mode, names = _allowed(choice.model_extra or {})
-        # every function stays shown (allowed_tools keeps the tools block, and so the
-        # cached prefix, constant across turns); the list narrows what may be called
-        allowed = [t["function"]["name"] for t in functions if t["function"]["name"] in names]
-        return ResponsesTools(functions, _allowed_choice(mode, allowed), unserved)
+        # Only the allowed functions are shown. OpenAI keeps the full list in the
+        # prompt (its cache survives a change of choice) and constrains sampling to
+        # the allowed; without constrained decoding, a model shown a tool it may not
+        # call calls it, and the call could only end as stray markup in the text.
+        # Correct replies first: a turn whose allowed set changes re-renders the tools.
+        shown = [t for t in functions if t["function"]["name"] in names]
+        allowed = [t["function"]["name"] for t in shown]
+        return ResponsesTools(shown, _allowed_choice(mode, allowed), unserved)
     if kind in UNSERVED_CHOICES:  # that tool is not served: the model chooses freely
         ignored = (*unserved, f"tool_choice.{kind}")
         return ResponsesTools(functions, choice_of("auto", functions), ignored)

@@ -435,11 +435,10 @@ def test_tool_choice_objects_the_agents_sdk_sends(server):
         assert r.status_code == 400 and "tool_choice" in r.text, r.text
 
 
-def test_allowed_tools_keep_every_tool_shown_and_narrow_only_the_calls(server):
-    """allowed_tools exists so the tools block stays constant for prompt caching: the
-    template was shown the allowed subset alone, so each turn's choice changed the
-    prefix. All function tools are rendered; calls to others stay text, and a
-    required choice of one tool forces that tool."""
+def test_allowed_tools_show_and_allow_only_the_listed_tools(server):
+    """Without constrained decoding, a model shown a tool it may not call calls it
+    (its markup then leaked into the text): only the allowed tools are rendered, a
+    call to any other stays text, and a required choice of one tool forces it."""
     import httpx
 
     url = server.url + "/v1/responses"
@@ -454,8 +453,8 @@ def test_allowed_tools_keep_every_tool_shown_and_narrow_only_the_calls(server):
         r = httpx.post(url, json={"input": "hi", "tools": tools, "tool_choice": choice})
         assert r.status_code == 200, r.text
         shown.append([t["function"]["name"] for t in server.formatter.last_kwargs["tools"]])
-    assert shown == [["get_weather", "get_time"]] * 2
-    # the model calls get_weather, which this turn does not allow: its markup stays text
+    assert shown == [["get_time"], ["get_weather", "get_time"]]
+    # the model calls get_weather, which this turn neither shows nor allows: text
     r = httpx.post(
         url, json={"input": "SANDWICH", "tools": tools, "tool_choice": allowed("auto", "get_time")}
     )
