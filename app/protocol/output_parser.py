@@ -18,8 +18,9 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from app.protocol.bare_function import BareFunction
 from app.protocol.open_values import OpenValue
-from app.protocol.tool_formats import BARE_JSON, Markup, ToolCall, ToolCallDecoder
+from app.protocol.tool_formats import BARE_JSON, QWEN_FUNCTION, Markup, ToolCall, ToolCallDecoder
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,12 @@ class OutputParser:
         self._ws: list[str] = []
         self._ws_len = 0
         self._buf = ""
+        # characters put in _buf so far, text read again included: where _buf starts
+        # in what was read, and up to where a bare <function= opens nothing (_quiet:
+        # the call shape a bare span that failed had read, see _release_bare)
+        self._fed = 0
+        self._quiet = 0
+        self._shape: BareFunction | None = None
         self._markups: tuple[Markup, ...] = self.tools.markups if self.tools else ()
         self._tool: Markup | None = None
         self._orphan = ""  # a closing to drop if it comes next (``Markup.orphan``)
@@ -134,7 +141,9 @@ class OutputParser:
         while texts:
             t, at = texts.pop(), 0
             while at < len(t):
-                self._buf += t[at : at + PIECE]
+                piece = t[at : at + PIECE]
+                self._buf += piece
+                self._fed += len(piece)
                 at += PIECE
                 self._drain(final=False)
                 if self._replay:
@@ -223,7 +232,7 @@ class OutputParser:
             self._mode = _Mode.REASONING
             return True
         for markup in self._markups:
-            if stripped.startswith(markup.start):
+            if stripped.startswith(markup.start) and not self._from(markup):
                 self._drop_ws()
                 self._buf = stripped[len(markup.start) :]
                 self._start_tool(markup)
@@ -256,7 +265,9 @@ class OutputParser:
         return held
 
     def _content(self, final: bool) -> bool:
-        found = [(i, m) for m in self._markups if (i := self._buf.find(m.start)) >= 0]
+        found = [
+            (i, m) for m in self._markups if (i := self._buf.find(m.start, self._from(m))) >= 0
+        ]
         if found:
             i, markup = min(found, key=lambda f: f[0])
             self._emit(Content, self._buf[:i])
@@ -267,6 +278,12 @@ class OutputParser:
         self._emit(Content, self._buf[: len(self._buf) - hold])
         self._buf = self._buf[len(self._buf) - hold :]
         return False
+
+    def _from(self, markup: Markup) -> int:
+        """Where in _buf ``markup`` may open: past a failed bare span's shape."""
+        if markup is not QWEN_FUNCTION:
+            return 0
+        return max(0, self._quiet - (self._fed - len(self._buf)))
 
     def _reasoning(self, final: bool) -> bool:
         end = self.syntax.think_end or ""
@@ -299,10 +316,15 @@ class OutputParser:
         self._tool = markup
         self._tool_parts, self._tool_len, self._tail = [], 0, ""
         self._values, self._valued, self._skipped = OpenValue(), 0, None
+        if markup is QWEN_FUNCTION:
+            assert self.tools is not None
+            self._shape = BareFunction(self.tools.bare_names)
 
     def _tool_markup(self, final: bool) -> bool:
         markup = self._tool
         assert markup is not None
+        if markup is QWEN_FUNCTION:
+            return self._bare(final)
         new, self._buf = self._buf, ""
         if markup.end:
             # search only what is new, plus the tail an end tag split across tokens
@@ -323,8 +345,7 @@ class OutputParser:
         self._tool_len += len(new)
         if final and self._skipped is not None:
             self._give_back(markup, "".join(self._tool_parts))  # a value never closed
-        elif final and (self._truncated or self._cut_by_stop(markup) or markup.orphan):
-            # cut short, or a call without its opening that never reached its end
+        elif final and (self._truncated or self._cut_by_stop(markup)):
             self._tool = None
             self._emit(Content, markup.start + "".join(self._tool_parts))
             self._mode = _Mode.CONTENT
@@ -361,10 +382,59 @@ class OutputParser:
         per call). A broken call took the valid one after it down with it."""
         assert self._skipped is not None
         cut = self._skipped
-        self._replay = text[cut + len(markup.end) :]
+        self._read_again(text[cut + len(markup.end) :])
         self._track_values = False
         self._close_tool(markup, text[:cut], markup.end)
         return False
+
+    def _bare(self, final: bool) -> bool:
+        """A function written without its <tool_call>: a call only while what
+        follows ``<function=`` keeps a call's shape (``BareFunction``) and only
+        if it decodes at its ``</function>``."""
+        shape = self._shape
+        assert shape is not None and self.tools is not None
+        new, self._buf = self._buf, ""
+        at = shape.feed(new)
+        if at is None:
+            self._tool_parts.append(new)
+            if final:  # the reply ended before its </function>
+                text = "".join(self._tool_parts)
+                return self._release_bare(text, len(text), "")
+            return False
+        self._tool_parts.append(new[:at])
+        text = "".join(self._tool_parts)
+        if shape.failed:
+            return self._release_bare(text, shape.quiet, new[at:])
+        inner = text[: -len(QWEN_FUNCTION.end)]
+        calls = self.tools.decode(QWEN_FUNCTION, inner)
+        if not calls:
+            return self._release_bare(text, len(inner), new[at:])
+        self._buf = new[at:]
+        self._close_tool(QWEN_FUNCTION, inner, QWEN_FUNCTION.end, calls)
+        return True
+
+    def _release_bare(self, text: str, quiet: int, unread: str) -> bool:
+        """Not a call: ``<function=`` is text and ``text``, what followed it, is
+        read again (a real call after a mention of the markup is a call), then
+        ``unread``. A bare ``<function=`` in the first ``quiet`` characters of
+        ``text``, the call shape it had (its parameters' values), opens nothing
+        then: a character is read by one bare span at most, however many
+        mentions a reply holds."""
+        self._tool, self._shape = None, None
+        self._emit(Content, QWEN_FUNCTION.start)
+        self._mode = _Mode.CONTENT
+        self._read_again(text, unread)
+        self._quiet = self._fed + quiet  # where text will start in what is read
+        return False
+
+    def _read_again(self, text: str, unread: str = "") -> None:
+        """``text``, the last of what was read, is read again next, then ``unread``
+        (taken from _buf before it was read). Everything after ``text`` in what is
+        read moves by its length: a failed bare span's shape (_quiet) with it."""
+        self._fed -= len(unread)
+        self._replay = text + unread
+        if self._quiet > self._fed - len(text):
+            self._quiet += len(text)
 
     def _close_tool(
         self, markup: Markup, inner: str, end: str, calls: list[ToolCall] | None = None

@@ -203,7 +203,7 @@ def _function_span(piece: str) -> str:
     return piece[start : close + len("</function>")]
 
 
-_QWEN_NAME = re.compile(r"[^\s<>]+>")
+_QWEN_NAME = re.compile(r"[^\s<>]+\s*>")
 
 
 def _bare_qwen_function(inner: str) -> list[dict[str, Any]]:
@@ -593,8 +593,10 @@ class ToolCallDecoder:
         self._schemas = parameter_schemas(self.tools)
         self._types = parameter_types(self._schemas)  # here, in the request's preparation
         self._text_tools = _text_tools(self._schemas, self._types)
+        # the tools a function written without its <tool_call> may call (QWEN_FUNCTION)
+        self.bare_names = frozenset(n for n in self._schemas if allowed is None or n in allowed)
         self.markups: tuple[Markup, ...] = MARKED
-        if family == "qwen3_coder":
+        if family == "qwen3_coder" and self.bare_names:
             self.markups = (*MARKED, QWEN_FUNCTION)
         if family and family not in BUILT_IN_FAMILIES and family_markup and family_markup[0]:
             own = Markup(family, family_markup[0], family_markup[1] or "")

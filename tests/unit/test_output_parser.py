@@ -542,3 +542,158 @@ def test_prose_quoting_a_bare_qwen_function_stays_text(text):
     """Without its <tool_call> a call is only a function's own markup: its name,
     parameters, its closing; not prose that names it in passing."""
     assert _qwen(text)[0] == [Content(text)]
+
+
+_WRAPPED_OSLO = f"<tool_call>\n{_BARE_QWEN}\n</tool_call>"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # prose quoting the markup, then the real call: the mention opened a span that
+        # ran to the real call's </function>, did not decode, and took the call with it
+        (
+            f"Use `<function=foo>` to call.\n{_WRAPPED_OSLO}",
+            [Content("Use `<function=foo>` to call.\n"), _OSLO],
+        ),
+        (
+            f"I will call <function=get_weather> now.\n{_WRAPPED_OSLO}",
+            [Content("I will call <function=get_weather> now.\n"), _OSLO],
+        ),
+        (
+            f"I will call <function=get_weather> now:\n{_BARE_QWEN}\n</tool_call>",
+            [Content("I will call <function=get_weather> now:\n"), _OSLO],
+        ),
+        # the mention's shape breaks where the real function begins
+        (
+            f"<function=get_weather>\n{_BARE_QWEN}",
+            [Content("<function=get_weather>\n"), _OSLO],
+        ),
+        (
+            f"Write <function=get_weather > then the parameters.\n{_WRAPPED_OSLO}",
+            [Content("Write <function=get_weather > then the parameters.\n"), _OSLO],
+        ),
+        # a call's shape that does not decode (days is no integer) gives back only
+        # its opening: the call quoted in its value is read again
+        (
+            f"<function=get_weather>\n<parameter=days>\nx {_WRAPPED_OSLO}",
+            [Content("<function=get_weather>\n<parameter=days>\nx "), _OSLO],
+        ),
+    ],
+)
+def test_a_mention_of_a_bare_qwen_function_does_not_swallow_the_call_after_it(text, expected):
+    assert _qwen(text)[0] == expected
+
+
+def test_prose_after_a_mention_of_a_bare_qwen_function_streams_at_once():
+    """Prose naming <function=f> was withheld, all of it, until the reply ended."""
+    parser = OutputParser(Syntax(), ToolCallDecoder(TOOLS, "qwen3_coder"))
+    events = parser.feed("Call <function=get_weather> to see it.")
+    for n in range(200):
+        events += parser.feed(f" word{n}")
+    expected = "Call <function=get_weather> to see it." + "".join(f" word{n}" for n in range(200))
+    assert merge(events) == [Content(expected)]
+    assert parser.finish() == []
+
+
+_BARE_PIECES = st.sampled_from(
+    [
+        "<function=",
+        "get_weather",
+        "get_",
+        "foo",
+        ">",
+        " ",
+        "\n",
+        "`",
+        "word",
+        "<",
+        "</",
+        "<parameter=city>",
+        "<parameter=days>",
+        "</parameter>",
+        "</function>",
+        "<tool_call>",
+        "</tool_call>",
+        _BARE_QWEN,
+        '{"name": "get_weather", "arguments": {"city": "',
+        '"}}',
+        '"',
+        "<think>",
+        "</think>",
+    ]
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(_BARE_PIECES, max_size=30).map("".join),
+    st.lists(st.integers(0, 300), max_size=30),
+    st.sampled_from([None, frozenset(), frozenset({"get_weather"})]),
+    st.booleans(),
+)
+def test_bare_qwen_functions_read_alike_in_any_chunking(text, cuts, allowed, in_reasoning):
+    """Spans given back and read again (mentions of <function=) end alike however
+    the text streams: the events, and the text kept besides the calls."""
+
+    def parser() -> OutputParser:
+        decoder = ToolCallDecoder(TOOLS, "qwen3_coder", allowed=allowed)
+        return OutputParser(Syntax(starts_in_reasoning=in_reasoning), decoder)
+
+    whole = parser()
+    events = whole.parse(text)
+    streamed = parser()
+    pieces = [e for p in _chunks(text, cuts) for e in streamed.feed(p)]
+    assert merge(pieces + streamed.finish()) == events
+    assert streamed.kept_text == whole.kept_text
+    if "think>" not in text and not any(isinstance(e, ToolCall) for e in events):
+        # no call: every character given back, none lost (blanks before markup aside)
+        assert _text_of(events, Content) + _text_of(events, Reasoning) in (text, text.lstrip())
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "I use <function=get_weather> here. " * 3000,
+        "<function=get_weather>\n<parameter=city>\n" * 3000 + "</parameter>\nthen prose",
+        # the first one's days swallows a city parameter: it does not decode
+        "<function=get_weather>\n<parameter=days>\n<parameter=city>\n" * 3000
+        + "</parameter>\n</function> x",
+        "<function=get_weather>\n<parameter=city>\n" * 3000,
+        "<function=get_" * 5000,
+    ],
+    ids=["mentions", "nested-shape-breaks", "nested-does-not-decode", "never-closed", "names"],
+)
+def test_a_reply_of_thousands_of_bare_mentions_is_read_in_linear_work(text, monkeypatch):
+    """Each mention given back is read again from just after its <function=: a
+    span read to the end for each of them would be quadratic. Counted, not timed:
+    the characters the shape check reads, and all characters read (_fed)."""
+    from app.protocol import bare_function
+
+    read = [0]
+    feed = bare_function.BareFunction.feed
+
+    def counted(self, piece: str) -> int | None:
+        at = feed(self, piece)
+        read[0] += len(piece) if at is None else at
+        return at
+
+    monkeypatch.setattr(bare_function.BareFunction, "feed", counted)
+    for cuts in ([], list(range(0, len(text), 7))):
+        read[0] = 0
+        parser = OutputParser(Syntax(), ToolCallDecoder(TOOLS, "qwen3_coder"))
+        events = [e for p in _chunks(text, cuts) for e in parser.feed(p)] + parser.finish()
+        assert merge(events) == [Content(text)]
+        assert read[0] <= 2 * len(text) + 2048
+        assert parser._fed <= 2 * len(text) + 2048  # noqa: SLF001
+
+
+def test_a_bare_function_the_turn_does_not_allow_streams_as_prose():
+    """allowed_tools leaves get_weather out: its markup is prose, sent as it comes."""
+    decoder = ToolCallDecoder(TOOLS, "qwen3_coder", allowed=frozenset())
+    parser = OutputParser(Syntax(), decoder)
+    start = "<function=get_weather>\n<parameter=city>\nOslo"
+    assert merge(parser.feed(start)) == [Content(start)]
+    assert merge(parser.feed("\n</parameter>\n</function>") + parser.finish()) == [
+        Content("\n</parameter>\n</function>")
+    ]
