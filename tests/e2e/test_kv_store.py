@@ -187,6 +187,11 @@ def test_saving_beyond_the_disk_limit_is_507(model_cache, tmp_path):
 
 
 @pytest.mark.parametrize("path", ["/v1/conv_kv/load", "/v1/conv_kv/save"])
-def test_conv_routes_validate_their_body(server, path):
-    r = httpx.post(server + path, json={"conversation_id": 7})
-    assert r.status_code == 400 and r.json()["error"]["message"]
+@pytest.mark.parametrize("conversation_id", [True, " ", {"id": "x"}, None])
+def test_conv_routes_validate_their_body(server, path, conversation_id):
+    """Ids are read as chat reads them (7 is "7", a 404 when unknown); what no
+    request could name is a 400."""
+    r = httpx.post(server + path, json={"conversation_id": conversation_id})
+    assert r.status_code == 400 and r.json()["error"]["message"], r.text
+    unknown = httpx.post(server + path, json={"conversation_id": 7})
+    assert unknown.status_code == 404, unknown.text
