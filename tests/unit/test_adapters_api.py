@@ -21,15 +21,6 @@ ADAPTERS = "/v1/adapters"
 
 
 @pytest.fixture()
-def adapter_dir(tmp_path):
-    """The files an mlx_lm.lora adapter has (the fake engine loads no weights)."""
-    config = {"fine_tune_type": "lora", "lora_parameters": {"rank": 8, "scale": 20.0}}
-    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
-    (tmp_path / "adapters.safetensors").write_bytes(one_element_tensors(2))
-    return tmp_path
-
-
-@pytest.fixture()
 def base():
     with serve_app(make_app(eos_after=3)) as url:
         yield url

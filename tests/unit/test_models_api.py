@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import openai
 import pytest
 
 from tests.helpers.http_server import serve_app
-from tests.helpers.safetensors_bytes import one_element_tensors
 from tests.unit.test_http_api import assert_error, make_app
 
 MODELS = "/v1/models"
-
-
-@pytest.fixture()
-def adapter_dir(tmp_path):
-    config = {"fine_tune_type": "lora", "lora_parameters": {"rank": 8, "scale": 20.0}}
-    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
-    (tmp_path / "adapters.safetensors").write_bytes(one_element_tensors(2))
-    return tmp_path
 
 
 def test_context_length_is_what_the_memory_budget_admits(adapter_dir):

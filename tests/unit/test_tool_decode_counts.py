@@ -5,7 +5,6 @@ did when mlx-lm's parsers read the whole markup."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,6 +15,7 @@ import app.protocol.tool_formats as tf
 from app.protocol.tool_formats import GEMMA4, TOOL_CALL_TAG, ToolCall, ToolCallDecoder
 from app.protocol.tool_schema import function_tools
 from tests.unit.test_linear_scans import CountingText
+from tests.unit.test_tool_formats import _outcome
 
 TOOLS = function_tools(
     [
@@ -32,15 +32,6 @@ TOOLS = function_tools(
     ]
 )
 N = 2000
-
-
-def _outcome(parse: Callable[[str], Any], text: str) -> list[Any] | None:
-    """A parser's calls as a list, or None where it raised (decoding: no call)."""
-    try:
-        out = parse(text)
-    except Exception:  # noqa: BLE001 - any error is "no call" to the decoder
-        return None
-    return out if isinstance(out, list) else [out]
 
 
 def _mlx_lm(name: str) -> Any:
