@@ -5,8 +5,9 @@ The first SIGTERM/SIGINT starts a drain: new requests get 503 + Retry-After and
 whatever is left is then ended with its dialect's terminal error event, and the
 process exits 0 once the streams have been written (1 if the engine thread was
 then still busy in the step those requests were cut from). A second signal exits
-at once, with 130 (SIGINT) or 143 (SIGTERM). If the engine thread dies, open streams get their terminal event the same
-way and the process exits 1, so a supervisor restarts it.
+at once, with 130 (SIGINT) or 143 (SIGTERM). If the engine thread dies, open
+streams get their terminal event the same way and the process exits 1, so a
+supervisor restarts it.
 """
 
 from __future__ import annotations
